@@ -1,0 +1,228 @@
+//! `rotkv`: demo, metrics on captured KV tensors, and the supported-configs table.
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use rotkv::eval::{self, LayerReport, Tile};
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// The bundled real KV tile: layers 0 and 5 of SmolLM2-135M-Instruct on the first 2048
+/// tokens of alice29.txt (q, k, v in f16; see data/README.md).
+static TILE: &[u8] = include_bytes!("../../../data/smollm2-alice-kv-l0-l5.safetensors");
+
+#[derive(Parser)]
+#[command(name = "rotkv", version, about = "2-bit KV cache with Hadamard rotations: demo and metrics")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Quantize the bundled SmolLM2 KV tile with every method, show the memory saved and
+    /// measure CPU decode throughput. No download needed.
+    Demo,
+    /// The metrics table for a captured KV file (layer{L}.q/.k/.v tensors).
+    Eval {
+        /// safetensors file with layer{L}.q [T,Hq,D], layer{L}.k and layer{L}.v [T,Hkv,D].
+        #[arg(long)]
+        input: PathBuf,
+        /// Print one JSON object instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every supported (head_dim, key bits, value bits, group) with its bytes per token.
+    Configs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo => demo(),
+        Command::Eval { input, json } => eval_file(&input, json),
+        Command::Configs => {
+            print_configs();
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn progress(len: usize, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    bar.set_style(ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}").expect("valid template"));
+    bar.set_message(what.to_string());
+    bar
+}
+
+fn evaluate(tile: &Tile, label: &str) -> rotkv::Result<Vec<LayerReport>> {
+    let methods = eval::standard_methods(tile.layers[0].head_dim);
+    let bar = progress(methods.len() * tile.layers.len(), label);
+    let mut reports = Vec::new();
+    for layer in &tile.layers {
+        reports.push(eval::evaluate_layer(layer, &methods, tile.attn_scaling, &|| bar.inc(1))?);
+    }
+    bar.finish_and_clear();
+    Ok(reports)
+}
+
+fn print_table(report: &LayerReport) {
+    println!("layer {}", report.layer);
+    println!(
+        "  {:<16} {:>9} {:>9} {:>10} {:>9} {:>11}",
+        "method", "k rel err", "v rel err", "attn rel", "bits/elem", "B/token/head"
+    );
+    for m in &report.methods {
+        println!(
+            "  {:<16} {:>9.4} {:>9.4} {:>10.4} {:>9.2} {:>11}",
+            m.name, m.k_rel_err, m.v_rel_err, m.attn_rel_err, m.bits_per_element, m.bytes_per_token
+        );
+    }
+}
+
+fn eval_file(path: &std::path::Path, json: bool) -> rotkv::Result<()> {
+    let tile = Tile::load(path)?;
+    let reports = evaluate(&tile, "quantizing")?;
+    if json {
+        let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+        println!("{}", eval::report_json(&name, tile.attn_scaling, &reports));
+    } else {
+        for r in &reports {
+            print_table(r);
+        }
+    }
+    Ok(())
+}
+
+fn print_configs() {
+    println!(
+        "{:>8} {:>8} {:>10} {:>6} {:>13} {:>10}",
+        "head_dim", "key bits", "value bits", "group", "B/token/head", "vs bf16"
+    );
+    for &(d, kb, vb, g) in rotkv::SUPPORTED {
+        let c = CacheConfig { key_bits: kb, value_bits: vb, group_size: g as usize, ..CacheConfig::k2v2(d as usize) };
+        let b = c.bytes_per_token().expect("every listed config is supported");
+        println!("{d:>8} {kb:>8} {vb:>10} {g:>6} {b:>13} {:>9.1}x", (4 * d) as f64 / b as f64);
+    }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
+fn demo() -> rotkv::Result<()> {
+    let tile = Tile::from_bytes(TILE)?;
+    let l0 = &tile.layers[0];
+    let d = l0.head_dim;
+    println!(
+        "rotkv demo: real KV tensors of SmolLM2-135M-Instruct (alice29.txt, {} tokens, {} query / {} KV heads, head_dim {d})\n",
+        l0.tokens, l0.num_q_heads, l0.num_kv_heads
+    );
+    let c128 = CacheConfig::k2v2(128);
+    println!(
+        "format: head_dim 128, k2v2, group 128 -> {} B per token per KV head (bf16: {} B, {:.1}x less)\n",
+        c128.bytes_per_token()?,
+        4 * 128,
+        512.0 / c128.bytes_per_token()? as f64
+    );
+    for r in evaluate(&tile, "quantizing")? {
+        print_table(&r);
+    }
+    println!(
+        "  (naive/had*: every token quantized; k*v*_s4_w128: the cache, 4 sinks and >= 128 newest tokens in f16)\n"
+    );
+
+    // Memory of a 32K-token cache for the model: 30 layers, 3 KV heads, head_dim 64.
+    let tokens = 32 * 1024;
+    let (layers, hkv, hq) = (30, l0.num_kv_heads, l0.num_q_heads);
+    let f16_bytes = tokens * layers * hkv * d * 2 * 2;
+    let config = CacheConfig::k2v2(d);
+    let shape =
+        CacheShape { layers, num_kv_heads: hkv, num_q_heads: hq, max_seqs: 1, max_tokens: tokens, num_blocks: None };
+    let cache = KvCache::new(config, shape, Backend::Cpu)?;
+    println!(
+        "32K-token cache for SmolLM2-135M (30 layers x 3 KV heads x 64): f16 {:.1} MiB, k2v2 {:.1} MiB allocated ({:.1}x less)\n",
+        mib(f16_bytes),
+        mib(cache.memory_bytes()),
+        f16_bytes as f64 / cache.memory_bytes() as f64
+    );
+    drop(cache);
+    decode_throughput(l0)
+}
+
+/// Decode throughput of one layer, batch 8, 8K context built from the tile's real keys
+/// and values, against the f16 baseline on the same data in the same run.
+fn decode_throughput(l0: &eval::LayerTile) -> rotkv::Result<()> {
+    let (t, hkv, hq, d) = (l0.tokens, l0.num_kv_heads, l0.num_q_heads, l0.head_dim);
+    let (batch, ctx, steps) = (8, 8192, 30);
+    let config = CacheConfig::k2v2(d);
+    let shape = CacheShape {
+        layers: 1,
+        num_kv_heads: hkv,
+        num_q_heads: hq,
+        max_seqs: batch,
+        max_tokens: ctx,
+        num_blocks: None,
+    };
+    let mut cache = KvCache::new(config, shape, Backend::Cpu)?;
+    let row = hkv * d;
+    let bar = progress(batch, "filling 8 x 8K cache");
+    let mut k16 = vec![f16::ZERO; batch * hkv * ctx * d];
+    let mut v16 = k16.clone();
+    for b in 0..batch {
+        let s = cache.add_sequence()?;
+        let order: Vec<usize> = (0..ctx).map(|i| (i + 97 * b) % t).collect();
+        let k: Vec<f32> = order.iter().flat_map(|&p| l0.k[p * row..(p + 1) * row].iter().copied()).collect();
+        let v: Vec<f32> = order.iter().flat_map(|&p| l0.v[p * row..(p + 1) * row].iter().copied()).collect();
+        cache.append(0, s, ctx, &k, &v)?;
+        for (i, (kk, vv)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+            let (tok, h) = (i / hkv, i % hkv);
+            let at = ((b * hkv + h) * ctx + tok) * d;
+            k16[at..at + d].iter_mut().zip(kk).for_each(|(o, x)| *o = f16::from_f32(*x));
+            v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = f16::from_f32(*x));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let seqs: Vec<usize> = (0..batch).collect();
+    let q: Vec<f32> = (0..batch).flat_map(|b| l0.q[(t - 1 - b) * hq * d..(t - b) * hq * d].iter().copied()).collect();
+    let mut out = vec![0f32; batch * hq * d];
+    let mut out16 = out.clone();
+    let threads = rayon::current_num_threads();
+    let splits = rotkv::cpu::default_splits(ctx, batch, hkv, threads) as usize;
+    let mut t_q = Vec::new();
+    let mut t_f = Vec::new();
+    let bar = progress(steps, "timing decode");
+    for _ in 0..steps {
+        let s = Instant::now();
+        cache.decode(0, &seqs, &q, &mut out)?;
+        t_q.push(s.elapsed().as_secs_f64());
+        let s = Instant::now();
+        rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, &q, &mut out16);
+        t_f.push(s.elapsed().as_secs_f64());
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mq, mf) = (median(&mut t_q), median(&mut t_f));
+    let quant_bytes = batch * hkv * ctx * config.bytes_per_token()?;
+    let f16_bytes = batch * hkv * ctx * d * 4;
+    let err: f64 = out.iter().zip(&out16).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt()
+        / out16.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+    println!("CPU decode, one layer, batch {batch}, {ctx}-token context, {threads} threads (median of {steps}):");
+    println!("  k2v2 cache:    {:>7.3} ms/step  ({:.1} GB/s of packed cache)", mq * 1e3, quant_bytes as f64 / mq / 1e9);
+    println!("  f16 baseline:  {:>7.3} ms/step  ({:.1} GB/s of f16 cache)", mf * 1e3, f16_bytes as f64 / mf / 1e9);
+    println!("  speedup {:.2}x; output relative difference k2v2 vs f16: {err:.3}", mf / mq);
+    Ok(())
+}

@@ -1,0 +1,270 @@
+//! [`KvCache`]: the paged cache a serving stack holds, one page pool per layer, block
+//! tables shared by all layers of a sequence.
+
+use crate::config::{CacheConfig, LayerCalibration};
+use crate::error::{Error, Result};
+use crate::paged::{self, DecodeOptions, LayerShape};
+use crate::reference::SeqRef;
+use crate::{Backend, KvElement};
+use half::f16;
+use rotkv_kernels::layout::Format;
+
+/// Sizes of a [`KvCache`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads per layer.
+    pub num_kv_heads: usize,
+    /// Query heads per layer (a multiple of `num_kv_heads`).
+    pub num_q_heads: usize,
+    /// Sequences that can be live at once.
+    pub max_seqs: usize,
+    /// Tokens one sequence may hold.
+    pub max_tokens: usize,
+    /// Physical blocks in each layer's pool; `None` gives every sequence room for
+    /// `max_tokens` tokens.
+    pub num_blocks: Option<usize>,
+}
+
+/// Identifies a live sequence of a [`KvCache`].
+pub type SeqId = usize;
+
+#[derive(Clone, Debug)]
+struct Seq {
+    block_table: Vec<u32>,
+    lens: Vec<usize>,
+}
+
+/// A paged, quantized KV cache for `layers` layers and up to `max_seqs` sequences.
+///
+/// Append tokens per layer and sequence ([`KvCache::append`]), then decode one query
+/// token per sequence ([`KvCache::decode`]). Blocks come from a shared free list when a
+/// sequence's window flushes a page and go back when the sequence is freed.
+#[derive(Debug)]
+pub struct KvCache {
+    config: CacheConfig,
+    format: Format,
+    shape: CacheShape,
+    backend: Backend,
+    calib: Vec<LayerCalibration>,
+    pools: Vec<Vec<u8>>,
+    sides: Vec<Vec<f16>>,
+    seqs: Vec<Option<Seq>>,
+    free_blocks: Vec<u32>,
+    sm_scale: Option<f32>,
+}
+
+impl KvCache {
+    /// Allocates the pools and side stores; every layer starts with identity calibration.
+    pub fn new(config: CacheConfig, shape: CacheShape, backend: Backend) -> Result<Self> {
+        let format = config.format()?;
+        let layer = LayerShape { num_kv_heads: shape.num_kv_heads, num_q_heads: shape.num_q_heads };
+        if shape.layers == 0 || shape.max_seqs == 0 || shape.max_tokens == 0 {
+            return Err(Error::Shape(format!("layers, max_seqs and max_tokens must be positive: {shape:?}")));
+        }
+        if shape.max_tokens > u32::MAX as usize / 2 {
+            return Err(Error::Capacity(format!("max_tokens {} is past the format's limit", shape.max_tokens)));
+        }
+        let per_seq = format.pages_for(shape.max_tokens as u32) as usize;
+        let num_blocks = shape.num_blocks.unwrap_or(per_seq * shape.max_seqs);
+        if num_blocks > u32::MAX as usize {
+            return Err(Error::Capacity(format!("{num_blocks} blocks")));
+        }
+        let pool = paged::pool_bytes(&config, &layer, num_blocks)?;
+        let side = paged::side_elems(&config, &layer)?;
+        let calib = LayerCalibration::identity(shape.num_kv_heads, config.head_dim);
+        Ok(Self {
+            config,
+            format,
+            shape,
+            backend,
+            calib: vec![calib; shape.layers],
+            pools: vec![vec![0u8; pool]; shape.layers],
+            sides: vec![vec![f16::ZERO; side * shape.max_seqs]; shape.layers],
+            seqs: vec![None; shape.max_seqs],
+            free_blocks: (0..num_blocks as u32).rev().collect(),
+            sm_scale: None,
+        })
+    }
+
+    /// The cache's configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+    /// The cache's sizes.
+    pub fn shape(&self) -> &CacheShape {
+        &self.shape
+    }
+    /// The backend that runs append and decode.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+    /// Bytes held by the pools and side stores of all layers.
+    pub fn memory_bytes(&self) -> usize {
+        self.pools.iter().map(Vec::len).sum::<usize>() + self.sides.iter().map(|s| s.len() * 2).sum::<usize>()
+    }
+    /// Blocks not held by any sequence.
+    pub fn free_blocks(&self) -> usize {
+        self.free_blocks.len()
+    }
+
+    /// Sets the softmax scale of decode (default `1 / sqrt(head_dim)`).
+    pub fn set_softmax_scale(&mut self, scale: f32) -> Result<()> {
+        if !scale.is_finite() || scale <= 0.0 {
+            return Err(Error::Value(format!("softmax scale {scale} must be finite and positive")));
+        }
+        self.sm_scale = Some(scale);
+        Ok(())
+    }
+
+    /// Sets a layer's calibration (key means and channel permutations). Only allowed
+    /// while no sequence holds tokens of that layer, since stored tokens were rotated
+    /// with the old one.
+    pub fn set_calibration(&mut self, layer: usize, calib: LayerCalibration) -> Result<()> {
+        self.check_layer(layer)?;
+        calib.validate(self.shape.num_kv_heads, self.config.head_dim)?;
+        if self.seqs.iter().flatten().any(|s| s.lens[layer] > 0) {
+            return Err(Error::Calibration(format!("layer {layer} holds tokens; set calibration before appending")));
+        }
+        self.calib[layer] = calib;
+        Ok(())
+    }
+
+    /// Starts a new, empty sequence.
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
+        let id = self
+            .seqs
+            .iter()
+            .position(Option::is_none)
+            .ok_or_else(|| Error::Capacity(format!("all {} sequence slots are live", self.shape.max_seqs)))?;
+        self.seqs[id] = Some(Seq { block_table: Vec::new(), lens: vec![0; self.shape.layers] });
+        Ok(id)
+    }
+
+    /// Frees a sequence and returns its blocks to the pool.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seqs.get_mut(seq).and_then(Option::take).ok_or(Error::UnknownSequence(seq))?;
+        self.free_blocks.extend(s.block_table.iter().rev());
+        Ok(())
+    }
+
+    /// Tokens of `seq` in `layer`.
+    pub fn len(&self, layer: usize, seq: SeqId) -> Result<usize> {
+        self.check_layer(layer)?;
+        Ok(self.seq(seq)?.lens[layer])
+    }
+
+    /// Whether `seq` holds no token in any layer.
+    pub fn is_empty(&self, seq: SeqId) -> Result<bool> {
+        Ok(self.seq(seq)?.lens.iter().all(|&l| l == 0))
+    }
+
+    /// Appends `tokens` tokens to `seq` in `layer`. `k` and `v` are
+    /// `[tokens][num_kv_heads][head_dim]` (f32, f16 or bf16). On error nothing changes.
+    pub fn append<T: KvElement>(&mut self, layer: usize, seq: SeqId, tokens: usize, k: &[T], v: &[T]) -> Result<()> {
+        self.check_layer(layer)?;
+        let len = self.seq(seq)?.lens[layer];
+        let new_len = len.saturating_add(tokens);
+        if new_len > self.shape.max_tokens {
+            return Err(Error::Capacity(format!(
+                "sequence {seq} would hold {new_len} tokens in layer {layer}; max_tokens is {}",
+                self.shape.max_tokens
+            )));
+        }
+        let have = self.seq(seq)?.block_table.len();
+        let need = (self.format.pages_for(new_len as u32) as usize).saturating_sub(have);
+        if need > self.free_blocks.len() {
+            return Err(Error::Capacity(format!(
+                "sequence {seq} needs {need} more blocks, {} are free",
+                self.free_blocks.len()
+            )));
+        }
+        let fresh = self.free_blocks.split_off(self.free_blocks.len() - need);
+        let mut table = self.seq(seq)?.block_table.clone();
+        table.extend(fresh.iter().rev());
+        let se = self.format.side_elems(self.shape.num_kv_heads as u32);
+        let result = paged::append(
+            self.backend,
+            &self.config,
+            &self.calib[layer],
+            &self.layer_shape(),
+            &mut self.pools[layer],
+            &table,
+            &mut self.sides[layer][seq * se..(seq + 1) * se],
+            len,
+            tokens,
+            k,
+            v,
+        );
+        match result {
+            Ok(n) => {
+                let s = self.seqs[seq].as_mut().expect("checked above");
+                s.block_table = table;
+                s.lens[layer] = n;
+                Ok(())
+            }
+            Err(e) => {
+                self.free_blocks.extend(fresh);
+                Err(e)
+            }
+        }
+    }
+
+    /// Decode attention in `layer` for one query token per sequence of `seqs`: `q` and
+    /// `out` are `[seqs.len()][num_q_heads][head_dim]`. Splits are chosen by the backend.
+    pub fn decode<T: KvElement>(&self, layer: usize, seqs: &[SeqId], q: &[T], out: &mut [f32]) -> Result<()> {
+        self.decode_with(layer, seqs, q, out, None)
+    }
+
+    /// [`KvCache::decode`] with an explicit split count (1 to 1024).
+    pub fn decode_with<T>(
+        &self,
+        layer: usize,
+        seqs: &[SeqId],
+        q: &[T],
+        out: &mut [f32],
+        num_splits: Option<u32>,
+    ) -> Result<()>
+    where
+        T: KvElement,
+    {
+        self.check_layer(layer)?;
+        let se = self.format.side_elems(self.shape.num_kv_heads as u32);
+        let refs = seqs
+            .iter()
+            .map(|&id| {
+                let s = self.seq(id)?;
+                Ok(SeqRef {
+                    block_table: &s.block_table,
+                    side: &self.sides[layer][id * se..(id + 1) * se],
+                    len: s.lens[layer],
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        paged::decode(
+            self.backend,
+            &self.config,
+            &self.calib[layer],
+            &self.layer_shape(),
+            &self.pools[layer],
+            &refs,
+            q,
+            out,
+            DecodeOptions { sm_scale: self.sm_scale, num_splits },
+        )
+    }
+
+    fn layer_shape(&self) -> LayerShape {
+        LayerShape { num_kv_heads: self.shape.num_kv_heads, num_q_heads: self.shape.num_q_heads }
+    }
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.shape.layers {
+            return Err(Error::Layer { layer, layers: self.shape.layers });
+        }
+        Ok(())
+    }
+    fn seq(&self, seq: SeqId) -> Result<&Seq> {
+        self.seqs.get(seq).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq))
+    }
+}

@@ -1,0 +1,207 @@
+//! Cache configuration, presets, validation and per-layer calibration data.
+
+use crate::error::{Error, Result};
+use rotkv_kernels::layout::Format;
+use rotkv_kernels::params::{FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+
+/// Rotation applied to keys or values before quantization.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rotation {
+    /// No rotation: the naive baseline (quantize the raw channels).
+    None,
+    /// The orthonormal Sylvester Hadamard transform in natural order, then the optional
+    /// calibrated channel permutation.
+    Hadamard,
+}
+
+/// Everything that fixes the byte format of a cache layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// Channels per head: 64, 128 or 256.
+    pub head_dim: usize,
+    /// Bits per key code: 2 or 4.
+    pub key_bits: u32,
+    /// Bits per value code: 2 or 4.
+    pub value_bits: u32,
+    /// Channels per quantization group: 32, 64, 128 or 256, at most `head_dim`.
+    pub group_size: usize,
+    /// Tokens per page: a power of two from 16 to 256.
+    pub page_size: usize,
+    /// Leading tokens kept in f16 (attention sinks).
+    pub sinks: usize,
+    /// Newest tokens kept in f16 (at least this many; up to `window + page_size - 1`).
+    pub window: usize,
+    /// Rotation of the keys.
+    pub key_rotation: Rotation,
+    /// Rotation of the values.
+    pub value_rotation: Rotation,
+}
+
+impl CacheConfig {
+    /// The default: 2-bit keys and values, Hadamard on both, group = whole head up to
+    /// 128 channels, 64-token pages, 4 sinks, a 128-token window.
+    pub fn k2v2(head_dim: usize) -> Self {
+        Self {
+            head_dim,
+            key_bits: 2,
+            value_bits: 2,
+            group_size: head_dim.min(128),
+            page_size: 64,
+            sinks: 4,
+            window: 128,
+            key_rotation: Rotation::Hadamard,
+            value_rotation: Rotation::Hadamard,
+        }
+    }
+    /// 4-bit keys, 2-bit values (keys dominate the error).
+    pub fn k4v2(head_dim: usize) -> Self {
+        Self { key_bits: 4, ..Self::k2v2(head_dim) }
+    }
+    /// 4-bit keys and values.
+    pub fn k4v4(head_dim: usize) -> Self {
+        Self { key_bits: 4, value_bits: 4, ..Self::k2v2(head_dim) }
+    }
+    /// The named presets, for command lines: `k2v2`, `k4v2`, `k4v4`.
+    pub fn preset(name: &str, head_dim: usize) -> Result<Self> {
+        match name {
+            "k2v2" => Ok(Self::k2v2(head_dim)),
+            "k4v2" => Ok(Self::k4v2(head_dim)),
+            "k4v4" => Ok(Self::k4v4(head_dim)),
+            other => Err(Error::Unsupported(format!("unknown preset {other:?} (k2v2, k4v2, k4v4)"))),
+        }
+    }
+
+    /// Checks the configuration and returns the device-side [`Format`].
+    pub fn format(&self) -> Result<Format> {
+        let d = self.head_dim;
+        if !rotkv_kernels::HEAD_DIMS.iter().any(|&x| x as usize == d) {
+            return Err(Error::Unsupported(format!("head_dim {d} (supported: 64, 128, 256)")));
+        }
+        for (what, b) in [("key_bits", self.key_bits), ("value_bits", self.value_bits)] {
+            if !rotkv_kernels::CODE_BITS.contains(&b) {
+                return Err(Error::Unsupported(format!("{what} {b} (supported: 2, 4)")));
+            }
+        }
+        let g = self.group_size;
+        if !rotkv_kernels::GROUP_SIZES.iter().any(|&x| x as usize == g) || g > d {
+            return Err(Error::Unsupported(format!(
+                "group_size {g} for head_dim {d} (supported: 32, 64, 128, 256, at most head_dim)"
+            )));
+        }
+        let p = self.page_size;
+        if !p.is_power_of_two()
+            || p < rotkv_kernels::MIN_PAGE_SIZE as usize
+            || p > rotkv_kernels::MAX_PAGE_SIZE as usize
+        {
+            return Err(Error::Unsupported(format!("page_size {p} (a power of two from 16 to 256)")));
+        }
+        if self.sinks > 1024 || self.window > 1 << 16 {
+            return Err(Error::Unsupported(format!(
+                "sinks {} / window {} (at most 1024 sinks and 65536 window tokens)",
+                self.sinks, self.window
+            )));
+        }
+        debug_assert!(rotkv_kernels::is_instantiated(d as u32, self.key_bits, self.value_bits, g as u32));
+        Ok(Format {
+            head_dim: d as u32,
+            key_bits: self.key_bits,
+            value_bits: self.value_bits,
+            group_size: g as u32,
+            page_size: p as u32,
+            sinks: self.sinks as u32,
+            window: self.window as u32,
+        })
+    }
+
+    /// `FLAG_*` bits of the kernel parameter blocks.
+    pub fn flags(&self) -> u32 {
+        let mut f = 0;
+        if self.key_rotation == Rotation::Hadamard {
+            f |= FLAG_ROTATE_KEYS;
+        }
+        if self.value_rotation == Rotation::Hadamard {
+            f |= FLAG_ROTATE_VALUES;
+        }
+        f
+    }
+
+    /// Bytes per quantized token per KV head (codes plus f16 scales and zeros, K and V).
+    pub fn bytes_per_token(&self) -> Result<usize> {
+        Ok(self.format()?.bytes_per_token() as usize)
+    }
+
+    /// Storage bits per cached element, averaged over keys and values, scales and zeros
+    /// included (the f16 sinks and window are not counted).
+    pub fn bits_per_element(&self) -> f64 {
+        quantized_bits_per_element(self.key_bits, self.value_bits, self.group_size)
+    }
+}
+
+/// Bits per element of a `(key_bits, value_bits, group)` quantizer with f16 scale and
+/// zero per group, averaged over keys and values.
+pub fn quantized_bits_per_element(key_bits: u32, value_bits: u32, group: usize) -> f64 {
+    (key_bits + value_bits) as f64 / 2.0 + 32.0 / group as f64
+}
+
+/// Calibration data of one layer: per KV head, a key mean subtracted before the
+/// rotation and channel permutations applied after it.
+///
+/// Stored channel `j` of a rotated key is rotated channel `key_perm[j]` (likewise for
+/// values). The identity permutations and a zero mean (the default) change nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerCalibration {
+    /// `[num_kv_heads][head_dim]` key means.
+    pub key_mean: Vec<f32>,
+    /// `[num_kv_heads][head_dim]` key channel permutations.
+    pub key_perm: Vec<u16>,
+    /// `[num_kv_heads][head_dim]` value channel permutations.
+    pub value_perm: Vec<u16>,
+}
+
+impl LayerCalibration {
+    /// Zero means and identity permutations.
+    pub fn identity(num_kv_heads: usize, head_dim: usize) -> Self {
+        let perm: Vec<u16> = (0..num_kv_heads).flat_map(|_| 0..head_dim as u16).collect();
+        Self { key_mean: vec![0.0; num_kv_heads * head_dim], key_perm: perm.clone(), value_perm: perm }
+    }
+
+    /// Checks sizes, finiteness of the means and that every permutation is one.
+    pub fn validate(&self, num_kv_heads: usize, head_dim: usize) -> Result<()> {
+        let n = num_kv_heads * head_dim;
+        for (what, len) in [
+            ("key_mean", self.key_mean.len()),
+            ("key_perm", self.key_perm.len()),
+            ("value_perm", self.value_perm.len()),
+        ] {
+            if len != n {
+                return Err(Error::Calibration(format!(
+                    "{what} has {len} entries, expected {num_kv_heads} heads x {head_dim} = {n}"
+                )));
+            }
+        }
+        if let Some(i) = self.key_mean.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Calibration(format!("key_mean[{i}] is not finite")));
+        }
+        for (what, perm) in [("key_perm", &self.key_perm), ("value_perm", &self.value_perm)] {
+            for (h, p) in perm.chunks_exact(head_dim).enumerate() {
+                let mut seen = vec![false; head_dim];
+                for &c in p {
+                    let c = c as usize;
+                    if c >= head_dim || seen[c] {
+                        return Err(Error::Calibration(format!(
+                            "{what} of KV head {h} is not a permutation of 0..{head_dim}"
+                        )));
+                    }
+                    seen[c] = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The slices of one KV head: `(key_mean, key_perm, value_perm)`.
+    pub fn head(&self, kv_head: usize, head_dim: usize) -> (&[f32], &[u16], &[u16]) {
+        let r = kv_head * head_dim..(kv_head + 1) * head_dim;
+        (&self.key_mean[r.clone()], &self.key_perm[r.clone()], &self.value_perm[r])
+    }
+}

@@ -1,0 +1,51 @@
+//! The error type of every fallible rotkv call.
+
+/// What was wrong with a call. A call that returns an error has changed nothing.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// A configuration outside the instantiated set (see `rotkv::SUPPORTED`).
+    #[error("unsupported configuration: {0}")]
+    Unsupported(String),
+    /// An argument with the wrong size or shape.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// A non-finite input, or one too large for the f16 storage.
+    #[error("invalid value: {0}")]
+    Value(String),
+    /// The cache or the sequence has no room left.
+    #[error("capacity exceeded: {0}")]
+    Capacity(String),
+    /// A sequence id that is not live.
+    #[error("unknown sequence {0}")]
+    UnknownSequence(usize),
+    /// A layer index past the cache's layers.
+    #[error("layer {layer} out of range (cache has {layers} layers)")]
+    Layer {
+        /// The layer asked for.
+        layer: usize,
+        /// Layers in the cache.
+        layers: usize,
+    },
+    /// A block-table entry that points outside the page pool.
+    #[error("block table entry {index} is {block}, but the pool has {num_blocks} blocks")]
+    BlockTable {
+        /// Position in the block table.
+        index: usize,
+        /// The entry.
+        block: u32,
+        /// Blocks in the pool.
+        num_blocks: usize,
+    },
+    /// Bad calibration data (a permutation that is not one, a non-finite mean).
+    #[error("invalid calibration: {0}")]
+    Calibration(String),
+    /// A backend that is not available on this machine.
+    #[error("backend unavailable: {0}")]
+    Backend(String),
+    /// A file that could not be read or parsed (eval and CLI).
+    #[error("input error: {0}")]
+    Input(String),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,87 @@
+//! rotkv: a 2-bit KV cache with Hadamard rotations, and decode attention that reads the
+//! packed cache directly.
+//!
+//! - [`CacheConfig`]: head_dim, key/value bits, group size, page size, sinks, window,
+//!   rotations; presets [`CacheConfig::k2v2`], [`CacheConfig::k4v2`],
+//!   [`CacheConfig::k4v4`].
+//! - [`KvCache`]: the paged cache a serving stack holds (append, decode, free).
+//! - [`paged`]: the same two operations over caller-owned pools and block tables.
+//! - [`reference`]: the scalar f64 oracle; [`cpu`]: the fast CPU backend.
+//!
+//! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
+//! returns an [`Error`] that says what was wrong; a failed call changes nothing.
+
+pub mod cache;
+pub mod config;
+pub mod cpu;
+pub mod error;
+#[cfg(feature = "eval")]
+pub mod eval;
+pub mod paged;
+pub mod reference;
+
+pub use cache::{CacheShape, KvCache, SeqId};
+pub use config::{CacheConfig, LayerCalibration, Rotation};
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use rotkv_kernels::layout::Format;
+pub use rotkv_kernels::{CONFIGS as SUPPORTED, FORMAT_VERSION};
+
+/// Where append and decode run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// The scalar f64 reference (slow; the oracle).
+    Reference,
+    /// The fast multi-threaded CPU implementation.
+    Cpu,
+}
+
+impl Backend {
+    /// The fastest backend available on this machine. GPU backends are not built yet,
+    /// so this is [`Backend::Cpu`].
+    pub fn auto() -> Self {
+        Backend::Cpu
+    }
+    /// Every backend this build has.
+    pub fn all() -> &'static [Backend] {
+        &[Backend::Reference, Backend::Cpu]
+    }
+    /// Short name: `reference`, `cpu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Reference => "reference",
+            Backend::Cpu => "cpu",
+        }
+    }
+    /// Parses a name of [`Backend::name`], or `auto`.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "auto" => Ok(Self::auto()),
+            "reference" => Ok(Backend::Reference),
+            "cpu" => Ok(Backend::Cpu),
+            other => Err(Error::Backend(format!("{other:?} (this build has: auto, reference, cpu)"))),
+        }
+    }
+}
+
+/// An input element type: f32, f16 or bf16.
+pub trait KvElement: bytemuck::Pod + Send + Sync {
+    /// The value as f32.
+    fn to_f32(self) -> f32;
+}
+
+impl KvElement for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+impl KvElement for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+impl KvElement for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}

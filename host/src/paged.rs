@@ -1,0 +1,253 @@
+//! The low-level API over caller-owned buffers, for serving stacks that manage their own
+//! memory: a layer's page pool (`[block][kv_head][page_bytes]` bytes), and per sequence
+//! a block table and an f16 side store (`[kv_head][K|V][sinks + window + page_size]
+//! [head_dim]`). [`crate::KvCache`] is built on these two functions.
+//!
+//! Both check everything (shapes, values, block tables) before any backend touches a
+//! byte: a call that returns an error has written nothing.
+
+use crate::config::{CacheConfig, LayerCalibration};
+use crate::error::{Error, Result};
+use crate::reference::SeqRef;
+use crate::{Backend, KvElement, cpu, reference};
+use half::f16;
+use rotkv_kernels::layout::Format;
+use rotkv_kernels::params::DecodeParams;
+
+/// A layer's shape beyond the cache config: heads and the pool's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerShape {
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Query heads (a multiple of `num_kv_heads`).
+    pub num_q_heads: usize,
+}
+
+impl LayerShape {
+    fn check(&self) -> Result<()> {
+        if self.num_kv_heads == 0 || self.num_q_heads == 0 || !self.num_q_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(Error::Shape(format!(
+                "{} query heads must be a positive multiple of {} KV heads",
+                self.num_q_heads, self.num_kv_heads
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of a pool of `num_blocks` blocks.
+pub fn pool_bytes(config: &CacheConfig, shape: &LayerShape, num_blocks: usize) -> Result<usize> {
+    Ok(num_blocks * shape.num_kv_heads * config.format()?.page_bytes() as usize)
+}
+
+/// f16 elements of one sequence's side store for one layer.
+pub fn side_elems(config: &CacheConfig, shape: &LayerShape) -> Result<usize> {
+    Ok(config.format()?.side_elems(shape.num_kv_heads as u32))
+}
+
+/// Blocks a sequence of `len` tokens needs in its block table.
+pub fn blocks_for(config: &CacheConfig, len: usize) -> Result<usize> {
+    let fmt = config.format()?;
+    Ok(fmt.pages_for(len.min(u32::MAX as usize) as u32) as usize)
+}
+
+fn num_blocks(fmt: &Format, shape: &LayerShape, pool_len: usize) -> Result<usize> {
+    let per_block = fmt.page_bytes() as usize * shape.num_kv_heads;
+    if !pool_len.is_multiple_of(per_block) {
+        return Err(Error::Shape(format!("pool of {pool_len} bytes is not a whole number of {per_block}-byte blocks")));
+    }
+    Ok(pool_len / per_block)
+}
+
+fn check_block_table(table: &[u32], needed: usize, num_blocks: usize) -> Result<()> {
+    if table.len() < needed {
+        return Err(Error::Capacity(format!("block table has {} entries, the sequence needs {needed}", table.len())));
+    }
+    for (index, &block) in table[..needed].iter().enumerate() {
+        if block as usize >= num_blocks {
+            return Err(Error::BlockTable { index, block, num_blocks });
+        }
+    }
+    Ok(())
+}
+
+/// Converts a `[tokens][heads][head_dim]` input to f32, checking its size and values.
+/// `norm_limit` bounds each row's L2 norm (after `mean` is subtracted, where given) so
+/// that no rotated channel can overflow f16.
+pub(crate) fn to_f32_rows<T: KvElement>(
+    what: &str,
+    x: &[T],
+    tokens: usize,
+    heads: usize,
+    d: usize,
+    mean: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    if x.len() != tokens * heads * d {
+        return Err(Error::Shape(format!(
+            "{what} has {} elements, expected {tokens} tokens x {heads} heads x {d} = {}",
+            x.len(),
+            tokens * heads * d
+        )));
+    }
+    let out: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let limit = f16::MAX.to_f64();
+    for (i, row) in out.chunks_exact(d).enumerate() {
+        if let Some(j) = row.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Value(format!("{what}[token {}][head {}][{j}] is {}", i / heads, i % heads, row[j])));
+        }
+        let h = i % heads;
+        let norm = row
+            .iter()
+            .enumerate()
+            .map(|(j, &v)| {
+                let c = v as f64 - mean.map_or(0.0, |m| m[h * d + j] as f64);
+                c * c
+            })
+            .sum::<f64>()
+            .sqrt();
+        if norm > limit {
+            return Err(Error::Value(format!(
+                "{what}[token {}][head {h}] has norm {norm:.1}: above the f16 range the cache stores ({limit})",
+                i / heads
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Appends `tokens` new tokens to one sequence of one layer and returns the new length.
+///
+/// `k` and `v` are `[tokens][num_kv_heads][head_dim]`. `len` is the sequence's length
+/// before the call; `block_table` must hold valid blocks for
+/// [`blocks_for`]`(len + tokens)` pages; `side` is the sequence's side store.
+#[allow(clippy::too_many_arguments)]
+pub fn append<T: KvElement>(
+    backend: Backend,
+    config: &CacheConfig,
+    calib: &LayerCalibration,
+    shape: &LayerShape,
+    pool: &mut [u8],
+    block_table: &[u32],
+    side: &mut [f16],
+    len: usize,
+    tokens: usize,
+    k: &[T],
+    v: &[T],
+) -> Result<usize> {
+    let fmt = config.format()?;
+    shape.check()?;
+    let d = config.head_dim;
+    let hkv = shape.num_kv_heads;
+    calib.validate(hkv, d)?;
+    let new_len = len
+        .checked_add(tokens)
+        .filter(|&n| n <= u32::MAX as usize / 2)
+        .ok_or_else(|| Error::Capacity(format!("{len} + {tokens} tokens is past the format's limit")))?;
+    if side.len() != fmt.side_elems(hkv as u32) {
+        return Err(Error::Shape(format!(
+            "side store has {} elements, expected {}",
+            side.len(),
+            fmt.side_elems(hkv as u32)
+        )));
+    }
+    let blocks = num_blocks(&fmt, shape, pool.len())?;
+    check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
+    let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
+    let v = to_f32_rows("v", v, tokens, hkv, d, None)?;
+    let flags = config.flags();
+    match backend {
+        Backend::Reference => reference::append(&fmt, flags, calib, hkv, pool, block_table, side, len, &k, &v),
+        Backend::Cpu => cpu::append(&fmt, flags, calib, hkv, pool, block_table, side, len, &k, &v),
+    }
+    Ok(new_len)
+}
+
+/// Options of a decode call.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DecodeOptions {
+    /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
+    pub sm_scale: Option<f32>,
+    /// Splits per sequence (1 to 1024); `None` lets the backend choose.
+    pub num_splits: Option<u32>,
+}
+
+/// Decode attention for one query token per sequence.
+///
+/// `q` and `out` are `[seqs.len()][num_q_heads][head_dim]`; `out` receives the attention
+/// output in the original value channels. Every sequence must hold at least one token.
+#[allow(clippy::too_many_arguments)]
+pub fn decode<T: KvElement>(
+    backend: Backend,
+    config: &CacheConfig,
+    calib: &LayerCalibration,
+    shape: &LayerShape,
+    pool: &[u8],
+    seqs: &[SeqRef<'_>],
+    q: &[T],
+    out: &mut [f32],
+    options: DecodeOptions,
+) -> Result<()> {
+    let fmt = config.format()?;
+    shape.check()?;
+    let d = config.head_dim;
+    let (hkv, hq) = (shape.num_kv_heads, shape.num_q_heads);
+    calib.validate(hkv, d)?;
+    let blocks = num_blocks(&fmt, shape, pool.len())?;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.len == 0 {
+            return Err(Error::Shape(format!("sequence {i} of the batch has no tokens")));
+        }
+        if s.len > u32::MAX as usize / 2 {
+            return Err(Error::Capacity(format!("sequence {i} has {} tokens", s.len)));
+        }
+        if s.side.len() != fmt.side_elems(hkv as u32) {
+            return Err(Error::Shape(format!(
+                "side store of sequence {i} has {} elements, expected {}",
+                s.side.len(),
+                fmt.side_elems(hkv as u32)
+            )));
+        }
+        check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, blocks)?;
+    }
+    if out.len() != seqs.len() * hq * d {
+        return Err(Error::Shape(format!(
+            "out has {} elements, expected {} sequences x {hq} heads x {d} = {}",
+            out.len(),
+            seqs.len(),
+            seqs.len() * hq * d
+        )));
+    }
+    let q = to_f32_rows("q", q, seqs.len(), hq, d, None)?;
+    let sm_scale = options.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
+    if !sm_scale.is_finite() || sm_scale <= 0.0 {
+        return Err(Error::Value(format!("softmax scale {sm_scale} must be finite and positive")));
+    }
+    let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    let num_splits = match options.num_splits {
+        Some(n) if (1..=1024).contains(&n) => n,
+        Some(n) => return Err(Error::Value(format!("num_splits {n} (1 to 1024)"))),
+        None => match backend {
+            Backend::Reference => 1,
+            Backend::Cpu => cpu::default_splits(max_len, seqs.len(), hkv, rayon::current_num_threads()),
+        },
+    };
+    let params = DecodeParams {
+        format: fmt,
+        num_seqs: seqs.len() as u32,
+        num_q_heads: hq as u32,
+        num_kv_heads: hkv as u32,
+        num_splits,
+        block_table_stride: seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0) as u32,
+        flags: config.flags(),
+        sm_scale,
+        q_seq_stride: (hq * d) as u32,
+    };
+    if seqs.is_empty() {
+        return Ok(());
+    }
+    match backend {
+        Backend::Reference => reference::decode(&params, calib, pool, seqs, &q, out),
+        Backend::Cpu => cpu::decode(&params, calib, pool, seqs, &q, out),
+    }
+    Ok(())
+}

@@ -1,0 +1,378 @@
+//! The scalar f64 reference: the oracle every other backend is tested against.
+//!
+//! Obviously correct before fast: no unsafe, no threads, no lookup tables, one token at
+//! a time, every number in f64 except the values the format stores (f16 rows, f16
+//! scales and zeros, packed codes). It reads and writes the same bytes as every other
+//! backend (layout in `FORMAT.md`, offsets from [`rotkv_kernels::layout::Format`]).
+//!
+//! The functions here trust their arguments: shapes, block tables and values are
+//! checked once by [`crate::paged`] before any backend runs.
+
+use crate::config::LayerCalibration;
+use half::f16;
+use rotkv_kernels::layout::{Format, Place};
+use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+
+/// In-place orthonormal fast Walsh-Hadamard transform: `x -> x H_n`, with `H_n` the
+/// Sylvester Hadamard matrix in natural order divided by `sqrt(n)`. `n` must be a power
+/// of two. The transform is its own inverse.
+pub fn fwht(x: &mut [f64]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two());
+    let mut h = 1;
+    while h < n {
+        for start in (0..n).step_by(2 * h) {
+            for j in start..start + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let s = 1.0 / (n as f64).sqrt();
+    x.iter_mut().for_each(|v| *v *= s);
+}
+
+/// Forward rotation into the stored channel order: `y[j] = (x H)[perm[j]]` (no `H` when
+/// `hadamard` is false).
+pub fn rotate(x: &[f64], hadamard: bool, perm: &[u16]) -> Vec<f64> {
+    let mut t = x.to_vec();
+    if hadamard {
+        fwht(&mut t);
+    }
+    perm.iter().map(|&p| t[p as usize]).collect()
+}
+
+/// Inverse of [`rotate`].
+pub fn unrotate(y: &[f64], hadamard: bool, perm: &[u16]) -> Vec<f64> {
+    let mut t = vec![0.0; y.len()];
+    for (j, &p) in perm.iter().enumerate() {
+        t[p as usize] = y[j];
+    }
+    if hadamard {
+        fwht(&mut t);
+    }
+    t
+}
+
+/// One quantized group: f16 scale and zero and one code per channel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantGroup {
+    /// `(max - min) / (2^bits - 1)`, rounded to f16.
+    pub scale: f16,
+    /// `min`, rounded to f16.
+    pub zero: f16,
+    /// `clamp(round((x - zero) / scale), 0, 2^bits - 1)` against the stored scale and zero
+    /// (0 where the stored scale is 0). Rounding is half away from zero.
+    pub codes: Vec<u8>,
+}
+
+/// Asymmetric round-to-nearest quantization of one group (see DESIGN.md).
+pub fn quantize_group(x: &[f64], bits: u32) -> QuantGroup {
+    let lo = x.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let levels = ((1u32 << bits) - 1) as f64;
+    let scale = f16::from_f64((hi - lo) / levels);
+    let zero = f16::from_f64(lo);
+    let (s, z) = (scale.to_f64(), zero.to_f64());
+    let codes = x.iter().map(|&v| if s == 0.0 { 0 } else { ((v - z) / s).round().clamp(0.0, levels) as u8 }).collect();
+    QuantGroup { scale, zero, codes }
+}
+
+/// `code * scale + zero` for every code of a group.
+pub fn dequantize_group(g: &QuantGroup) -> Vec<f64> {
+    let (s, z) = (g.scale.to_f64(), g.zero.to_f64());
+    g.codes.iter().map(|&c| c as f64 * s + z).collect()
+}
+
+/// Packs codes of `bits` bits: channel `c` sits in byte `c * bits / 8` at bit
+/// `(c * bits) % 8` (little-endian, low bits first), so 32-bit word `w` of a token holds
+/// channels `[w * 32 / bits, (w + 1) * 32 / bits)` in order.
+pub fn pack_codes(codes: &[u8], bits: u32) -> Vec<u8> {
+    let mut out = vec![0u8; codes.len() * bits as usize / 8];
+    for (c, &code) in codes.iter().enumerate() {
+        let bit = c * bits as usize;
+        out[bit / 8] |= code << (bit % 8);
+    }
+    out
+}
+
+/// Inverse of [`pack_codes`] for `n` channels.
+pub fn unpack_codes(bytes: &[u8], bits: u32, n: usize) -> Vec<u8> {
+    let mask = ((1u32 << bits) - 1) as u8;
+    (0..n)
+        .map(|c| {
+            let bit = c * bits as usize;
+            (bytes[bit / 8] >> (bit % 8)) & mask
+        })
+        .collect()
+}
+
+/// Quantizes one stored-order row into packed codes and `(scale, zero)` f16 pairs.
+pub fn quantize_row(row: &[f64], bits: u32, group: usize, codes: &mut [u8], params: &mut [u8]) {
+    let mut all = Vec::with_capacity(row.len());
+    for (j, chunk) in row.chunks_exact(group).enumerate() {
+        let q = quantize_group(chunk, bits);
+        params[4 * j..4 * j + 2].copy_from_slice(&q.scale.to_le_bytes());
+        params[4 * j + 2..4 * j + 4].copy_from_slice(&q.zero.to_le_bytes());
+        all.extend_from_slice(&q.codes);
+    }
+    codes.copy_from_slice(&pack_codes(&all, bits));
+}
+
+/// Dequantizes one packed row.
+pub fn dequantize_row(codes: &[u8], params: &[u8], bits: u32, group: usize, n: usize) -> Vec<f64> {
+    let all = unpack_codes(codes, bits, n);
+    all.chunks_exact(group)
+        .enumerate()
+        .flat_map(|(j, c)| {
+            let scale = f16::from_le_bytes([params[4 * j], params[4 * j + 1]]);
+            let zero = f16::from_le_bytes([params[4 * j + 2], params[4 * j + 3]]);
+            dequantize_group(&QuantGroup { scale, zero, codes: c.to_vec() })
+        })
+        .collect()
+}
+
+/// The rotated, centered key row of one token and head as the format stores it in f16
+/// (sinks, window) and as the quantizer sees it.
+pub fn stored_key(k: &[f32], mean: &[f32], flags: u32, perm: &[u16]) -> Vec<f16> {
+    let x: Vec<f64> = k.iter().zip(mean).map(|(&a, &m)| a as f64 - m as f64).collect();
+    rotate(&x, flags & FLAG_ROTATE_KEYS != 0, perm).into_iter().map(f16::from_f64).collect()
+}
+
+/// The rotated value row of one token and head as the format stores it in f16.
+pub fn stored_value(v: &[f32], flags: u32, perm: &[u16]) -> Vec<f16> {
+    let x: Vec<f64> = v.iter().map(|&a| a as f64).collect();
+    rotate(&x, flags & FLAG_ROTATE_VALUES != 0, perm).into_iter().map(f16::from_f64).collect()
+}
+
+/// Appends `k.len() / (num_kv_heads * head_dim)` tokens (`[token][kv_head][head_dim]`)
+/// to a sequence of `len` tokens, one token at a time: each goes to a sink row or the
+/// window ring; when the window reaches `window + page_size` tokens its oldest page is
+/// quantized into the page `block_table[page]`.
+#[allow(clippy::too_many_arguments)]
+pub fn append(
+    fmt: &Format,
+    flags: u32,
+    calib: &LayerCalibration,
+    num_kv_heads: usize,
+    pool: &mut [u8],
+    block_table: &[u32],
+    side: &mut [f16],
+    len: usize,
+    k: &[f32],
+    v: &[f32],
+) {
+    let d = fmt.head_dim as usize;
+    let n = k.len() / (num_kv_heads * d);
+    for i in 0..n {
+        let pos = (len + i) as u32;
+        for h in 0..num_kv_heads {
+            let (mean, kperm, vperm) = calib.head(h, d);
+            let x = (i * num_kv_heads + h) * d;
+            let rows = [stored_key(&k[x..x + d], mean, flags, kperm), stored_value(&v[x..x + d], flags, vperm)];
+            let row = match fmt.place(pos, pos + 1) {
+                Place::Sink { index } => index,
+                Place::Window { slot } => slot,
+                Place::Page { .. } => unreachable!("a new token always enters the sinks or the window"),
+            };
+            for (which, r) in rows.iter().enumerate() {
+                let at = fmt.side_row_at(h as u32, which == 1, row);
+                side[at..at + d].copy_from_slice(r);
+            }
+        }
+        if fmt.quantized_len(pos + 1) > fmt.quantized_len(pos) {
+            flush_page(fmt, num_kv_heads, pool, block_table, side, pos + 1);
+        }
+    }
+}
+
+/// Quantizes the newest page of a sequence that just reached `len` tokens from its
+/// window rows.
+fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &[u32], side: &[f16], len: u32) {
+    let d = fmt.head_dim as usize;
+    let g = fmt.group_size as usize;
+    let page = fmt.pages_for(len) - 1;
+    let block = block_table[page as usize];
+    for h in 0..num_kv_heads as u32 {
+        let base = fmt.page_offset(block, h, num_kv_heads as u32);
+        for slot in 0..fmt.page_size {
+            let pos = fmt.sinks + page * fmt.page_size + slot;
+            // Before this flush the token sat in the window of a sequence of len - 1.
+            let Place::Window { slot: row } = fmt.place(pos, len - 1) else {
+                unreachable!("a token is flushed from the window")
+            };
+            for value in [false, true] {
+                let at = fmt.side_row_at(h, value, row);
+                let x: Vec<f64> = side[at..at + d].iter().map(|v| v.to_f64()).collect();
+                let (bits, c0, c1, p0, p1) = if value {
+                    let c = base + fmt.value_codes_at(slot) as usize;
+                    let p = base + fmt.value_params_at(slot) as usize;
+                    (fmt.value_bits, c, c + fmt.value_code_bytes() as usize, p, p + fmt.param_bytes() as usize)
+                } else {
+                    let c = base + fmt.key_codes_at(slot) as usize;
+                    let p = base + fmt.key_params_at(slot) as usize;
+                    (fmt.key_bits, c, c + fmt.key_code_bytes() as usize, p, p + fmt.param_bytes() as usize)
+                };
+                let mut codes = vec![0u8; c1 - c0];
+                let mut params = vec![0u8; p1 - p0];
+                quantize_row(&x, bits, g, &mut codes, &mut params);
+                pool[c0..c1].copy_from_slice(&codes);
+                pool[p0..p1].copy_from_slice(&params);
+            }
+        }
+    }
+}
+
+/// One sequence as decode sees it: its block table, its side store and its length.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqRef<'a> {
+    /// Logical page -> physical block.
+    pub block_table: &'a [u32],
+    /// The sequence's f16 side store for this layer (sinks and window).
+    pub side: &'a [f16],
+    /// Tokens in the sequence.
+    pub len: usize,
+}
+
+/// The stored-order key (`value == false`) or value row of position `pos`, as decode
+/// reads it: the f16 row for sinks and window, the dequantized row for pages.
+pub fn read_row(
+    fmt: &Format,
+    num_kv_heads: usize,
+    pool: &[u8],
+    seq: &SeqRef<'_>,
+    kv_head: usize,
+    pos: usize,
+    value: bool,
+) -> Vec<f64> {
+    let d = fmt.head_dim as usize;
+    let h = kv_head as u32;
+    match fmt.place(pos as u32, seq.len as u32) {
+        Place::Sink { index: row } | Place::Window { slot: row } => {
+            let at = fmt.side_row_at(h, value, row);
+            seq.side[at..at + d].iter().map(|x| x.to_f64()).collect()
+        }
+        Place::Page { page, slot } => {
+            let base = fmt.page_offset(seq.block_table[page as usize], h, num_kv_heads as u32);
+            let (bits, c, cb, p) = if value {
+                (fmt.value_bits, fmt.value_codes_at(slot), fmt.value_code_bytes(), fmt.value_params_at(slot))
+            } else {
+                (fmt.key_bits, fmt.key_codes_at(slot), fmt.key_code_bytes(), fmt.key_params_at(slot))
+            };
+            let c = base + c as usize;
+            let p = base + p as usize;
+            dequantize_row(
+                &pool[c..c + cb as usize],
+                &pool[p..p + fmt.param_bytes() as usize],
+                bits,
+                fmt.group_size as usize,
+                d,
+            )
+        }
+    }
+}
+
+/// A split-K partial: running max logit `m`, sum of `exp(logit - m)` `l`, and the
+/// unnormalized weighted sum of stored-order values `o`. An empty split has
+/// `m = -inf, l = 0, o = 0`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Partial {
+    /// Max logit of the split.
+    pub m: f64,
+    /// Sum of `exp(logit - m)`.
+    pub l: f64,
+    /// Sum of `exp(logit - m) * value`.
+    pub o: Vec<f64>,
+}
+
+/// The query of one head rotated into the key's stored order: `(q H)[key_perm]`.
+pub fn rotate_query(q: &[f32], flags: u32, key_perm: &[u16]) -> Vec<f64> {
+    let x: Vec<f64> = q.iter().map(|&a| a as f64).collect();
+    rotate(&x, flags & FLAG_ROTATE_KEYS != 0, key_perm)
+}
+
+/// Split-K partials for every `(sequence, query head, split)`, in that order.
+/// `q` is `[num_seqs][num_q_heads][head_dim]` (sequence stride `p.q_seq_stride`).
+pub fn decode_partials(
+    p: &DecodeParams,
+    calib: &LayerCalibration,
+    pool: &[u8],
+    seqs: &[SeqRef<'_>],
+    q: &[f32],
+) -> Vec<Partial> {
+    let fmt = &p.format;
+    let d = fmt.head_dim as usize;
+    let (hq, hkv) = (p.num_q_heads as usize, p.num_kv_heads as usize);
+    let group = hq / hkv;
+    let mut out = Vec::with_capacity(seqs.len() * hq * p.num_splits as usize);
+    for (s, seq) in seqs.iter().enumerate() {
+        for qh in 0..hq {
+            let kvh = qh / group;
+            let (_, kperm, _) = calib.head(kvh, d);
+            let qo = s * p.q_seq_stride as usize + qh * d;
+            let qr = rotate_query(&q[qo..qo + d], p.flags, kperm);
+            for split in 0..p.num_splits {
+                let (b, e) = p.split_range(split, seq.len as u32);
+                let mut part = Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; d] };
+                for pos in b as usize..e as usize {
+                    let k = read_row(fmt, hkv, pool, seq, kvh, pos, false);
+                    let logit = p.sm_scale as f64 * qr.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>();
+                    let v = read_row(fmt, hkv, pool, seq, kvh, pos, true);
+                    let m = part.m.max(logit);
+                    let c = (part.m - m).exp();
+                    let w = (logit - m).exp();
+                    part.l = part.l * c + w;
+                    part.o.iter_mut().zip(&v).for_each(|(o, v)| *o = *o * c + w * v);
+                    part.m = m;
+                }
+                out.push(part);
+            }
+        }
+    }
+    out
+}
+
+/// Log-sum-exp merge of the partials of one `(sequence, query head)`: the normalized
+/// attention output in stored value order. Empty partials (`m = -inf`) contribute
+/// nothing; if every partial is empty the result is zeros.
+pub fn merge(parts: &[Partial]) -> Vec<f64> {
+    let d = parts.first().map_or(0, |p| p.o.len());
+    let m = parts.iter().map(|p| p.m).fold(f64::NEG_INFINITY, f64::max);
+    let mut o = vec![0.0; d];
+    if m == f64::NEG_INFINITY {
+        return o;
+    }
+    let mut l = 0.0;
+    for p in parts.iter().filter(|p| p.m != f64::NEG_INFINITY) {
+        let c = (p.m - m).exp();
+        l += p.l * c;
+        o.iter_mut().zip(&p.o).for_each(|(a, b)| *a += b * c);
+    }
+    o.iter_mut().for_each(|a| *a /= l);
+    o
+}
+
+/// Decode attention for one query token per sequence: `out` is
+/// `[num_seqs][num_q_heads][head_dim]` in the original (unrotated) value channels.
+pub fn decode(
+    p: &DecodeParams,
+    calib: &LayerCalibration,
+    pool: &[u8],
+    seqs: &[SeqRef<'_>],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let d = p.format.head_dim as usize;
+    let (hq, hkv) = (p.num_q_heads as usize, p.num_kv_heads as usize);
+    let ns = p.num_splits as usize;
+    let parts = decode_partials(p, calib, pool, seqs, q);
+    for (i, chunk) in parts.chunks_exact(ns).enumerate() {
+        let qh = i % hq;
+        let (_, _, vperm) = calib.head(qh / (hq / hkv), d);
+        let o = unrotate(&merge(chunk), p.flags & FLAG_ROTATE_VALUES != 0, vperm);
+        let at = (i / hq) * p.q_seq_stride as usize + qh * d;
+        out[at..at + d].iter_mut().zip(o).for_each(|(a, b)| *a = b as f32);
+    }
+}

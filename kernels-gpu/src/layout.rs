@@ -1,0 +1,193 @@
+//! Byte layout of the cache (format v1, see `FORMAT.md`).
+//!
+//! All sizes are in bytes unless a name says `elems` or `tokens`. These functions do no
+//! validation: the host checks a [`Format`] once (see `rotkv::CacheConfig`) before any
+//! of them is used.
+
+/// Where a token of a sequence lives, by its position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// An attention sink: f16 row `index` of the sink part of the side store.
+    Sink { index: u32 },
+    /// A quantized token: slot `slot` of logical page `page` (through the block table).
+    Page { page: u32, slot: u32 },
+    /// A recent token: f16 row `slot` of the window ring of the side store.
+    Window { slot: u32 },
+}
+
+/// The shape of one cache layer: what every kernel needs to find a byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct Format {
+    /// Channels per head (64, 128 or 256).
+    pub head_dim: u32,
+    /// Bits per key code (2 or 4).
+    pub key_bits: u32,
+    /// Bits per value code (2 or 4).
+    pub value_bits: u32,
+    /// Channels per quantization group.
+    pub group_size: u32,
+    /// Tokens per page (a power of two).
+    pub page_size: u32,
+    /// Number of leading tokens kept in f16 forever (attention sinks).
+    pub sinks: u32,
+    /// Number of newest tokens that are always in f16 (the recent window).
+    pub window: u32,
+}
+
+impl Format {
+    /// Quantization groups per head.
+    pub const fn groups(&self) -> u32 {
+        self.head_dim / self.group_size
+    }
+    /// Bytes of key codes per token and head.
+    pub const fn key_code_bytes(&self) -> u32 {
+        self.head_dim * self.key_bits / 8
+    }
+    /// Bytes of value codes per token and head.
+    pub const fn value_code_bytes(&self) -> u32 {
+        self.head_dim * self.value_bits / 8
+    }
+    /// Bytes of scale/zero pairs per token and head (for keys, and again for values).
+    pub const fn param_bytes(&self) -> u32 {
+        self.groups() * crate::GROUP_PARAM_BYTES
+    }
+    /// Bytes per quantized token and KV head: codes plus scales and zeros, K and V.
+    pub const fn bytes_per_token(&self) -> u32 {
+        self.key_code_bytes() + self.value_code_bytes() + 2 * self.param_bytes()
+    }
+    /// Bytes of one head-page (`page_size` tokens of one KV head).
+    pub const fn page_bytes(&self) -> u32 {
+        self.page_size * self.bytes_per_token()
+    }
+    /// Offset of the key codes of `slot` inside a head-page.
+    pub const fn key_codes_at(&self, slot: u32) -> u32 {
+        slot * self.key_code_bytes()
+    }
+    /// Offset of the value codes of `slot` inside a head-page.
+    pub const fn value_codes_at(&self, slot: u32) -> u32 {
+        self.page_size * self.key_code_bytes() + slot * self.value_code_bytes()
+    }
+    /// Offset of the key scale/zero pairs of `slot` inside a head-page.
+    pub const fn key_params_at(&self, slot: u32) -> u32 {
+        self.page_size * (self.key_code_bytes() + self.value_code_bytes()) + slot * self.param_bytes()
+    }
+    /// Offset of the value scale/zero pairs of `slot` inside a head-page.
+    pub const fn value_params_at(&self, slot: u32) -> u32 {
+        self.page_size * (self.key_code_bytes() + self.value_code_bytes() + self.param_bytes())
+            + slot * self.param_bytes()
+    }
+    /// Offset of the head-page of `kv_head` in physical block `block` of a layer's pool
+    /// (pool layout `[block][kv_head][page_bytes]`).
+    pub const fn page_offset(&self, block: u32, kv_head: u32, num_kv_heads: u32) -> usize {
+        (block as usize * num_kv_heads as usize + kv_head as usize) * self.page_bytes() as usize
+    }
+
+    /// Rows in the window ring: `window + page_size`, so that a full page can be flushed
+    /// while at least `window` newest tokens stay in f16.
+    pub const fn window_capacity(&self) -> u32 {
+        self.window + self.page_size
+    }
+    /// f16 rows per head in the side store: sinks then the window ring.
+    pub const fn side_rows(&self) -> u32 {
+        self.sinks + self.window_capacity()
+    }
+    /// f16 elements of one sequence's side store for one layer:
+    /// `[kv_head][K|V][side_rows][head_dim]`.
+    pub const fn side_elems(&self, num_kv_heads: u32) -> usize {
+        num_kv_heads as usize * 2 * self.side_rows() as usize * self.head_dim as usize
+    }
+    /// Element offset of row `row` of the keys (`value == false`) or values of
+    /// `kv_head` in a side store.
+    pub const fn side_row_at(&self, kv_head: u32, value: bool, row: u32) -> usize {
+        ((kv_head as usize * 2 + value as usize) * self.side_rows() as usize + row as usize) * self.head_dim as usize
+    }
+
+    /// Number of quantized tokens in a sequence of `len` tokens.
+    ///
+    /// Tokens after the sinks enter the window; whenever the window holds
+    /// `window + page_size` tokens, its oldest `page_size` tokens are quantized into the
+    /// next page. So the quantized count is the largest multiple of `page_size` that
+    /// leaves at least `window` tokens in the window.
+    pub const fn quantized_len(&self, len: u32) -> u32 {
+        if len <= self.sinks + self.window {
+            0
+        } else {
+            (len - self.sinks - self.window) / self.page_size * self.page_size
+        }
+    }
+    /// Pages a sequence of `len` tokens uses.
+    pub const fn pages_for(&self, len: u32) -> u32 {
+        self.quantized_len(len) / self.page_size
+    }
+    /// Where the token at position `pos` of a sequence of `len` tokens lives.
+    pub const fn place(&self, pos: u32, len: u32) -> Place {
+        if pos < self.sinks {
+            return Place::Sink { index: pos };
+        }
+        let rel = pos - self.sinks;
+        if rel < self.quantized_len(len) {
+            Place::Page { page: rel / self.page_size, slot: rel % self.page_size }
+        } else {
+            Place::Window { slot: self.sinks + rel % self.window_capacity() }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const F: Format =
+        Format { head_dim: 128, key_bits: 2, value_bits: 2, group_size: 128, page_size: 64, sinks: 4, window: 128 };
+
+    #[test]
+    fn seventy_two_bytes_for_d128_k2v2_g128() {
+        assert_eq!(F.bytes_per_token(), 72);
+        assert_eq!(F.page_bytes(), 64 * 72);
+    }
+
+    #[test]
+    fn sections_tile_the_page() {
+        for (kb, vb, g) in [(2, 2, 32), (4, 2, 64), (2, 4, 128), (4, 4, 32)] {
+            let f = Format { key_bits: kb, value_bits: vb, group_size: g, ..F };
+            assert_eq!(f.key_codes_at(f.page_size), f.value_codes_at(0));
+            assert_eq!(f.value_codes_at(f.page_size), f.key_params_at(0));
+            assert_eq!(f.key_params_at(f.page_size), f.value_params_at(0));
+            assert_eq!(f.value_params_at(f.page_size), f.page_bytes());
+            assert_eq!(f.value_codes_at(0) % 16, 0);
+            assert_eq!(f.key_params_at(0) % 16, 0);
+        }
+    }
+
+    #[test]
+    fn window_keeps_at_least_window_tokens() {
+        for len in 0..2000 {
+            let q = F.quantized_len(len);
+            assert_eq!(q % F.page_size, 0);
+            if len > F.sinks + F.window {
+                let w = len - F.sinks - q;
+                assert!(w >= F.window && w < F.window + F.page_size, "len {len}");
+            } else {
+                assert_eq!(q, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn places_are_distinct() {
+        let len = 1000;
+        let mut seen_window = [false; 512];
+        for pos in 0..len {
+            match F.place(pos, len) {
+                Place::Sink { index } => assert_eq!(index, pos),
+                Place::Page { page, slot } => assert_eq!(page * 64 + slot + 4, pos),
+                Place::Window { slot } => {
+                    assert!(slot >= F.sinks && slot < F.side_rows());
+                    assert!(!seen_window[slot as usize]);
+                    seen_window[slot as usize] = true;
+                }
+            }
+        }
+    }
+}

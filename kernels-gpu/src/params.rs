@@ -1,0 +1,91 @@
+//! `#[repr(C)]` parameter blocks, one per kernel family.
+//!
+//! Kernels take raw pointers plus one of these by value; strides are in elements. The
+//! host fills them after validation; every backend (cpu, sim, cuda) is driven by the
+//! same values, so a launch is described once.
+
+use crate::layout::Format;
+
+/// Keys are rotated by the Hadamard transform before quantization.
+pub const FLAG_ROTATE_KEYS: u32 = 1 << 0;
+/// Values are rotated by the Hadamard transform before quantization.
+pub const FLAG_ROTATE_VALUES: u32 = 1 << 1;
+
+/// Parameters of the fused append (rotate, quantize, pack, store) of new tokens of one
+/// sequence and one layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct AppendParams {
+    /// Cache shape.
+    pub format: Format,
+    /// KV heads of the layer.
+    pub num_kv_heads: u32,
+    /// Position of the first new token (the sequence length before the append).
+    pub start: u32,
+    /// Number of new tokens.
+    pub count: u32,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// Elements between consecutive tokens of the K and V inputs.
+    pub token_stride: u32,
+    /// Elements between consecutive heads of the K and V inputs.
+    pub head_stride: u32,
+}
+
+/// Parameters of the split-K decode of one query token per sequence.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct DecodeParams {
+    /// Cache shape.
+    pub format: Format,
+    /// Sequences in the batch.
+    pub num_seqs: u32,
+    /// Query heads (a multiple of `num_kv_heads`).
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Splits of each sequence's tokens; split `i` of a sequence of `len` tokens covers
+    /// positions `[i * c, min((i + 1) * c, len))` with `c = ceil(len / num_splits)`.
+    pub num_splits: u32,
+    /// Entries per block-table row.
+    pub block_table_stride: u32,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// Softmax scale applied to `q . k`.
+    pub sm_scale: f32,
+    /// Elements between consecutive sequences of the query (and of the output).
+    pub q_seq_stride: u32,
+}
+
+/// Parameters of the log-sum-exp merge of split partials.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct MergeParams {
+    /// Sequences in the batch.
+    pub num_seqs: u32,
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// Channels per head.
+    pub head_dim: u32,
+    /// Splits per sequence.
+    pub num_splits: u32,
+    /// `FLAG_*` bits (only `FLAG_ROTATE_VALUES` is read: the output is rotated back).
+    pub flags: u32,
+}
+
+impl DecodeParams {
+    /// Tokens per split for a sequence of `len` tokens: `ceil(len / num_splits)`.
+    pub const fn split_len(&self, len: u32) -> u32 {
+        len.div_ceil(self.num_splits)
+    }
+    /// Positions `[begin, end)` of split `split` of a sequence of `len` tokens (empty
+    /// when the sequence is too short to reach it).
+    pub const fn split_range(&self, split: u32, len: u32) -> (u32, u32) {
+        let per = self.split_len(len);
+        let begin = split.saturating_mul(per);
+        let end = begin.saturating_add(per);
+        let begin = if begin < len { begin } else { len };
+        let end = if end < len { end } else { len };
+        (begin, end)
+    }
+}
