@@ -228,21 +228,6 @@ fn unpack(bytes: &[u8], bits: u32, out: &mut [f32]) {
     }
 }
 
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = 0.0;
-    for a in acc {
-        s += a;
-    }
-    s
-}
-
 /// `exp(x)` for `x <= 0` in f32, branch-free so loops over it vectorize: Cody-Waite
 /// range reduction and a degree-6 polynomial (relative error below 2e-7 on
 /// `[-87, 0]`); returns 0 below -87 (and for `-inf`).
@@ -267,159 +252,297 @@ pub(crate) enum Chunk<'a> {
     Quant { page: &'a [u8], slot: u32, n: u32 },
 }
 
-/// Running online-softmax state of one KV head's query group.
+/// Query heads are processed in blocks of this many (register accumulators).
+const HEAD_BLOCK: usize = 4;
+/// Channels per accumulator (one AVX2 register of f32).
+const LANES: usize = 8;
+/// Largest key lookup table (floats) built per task: 2-bit keys score through it.
+const MAX_LUT: usize = 1 << 17;
+
+
+/// `out[h][t] = sum_{c in [c0, c1)} q[h][c] * rows[t][c]` for `h < gp`, `t < n`
+/// (`out` is `[gp][CHUNK]`, `q` is `[gp][d]`, `rows` is `[n][d]`).
+#[inline(always)]
+fn dots(q: &[f32], gp: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
+    for t in 0..n {
+        let row = &rows[t * d..(t + 1) * d];
+        for h0 in (0..gp).step_by(HEAD_BLOCK) {
+            let mut acc = [[0f32; LANES]; HEAD_BLOCK];
+            for cb in (c0..c1).step_by(LANES) {
+                let r: &[f32; LANES] = row[cb..cb + LANES].try_into().expect("LANES channels");
+                for (hh, acc) in acc.iter_mut().enumerate() {
+                    let qv: &[f32; LANES] = q[(h0 + hh) * d + cb..][..LANES].try_into().expect("LANES channels");
+                    for l in 0..LANES {
+                        acc[l] += qv[l] * r[l];
+                    }
+                }
+            }
+            for (hh, acc) in acc.iter().enumerate() {
+                out[(h0 + hh) * CHUNK + t] = acc.iter().sum();
+            }
+        }
+    }
+}
+
+/// Sum of `x` with `LANES` independent accumulators (vectorizes; f32 addition order
+/// differs from a serial sum by rounding only).
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut it = x.chunks_exact(LANES);
+    for c in &mut it {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
+}
+
+/// `o[h][c] += sum_t w[h][t] * rows[t][c]` for `h < gp`, `c in [c0, c1)`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn accumulate(o: &mut [f32], w: &[f32], gp: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize) {
+    for cb in (c0..c1).step_by(LANES) {
+        for h0 in (0..gp).step_by(HEAD_BLOCK) {
+            let mut acc = [[0f32; LANES]; HEAD_BLOCK];
+            for t in 0..n {
+                let r: &[f32; LANES] = rows[t * d + cb..][..LANES].try_into().expect("LANES channels");
+                for (hh, acc) in acc.iter_mut().enumerate() {
+                    let wt = w[(h0 + hh) * CHUNK + t];
+                    for l in 0..LANES {
+                        acc[l] += wt * r[l];
+                    }
+                }
+            }
+            for (hh, acc) in acc.iter().enumerate() {
+                let dst = &mut o[(h0 + hh) * d + cb..][..LANES];
+                for l in 0..LANES {
+                    dst[l] += acc[l];
+                }
+            }
+        }
+    }
+}
+
+/// Running online-softmax state of one KV head's query group, and its scratch.
 pub(crate) struct HeadState {
+    /// Query heads in the group, and that rounded up to a multiple of `HEAD_BLOCK`
+    /// (padding heads have zero queries and zero weights).
     g: usize,
+    gp: usize,
     d: usize,
-    /// Rotated, scaled queries `[g][d]`.
+    /// Rotated, scaled queries `[gp][d]`.
     q: Vec<f32>,
-    /// Per query head and quantization group, `sum(q')` over the group's channels.
+    /// `sum(q')` per quantization group: `[gp][groups]`.
     qsum: Vec<f32>,
-    /// Partial results: max logit, sum of exp, weighted value sum `[g][d]`.
+    /// For 2-bit keys: `lut[i][b][h]` = score contribution of code byte `b` at byte
+    /// position `i` for head `h` (`[d / 4][256][gp]`); empty otherwise.
+    lut: Vec<f32>,
+    /// Max logit per head.
     pub m: Vec<f32>,
+    /// Sum of `exp(logit - m)` per head.
     pub l: Vec<f32>,
+    /// Weighted value sum `[gp][d]` (stored value order).
     pub o: Vec<f32>,
-    scores: Vec<f32>,
-    krows: Vec<f32>,
-    codes: Vec<f32>,
+    s: Vec<f32>,
+    w: Vec<f32>,
+    tmp: Vec<f32>,
+    rows: Vec<f32>,
+    par: Vec<f32>,
 }
 
 impl HeadState {
-    /// `q` is the group's `[g][d]` rotated queries with the softmax scale folded in.
-    pub(crate) fn new(q: Vec<f32>, g: usize, d: usize, group_size: usize) -> Self {
-        let qsum = q.chunks_exact(group_size).map(|c| c.iter().sum()).collect();
+    /// `q` is the group's `[g][d]` rotated queries with the softmax scale folded in;
+    /// `key_lut` builds the lookup table that scores 2-bit keys.
+    pub(crate) fn new(fmt: &Format, q: &[f32], g: usize, key_lut: bool) -> Self {
+        let d = fmt.head_dim as usize;
+        let gs = fmt.group_size as usize;
+        let groups = d / gs;
+        let gp = g.div_ceil(HEAD_BLOCK) * HEAD_BLOCK;
+        let mut qp = vec![0f32; gp * d];
+        qp[..g * d].copy_from_slice(q);
+        let qsum = qp.chunks_exact(gs).map(|c| c.iter().sum()).collect();
+        let mut lut = Vec::new();
+        if key_lut && fmt.key_bits == 2 && d / 4 * 256 * gp <= MAX_LUT {
+            lut = vec![0f32; d / 4 * 256 * gp];
+            for i in 0..d / 4 {
+                for b in 0..256 {
+                    for h in 0..g {
+                        let qh = &qp[h * d + 4 * i..h * d + 4 * i + 4];
+                        lut[(i * 256 + b) * gp + h] = (0..4).map(|j| qh[j] * ((b >> (2 * j)) & 3) as f32).sum();
+                    }
+                }
+            }
+        }
         Self {
             g,
+            gp,
             d,
-            q,
+            q: qp,
             qsum,
-            m: vec![f32::NEG_INFINITY; g],
-            l: vec![0.0; g],
-            o: vec![0.0; g * d],
-            scores: vec![0.0; g * CHUNK],
-            krows: vec![0.0; CHUNK * d],
-            codes: vec![0.0; d],
+            lut,
+            m: vec![f32::NEG_INFINITY; gp],
+            l: vec![0.0; gp],
+            o: vec![0.0; gp * d],
+            s: vec![0.0; gp * CHUNK],
+            w: vec![0.0; gp * CHUNK],
+            tmp: vec![0.0; gp * CHUNK],
+            rows: vec![0.0; CHUNK * d],
+            par: vec![0.0; CHUNK * groups * 2],
+        }
+    }
+
+    /// Scores a chunk of quantized keys into `s`.
+    #[inline(always)]
+    fn score_quant(&mut self, fmt: &Format, page: &[u8], slot: usize, n: usize) {
+        let (gp, d) = (self.gp, self.d);
+        let gs = fmt.group_size as usize;
+        let groups = d / gs;
+        let cb = fmt.key_code_bytes() as usize;
+        let codes = &page[fmt.key_codes_at(slot as u32) as usize..][..n * cb];
+        let pb = &page[fmt.key_params_at(slot as u32) as usize..][..n * groups * 4];
+        let par = &mut self.par[..n * groups * 2];
+        bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(par);
+        if !self.lut.is_empty() {
+            let per_group = gs / 4;
+            for t in 0..n {
+                let code = &codes[t * cb..(t + 1) * cb];
+                for h0 in (0..gp).step_by(HEAD_BLOCK) {
+                    let mut total = [0f32; HEAD_BLOCK];
+                    for j in 0..groups {
+                        // Four independent chains of adds, so latency does not serialize.
+                        let mut acc = [[0f32; HEAD_BLOCK]; 4];
+                        for (i, &b) in code[j * per_group..(j + 1) * per_group].iter().enumerate() {
+                            let at = ((j * per_group + i) * 256 + b as usize) * gp + h0;
+                            let e: &[f32; HEAD_BLOCK] = self.lut[at..at + HEAD_BLOCK].try_into().expect("head block");
+                            for hh in 0..HEAD_BLOCK {
+                                acc[i % 4][hh] += e[hh];
+                            }
+                        }
+                        let (scale, zero) = (par[(t * groups + j) * 2], par[(t * groups + j) * 2 + 1]);
+                        for hh in 0..HEAD_BLOCK {
+                            let dot = (acc[0][hh] + acc[1][hh]) + (acc[2][hh] + acc[3][hh]);
+                            total[hh] += scale * dot + zero * self.qsum[(h0 + hh) * groups + j];
+                        }
+                    }
+                    for hh in 0..HEAD_BLOCK {
+                        self.s[(h0 + hh) * CHUNK + t] = total[hh];
+                    }
+                }
+            }
+            return;
+        }
+        let rows = &mut self.rows[..n * d];
+        for (t, r) in rows.chunks_exact_mut(d).enumerate() {
+            unpack(&codes[t * cb..(t + 1) * cb], fmt.key_bits, r);
+        }
+        for h in 0..gp {
+            self.s[h * CHUNK..h * CHUNK + n].fill(0.0);
+        }
+        for j in 0..groups {
+            dots(&self.q, gp, d, &self.rows, n, j * gs, (j + 1) * gs, &mut self.tmp);
+            for h in 0..gp {
+                for t in 0..n {
+                    let (scale, zero) = (self.par[(t * groups + j) * 2], self.par[(t * groups + j) * 2 + 1]);
+                    self.s[h * CHUNK + t] += scale * self.tmp[h * CHUNK + t] + zero * self.qsum[h * groups + j];
+                }
+            }
+        }
+    }
+
+    /// Turns the scores of `n` tokens into probabilities relative to the updated max and
+    /// rescales the running sums.
+    #[inline(always)]
+    fn softmax(&mut self, n: usize) {
+        let d = self.d;
+        for h in 0..self.g {
+            let s = &mut self.s[h * CHUNK..h * CHUNK + n];
+            let local = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m = self.m[h].max(local);
+            let c = exp_neg(self.m[h] - m);
+            for x in s.iter_mut() {
+                *x = exp_neg(*x - m);
+            }
+            self.l[h] = self.l[h] * c + sum(s);
+            self.m[h] = m;
+            if c != 1.0 {
+                self.o[h * d..(h + 1) * d].iter_mut().for_each(|o| *o *= c);
+            }
         }
     }
 
     /// Scores the chunk, updates the softmax state and accumulates its values.
     #[inline(always)]
     pub(crate) fn step(&mut self, fmt: &Format, chunk: Chunk<'_>) {
-        let (g, d) = (self.g, self.d);
-        let gs = fmt.group_size as usize;
-        let n = match chunk {
-            Chunk::F16 { k, .. } => k.len() / d,
-            Chunk::Quant { n, .. } => n as usize,
-        };
-        debug_assert!(n <= CHUNK);
-        // Scores.
+        let (g, gp, d) = (self.g, self.gp, self.d);
         match chunk {
-            Chunk::F16 { k, .. } => {
-                k.convert_to_f32_slice(&mut self.krows[..n * d]);
-                for t in 0..n {
-                    let row = &self.krows[t * d..(t + 1) * d];
-                    for h in 0..g {
-                        self.scores[h * CHUNK + t] = dot(&self.q[h * d..(h + 1) * d], row);
-                    }
+            Chunk::F16 { k, v } => {
+                let n = k.len() / d;
+                k.convert_to_f32_slice(&mut self.rows[..n * d]);
+                dots(&self.q, gp, d, &self.rows, n, 0, d, &mut self.s);
+                self.softmax(n);
+                v.convert_to_f32_slice(&mut self.rows[..n * d]);
+                for h in 0..g {
+                    self.w[h * CHUNK..h * CHUNK + n].copy_from_slice(&self.s[h * CHUNK..h * CHUNK + n]);
                 }
+                accumulate(&mut self.o, &self.w, gp, d, &self.rows, n, 0, d);
             }
-            Chunk::Quant { page, slot, .. } => {
-                let cb = fmt.key_code_bytes() as usize;
-                let pbytes = fmt.param_bytes() as usize;
-                for t in 0..n {
-                    let s = slot as usize + t;
-                    let c0 = fmt.key_codes_at(0) as usize + s * cb;
-                    unpack(&page[c0..c0 + cb], fmt.key_bits, &mut self.codes);
-                    let p0 = fmt.key_params_at(0) as usize + s * pbytes;
-                    let params = &page[p0..p0 + pbytes];
-                    for h in 0..g {
-                        let qh = &self.q[h * d..(h + 1) * d];
-                        let mut acc = 0.0;
-                        for (j, pr) in params.chunks_exact(4).enumerate() {
-                            let scale = f16::from_le_bytes([pr[0], pr[1]]).to_f32();
-                            let zero = f16::from_le_bytes([pr[2], pr[3]]).to_f32();
-                            let r = j * gs..(j + 1) * gs;
-                            acc += scale * dot(&qh[r.clone()], &self.codes[r]) + zero * self.qsum[h * (d / gs) + j];
-                        }
-                        self.scores[h * CHUNK + t] = acc;
-                    }
-                }
-            }
-        }
-        // Online softmax: scores become probabilities relative to the new max.
-        for h in 0..g {
-            let s = &mut self.scores[h * CHUNK..h * CHUNK + n];
-            let local = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let m = self.m[h].max(local);
-            let c = exp_neg(self.m[h] - m);
-            let mut sum = 0.0;
-            for x in s.iter_mut() {
-                *x = exp_neg(*x - m);
-                sum += *x;
-            }
-            self.l[h] = self.l[h] * c + sum;
-            self.m[h] = m;
-            if c != 1.0 {
-                self.o[h * d..(h + 1) * d].iter_mut().for_each(|o| *o *= c);
-            }
-        }
-        // Values.
-        match chunk {
-            Chunk::F16 { v, .. } => {
-                v.convert_to_f32_slice(&mut self.krows[..n * d]);
-                for t in 0..n {
-                    let row = &self.krows[t * d..(t + 1) * d];
-                    for h in 0..g {
-                        let p = self.scores[h * CHUNK + t];
-                        for (o, x) in self.o[h * d..(h + 1) * d].iter_mut().zip(row) {
-                            *o += p * x;
-                        }
-                    }
-                }
-            }
-            Chunk::Quant { page, slot, .. } => {
+            Chunk::Quant { page, slot, n } => {
+                let (slot, n) = (slot as usize, n as usize);
+                self.score_quant(fmt, page, slot, n);
+                self.softmax(n);
+                let gs = fmt.group_size as usize;
+                let groups = d / gs;
                 let cb = fmt.value_code_bytes() as usize;
-                let pbytes = fmt.param_bytes() as usize;
-                for t in 0..n {
-                    let s = slot as usize + t;
-                    let c0 = fmt.value_codes_at(0) as usize + s * cb;
-                    unpack(&page[c0..c0 + cb], fmt.value_bits, &mut self.codes);
-                    let p0 = fmt.value_params_at(0) as usize + s * pbytes;
-                    let params = &page[p0..p0 + pbytes];
+                let codes = &page[fmt.value_codes_at(slot as u32) as usize..][..n * cb];
+                let pb = &page[fmt.value_params_at(slot as u32) as usize..][..n * groups * 4];
+                bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(&mut self.par[..n * groups * 2]);
+                for (t, r) in self.rows[..n * d].chunks_exact_mut(d).enumerate() {
+                    unpack(&codes[t * cb..(t + 1) * cb], fmt.value_bits, r);
+                }
+                for j in 0..groups {
                     for h in 0..g {
-                        let p = self.scores[h * CHUNK + t];
-                        let o = &mut self.o[h * d..(h + 1) * d];
-                        for (j, pr) in params.chunks_exact(4).enumerate() {
-                            let w = p * f16::from_le_bytes([pr[0], pr[1]]).to_f32();
-                            let b = p * f16::from_le_bytes([pr[2], pr[3]]).to_f32();
-                            let r = j * gs..(j + 1) * gs;
-                            for (o, c) in o[r.clone()].iter_mut().zip(&self.codes[r]) {
-                                *o += w * c + b;
-                            }
+                        for t in 0..n {
+                            let p = self.s[h * CHUNK + t];
+                            self.w[h * CHUNK + t] = p * self.par[(t * groups + j) * 2];
+                            self.tmp[t] = p * self.par[(t * groups + j) * 2 + 1];
                         }
+                        let bias = sum(&self.tmp[..n]);
+                        self.o[h * d + j * gs..h * d + (j + 1) * gs].iter_mut().for_each(|o| *o += bias);
                     }
+                    accumulate(&mut self.o, &self.w, gp, d, &self.rows, n, j * gs, (j + 1) * gs);
                 }
             }
         }
     }
 }
 
-/// Runs `f` on `state`, compiled for AVX2 when the processor has it.
+/// Runs every chunk of `chunks` through `st`.
 #[inline(always)]
-pub(crate) fn with_simd<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma")]
-        fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the processor was just checked to support AVX2 and FMA, the only
-            // requirement of calling a function compiled with those target features.
-            return unsafe { avx2(f) };
-        }
+fn run_chunks<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
+    for c in chunks {
+        st.step(fmt, c);
     }
-    f()
+}
+
+/// [`run_chunks`] compiled for AVX2 and FMA.
+///
+/// # Safety
+/// The processor must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_chunks_avx2<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
+    run_chunks(st, fmt, chunks)
+}
+
+/// [`run_chunks`] in the widest instruction set this processor has.
+fn run_chunks_best<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: AVX2 and FMA support was just checked.
+        return unsafe { run_chunks_avx2(st, fmt, chunks) };
+    }
+    run_chunks(st, fmt, chunks)
 }
 
 /// The chunks of positions `[begin, end)` of a sequence, in position order: sink rows,
@@ -505,12 +628,8 @@ pub fn decode(
             if b >= e {
                 return None;
             }
-            let mut st = HeadState::new(group_queries(p, calib, q, s, h), g, d, fmt.group_size as usize);
-            with_simd(|| {
-                for c in chunks(&fmt, hkv, pool, &seqs[s], h, b, e) {
-                    st.step(&fmt, c);
-                }
-            });
+            let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), g, true);
+            run_chunks_best(&mut st, &fmt, chunks(&fmt, hkv, pool, &seqs[s], h, b, e));
             Some(st)
         })
         .collect();
@@ -588,18 +707,14 @@ pub fn decode_f16_baseline(
                 return None;
             }
             let at = (s * num_q_heads + h * g) * d;
-            let qs = q[at..at + g * d].iter().map(|x| x / (d as f32).sqrt()).collect();
-            let mut st = HeadState::new(qs, g, d, d);
+            let qs: Vec<f32> = q[at..at + g * d].iter().map(|x| x / (d as f32).sqrt()).collect();
+            let mut st = HeadState::new(&fmt, &qs, g, false);
             let base = (s * num_kv_heads + h) * len * d;
-            with_simd(|| {
-                let mut t = b;
-                while t < e {
-                    let n = (e - t).min(CHUNK);
-                    let r = base + t * d..base + (t + n) * d;
-                    st.step(&fmt, Chunk::F16 { k: &k[r.clone()], v: &v[r] });
-                    t += n;
-                }
+            let rows = (b..e).step_by(CHUNK).map(|t| {
+                let r = base + t * d..base + (t + CHUNK).min(e) * d;
+                Chunk::F16 { k: &k[r.clone()], v: &v[r] }
             });
+            run_chunks_best(&mut st, &fmt, rows);
             Some(st)
         })
         .collect();

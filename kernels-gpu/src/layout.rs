@@ -167,7 +167,7 @@ mod tests {
             assert_eq!(q % F.page_size, 0);
             if len > F.sinks + F.window {
                 let w = len - F.sinks - q;
-                assert!(w >= F.window && w < F.window + F.page_size, "len {len}");
+                assert!((F.window..F.window + F.page_size).contains(&w), "len {len}");
             } else {
                 assert_eq!(q, 0);
             }
