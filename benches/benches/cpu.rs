@@ -1,1 +1,131 @@
-fn main() {}
+//! CPU benchmarks: decode (k2v2 against an f16 baseline and a memcpy of the f16 cache's
+//! size, all in one run), append, FWHT.
+//!
+//! `cargo bench -p rotkv-benches --bench cpu` (all) or with a filter, e.g.
+//! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
+//! to cap the context (default 32768). Throughput is bytes of cache read per step.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
+use rotkv_benches::{Shape, synthetic_rows};
+use std::hint::black_box;
+
+const BATCH: usize = 8;
+
+fn max_ctx() -> usize {
+    std::env::var("ROTKV_BENCH_MAX_CTX").ok().and_then(|s| s.parse().ok()).unwrap_or(32 * 1024)
+}
+
+fn bench_decode(c: &mut Criterion, shape: Shape) {
+    let mut group = c.benchmark_group(format!("decode/{}", shape.name));
+    group.sample_size(10);
+    group.warm_up_time(std::time::Duration::from_millis(500));
+    group.measurement_time(std::time::Duration::from_secs(2));
+    let ctxs: Vec<usize> = [1024, 4096, 16384, 32768].into_iter().filter(|&c| c <= max_ctx()).collect();
+    for &ctx in &ctxs {
+        let Shape { hkv, hq, d, .. } = shape;
+        let config = CacheConfig::k2v2(d);
+        let cshape = CacheShape {
+            layers: 1,
+            num_kv_heads: hkv,
+            num_q_heads: hq,
+            max_seqs: BATCH,
+            max_tokens: ctx,
+            num_blocks: None,
+        };
+        let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
+        // f16 baseline layout: [seq][kv_head][ctx][d].
+        let mut k16 = vec![f16::ZERO; BATCH * hkv * ctx * d];
+        let mut v16 = k16.clone();
+        for b in 0..BATCH {
+            let s = cache.add_sequence().expect("slot");
+            let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
+            let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
+            cache.append(0, s, ctx, &k, &v).expect("append");
+            for (i, (kk, vv)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+                let (t, h) = (i / hkv, i % hkv);
+                let at = ((b * hkv + h) * ctx + t) * d;
+                k16[at..at + d].iter_mut().zip(kk).for_each(|(o, x)| *o = f16::from_f32(*x));
+                v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = f16::from_f32(*x));
+            }
+        }
+        let seqs: Vec<usize> = (0..BATCH).collect();
+        let q = synthetic_rows(BATCH * hq, d, 77);
+        let mut out = vec![0f32; BATCH * hq * d];
+        let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
+        let f16_bytes = BATCH * hkv * ctx * d * 4;
+        let splits = rotkv::cpu::default_splits(ctx, BATCH, hkv, rayon::current_num_threads()) as usize;
+
+        group.throughput(Throughput::Bytes(quant_bytes as u64));
+        group.bench_with_input(BenchmarkId::new("k2v2", ctx), &ctx, |bch, _| {
+            bch.iter(|| cache.decode(0, &seqs, black_box(&q), &mut out).expect("decode"))
+        });
+        group.throughput(Throughput::Bytes(f16_bytes as u64));
+        group.bench_with_input(BenchmarkId::new("f16", ctx), &ctx, |bch, _| {
+            bch.iter(|| rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, black_box(&q), &mut out))
+        });
+        // memcpy of the f16 cache's size: the machine's copy bandwidth in this run.
+        let src: Vec<u8> = bytemuck_bytes(&k16).iter().chain(bytemuck_bytes(&v16)).copied().collect();
+        let mut dst = vec![0u8; src.len()];
+        group.bench_with_input(BenchmarkId::new("memcpy_f16_size", ctx), &ctx, |bch, _| {
+            bch.iter(|| dst.copy_from_slice(black_box(&src)))
+        });
+    }
+    group.finish();
+}
+
+fn bytemuck_bytes(x: &[f16]) -> &[u8] {
+    rotkv_benches::as_bytes(x)
+}
+
+fn decode(c: &mut Criterion) {
+    bench_decode(c, Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 });
+    bench_decode(c, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 });
+}
+
+fn append(c: &mut Criterion) {
+    let mut group = c.benchmark_group("append");
+    group.sample_size(10);
+    for (name, hkv, d, tokens) in [("d64_prefill4096", 3, 64, 4096), ("d128_prefill4096", 8, 128, 4096)] {
+        let config = CacheConfig::k2v2(d);
+        let shape = CacheShape {
+            layers: 1,
+            num_kv_heads: hkv,
+            num_q_heads: hkv,
+            max_seqs: 1,
+            max_tokens: tokens,
+            num_blocks: None,
+        };
+        let k = synthetic_rows(tokens * hkv, d, 5);
+        let v = synthetic_rows(tokens * hkv, d, 6);
+        group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * 4) as u64));
+        group.bench_function(BenchmarkId::new("f32_input", name), |b| {
+            b.iter_batched(
+                || KvCache::new(config, shape, Backend::Cpu).expect("cache"),
+                |mut cache| {
+                    let s = cache.add_sequence().expect("slot");
+                    cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
+                    cache
+                },
+                criterion::BatchSize::LargeInput,
+            )
+        });
+    }
+    group.finish();
+}
+
+fn fwht(c: &mut Criterion) {
+    let mut group = c.benchmark_group("fwht");
+    for d in [64, 128, 256] {
+        let rows = 4096;
+        let mut x = synthetic_rows(rows, d, 9);
+        group.throughput(Throughput::Bytes((rows * d * 4) as u64));
+        group.bench_with_input(BenchmarkId::new("f32", d), &d, |b, &d| {
+            b.iter(|| x.chunks_exact_mut(d).for_each(rotkv::cpu::fwht))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode, append, fwht);
+criterion_main!(benches);

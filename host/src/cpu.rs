@@ -188,57 +188,63 @@ pub fn default_splits(max_len: usize, num_seqs: usize, num_kv_heads: usize, thre
     want.clamp(1, cap.min(64)) as u32
 }
 
-/// `[byte] -> the 4 two-bit codes it holds, as f32`.
-static LUT2: [[f32; 4]; 256] = {
-    let mut t = [[0f32; 4]; 256];
-    let mut b = 0;
-    while b < 256 {
-        let mut j = 0;
-        while j < 4 {
-            t[b][j] = ((b >> (2 * j)) & 3) as f32;
-            j += 1;
-        }
-        b += 1;
-    }
-    t
-};
+/// Position of channel `c` in a row unpacked by [`unpack`] ("unpack order"): within
+/// each block of 8 code bytes (`8 * 8 / bits` channels), channel `c` sits at
+/// `(c % per_byte) * 8 + (c / per_byte) % 8`, so the unpack is 8 lanes wide per shift.
+/// The order permutes channels only inside 16- or 32-channel blocks, so every
+/// quantization group keeps its channels.
+fn unpack_position(c: usize, bits: u32) -> usize {
+    let per_byte = 8 / bits as usize;
+    let block = 8 * per_byte;
+    c / block * block + (c % per_byte) * 8 + (c / per_byte) % 8
+}
 
-/// `[byte] -> the 2 four-bit codes it holds, as f32`.
-static LUT4: [[f32; 2]; 256] = {
-    let mut t = [[0f32; 2]; 256];
-    let mut b = 0;
-    while b < 256 {
-        t[b][0] = (b & 15) as f32;
-        t[b][1] = (b >> 4) as f32;
-        b += 1;
-    }
-    t
-};
-
+/// Unpacks one token's codes to f32 in unpack order (see [`unpack_position`]).
 #[inline(always)]
-fn unpack(bytes: &[u8], bits: u32, out: &mut [f32]) {
-    if bits == 2 {
-        for (o, &b) in out.chunks_exact_mut(4).zip(bytes) {
-            o.copy_from_slice(&LUT2[b as usize]);
-        }
-    } else {
-        for (o, &b) in out.chunks_exact_mut(2).zip(bytes) {
-            o.copy_from_slice(&LUT4[b as usize]);
+fn unpack_bits<const BITS: u32>(bytes: &[u8], out: &mut [f32]) {
+    let per_byte = (8 / BITS) as usize;
+    let mask = (1u32 << BITS) - 1;
+    for (blk, o) in bytes.chunks_exact(8).zip(out.chunks_exact_mut(8 * per_byte)) {
+        let b: [i32; 8] = std::array::from_fn(|i| blk[i] as i32);
+        for (s, o8) in o.chunks_exact_mut(8).enumerate() {
+            let shift = s as u32 * BITS;
+            for i in 0..8 {
+                // i32 (not u32) so the conversion is one vector instruction.
+                o8[i] = ((b[i] >> shift) & mask as i32) as f32;
+            }
         }
     }
 }
+
+#[inline(always)]
+fn unpack(bytes: &[u8], bits: u32, out: &mut [f32]) {
+    if bits == 2 { unpack_bits::<2>(bytes, out) } else { unpack_bits::<4>(bytes, out) }
+}
+
+/// `exp(x)` for `x <= RESCALE_THRESHOLD` (the lazily rescaled softmax weights).
+#[inline(always)]
+fn exp_shifted(x: f32) -> f32 {
+    exp_neg(x - RESCALE_THRESHOLD) * RESCALE_EXP
+}
+
+/// `e^RESCALE_THRESHOLD`.
+const RESCALE_EXP: f32 = 485_165_200.0;
 
 /// `exp(x)` for `x <= 0` in f32, branch-free so loops over it vectorize: Cody-Waite
 /// range reduction and a degree-6 polynomial (relative error below 2e-7 on
 /// `[-87, 0]`); returns 0 below -87 (and for `-inf`).
 #[inline(always)]
 pub fn exp_neg(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let x = x.max(-87.0);
-    let n = (x * std::f32::consts::LOG2_E).round();
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
     let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
     let p = 1.0
         + r * (1.0 + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // The low mantissa bits of t hold n (two's complement): 2^n without a float-to-int
+    // conversion, so loops over this function stay vectorized.
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
     let y = p * scale;
     if x <= -87.0 { 0.0 } else { y }
 }
@@ -252,34 +258,227 @@ pub(crate) enum Chunk<'a> {
     Quant { page: &'a [u8], slot: u32, n: u32 },
 }
 
-/// Query heads are processed in blocks of this many (register accumulators).
+/// Query heads per register block of the portable kernels.
 const HEAD_BLOCK: usize = 4;
 /// Channels per accumulator (one AVX2 register of f32).
 const LANES: usize = 8;
-/// Largest key lookup table (floats) built per task: 2-bit keys score through it.
-const MAX_LUT: usize = 1 << 17;
 
+/// The two inner products of attention over a chunk of `n <= CHUNK` tokens whose rows
+/// are in f32 (`rows` is `[n][d]`), restricted to channels `[c0, c1)` (a multiple of 16
+/// channels): scores `out[h][t] = sum_c q[h][c] * rows[t][c]` and value accumulation
+/// `o[h][c] += sum_t w[h][t] * rows[t][c]`, for heads `h < g` (`out` and `w` are
+/// `[g][CHUNK]`).
+pub(crate) trait Kernels: Copy {
+    /// Scores.
+    #[allow(clippy::too_many_arguments)]
+    fn dots(self, q: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]);
+    /// Value accumulation.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate(self, o: &mut [f32], w: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize);
+}
 
-/// `out[h][t] = sum_{c in [c0, c1)} q[h][c] * rows[t][c]` for `h < gp`, `t < n`
-/// (`out` is `[gp][CHUNK]`, `q` is `[gp][d]`, `rows` is `[n][d]`).
-#[inline(always)]
-fn dots(q: &[f32], gp: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
-    for t in 0..n {
-        let row = &rows[t * d..(t + 1) * d];
-        for h0 in (0..gp).step_by(HEAD_BLOCK) {
-            let mut acc = [[0f32; LANES]; HEAD_BLOCK];
-            for cb in (c0..c1).step_by(LANES) {
-                let r: &[f32; LANES] = row[cb..cb + LANES].try_into().expect("LANES channels");
-                for (hh, acc) in acc.iter_mut().enumerate() {
-                    let qv: &[f32; LANES] = q[(h0 + hh) * d + cb..][..LANES].try_into().expect("LANES channels");
+/// Plain Rust written so the compiler vectorizes it for any target.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+
+impl Kernels for Portable {
+    #[inline(always)]
+    fn dots(self, q: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
+        for t in 0..n {
+            let row = &rows[t * d..(t + 1) * d];
+            for h in 0..g {
+                let qh = &q[h * d..(h + 1) * d];
+                let mut acc = [0f32; LANES];
+                for cb in (c0..c1).step_by(LANES) {
                     for l in 0..LANES {
-                        acc[l] += qv[l] * r[l];
+                        acc[l] += qh[cb + l] * row[cb + l];
+                    }
+                }
+                out[h * CHUNK + t] = acc.iter().sum();
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate(self, o: &mut [f32], w: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize) {
+        for cb in (c0..c1).step_by(LANES) {
+            for h0 in (0..g).step_by(HEAD_BLOCK) {
+                let hn = (g - h0).min(HEAD_BLOCK);
+                let mut acc = [[0f32; LANES]; HEAD_BLOCK];
+                for t in 0..n {
+                    let r = &rows[t * d + cb..t * d + cb + LANES];
+                    for (hh, acc) in acc.iter_mut().enumerate().take(hn) {
+                        let wt = w[(h0 + hh) * CHUNK + t];
+                        for l in 0..LANES {
+                            acc[l] += wt * r[l];
+                        }
+                    }
+                }
+                for (hh, acc) in acc.iter().enumerate().take(hn) {
+                    let dst = &mut o[(h0 + hh) * d + cb..(h0 + hh) * d + cb + LANES];
+                    for l in 0..LANES {
+                        dst[l] += acc[l];
                     }
                 }
             }
-            for (hh, acc) in acc.iter().enumerate() {
-                out[(h0 + hh) * CHUNK + t] = acc.iter().sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::Avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 + FMA micro-kernels: register-blocked over up to 4 query heads and 2 tokens
+    //! (scores) or 16 channels (values).
+    use super::{CHUNK, Kernels};
+    use std::arch::x86_64::*;
+
+    /// Proof that the processor supports AVX2 and FMA: only [`Avx2::detect`] makes one.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx2(());
+
+    impl Avx2 {
+        /// `Some` when AVX2 and FMA are available.
+        pub(crate) fn detect() -> Option<Self> {
+            (std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")).then_some(Avx2(()))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Scores of heads `[h0, h0 + H)`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    fn dots_block<const H: usize>(
+        q: &[f32],
+        h0: usize,
+        d: usize,
+        rows: &[f32],
+        n: usize,
+        c0: usize,
+        c1: usize,
+        out: &mut [f32],
+    ) {
+        assert!((h0 + H) * d <= q.len() && n * d <= rows.len() && c1 <= d && c0 <= c1 && (c1 - c0) % 8 == 0);
+        assert!((h0 + H - 1) * CHUNK + n <= out.len());
+        let (qp, rp) = (q.as_ptr(), rows.as_ptr());
+        let mut t = 0;
+        while t < n {
+            let two = t + 1 < n;
+            let r1 = if two { t + 1 } else { t };
+            let mut a0 = [_mm256_setzero_ps(); H];
+            let mut a1 = [_mm256_setzero_ps(); H];
+            let mut c = c0;
+            while c < c1 {
+                // SAFETY: rows t and r1 are < n and c + 8 <= c1 <= d, so both 8-float
+                // loads are inside `rows` (asserted above); likewise the query loads.
+                unsafe {
+                    let x0 = _mm256_loadu_ps(rp.add(t * d + c));
+                    let x1 = _mm256_loadu_ps(rp.add(r1 * d + c));
+                    for hh in 0..H {
+                        let qv = _mm256_loadu_ps(qp.add((h0 + hh) * d + c));
+                        a0[hh] = _mm256_fmadd_ps(qv, x0, a0[hh]);
+                        a1[hh] = _mm256_fmadd_ps(qv, x1, a1[hh]);
+                    }
+                }
+                c += 8;
             }
+            for hh in 0..H {
+                out[(h0 + hh) * CHUNK + t] = hsum(a0[hh]);
+                if two {
+                    out[(h0 + hh) * CHUNK + t + 1] = hsum(a1[hh]);
+                }
+            }
+            t += 2;
+        }
+    }
+
+    /// Value accumulation of heads `[h0, h0 + H)`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_block<const H: usize>(
+        o: &mut [f32],
+        w: &[f32],
+        h0: usize,
+        d: usize,
+        rows: &[f32],
+        n: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        assert!((h0 + H) * d <= o.len() && n * d <= rows.len() && c1 <= d && c0 <= c1 && (c1 - c0) % 16 == 0);
+        assert!(n == 0 || (h0 + H - 1) * CHUNK + n <= w.len());
+        let (op, rp) = (o.as_mut_ptr(), rows.as_ptr());
+        let mut c = c0;
+        while c < c1 {
+            let mut a0 = [_mm256_setzero_ps(); H];
+            let mut a1 = [_mm256_setzero_ps(); H];
+            for t in 0..n {
+                // SAFETY: t < n and c + 16 <= c1 <= d: both loads are inside `rows`.
+                let (x0, x1) = unsafe { (_mm256_loadu_ps(rp.add(t * d + c)), _mm256_loadu_ps(rp.add(t * d + c + 8))) };
+                for hh in 0..H {
+                    let wv = _mm256_set1_ps(w[(h0 + hh) * CHUNK + t]);
+                    a0[hh] = _mm256_fmadd_ps(wv, x0, a0[hh]);
+                    a1[hh] = _mm256_fmadd_ps(wv, x1, a1[hh]);
+                }
+            }
+            for hh in 0..H {
+                // SAFETY: (h0 + hh) * d + c + 16 <= (h0 + H) * d <= o.len() (asserted).
+                unsafe {
+                    let p = op.add((h0 + hh) * d + c);
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a0[hh]));
+                    _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), a1[hh]));
+                }
+            }
+            c += 16;
+        }
+    }
+
+    macro_rules! by_head_blocks {
+        ($g:expr, $h0:ident, $f:ident, ($($arg:expr),*)) => {{
+            let mut $h0 = 0;
+            while $h0 < $g {
+                let hn = ($g - $h0).min(4);
+                // SAFETY: an `Avx2` value exists only after AVX2 and FMA were detected.
+                unsafe {
+                    match hn {
+                        4 => $f::<4>($($arg,)* ),
+                        3 => $f::<3>($($arg,)* ),
+                        2 => $f::<2>($($arg,)* ),
+                        _ => $f::<1>($($arg,)* ),
+                    }
+                }
+                $h0 += hn;
+            }
+        }};
+    }
+
+    impl Kernels for Avx2 {
+        #[inline(always)]
+        fn dots(self, q: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
+            by_head_blocks!(g, h0, dots_block, (q, h0, d, rows, n, c0, c1, out));
+        }
+        #[inline(always)]
+        fn accumulate(
+            self,
+            o: &mut [f32],
+            w: &[f32],
+            g: usize,
+            d: usize,
+            rows: &[f32],
+            n: usize,
+            c0: usize,
+            c1: usize,
+        ) {
+            by_head_blocks!(g, h0, accumulate_block, (o, w, h0, d, rows, n, c0, c1));
         }
     }
 }
@@ -298,52 +497,38 @@ fn sum(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
 }
 
-/// `o[h][c] += sum_t w[h][t] * rows[t][c]` for `h < gp`, `c in [c0, c1)`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn accumulate(o: &mut [f32], w: &[f32], gp: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize) {
-    for cb in (c0..c1).step_by(LANES) {
-        for h0 in (0..gp).step_by(HEAD_BLOCK) {
-            let mut acc = [[0f32; LANES]; HEAD_BLOCK];
-            for t in 0..n {
-                let r: &[f32; LANES] = rows[t * d + cb..][..LANES].try_into().expect("LANES channels");
-                for (hh, acc) in acc.iter_mut().enumerate() {
-                    let wt = w[(h0 + hh) * CHUNK + t];
-                    for l in 0..LANES {
-                        acc[l] += wt * r[l];
-                    }
-                }
-            }
-            for (hh, acc) in acc.iter().enumerate() {
-                let dst = &mut o[(h0 + hh) * d + cb..][..LANES];
-                for l in 0..LANES {
-                    dst[l] += acc[l];
-                }
-            }
-        }
-    }
-}
+/// A chunk's max logit may exceed the running reference max by this much before the
+/// state is rescaled (lazy rescaling: weights up to `e^20` stay far from f32 overflow).
+const RESCALE_THRESHOLD: f32 = 20.0;
 
 /// Running online-softmax state of one KV head's query group, and its scratch.
+///
+/// Weights are `exp(logit - m)` against a reference max `m` that only moves when a
+/// chunk's max exceeds it by [`RESCALE_THRESHOLD`]; value zeros are accumulated per
+/// quantization group in `zsum` and added to `o` when `m` moves and at the end
+/// ([`HeadState::finish`]).
 pub(crate) struct HeadState {
-    /// Query heads in the group, and that rounded up to a multiple of `HEAD_BLOCK`
-    /// (padding heads have zero queries and zero weights).
+    /// Query heads in the group.
     g: usize,
-    gp: usize,
     d: usize,
-    /// Rotated, scaled queries `[gp][d]`.
+    /// Rotated, scaled queries `[g][d]`.
     q: Vec<f32>,
-    /// `sum(q')` per quantization group: `[gp][groups]`.
+    /// The same in the unpack order of the key codes.
+    qk: Vec<f32>,
+    /// `sum(q')` per quantization group: `[g][groups]`.
     qsum: Vec<f32>,
-    /// For 2-bit keys: `lut[i][b][h]` = score contribution of code byte `b` at byte
-    /// position `i` for head `h` (`[d / 4][256][gp]`); empty otherwise.
-    lut: Vec<f32>,
-    /// Max logit per head.
+    /// Sum of `weight * zero` per head and value group `[g][groups]`.
+    zsum: Vec<f32>,
+    /// Reference max logit per head.
     pub m: Vec<f32>,
     /// Sum of `exp(logit - m)` per head.
     pub l: Vec<f32>,
-    /// Weighted value sum `[gp][d]` (stored value order).
+    /// Weighted value sum `[g][d]` (stored value order), complete after `finish`.
     pub o: Vec<f32>,
+    /// Weighted sum of quantized values `[g][d]` in the unpack order of value codes.
+    ov: Vec<f32>,
+    /// Code bits of keys and values (for the unpack orders).
+    bits: (u32, u32),
     s: Vec<f32>,
     w: Vec<f32>,
     tmp: Vec<f32>,
@@ -352,154 +537,152 @@ pub(crate) struct HeadState {
 }
 
 impl HeadState {
-    /// `q` is the group's `[g][d]` rotated queries with the softmax scale folded in;
-    /// `key_lut` builds the lookup table that scores 2-bit keys.
-    pub(crate) fn new(fmt: &Format, q: &[f32], g: usize, key_lut: bool) -> Self {
+    /// `q` is the group's `[g][d]` rotated queries with the softmax scale folded in.
+    pub(crate) fn new(fmt: &Format, q: &[f32], g: usize) -> Self {
         let d = fmt.head_dim as usize;
         let gs = fmt.group_size as usize;
         let groups = d / gs;
-        let gp = g.div_ceil(HEAD_BLOCK) * HEAD_BLOCK;
-        let mut qp = vec![0f32; gp * d];
-        qp[..g * d].copy_from_slice(q);
-        let qsum = qp.chunks_exact(gs).map(|c| c.iter().sum()).collect();
-        let mut lut = Vec::new();
-        if key_lut && fmt.key_bits == 2 && d / 4 * 256 * gp <= MAX_LUT {
-            lut = vec![0f32; d / 4 * 256 * gp];
-            for i in 0..d / 4 {
-                for b in 0..256 {
-                    for h in 0..g {
-                        let qh = &qp[h * d + 4 * i..h * d + 4 * i + 4];
-                        lut[(i * 256 + b) * gp + h] = (0..4).map(|j| qh[j] * ((b >> (2 * j)) & 3) as f32).sum();
-                    }
-                }
+        let mut qk = vec![0f32; g * d];
+        for (qh, kh) in q.chunks_exact(d).zip(qk.chunks_exact_mut(d)) {
+            for (c, &x) in qh.iter().enumerate() {
+                kh[unpack_position(c, fmt.key_bits)] = x;
             }
         }
         Self {
             g,
-            gp,
             d,
-            q: qp,
-            qsum,
-            lut,
-            m: vec![f32::NEG_INFINITY; gp],
-            l: vec![0.0; gp],
-            o: vec![0.0; gp * d],
-            s: vec![0.0; gp * CHUNK],
-            w: vec![0.0; gp * CHUNK],
-            tmp: vec![0.0; gp * CHUNK],
+            q: q.to_vec(),
+            qk,
+            qsum: q.chunks_exact(gs).map(|c| c.iter().sum()).collect(),
+            zsum: vec![0.0; g * groups],
+            m: vec![f32::NEG_INFINITY; g],
+            l: vec![0.0; g],
+            o: vec![0.0; g * d],
+            ov: vec![0.0; g * d],
+            bits: (fmt.key_bits, fmt.value_bits),
+            s: vec![0.0; g * CHUNK],
+            w: vec![0.0; g * CHUNK],
+            tmp: vec![0.0; g * CHUNK],
             rows: vec![0.0; CHUNK * d],
             par: vec![0.0; CHUNK * groups * 2],
         }
     }
 
-    /// Scores a chunk of quantized keys into `s`.
+    /// Unpacks the codes of slots `[slot, slot + n)` into `rows` (f32) and their
+    /// `(scale, zero)` pairs into `par`.
     #[inline(always)]
-    fn score_quant(&mut self, fmt: &Format, page: &[u8], slot: usize, n: usize) {
-        let (gp, d) = (self.gp, self.d);
-        let gs = fmt.group_size as usize;
-        let groups = d / gs;
-        let cb = fmt.key_code_bytes() as usize;
-        let codes = &page[fmt.key_codes_at(slot as u32) as usize..][..n * cb];
-        let pb = &page[fmt.key_params_at(slot as u32) as usize..][..n * groups * 4];
-        let par = &mut self.par[..n * groups * 2];
-        bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(par);
-        if !self.lut.is_empty() {
-            let per_group = gs / 4;
-            for t in 0..n {
-                let code = &codes[t * cb..(t + 1) * cb];
-                for h0 in (0..gp).step_by(HEAD_BLOCK) {
-                    let mut total = [0f32; HEAD_BLOCK];
-                    for j in 0..groups {
-                        // Four independent chains of adds, so latency does not serialize.
-                        let mut acc = [[0f32; HEAD_BLOCK]; 4];
-                        for (i, &b) in code[j * per_group..(j + 1) * per_group].iter().enumerate() {
-                            let at = ((j * per_group + i) * 256 + b as usize) * gp + h0;
-                            let e: &[f32; HEAD_BLOCK] = self.lut[at..at + HEAD_BLOCK].try_into().expect("head block");
-                            for hh in 0..HEAD_BLOCK {
-                                acc[i % 4][hh] += e[hh];
-                            }
-                        }
-                        let (scale, zero) = (par[(t * groups + j) * 2], par[(t * groups + j) * 2 + 1]);
-                        for hh in 0..HEAD_BLOCK {
-                            let dot = (acc[0][hh] + acc[1][hh]) + (acc[2][hh] + acc[3][hh]);
-                            total[hh] += scale * dot + zero * self.qsum[(h0 + hh) * groups + j];
-                        }
-                    }
-                    for hh in 0..HEAD_BLOCK {
-                        self.s[(h0 + hh) * CHUNK + t] = total[hh];
-                    }
-                }
-            }
-            return;
+    fn load_quant(&mut self, page: &[u8], bits: u32, codes_at: usize, params_at: usize, n: usize) {
+        let d = self.d;
+        let cb = d * bits as usize / 8;
+        let groups = self.zsum.len() / self.g;
+        let codes = &page[codes_at..codes_at + n * cb];
+        for (t, r) in self.rows[..n * d].chunks_exact_mut(d).enumerate() {
+            unpack(&codes[t * cb..(t + 1) * cb], bits, r);
         }
-        let rows = &mut self.rows[..n * d];
-        for (t, r) in rows.chunks_exact_mut(d).enumerate() {
-            unpack(&codes[t * cb..(t + 1) * cb], fmt.key_bits, r);
-        }
-        for h in 0..gp {
-            self.s[h * CHUNK..h * CHUNK + n].fill(0.0);
-        }
-        for j in 0..groups {
-            dots(&self.q, gp, d, &self.rows, n, j * gs, (j + 1) * gs, &mut self.tmp);
-            for h in 0..gp {
-                for t in 0..n {
-                    let (scale, zero) = (self.par[(t * groups + j) * 2], self.par[(t * groups + j) * 2 + 1]);
-                    self.s[h * CHUNK + t] += scale * self.tmp[h * CHUNK + t] + zero * self.qsum[h * groups + j];
+        let pb = &page[params_at..params_at + n * groups * 4];
+        bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(&mut self.par[..n * groups * 2]);
+    }
+
+    /// Adds the zero sums into `o`.
+    #[inline(always)]
+    fn flush(&mut self) {
+        let d = self.d;
+        let groups = self.zsum.len() / self.g;
+        let gs = d / groups;
+        for h in 0..self.g {
+            for j in 0..groups {
+                let z = std::mem::take(&mut self.zsum[h * groups + j]);
+                if z != 0.0 {
+                    self.o[h * d + j * gs..h * d + (j + 1) * gs].iter_mut().for_each(|o| *o += z);
                 }
             }
         }
     }
 
-    /// Turns the scores of `n` tokens into probabilities relative to the updated max and
-    /// rescales the running sums.
+    /// Turns the scores of `n` tokens into weights `exp(s - m)`, moving `m` (and
+    /// rescaling the running sums) only when a score exceeds it by the threshold.
     #[inline(always)]
     fn softmax(&mut self, n: usize) {
         let d = self.d;
+        let mut moved = false;
         for h in 0..self.g {
-            let s = &mut self.s[h * CHUNK..h * CHUNK + n];
-            let local = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let m = self.m[h].max(local);
-            let c = exp_neg(self.m[h] - m);
-            for x in s.iter_mut() {
-                *x = exp_neg(*x - m);
-            }
-            self.l[h] = self.l[h] * c + sum(s);
-            self.m[h] = m;
-            if c != 1.0 {
+            let local = self.s[h * CHUNK..h * CHUNK + n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if local > self.m[h] + RESCALE_THRESHOLD {
+                if !moved {
+                    self.flush();
+                    moved = true;
+                }
+                let c = exp_neg(self.m[h] - local);
+                self.m[h] = local;
+                self.l[h] *= c;
                 self.o[h * d..(h + 1) * d].iter_mut().for_each(|o| *o *= c);
+                self.ov[h * d..(h + 1) * d].iter_mut().for_each(|o| *o *= c);
             }
+        }
+        for h in 0..self.g {
+            let m = self.m[h];
+            let s = &mut self.s[h * CHUNK..h * CHUNK + n];
+            for x in s.iter_mut() {
+                *x = exp_shifted(*x - m);
+            }
+            self.l[h] += sum(s);
         }
     }
 
     /// Scores the chunk, updates the softmax state and accumulates its values.
     #[inline(always)]
-    pub(crate) fn step(&mut self, fmt: &Format, chunk: Chunk<'_>) {
-        let (g, gp, d) = (self.g, self.gp, self.d);
+    pub(crate) fn step<K: Kernels>(&mut self, kern: K, fmt: &Format, chunk: Chunk<'_>) {
+        let (g, d) = (self.g, self.d);
         match chunk {
             Chunk::F16 { k, v } => {
                 let n = k.len() / d;
                 k.convert_to_f32_slice(&mut self.rows[..n * d]);
-                dots(&self.q, gp, d, &self.rows, n, 0, d, &mut self.s);
+                kern.dots(&self.q, g, d, &self.rows, n, 0, d, &mut self.s);
                 self.softmax(n);
                 v.convert_to_f32_slice(&mut self.rows[..n * d]);
-                for h in 0..g {
-                    self.w[h * CHUNK..h * CHUNK + n].copy_from_slice(&self.s[h * CHUNK..h * CHUNK + n]);
-                }
-                accumulate(&mut self.o, &self.w, gp, d, &self.rows, n, 0, d);
+                kern.accumulate(&mut self.o, &self.s, g, d, &self.rows, n, 0, d);
             }
             Chunk::Quant { page, slot, n } => {
-                let (slot, n) = (slot as usize, n as usize);
-                self.score_quant(fmt, page, slot, n);
-                self.softmax(n);
+                let n = n as usize;
                 let gs = fmt.group_size as usize;
                 let groups = d / gs;
-                let cb = fmt.value_code_bytes() as usize;
-                let codes = &page[fmt.value_codes_at(slot as u32) as usize..][..n * cb];
-                let pb = &page[fmt.value_params_at(slot as u32) as usize..][..n * groups * 4];
-                bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(&mut self.par[..n * groups * 2]);
-                for (t, r) in self.rows[..n * d].chunks_exact_mut(d).enumerate() {
-                    unpack(&codes[t * cb..(t + 1) * cb], fmt.value_bits, r);
+                self.load_quant(
+                    page,
+                    fmt.key_bits,
+                    fmt.key_codes_at(slot) as usize,
+                    fmt.key_params_at(slot) as usize,
+                    n,
+                );
+                if groups == 1 {
+                    kern.dots(&self.qk, g, d, &self.rows, n, 0, d, &mut self.s);
+                    for h in 0..g {
+                        for t in 0..n {
+                            let (scale, zero) = (self.par[2 * t], self.par[2 * t + 1]);
+                            self.s[h * CHUNK + t] = scale * self.s[h * CHUNK + t] + zero * self.qsum[h];
+                        }
+                    }
+                } else {
+                    self.s[..g * CHUNK].fill(0.0);
+                    for j in 0..groups {
+                        kern.dots(&self.qk, g, d, &self.rows, n, j * gs, (j + 1) * gs, &mut self.tmp);
+                        for h in 0..g {
+                            for t in 0..n {
+                                let (scale, zero) =
+                                    (self.par[(t * groups + j) * 2], self.par[(t * groups + j) * 2 + 1]);
+                                self.s[h * CHUNK + t] +=
+                                    scale * self.tmp[h * CHUNK + t] + zero * self.qsum[h * groups + j];
+                            }
+                        }
+                    }
                 }
+                self.softmax(n);
+                self.load_quant(
+                    page,
+                    fmt.value_bits,
+                    fmt.value_codes_at(slot) as usize,
+                    fmt.value_params_at(slot) as usize,
+                    n,
+                );
                 for j in 0..groups {
                     for h in 0..g {
                         for t in 0..n {
@@ -507,42 +690,50 @@ impl HeadState {
                             self.w[h * CHUNK + t] = p * self.par[(t * groups + j) * 2];
                             self.tmp[t] = p * self.par[(t * groups + j) * 2 + 1];
                         }
-                        let bias = sum(&self.tmp[..n]);
-                        self.o[h * d + j * gs..h * d + (j + 1) * gs].iter_mut().for_each(|o| *o += bias);
+                        self.zsum[h * groups + j] += sum(&self.tmp[..n]);
                     }
-                    accumulate(&mut self.o, &self.w, gp, d, &self.rows, n, j * gs, (j + 1) * gs);
+                    kern.accumulate(&mut self.ov, &self.w, g, d, &self.rows, n, j * gs, (j + 1) * gs);
                 }
+            }
+        }
+    }
+
+    /// Completes `o` (call once after the last chunk).
+    pub(crate) fn finish(&mut self) {
+        self.flush();
+        let d = self.d;
+        for (o, ov) in self.o.chunks_exact_mut(d).zip(self.ov.chunks_exact(d)) {
+            for (c, o) in o.iter_mut().enumerate() {
+                *o += ov[unpack_position(c, self.bits.1)];
             }
         }
     }
 }
 
-/// Runs every chunk of `chunks` through `st`.
+/// Runs every chunk of `chunks` through `st`, then completes it.
 #[inline(always)]
-fn run_chunks<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
+fn run_chunks<'a, K: Kernels>(kern: K, st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
     for c in chunks {
-        st.step(fmt, c);
+        st.step(kern, fmt, c);
     }
+    st.finish();
 }
 
-/// [`run_chunks`] compiled for AVX2 and FMA.
-///
-/// # Safety
-/// The processor must support AVX2 and FMA.
+/// [`run_chunks`] with the AVX2 kernels, compiled for AVX2 so everything inlines.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_chunks_avx2<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
-    run_chunks(st, fmt, chunks)
+fn run_chunks_avx2<'a>(kern: Avx2, st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
+    run_chunks(kern, st, fmt, chunks)
 }
 
-/// [`run_chunks`] in the widest instruction set this processor has.
+/// [`run_chunks`] with the best kernels this processor supports.
 fn run_chunks_best<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: AVX2 and FMA support was just checked.
-        return unsafe { run_chunks_avx2(st, fmt, chunks) };
+    if let Some(kern) = Avx2::detect() {
+        // SAFETY: `kern` proves AVX2 and FMA support, the target features of the callee.
+        return unsafe { run_chunks_avx2(kern, st, fmt, chunks) };
     }
-    run_chunks(st, fmt, chunks)
+    run_chunks(Portable, st, fmt, chunks)
 }
 
 /// The chunks of positions `[begin, end)` of a sequence, in position order: sink rows,
@@ -628,7 +819,7 @@ pub fn decode(
             if b >= e {
                 return None;
             }
-            let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), g, true);
+            let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), g);
             run_chunks_best(&mut st, &fmt, chunks(&fmt, hkv, pool, &seqs[s], h, b, e));
             Some(st)
         })
@@ -708,7 +899,7 @@ pub fn decode_f16_baseline(
             }
             let at = (s * num_q_heads + h * g) * d;
             let qs: Vec<f32> = q[at..at + g * d].iter().map(|x| x / (d as f32).sqrt()).collect();
-            let mut st = HeadState::new(&fmt, &qs, g, false);
+            let mut st = HeadState::new(&fmt, &qs, g);
             let base = (s * num_kv_heads + h) * len * d;
             let rows = (b..e).step_by(CHUNK).map(|t| {
                 let r = base + t * d..base + (t + CHUNK).min(e) * d;
