@@ -60,6 +60,7 @@ impl KvCache {
     pub fn new(config: CacheConfig, shape: CacheShape, backend: Backend) -> Result<Self> {
         let format = config.format()?;
         let layer = LayerShape { num_kv_heads: shape.num_kv_heads, num_q_heads: shape.num_q_heads };
+        layer.check()?;
         if shape.layers == 0 || shape.max_seqs == 0 || shape.max_tokens == 0 {
             return Err(Error::Shape(format!("layers, max_seqs and max_tokens must be positive: {shape:?}")));
         }

@@ -39,7 +39,7 @@ pub fn fwht(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= s);
 }
 
-/// Rotates `x` (in place through `tmp`) into stored order: `out[j] = (x H)[perm[j]]`.
+/// Rotates `x` (in place) into stored order in `out`: `out[j] = (x H)[perm[j]]`.
 fn rotate_into(x: &mut [f32], hadamard: bool, perm: &[u16], out: &mut [f32]) {
     if hadamard {
         fwht(x);
@@ -47,6 +47,35 @@ fn rotate_into(x: &mut [f32], hadamard: bool, perm: &[u16], out: &mut [f32]) {
     for (o, &p) in out.iter_mut().zip(perm) {
         *o = x[p as usize];
     }
+}
+
+/// Rotates one input row (minus `mean`, where given) into stored order and rounds it
+/// to f16, as the CPU append stores it; `x` and `y` are scratch of the row's length.
+#[inline]
+fn stage_row(
+    src: &[f32],
+    mean: Option<&[f32]>,
+    hadamard: bool,
+    perm: &[u16],
+    x: &mut [f32],
+    y: &mut [f32],
+    dst: &mut [f16],
+) {
+    match mean {
+        Some(m) => x.iter_mut().zip(src.iter().zip(m)).for_each(|(x, (a, m))| *x = a - m),
+        None => x.copy_from_slice(src),
+    }
+    rotate_into(x, hadamard, perm, y);
+    dst.convert_from_f32_slice(y);
+}
+
+/// The f16 row the CPU backend stores for an input row (the f32 twin of
+/// [`crate::reference::stored_key`] / [`crate::reference::stored_value`]).
+pub fn stored_row(src: &[f32], mean: Option<&[f32]>, hadamard: bool, perm: &[u16]) -> Vec<f16> {
+    let n = src.len();
+    let mut out = vec![f16::ZERO; n];
+    stage_row(src, mean, hadamard, perm, &mut vec![0.0; n], &mut vec![0.0; n], &mut out);
+    out
 }
 
 /// Quantizes one stored f16 row into packed codes and `(scale, zero)` pairs, bit for bit
@@ -107,14 +136,9 @@ pub fn append(
             let h = i % hkv;
             let (mean, kperm, vperm) = calib.head(h, d);
             let src = i * d;
-            for (x, (a, m)) in x.iter_mut().zip(k[src..src + d].iter().zip(mean)) {
-                *x = a - m;
-            }
-            rotate_into(x, flags & FLAG_ROTATE_KEYS != 0, kperm, y);
-            dst[..d].convert_from_f32_slice(y);
-            x.copy_from_slice(&v[src..src + d]);
-            rotate_into(x, flags & FLAG_ROTATE_VALUES != 0, vperm, y);
-            dst[d..].convert_from_f32_slice(y);
+            let (dk, dv) = dst.split_at_mut(d);
+            stage_row(&k[src..src + d], Some(mean), flags & FLAG_ROTATE_KEYS != 0, kperm, x, y, dk);
+            stage_row(&v[src..src + d], None, flags & FLAG_ROTATE_VALUES != 0, vperm, x, y, dv);
         },
     );
     let new_len = (len + n) as u32;
@@ -367,7 +391,7 @@ mod avx2 {
         c1: usize,
         out: &mut [f32],
     ) {
-        assert!((h0 + H) * d <= q.len() && n * d <= rows.len() && c1 <= d && c0 <= c1 && (c1 - c0) % 8 == 0);
+        assert!((h0 + H) * d <= q.len() && n * d <= rows.len() && c1 <= d && c0 <= c1 && (c1 - c0).is_multiple_of(8));
         assert!((h0 + H - 1) * CHUNK + n <= out.len());
         let (qp, rp) = (q.as_ptr(), rows.as_ptr());
         let mut t = 0;
@@ -414,7 +438,7 @@ mod avx2 {
         c0: usize,
         c1: usize,
     ) {
-        assert!((h0 + H) * d <= o.len() && n * d <= rows.len() && c1 <= d && c0 <= c1 && (c1 - c0) % 16 == 0);
+        assert!((h0 + H) * d <= o.len() && n * d <= rows.len() && c1 <= d && c0 <= c1 && (c1 - c0).is_multiple_of(16));
         assert!(n == 0 || (h0 + H - 1) * CHUNK + n <= w.len());
         let (op, rp) = (o.as_mut_ptr(), rows.as_ptr());
         let mut c = c0;

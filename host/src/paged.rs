@@ -24,7 +24,7 @@ pub struct LayerShape {
 }
 
 impl LayerShape {
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         if self.num_kv_heads == 0 || self.num_q_heads == 0 || !self.num_q_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::Shape(format!(
                 "{} query heads must be a positive multiple of {} KV heads",

@@ -1,1 +1,197 @@
+//! Shared helpers of the rotkv conformance suite: seeded inputs, a single-sequence paged
+//! store, and the comparisons the suite states its tolerances with.
 
+use rotkv::paged::{self, DecodeOptions, LayerShape};
+use rotkv::reference::SeqRef;
+use rotkv::{Backend, CacheConfig, LayerCalibration, Result, f16};
+
+/// A small deterministic generator (xorshift64*), so every input has a fixed seed.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32) / (1u64 << 24) as f32
+    }
+    /// Roughly standard normal (sum of four uniforms, rescaled).
+    pub fn normal(&mut self) -> f32 {
+        (self.uniform() + self.uniform() + self.uniform() + self.uniform() - 2.0) * 1.732
+    }
+    /// An integer in `[0, n)`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.uniform() * n as f32) as usize % n.max(1)
+    }
+}
+
+/// What the synthetic rows look like.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Data {
+    /// Normal values with a per-channel bias and one outlier channel (key-like).
+    Keys,
+    /// Normal values, no structure.
+    Normal,
+    /// Every row identical.
+    AllEqual,
+    /// Rows whose channels are piecewise constant over 32-channel runs (constant groups).
+    ConstantGroups,
+    /// Normal values plus a few huge outliers (up to 2000).
+    HugeOutliers,
+}
+
+/// `rows` rows of `d` f32 values.
+pub fn rows(data: Data, rows: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut r = Rng::new(seed);
+    let bias: Vec<f32> = (0..d).map(|c| if c % 17 == 3 { 4.0 } else { 0.3 * r.normal() }).collect();
+    let first: Vec<f32> = (0..d).map(|_| r.normal()).collect();
+    let mut out = Vec::with_capacity(rows * d);
+    for _ in 0..rows {
+        let consts: Vec<f32> = (0..d / 32).map(|_| (r.normal() * 8.0).round() / 8.0).collect();
+        for c in 0..d {
+            out.push(match data {
+                Data::Keys => bias[c] + r.normal() + if c == 7 { 12.0 } else { 0.0 },
+                Data::Normal => r.normal(),
+                Data::AllEqual => first[c],
+                Data::ConstantGroups => consts[c / 32],
+                Data::HugeOutliers => {
+                    if r.below(97) == 0 {
+                        (r.normal().signum()) * 2000.0
+                    } else {
+                        r.normal()
+                    }
+                }
+            });
+        }
+    }
+    out
+}
+
+/// `||a - b|| / ||b||` in f64.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// One sequence of one layer in caller-owned buffers (identity block table unless
+/// shuffled), for driving the low-level API.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Store {
+    /// The cache configuration.
+    pub config: CacheConfig,
+    /// Heads.
+    pub shape: LayerShape,
+    /// Calibration.
+    pub calib: LayerCalibration,
+    /// Page pool.
+    pub pool: Vec<u8>,
+    /// Side store.
+    pub side: Vec<f16>,
+    /// Block table.
+    pub table: Vec<u32>,
+    /// Tokens held.
+    pub len: usize,
+}
+
+impl Store {
+    /// Room for `capacity` tokens; with `shuffle_seed` the block table is a random
+    /// permutation of a pool with 3 spare blocks, so pages are not in order.
+    pub fn new(config: CacheConfig, shape: LayerShape, capacity: usize, shuffle_seed: Option<u64>) -> Self {
+        let blocks = paged::blocks_for(&config, capacity).expect("config");
+        let spare = if shuffle_seed.is_some() { 3 } else { 0 };
+        let mut table: Vec<u32> = (0..(blocks + spare) as u32).collect();
+        if let Some(seed) = shuffle_seed {
+            let mut r = Rng::new(seed);
+            for i in (1..table.len()).rev() {
+                table.swap(i, r.below(i + 1));
+            }
+        }
+        table.truncate(blocks);
+        let calib = LayerCalibration::identity(shape.num_kv_heads, config.head_dim);
+        Self {
+            pool: vec![0u8; paged::pool_bytes(&config, &shape, blocks + spare).expect("config")],
+            side: vec![f16::ZERO; paged::side_elems(&config, &shape).expect("config")],
+            config,
+            shape,
+            calib,
+            table,
+            len: 0,
+        }
+    }
+
+    /// Appends `k`, `v` (`[tokens][kv_heads][d]`).
+    pub fn append(&mut self, backend: Backend, k: &[f32], v: &[f32]) -> Result<()> {
+        let tokens = k.len() / (self.shape.num_kv_heads * self.config.head_dim);
+        self.len = paged::append(
+            backend,
+            &self.config,
+            &self.calib,
+            &self.shape,
+            &mut self.pool,
+            &self.table,
+            &mut self.side,
+            self.len,
+            tokens,
+            k,
+            v,
+        )?;
+        Ok(())
+    }
+
+    /// The sequence as decode sees it.
+    pub fn seq(&self) -> SeqRef<'_> {
+        SeqRef { block_table: &self.table, side: &self.side, len: self.len }
+    }
+
+    /// Decodes one query (`[q_heads][d]`).
+    pub fn decode(&self, backend: Backend, q: &[f32], splits: Option<u32>) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; q.len()];
+        paged::decode(
+            backend,
+            &self.config,
+            &self.calib,
+            &self.shape,
+            &self.pool,
+            &[self.seq()],
+            q,
+            &mut out,
+            DecodeOptions { sm_scale: None, num_splits: splits },
+        )?;
+        Ok(out)
+    }
+}
+
+/// A small config for a supported `(head_dim, key_bits, value_bits, group)`: 16-token
+/// pages, 3 sinks, a 32-token window, Hadamard on both.
+pub fn small_config(d: u32, kb: u32, vb: u32, g: u32) -> CacheConfig {
+    CacheConfig {
+        head_dim: d as usize,
+        key_bits: kb,
+        value_bits: vb,
+        group_size: g as usize,
+        page_size: 16,
+        sinks: 3,
+        window: 32,
+        ..CacheConfig::k2v2(d as usize)
+    }
+}
+
+/// Where the shared data directory of the workspace is, if present
+/// (`../shared/data` beside the repository).
+pub fn shared_data() -> Option<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data");
+    p.join("smollm2-alice-kv.safetensors").exists().then_some(p)
+}
+
+/// The repository's `data/` directory.
+pub fn repo_data() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
+}

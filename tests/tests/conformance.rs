@@ -1,0 +1,426 @@
+//! The conformance suite: one body per property, run on every backend of this build
+//! against the f64 reference (`Backend::all()`; the GPU backends join it later).
+//!
+//! Tolerances (each justified where it is used):
+//! - bytes written by append: equal to the reference's, except where the f32 rotation of
+//!   a backend and the f64 rotation of the reference round to different f16 values,
+//!   which may only happen when the exact value sits at an f16 rounding tie (checked).
+//! - decode outputs: `||out - ref|| / ||ref||` below `DECODE_TOL` on the same bytes.
+
+use rotkv::config::LayerCalibration;
+use rotkv::paged::LayerShape;
+use rotkv::reference;
+use rotkv::{Backend, CacheConfig, Format, Rotation, f16};
+use rotkv_kernels::layout::Place;
+use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS};
+use rotkv_tests::{Data, Rng, Store, rel_err, rows, small_config};
+
+/// f32 accumulation (unit roundoff 6e-8) over at most 4097 tokens x 256 channels with
+/// a polynomial exp of relative error 2e-7, against f64: the largest error observed over
+/// this suite is 1.5e-5 (4-bit keys, g32, GQA 7); the bound leaves a 3x margin.
+const DECODE_TOL: f64 = 5e-5;
+
+fn fast_backends() -> impl Iterator<Item = Backend> {
+    Backend::all().iter().copied().filter(|&b| b != Backend::Reference)
+}
+
+/// A calibration with a non-zero key mean and random permutations.
+fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
+    let mut r = Rng::new(seed);
+    let mut c = LayerCalibration::identity(hkv, d);
+    c.key_mean.iter_mut().for_each(|m| *m = r.normal() * 0.5);
+    for perm in [&mut c.key_perm, &mut c.value_perm] {
+        for p in perm.chunks_exact_mut(d) {
+            for i in (1..d).rev() {
+                p.swap(i, r.below(i + 1));
+            }
+        }
+    }
+    c
+}
+
+/// Checks that a backend's f16 row may differ from the reference's only at rounding ties
+/// of the exact value; returns whether the rows are identical. "At a tie" means within
+/// the f32 FWHT's absolute error of the midpoint between the two f16 values: log2(D)
+/// butterfly levels of unit roundoff 6e-8 on values bounded by the row's norm, so
+/// `1e-6 * ||x||` with a 2x margin for D = 256.
+fn check_rows(exact: &[f64], reference: &[f16], backend: &[f16]) -> bool {
+    let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let mut same = true;
+    for ((&x, &r), &b) in exact.iter().zip(reference).zip(backend) {
+        if r != b {
+            same = false;
+            let mid = (r.to_f64() + b.to_f64()) / 2.0;
+            assert!(
+                (x - mid).abs() <= 1e-6 * norm,
+                "f16 rows differ away from a tie: exact {x}, reference {r}, backend {b}, row norm {norm}"
+            );
+        }
+    }
+    same
+}
+
+/// Compares the bytes two backends appended, token by token and head by head.
+fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f32]) {
+    let d = fmt.head_dim as usize;
+    let hkv = refs.shape.num_kv_heads;
+    let len = refs.len as u32;
+    let flags = refs.config.flags();
+    for pos in 0..len {
+        for h in 0..hkv {
+            let (mean, kperm, vperm) = refs.calib.head(h, d);
+            let at = (pos as usize * hkv + h) * d;
+            for value in [false, true] {
+                let (src, perm, had) = if value {
+                    (&v[at..at + d], vperm, refs.config.value_rotation == Rotation::Hadamard)
+                } else {
+                    (&k[at..at + d], kperm, refs.config.key_rotation == Rotation::Hadamard)
+                };
+                let centered: Vec<f64> = if value {
+                    src.iter().map(|&x| x as f64).collect()
+                } else {
+                    src.iter().zip(mean).map(|(&x, &m)| x as f64 - m as f64).collect()
+                };
+                let exact = reference::rotate(&centered, had, perm);
+                let r = if value {
+                    reference::stored_value(src, flags, perm)
+                } else {
+                    reference::stored_key(src, mean, flags, perm)
+                };
+                let b = rotkv::cpu::stored_row(src, (!value).then_some(mean), had, perm);
+                let same = check_rows(&exact, &r, &b);
+                match fmt.place(pos, len) {
+                    Place::Sink { index: row } | Place::Window { slot: row } => {
+                        let s = fmt.side_row_at(h as u32, value, row);
+                        assert_eq!(&refs.side[s..s + d], &r[..], "reference side row, pos {pos}");
+                        assert_eq!(&other.side[s..s + d], &b[..], "backend side row, pos {pos}");
+                    }
+                    Place::Page { page, slot } => {
+                        let read =
+                            |st: &Store| reference::read_row(fmt, hkv, &st.pool, &st.seq(), h, pos as usize, value);
+                        let (cb, pb) = (
+                            if value { fmt.value_codes_at(slot) } else { fmt.key_codes_at(slot) } as usize,
+                            if value { fmt.value_params_at(slot) } else { fmt.key_params_at(slot) } as usize,
+                        );
+                        let ncode = if value { fmt.value_code_bytes() } else { fmt.key_code_bytes() } as usize;
+                        let np = fmt.param_bytes() as usize;
+                        let bytes = |st: &Store| {
+                            let base = fmt.page_offset(st.table[page as usize], h as u32, hkv as u32);
+                            (
+                                st.pool[base + cb..base + cb + ncode].to_vec(),
+                                st.pool[base + pb..base + pb + np].to_vec(),
+                            )
+                        };
+                        if same {
+                            assert_eq!(bytes(refs), bytes(other), "page bytes, pos {pos} head {h} value {value}");
+                        } else {
+                            // Inputs differ by one f16 ulp somewhere: the dequantized rows
+                            // may then differ by at most one quantization step.
+                            let (a, b) = (read(refs), read(other));
+                            let (pa, pb) = (bytes(refs).1, bytes(other).1);
+                            let gs = fmt.group_size as usize;
+                            for (c, (x, y)) in a.iter().zip(&b).enumerate() {
+                                let j = 4 * (c / gs);
+                                let scale = |p: &[u8]| f16::from_le_bytes([p[j], p[j + 1]]).to_f64();
+                                let step = scale(&pa).max(scale(&pb));
+                                assert!((x - y).abs() <= step * 1.001 + 1e-3, "pos {pos}: {x} vs {y}, step {step}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn append_bytes_match_reference_for_every_config() {
+    for (i, &(d, kb, vb, g)) in rotkv::SUPPORTED.iter().enumerate() {
+        let config = CacheConfig {
+            key_rotation: if i % 5 == 4 { Rotation::None } else { Rotation::Hadamard },
+            ..small_config(d, kb, vb, g)
+        };
+        let shape = LayerShape { num_kv_heads: 2, num_q_heads: 2 };
+        let n = 100;
+        let k = rows(Data::Keys, n * 2, d as usize, 10 + i as u64);
+        let v = rows(Data::Normal, n * 2, d as usize, 20 + i as u64);
+        let calib = random_calibration(2, d as usize, i as u64);
+        for backend in fast_backends() {
+            let mut a = Store::new(config, shape, n, Some(i as u64));
+            let mut b = a.clone();
+            a.calib = calib.clone();
+            b.calib = calib.clone();
+            let row = 2 * d as usize;
+            let mut at = 0;
+            for chunk in [1, 40, 1, 1, 57] {
+                let r = at * row..(at + chunk) * row;
+                a.append(Backend::Reference, &k[r.clone()], &v[r.clone()]).unwrap();
+                b.append(backend, &k[r.clone()], &v[r]).unwrap();
+                at += chunk;
+            }
+            compare_appends(&config.format().unwrap(), &a, &b, &k, &v);
+        }
+    }
+}
+
+#[test]
+fn chunking_of_appends_is_invisible() {
+    let config = CacheConfig { sinks: 4, window: 64, page_size: 16, ..CacheConfig::k2v2(64) };
+    let fmt = config.format().unwrap();
+    let shape = LayerShape { num_kv_heads: 3, num_q_heads: 9 };
+    let n = 1000;
+    let k = rows(Data::Keys, n * 3, 64, 1);
+    let v = rows(Data::Normal, n * 3, 64, 2);
+    let row = 3 * 64;
+    for backend in Backend::all().iter().copied() {
+        let mut whole = Store::new(config, shape, n, None);
+        whole.append(backend, &k, &v).unwrap();
+        let mut pieces = Store::new(config, shape, n, None);
+        let mut r = Rng::new(5);
+        let mut at = 0;
+        while at < n {
+            let c = (1 + r.below(90)).min(n - at);
+            pieces.append(backend, &k[at * row..(at + c) * row], &v[at * row..(at + c) * row]).unwrap();
+            at += c;
+        }
+        assert_eq!(whole.pool, pieces.pool, "{backend:?}: pages differ");
+        for pos in 0..n as u32 {
+            if let Place::Sink { index: row } | Place::Window { slot: row } = fmt.place(pos, n as u32) {
+                for h in 0..3 {
+                    for value in [false, true] {
+                        let s = fmt.side_row_at(h, value, row);
+                        assert_eq!(whole.side[s..s + 64], pieces.side[s..s + 64], "{backend:?}: pos {pos}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Fills a store through the reference and decodes one query on every backend.
+fn decode_case(config: CacheConfig, hkv: usize, gqa: usize, len: usize, data: Data, seed: u64, splits: &[Option<u32>]) {
+    let d = config.head_dim;
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
+    let mut st = Store::new(config, shape, len, Some(seed));
+    st.calib = random_calibration(hkv, d, seed);
+    let k = rows(data, len * hkv, d, seed);
+    let v = rows(if data == Data::Keys { Data::Normal } else { data }, len * hkv, d, seed + 1);
+    st.append(Backend::Reference, &k, &v).unwrap();
+    let q = rows(Data::Normal, hkv * gqa, d, seed + 2);
+    let want = st.decode(Backend::Reference, &q, Some(1)).unwrap();
+    assert!(want.iter().all(|x| x.is_finite()));
+    for backend in fast_backends() {
+        for &s in splits {
+            let got = st.decode(backend, &q, s).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(
+                e <= DECODE_TOL,
+                "{backend:?} {config:?} gqa {gqa} len {len} {data:?} splits {s:?}: rel err {e:.2e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn decode_matches_reference_for_every_config() {
+    let gqa = [1, 3, 7, 8];
+    let data = [Data::Keys, Data::AllEqual, Data::ConstantGroups, Data::HugeOutliers];
+    for (i, &(d, kb, vb, g)) in rotkv::SUPPORTED.iter().enumerate() {
+        let config = small_config(d, kb, vb, g);
+        // 3 sinks + 2 pages + 32..47 window tokens: every kind of place is read.
+        decode_case(config, 2, gqa[i % 4], 75, data[(i / 4) % 4], 100 + i as u64, &[None, Some(4)]);
+    }
+}
+
+#[test]
+fn decode_matches_reference_at_boundary_and_long_lengths() {
+    let configs = [
+        CacheConfig::k2v2(64),
+        CacheConfig { group_size: 32, ..CacheConfig::k4v2(128) },
+        CacheConfig { key_bits: 2, value_bits: 4, group_size: 256, ..CacheConfig::k2v2(256) },
+    ];
+    for (i, config) in configs.into_iter().enumerate() {
+        for len in [1, 63, 64, 65, 132, 133, 196, 197, 1000, 4097] {
+            let gqa = if i == 1 { 3 } else { 8 };
+            decode_case(config, 1 + i % 2, gqa, len, Data::Keys, len as u64 * 7 + i as u64, &[None, Some(1), Some(3)]);
+        }
+    }
+}
+
+#[test]
+fn split_partials_merge_to_the_unsplit_result() {
+    let config = small_config(64, 2, 2, 32);
+    let fmt = config.format().unwrap();
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 6 };
+    for len in [1usize, 17, 65] {
+        let mut st = Store::new(config, shape, len, None);
+        let k = rows(Data::Keys, len * 2, 64, 3);
+        let v = rows(Data::Normal, len * 2, 64, 4);
+        st.append(Backend::Reference, &k, &v).unwrap();
+        let q = rows(Data::Normal, 6, 64, 5);
+        let params = |splits: u32| DecodeParams {
+            format: fmt,
+            num_seqs: 1,
+            num_q_heads: 6,
+            num_kv_heads: 2,
+            num_splits: splits,
+            block_table_stride: st.table.len() as u32,
+            flags: config.flags(),
+            sm_scale: 0.125,
+            q_seq_stride: 6 * 64,
+        };
+        let one = reference::decode_partials(&params(1), &st.calib, &st.pool, &[st.seq()], &q);
+        for splits in 1..=70u32 {
+            let parts = reference::decode_partials(&params(splits), &st.calib, &st.pool, &[st.seq()], &q);
+            let empty = parts.iter().filter(|p| p.m == f64::NEG_INFINITY).count();
+            if splits as usize > len {
+                assert!(empty > 0, "{splits} splits of {len} tokens must leave some empty");
+            }
+            for h in 0..6 {
+                let merged = reference::merge(&parts[h * splits as usize..(h + 1) * splits as usize]);
+                let whole = reference::merge(&one[h..h + 1]);
+                for (a, b) in merged.iter().zip(&whole) {
+                    assert!(a.is_finite() && (a - b).abs() <= 1e-12 * b.abs().max(1.0), "len {len} splits {splits}");
+                }
+            }
+        }
+        let base = st.decode(Backend::Reference, &q, Some(1)).unwrap();
+        for backend in fast_backends() {
+            for splits in 1..=64 {
+                let got = st.decode(backend, &q, Some(splits)).unwrap();
+                assert!(rel_err(&got, &base) <= DECODE_TOL, "{backend:?} len {len} splits {splits}");
+            }
+        }
+    }
+    assert_eq!(reference::merge(&[reference::Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; 4] }]), vec![0.0; 4]);
+}
+
+/// With the window covering every token nothing is quantized: decode must then equal
+/// plain softmax attention on the original keys and values up to f16 rounding of the
+/// rotated rows (relative 2^-11 per element), whatever the mean and permutations.
+#[test]
+fn rotation_bookkeeping_is_exact_without_quantization() {
+    for (d, rot) in [(64, Rotation::Hadamard), (128, Rotation::None), (256, Rotation::Hadamard)] {
+        let (hkv, gqa, len) = (2, 3, 50);
+        let config = CacheConfig {
+            window: 64,
+            sinks: 2,
+            key_rotation: rot,
+            value_rotation: rot,
+            page_size: 16,
+            ..CacheConfig::k2v2(d)
+        };
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
+        let mut st = Store::new(config, shape, len, None);
+        st.calib = random_calibration(hkv, d, d as u64);
+        let k = rows(Data::Keys, len * hkv, d, 1);
+        let v = rows(Data::Normal, len * hkv, d, 2);
+        st.append(Backend::Reference, &k, &v).unwrap();
+        let q = rows(Data::Normal, hkv * gqa, d, 3);
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut exact = vec![0f32; hkv * gqa * d];
+        for qh in 0..hkv * gqa {
+            let h = qh / gqa;
+            let logits: Vec<f64> = (0..len)
+                .map(|t| {
+                    let kr = &k[(t * hkv + h) * d..(t * hkv + h + 1) * d];
+                    scale * q[qh * d..(qh + 1) * d].iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                })
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            for c in 0..d {
+                exact[qh * d + c] =
+                    (0..len).map(|t| w[t] * v[(t * hkv + h) * d + c] as f64).sum::<f64>() as f32 / sum as f32;
+            }
+        }
+        for backend in Backend::all().iter().copied() {
+            let got = st.decode(backend, &q, None).unwrap();
+            let e = rel_err(&got, &exact);
+            assert!(e < 2e-3, "{backend:?} d {d} {rot:?}: {e:.2e}");
+        }
+    }
+}
+
+#[test]
+fn quantizer_definitions() {
+    // A constant group round-trips exactly and gives no NaN.
+    for bits in [2, 4] {
+        let g = reference::quantize_group(&[1.5; 32], bits);
+        assert_eq!(g.scale.to_f64(), 0.0);
+        assert_eq!(reference::dequantize_group(&g), vec![1.5; 32]);
+        let g = reference::quantize_group(&[-3.25; 32], bits);
+        assert_eq!(reference::dequantize_group(&g), vec![-3.25; 32]);
+    }
+    // Codes stay in range and the error is at most half a step (plus f16 rounding of
+    // the scale and zero) inside the group's range.
+    let mut r = Rng::new(9);
+    for bits in [2, 4] {
+        for _ in 0..200 {
+            let x: Vec<f64> = (0..64).map(|_| r.normal() as f64 * 3.0).collect();
+            let g = reference::quantize_group(&x, bits);
+            assert!(g.codes.iter().all(|&c| (c as u32) < (1 << bits)));
+            let y = reference::dequantize_group(&g);
+            let s = g.scale.to_f64();
+            for (a, b) in x.iter().zip(&y) {
+                assert!((a - b).abs() <= 0.5 * s + 2e-3 * a.abs().max(1.0), "{a} {b} step {s}");
+            }
+        }
+        // Packing: channel c in byte c*bits/8 at bit (c*bits)%8, and back.
+        let codes: Vec<u8> = (0..128).map(|_| r.below(1 << bits) as u8).collect();
+        let packed = reference::pack_codes(&codes, bits);
+        assert_eq!(packed.len(), 128 * bits as usize / 8);
+        assert_eq!(reference::unpack_codes(&packed, bits, 128), codes);
+        let c5 = (packed[5 * bits as usize / 8] >> ((5 * bits) % 8)) & ((1 << bits) - 1) as u8;
+        assert_eq!(c5, codes[5]);
+    }
+    // The worked example of FORMAT.md.
+    let row: Vec<f64> = (0..32).map(|c| [0.0, 1.0, 2.0, 3.0][c % 4] * 0.5 - 0.25).collect();
+    let g = reference::quantize_group(&row, 2);
+    assert_eq!((g.scale.to_f64(), g.zero.to_f64()), (0.5, -0.25));
+    assert_eq!(reference::pack_codes(&g.codes, 2)[0], 0b1110_0100);
+}
+
+#[test]
+fn fwht_is_orthonormal_and_self_inverse() {
+    let mut r = Rng::new(1);
+    for n in [1, 2, 64, 128, 256] {
+        let x: Vec<f64> = (0..n).map(|_| r.normal() as f64).collect();
+        let mut y = x.clone();
+        reference::fwht(&mut y);
+        let (nx, ny) = (x.iter().map(|a| a * a).sum::<f64>(), y.iter().map(|a| a * a).sum::<f64>());
+        assert!((nx - ny).abs() <= 1e-12 * nx.max(1.0));
+        reference::fwht(&mut y);
+        x.iter().zip(&y).for_each(|(a, b)| assert!((a - b).abs() < 1e-12));
+        let mut f: Vec<f32> = x.iter().map(|&a| a as f32).collect();
+        rotkv::cpu::fwht(&mut f);
+        let mut e = x.clone();
+        reference::fwht(&mut e);
+        f.iter().zip(&e).for_each(|(a, b)| assert!((*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs())));
+    }
+    // H_2 in natural order: [1, 1; 1, -1] / sqrt(2).
+    let mut e = vec![1.0, 0.0];
+    reference::fwht(&mut e);
+    assert!((e[0] - 0.5f64.sqrt()).abs() < 1e-15 && (e[1] - 0.5f64.sqrt()).abs() < 1e-15);
+}
+
+#[test]
+fn scores_need_no_dequantized_keys() {
+    // q'.khat = scale * (q'.codes) + zero * sum(q'), the identity the kernels use.
+    let mut r = Rng::new(4);
+    let x: Vec<f64> = (0..64).map(|_| r.normal() as f64).collect();
+    let q: Vec<f64> = (0..64).map(|_| r.normal() as f64).collect();
+    let g = reference::quantize_group(&x, 2);
+    let direct: f64 = q.iter().zip(reference::dequantize_group(&g)).map(|(a, b)| a * b).sum();
+    let codes: f64 = q.iter().zip(&g.codes).map(|(a, &c)| a * c as f64).sum();
+    let trick = g.scale.to_f64() * codes + g.zero.to_f64() * q.iter().sum::<f64>();
+    assert!((direct - trick).abs() < 1e-12);
+    // and the rotated query scores like the original one.
+    let perm: Vec<u16> = (0..64).rev().collect();
+    let a = reference::rotate_query(&q.iter().map(|&v| v as f32).collect::<Vec<_>>(), FLAG_ROTATE_KEYS, &perm);
+    let b = reference::rotate(&x, true, &perm);
+    let rotated: f64 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
+    let plain: f64 = q.iter().map(|&v| v as f32 as f64).zip(&x).map(|(a, b)| a * b).sum();
+    assert!((rotated - plain).abs() < 1e-9);
+}
