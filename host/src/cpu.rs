@@ -299,6 +299,58 @@ pub(crate) trait Kernels: Copy {
     /// Value accumulation.
     #[allow(clippy::too_many_arguments)]
     fn accumulate(self, o: &mut [f32], w: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize);
+
+    /// [`Kernels::dots`] over packed `bits`-bit codes (`[n][d * bits / 8]` bytes) instead
+    /// of f32 rows, with `q` in unpack order; `scratch` is `[CHUNK][d]` f32.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn dots_codes(
+        self,
+        q: &[f32],
+        g: usize,
+        d: usize,
+        codes: &[u8],
+        bits: u32,
+        n: usize,
+        c0: usize,
+        c1: usize,
+        out: &mut [f32],
+        scratch: &mut [f32],
+    ) {
+        unpack_range(codes, bits, n, d, c0, c1, scratch);
+        self.dots(q, g, d, scratch, n, c0, c1, out);
+    }
+
+    /// [`Kernels::accumulate`] over packed codes, `o` in unpack order.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn accumulate_codes(
+        self,
+        o: &mut [f32],
+        w: &[f32],
+        g: usize,
+        d: usize,
+        codes: &[u8],
+        bits: u32,
+        n: usize,
+        c0: usize,
+        c1: usize,
+        scratch: &mut [f32],
+    ) {
+        unpack_range(codes, bits, n, d, c0, c1, scratch);
+        self.accumulate(o, w, g, d, scratch, n, c0, c1);
+    }
+}
+
+/// Unpacks channels `[c0, c1)` (whole 8-byte code blocks) of `n` tokens' codes into
+/// `rows` (`[n][d]`, unpack order).
+#[inline(always)]
+fn unpack_range(codes: &[u8], bits: u32, n: usize, d: usize, c0: usize, c1: usize, rows: &mut [f32]) {
+    let cb = d * bits as usize / 8;
+    let (b0, b1) = (c0 * bits as usize / 8, c1 * bits as usize / 8);
+    for t in 0..n {
+        unpack(&codes[t * cb + b0..t * cb + b1], bits, &mut rows[t * d + c0..t * d + c1]);
+    }
 }
 
 /// Plain Rust written so the compiler vectorizes it for any target.
@@ -466,18 +518,126 @@ mod avx2 {
         }
     }
 
+    /// Scores of heads `[h0, h0 + H)` straight from packed codes.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    fn dots_codes_block<const H: usize, const BITS: u32>(
+        q: &[f32],
+        h0: usize,
+        d: usize,
+        codes: &[u8],
+        n: usize,
+        c0: usize,
+        c1: usize,
+        out: &mut [f32],
+    ) {
+        let cb = d * BITS as usize / 8;
+        let cpb = 64 / BITS as usize;
+        let shifts = 8 / BITS as i32;
+        assert!((h0 + H) * d <= q.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
+        assert!(c0.is_multiple_of(cpb) && c1.is_multiple_of(cpb) && (h0 + H - 1) * CHUNK + n <= out.len());
+        let (qp, cp) = (q.as_ptr(), codes.as_ptr());
+        let mask = _mm256_set1_epi32((1 << BITS) - 1);
+        let mut t = 0;
+        while t < n {
+            let two = t + 1 < n;
+            let r1 = if two { t + 1 } else { t };
+            let mut a0 = [_mm256_setzero_ps(); H];
+            let mut a1 = [_mm256_setzero_ps(); H];
+            for blk in c0 / cpb..c1 / cpb {
+                // SAFETY: blk < d / cpb, so the 8 bytes at t * cb + blk * 8 lie inside
+                // token t's cb bytes (likewise for r1 < n), inside `codes` (asserted).
+                let (raw0, raw1) = unsafe {
+                    (
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(t * cb + blk * 8).cast())),
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(r1 * cb + blk * 8).cast())),
+                    )
+                };
+                for s in 0..shifts {
+                    let cnt = _mm_cvtsi32_si128(s * BITS as i32);
+                    let x0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw0, cnt), mask));
+                    let x1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw1, cnt), mask));
+                    let c = blk * cpb + s as usize * 8;
+                    for hh in 0..H {
+                        // SAFETY: c + 8 <= d and h0 + hh < h0 + H: inside `q` (asserted).
+                        let qv = unsafe { _mm256_loadu_ps(qp.add((h0 + hh) * d + c)) };
+                        a0[hh] = _mm256_fmadd_ps(qv, x0, a0[hh]);
+                        a1[hh] = _mm256_fmadd_ps(qv, x1, a1[hh]);
+                    }
+                }
+            }
+            for hh in 0..H {
+                out[(h0 + hh) * CHUNK + t] = hsum(a0[hh]);
+                if two {
+                    out[(h0 + hh) * CHUNK + t + 1] = hsum(a1[hh]);
+                }
+            }
+            t += 2;
+        }
+    }
+
+    /// Value accumulation of heads `[h0, h0 + H)` straight from packed codes.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_codes_block<const H: usize, const BITS: u32>(
+        o: &mut [f32],
+        w: &[f32],
+        h0: usize,
+        d: usize,
+        codes: &[u8],
+        n: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        let cb = d * BITS as usize / 8;
+        let cpb = 64 / BITS as usize;
+        let shifts = 8 / BITS as i32;
+        assert!((h0 + H) * d <= o.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
+        assert!(c0.is_multiple_of(cpb) && c1.is_multiple_of(cpb) && (n == 0 || (h0 + H - 1) * CHUNK + n <= w.len()));
+        let (op, cp) = (o.as_mut_ptr(), codes.as_ptr());
+        let mask = _mm256_set1_epi32((1 << BITS) - 1);
+        for blk in c0 / cpb..c1 / cpb {
+            for sp in (0..shifts).step_by(2) {
+                let cnt0 = _mm_cvtsi32_si128(sp * BITS as i32);
+                let cnt1 = _mm_cvtsi32_si128((sp + 1) * BITS as i32);
+                let mut a0 = [_mm256_setzero_ps(); H];
+                let mut a1 = [_mm256_setzero_ps(); H];
+                for t in 0..n {
+                    // SAFETY: blk < d / cpb and t < n: 8 bytes inside token t's codes.
+                    let raw = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(t * cb + blk * 8).cast())) };
+                    let x0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw, cnt0), mask));
+                    let x1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw, cnt1), mask));
+                    for hh in 0..H {
+                        let wv = _mm256_set1_ps(w[(h0 + hh) * CHUNK + t]);
+                        a0[hh] = _mm256_fmadd_ps(wv, x0, a0[hh]);
+                        a1[hh] = _mm256_fmadd_ps(wv, x1, a1[hh]);
+                    }
+                }
+                let c = blk * cpb + sp as usize * 8;
+                for hh in 0..H {
+                    // SAFETY: c + 16 <= d and h0 + hh < h0 + H: inside `o` (asserted).
+                    unsafe {
+                        let p = op.add((h0 + hh) * d + c);
+                        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a0[hh]));
+                        _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), a1[hh]));
+                    }
+                }
+            }
+        }
+    }
+
     macro_rules! by_head_blocks {
-        ($g:expr, $h0:ident, $f:ident, ($($arg:expr),*)) => {{
+        ($g:expr, $h0:ident, $f:ident, ($($arg:expr),*) $(, $bits:literal)?) => {{
             let mut $h0 = 0;
             while $h0 < $g {
                 let hn = ($g - $h0).min(4);
                 // SAFETY: an `Avx2` value exists only after AVX2 and FMA were detected.
                 unsafe {
                     match hn {
-                        4 => $f::<4>($($arg,)* ),
-                        3 => $f::<3>($($arg,)* ),
-                        2 => $f::<2>($($arg,)* ),
-                        _ => $f::<1>($($arg,)* ),
+                        4 => $f::<4 $(, $bits)?>($($arg,)* ),
+                        3 => $f::<3 $(, $bits)?>($($arg,)* ),
+                        2 => $f::<2 $(, $bits)?>($($arg,)* ),
+                        _ => $f::<1 $(, $bits)?>($($arg,)* ),
                     }
                 }
                 $h0 += hn;
@@ -504,6 +664,46 @@ mod avx2 {
         ) {
             by_head_blocks!(g, h0, accumulate_block, (o, w, h0, d, rows, n, c0, c1));
         }
+        #[inline(always)]
+        fn dots_codes(
+            self,
+            q: &[f32],
+            g: usize,
+            d: usize,
+            codes: &[u8],
+            bits: u32,
+            n: usize,
+            c0: usize,
+            c1: usize,
+            out: &mut [f32],
+            _scratch: &mut [f32],
+        ) {
+            if bits == 2 {
+                by_head_blocks!(g, h0, dots_codes_block, (q, h0, d, codes, n, c0, c1, out), 2);
+            } else {
+                by_head_blocks!(g, h0, dots_codes_block, (q, h0, d, codes, n, c0, c1, out), 4);
+            }
+        }
+        #[inline(always)]
+        fn accumulate_codes(
+            self,
+            o: &mut [f32],
+            w: &[f32],
+            g: usize,
+            d: usize,
+            codes: &[u8],
+            bits: u32,
+            n: usize,
+            c0: usize,
+            c1: usize,
+            _scratch: &mut [f32],
+        ) {
+            if bits == 2 {
+                by_head_blocks!(g, h0, accumulate_codes_block, (o, w, h0, d, codes, n, c0, c1), 2);
+            } else {
+                by_head_blocks!(g, h0, accumulate_codes_block, (o, w, h0, d, codes, n, c0, c1), 4);
+            }
+        }
     }
 }
 
@@ -519,6 +719,20 @@ fn sum(x: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
+}
+
+/// `sum(a * b)` with `LANES` independent accumulators.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// A chunk's max logit may exceed the running reference max by this much before the
@@ -558,6 +772,8 @@ pub(crate) struct HeadState {
     tmp: Vec<f32>,
     rows: Vec<f32>,
     par: Vec<f32>,
+    scales: Vec<f32>,
+    zeros: Vec<f32>,
 }
 
 impl HeadState {
@@ -589,22 +805,25 @@ impl HeadState {
             tmp: vec![0.0; g * CHUNK],
             rows: vec![0.0; CHUNK * d],
             par: vec![0.0; CHUNK * groups * 2],
+            scales: vec![0.0; CHUNK * groups],
+            zeros: vec![0.0; CHUNK * groups],
         }
     }
 
-    /// Unpacks the codes of slots `[slot, slot + n)` into `rows` (f32) and their
-    /// `(scale, zero)` pairs into `par`.
+    /// Converts the `(scale, zero)` pairs of `n` slots into `scales` and `zeros`
+    /// (`[groups][CHUNK]` each, so per-group loops over tokens are contiguous).
     #[inline(always)]
-    fn load_quant(&mut self, page: &[u8], bits: u32, codes_at: usize, params_at: usize, n: usize) {
-        let d = self.d;
-        let cb = d * bits as usize / 8;
+    fn load_params(&mut self, page: &[u8], params_at: usize, n: usize) {
         let groups = self.zsum.len() / self.g;
-        let codes = &page[codes_at..codes_at + n * cb];
-        for (t, r) in self.rows[..n * d].chunks_exact_mut(d).enumerate() {
-            unpack(&codes[t * cb..(t + 1) * cb], bits, r);
-        }
         let pb = &page[params_at..params_at + n * groups * 4];
-        bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(&mut self.par[..n * groups * 2]);
+        let par = &mut self.par[..n * groups * 2];
+        bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(par);
+        for j in 0..groups {
+            for t in 0..n {
+                self.scales[j * CHUNK + t] = par[(t * groups + j) * 2];
+                self.zeros[j * CHUNK + t] = par[(t * groups + j) * 2 + 1];
+            }
+        }
     }
 
     /// Adds the zero sums into `o`.
@@ -670,53 +889,42 @@ impl HeadState {
                 let n = n as usize;
                 let gs = fmt.group_size as usize;
                 let groups = d / gs;
-                self.load_quant(
-                    page,
-                    fmt.key_bits,
-                    fmt.key_codes_at(slot) as usize,
-                    fmt.key_params_at(slot) as usize,
-                    n,
-                );
-                if groups == 1 {
-                    kern.dots(&self.qk, g, d, &self.rows, n, 0, d, &mut self.s);
+                let kc = fmt.key_codes_at(slot) as usize;
+                let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
+                self.load_params(page, fmt.key_params_at(slot) as usize, n);
+                for j in 0..groups {
+                    let (c0, c1) = (j * gs, (j + 1) * gs);
+                    kern.dots_codes(&self.qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows);
+                    let (scales, zeros) = (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
                     for h in 0..g {
-                        for t in 0..n {
-                            let (scale, zero) = (self.par[2 * t], self.par[2 * t + 1]);
-                            self.s[h * CHUNK + t] = scale * self.s[h * CHUNK + t] + zero * self.qsum[h];
-                        }
-                    }
-                } else {
-                    self.s[..g * CHUNK].fill(0.0);
-                    for j in 0..groups {
-                        kern.dots(&self.qk, g, d, &self.rows, n, j * gs, (j + 1) * gs, &mut self.tmp);
-                        for h in 0..g {
+                        let qs = self.qsum[h * groups + j];
+                        let (s, tmp) = (&mut self.s[h * CHUNK..h * CHUNK + n], &self.tmp[h * CHUNK..h * CHUNK + n]);
+                        if j == 0 {
                             for t in 0..n {
-                                let (scale, zero) =
-                                    (self.par[(t * groups + j) * 2], self.par[(t * groups + j) * 2 + 1]);
-                                self.s[h * CHUNK + t] +=
-                                    scale * self.tmp[h * CHUNK + t] + zero * self.qsum[h * groups + j];
+                                s[t] = scales[t] * tmp[t] + zeros[t] * qs;
+                            }
+                        } else {
+                            for t in 0..n {
+                                s[t] += scales[t] * tmp[t] + zeros[t] * qs;
                             }
                         }
                     }
                 }
                 self.softmax(n);
-                self.load_quant(
-                    page,
-                    fmt.value_bits,
-                    fmt.value_codes_at(slot) as usize,
-                    fmt.value_params_at(slot) as usize,
-                    n,
-                );
+                let vc = fmt.value_codes_at(slot) as usize;
+                let vcodes = &page[vc..vc + n * fmt.value_code_bytes() as usize];
+                self.load_params(page, fmt.value_params_at(slot) as usize, n);
                 for j in 0..groups {
+                    let (scales, zeros) = (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
                     for h in 0..g {
+                        let (p, w) = (&self.s[h * CHUNK..h * CHUNK + n], &mut self.w[h * CHUNK..h * CHUNK + n]);
                         for t in 0..n {
-                            let p = self.s[h * CHUNK + t];
-                            self.w[h * CHUNK + t] = p * self.par[(t * groups + j) * 2];
-                            self.tmp[t] = p * self.par[(t * groups + j) * 2 + 1];
+                            w[t] = p[t] * scales[t];
                         }
-                        self.zsum[h * groups + j] += sum(&self.tmp[..n]);
+                        self.zsum[h * groups + j] += dot(p, zeros);
                     }
-                    kern.accumulate(&mut self.ov, &self.w, g, d, &self.rows, n, j * gs, (j + 1) * gs);
+                    let (c0, c1) = (j * gs, (j + 1) * gs);
+                    kern.accumulate_codes(&mut self.ov, &self.w, g, d, vcodes, fmt.value_bits, n, c0, c1, &mut self.rows);
                 }
             }
         }
