@@ -48,7 +48,7 @@ pub struct KvCache {
     shape: CacheShape,
     backend: Backend,
     calib: Vec<LayerCalibration>,
-    pools: Vec<Vec<u8>>,
+    pools: Vec<paged::PoolBuffer>,
     sides: Vec<Vec<f16>>,
     seqs: Vec<Option<Seq>>,
     free_blocks: Vec<u32>,
@@ -81,7 +81,7 @@ impl KvCache {
             shape,
             backend,
             calib: vec![calib; shape.layers],
-            pools: vec![vec![0u8; pool]; shape.layers],
+            pools: vec![paged::PoolBuffer::new(pool); shape.layers],
             sides: vec![vec![f16::ZERO; side * shape.max_seqs]; shape.layers],
             seqs: vec![None; shape.max_seqs],
             free_blocks: (0..num_blocks as u32).rev().collect(),
@@ -103,7 +103,8 @@ impl KvCache {
     }
     /// Bytes held by the pools and side stores of all layers.
     pub fn memory_bytes(&self) -> usize {
-        self.pools.iter().map(Vec::len).sum::<usize>() + self.sides.iter().map(|s| s.len() * 2).sum::<usize>()
+        self.pools.iter().map(|p| p.bytes().len()).sum::<usize>()
+            + self.sides.iter().map(|s| s.len() * 2).sum::<usize>()
     }
     /// Blocks not held by any sequence.
     pub fn free_blocks(&self) -> usize {
@@ -190,7 +191,7 @@ impl KvCache {
             &self.config,
             &self.calib[layer],
             &self.layer_shape(),
-            &mut self.pools[layer],
+            self.pools[layer].bytes_mut(),
             &table,
             &mut self.sides[layer][seq * se..(seq + 1) * se],
             len,
@@ -248,7 +249,7 @@ impl KvCache {
             &self.config,
             &self.calib[layer],
             &self.layer_shape(),
-            &self.pools[layer],
+            self.pools[layer].bytes(),
             &refs,
             q,
             out,

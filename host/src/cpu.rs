@@ -9,6 +9,7 @@
 //! per query.
 
 use crate::config::LayerCalibration;
+use crate::reference;
 use crate::reference::SeqRef;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -163,19 +164,14 @@ pub fn append(
         .par_bridge()
         .map(|(page, h)| {
             let mut bytes = vec![0u8; pb];
+            let mut params = vec![0u8; fmt.param_bytes() as usize];
             for slot in 0..fmt.page_size {
                 let pos = fmt.sinks + page * fmt.page_size + slot;
                 for value in [false, true] {
-                    let (bits, c, cb, pa) = if value {
-                        (fmt.value_bits, fmt.value_codes_at(slot), fmt.value_code_bytes(), fmt.value_params_at(slot))
-                    } else {
-                        (fmt.key_bits, fmt.key_codes_at(slot), fmt.key_code_bytes(), fmt.key_params_at(slot))
-                    };
-                    let (c, pa) = (c as usize, pa as usize);
-                    let (codes, rest) = bytes[c..].split_at_mut(cb as usize);
-                    let params_off = pa - c - cb as usize;
-                    let params = &mut rest[params_off..params_off + fmt.param_bytes() as usize];
-                    quantize_row(row_of(pos, h, value), bits, g, codes, params);
+                    let c = fmt.codes_at(value, slot) as usize;
+                    let codes = &mut bytes[c..c + fmt.code_bytes(value) as usize];
+                    quantize_row(row_of(pos, h, value), fmt.bits(value), g, codes, &mut params);
+                    reference::set_page_params(&fmt, &mut bytes, value, slot, &params);
                 }
             }
             (page, h, bytes)
@@ -255,7 +251,7 @@ fn exp_shifted(x: f32) -> f32 {
 const RESCALE_EXP: f32 = 485_165_200.0;
 
 /// `exp(x)` for `x <= 0` in f32, branch-free so loops over it vectorize: Cody-Waite
-/// range reduction and a degree-6 polynomial (relative error below 2e-7 on
+/// range reduction and a degree-6 polynomial (relative error below 3e-7 on
 /// `[-87, 0]`); returns 0 below -87 (and for `-inf`).
 #[inline(always)]
 pub fn exp_neg(x: f32) -> f32 {
@@ -299,6 +295,12 @@ pub(crate) trait Kernels: Copy {
     /// Value accumulation.
     #[allow(clippy::too_many_arguments)]
     fn accumulate(self, o: &mut [f32], w: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize);
+
+    /// `dst = src` as f32 (same length).
+    #[inline(always)]
+    fn to_f32(self, src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
 
     /// [`Kernels::dots`] over packed `bits`-bit codes (`[n][d * bits / 8]` bytes) instead
     /// of f32 rows, with `q` in unpack order; `scratch` is `[CHUNK][d]` f32.
@@ -409,20 +411,39 @@ mod avx2 {
     //! AVX2 + FMA micro-kernels: register-blocked over up to 4 query heads and 2 tokens
     //! (scores) or 16 channels (values).
     use super::{CHUNK, Kernels};
+    use half::f16;
     use std::arch::x86_64::*;
 
-    /// Proof that the processor supports AVX2 and FMA: only [`Avx2::detect`] makes one.
+    /// Proof that the processor supports AVX2, FMA and F16C: only [`Avx2::detect`]
+    /// makes one.
     #[derive(Clone, Copy)]
     pub(crate) struct Avx2(());
 
     impl Avx2 {
-        /// `Some` when AVX2 and FMA are available.
+        /// `Some` when AVX2, FMA and F16C are available.
         pub(crate) fn detect() -> Option<Self> {
-            (std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")).then_some(Avx2(()))
+            (std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c"))
+            .then_some(Avx2(()))
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len());
+        let n8 = src.len() / 8 * 8;
+        let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+        for i in (0..n8).step_by(8) {
+            // SAFETY: i + 8 <= n8 <= len of both slices.
+            unsafe { _mm256_storeu_ps(dp.add(i), _mm256_cvtph_ps(_mm_loadu_si128(sp.add(i).cast()))) };
+        }
+        for i in n8..src.len() {
+            dst[i] = src[i].to_f32();
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -431,7 +452,7 @@ mod avx2 {
     }
 
     /// Scores of heads `[h0, h0 + H)`.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     fn dots_block<const H: usize>(
         q: &[f32],
@@ -478,7 +499,7 @@ mod avx2 {
     }
 
     /// Value accumulation of heads `[h0, h0 + H)`.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     fn accumulate_block<const H: usize>(
         o: &mut [f32],
@@ -519,7 +540,7 @@ mod avx2 {
     }
 
     /// Scores of heads `[h0, h0 + H)` straight from packed codes.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     fn dots_codes_block<const H: usize, const BITS: u32>(
         q: &[f32],
@@ -577,7 +598,7 @@ mod avx2 {
     }
 
     /// Value accumulation of heads `[h0, h0 + H)` straight from packed codes.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     fn accumulate_codes_block<const H: usize, const BITS: u32>(
         o: &mut [f32],
@@ -631,7 +652,7 @@ mod avx2 {
             let mut $h0 = 0;
             while $h0 < $g {
                 let hn = ($g - $h0).min(4);
-                // SAFETY: an `Avx2` value exists only after AVX2 and FMA were detected.
+                // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
                 unsafe {
                     match hn {
                         4 => $f::<4 $(, $bits)?>($($arg,)* ),
@@ -646,6 +667,11 @@ mod avx2 {
     }
 
     impl Kernels for Avx2 {
+        #[inline(always)]
+        fn to_f32(self, src: &[f16], dst: &mut [f32]) {
+            // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+            unsafe { f16_to_f32(src, dst) }
+        }
         #[inline(always)]
         fn dots(self, q: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
             by_head_blocks!(g, h0, dots_block, (q, h0, d, rows, n, c0, c1, out));
@@ -721,6 +747,19 @@ fn sum(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
 }
 
+/// Max of `x` (not NaN-aware: scores are finite) with `LANES` accumulators.
+#[inline(always)]
+fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut it = x.chunks_exact(LANES);
+    for c in &mut it {
+        for l in 0..LANES {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+        }
+    }
+    acc.iter().chain(it.remainder()).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
 /// `sum(a * b)` with `LANES` independent accumulators.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -771,7 +810,6 @@ pub(crate) struct HeadState {
     w: Vec<f32>,
     tmp: Vec<f32>,
     rows: Vec<f32>,
-    par: Vec<f32>,
     scales: Vec<f32>,
     zeros: Vec<f32>,
 }
@@ -804,25 +842,22 @@ impl HeadState {
             w: vec![0.0; g * CHUNK],
             tmp: vec![0.0; g * CHUNK],
             rows: vec![0.0; CHUNK * d],
-            par: vec![0.0; CHUNK * groups * 2],
             scales: vec![0.0; CHUNK * groups],
             zeros: vec![0.0; CHUNK * groups],
         }
     }
 
-    /// Converts the `(scale, zero)` pairs of `n` slots into `scales` and `zeros`
-    /// (`[groups][CHUNK]` each, so per-group loops over tokens are contiguous).
+    /// Converts the scales and zeros of slots `[slot, slot + n)` into `scales` and
+    /// `zeros` (`[groups][CHUNK]`; contiguous runs in the page's planar layout).
     #[inline(always)]
-    fn load_params(&mut self, page: &[u8], params_at: usize, n: usize) {
-        let groups = self.zsum.len() / self.g;
-        let pb = &page[params_at..params_at + n * groups * 4];
-        let par = &mut self.par[..n * groups * 2];
-        bytemuck::cast_slice::<u8, f16>(pb).convert_to_f32_slice(par);
-        for j in 0..groups {
-            for t in 0..n {
-                self.scales[j * CHUNK + t] = par[(t * groups + j) * 2];
-                self.zeros[j * CHUNK + t] = par[(t * groups + j) * 2 + 1];
-            }
+    fn load_params<K: Kernels>(&mut self, kern: K, fmt: &Format, page: &[u8], value: bool, slot: u32, n: usize) {
+        for j in 0..fmt.groups() {
+            let (s, z) = (fmt.scale_at(value, j, slot) as usize, fmt.zero_at(value, j, slot) as usize);
+            let j = j as usize;
+            let scales = bytemuck::cast_slice::<u8, f16>(&page[s..s + 2 * n]);
+            kern.to_f32(scales, &mut self.scales[j * CHUNK..j * CHUNK + n]);
+            let zeros = bytemuck::cast_slice::<u8, f16>(&page[z..z + 2 * n]);
+            kern.to_f32(zeros, &mut self.zeros[j * CHUNK..j * CHUNK + n]);
         }
     }
 
@@ -849,7 +884,7 @@ impl HeadState {
         let d = self.d;
         let mut moved = false;
         for h in 0..self.g {
-            let local = self.s[h * CHUNK..h * CHUNK + n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let local = max(&self.s[h * CHUNK..h * CHUNK + n]);
             if local > self.m[h] + RESCALE_THRESHOLD {
                 if !moved {
                     self.flush();
@@ -879,10 +914,10 @@ impl HeadState {
         match chunk {
             Chunk::F16 { k, v } => {
                 let n = k.len() / d;
-                k.convert_to_f32_slice(&mut self.rows[..n * d]);
+                kern.to_f32(k, &mut self.rows[..n * d]);
                 kern.dots(&self.q, g, d, &self.rows, n, 0, d, &mut self.s);
                 self.softmax(n);
-                v.convert_to_f32_slice(&mut self.rows[..n * d]);
+                kern.to_f32(v, &mut self.rows[..n * d]);
                 kern.accumulate(&mut self.o, &self.s, g, d, &self.rows, n, 0, d);
             }
             Chunk::Quant { page, slot, n } => {
@@ -891,11 +926,12 @@ impl HeadState {
                 let groups = d / gs;
                 let kc = fmt.key_codes_at(slot) as usize;
                 let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
-                self.load_params(page, fmt.key_params_at(slot) as usize, n);
+                self.load_params(kern, fmt, page, false, slot, n);
                 for j in 0..groups {
                     let (c0, c1) = (j * gs, (j + 1) * gs);
                     kern.dots_codes(&self.qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows);
-                    let (scales, zeros) = (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
+                    let (scales, zeros) =
+                        (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
                     for h in 0..g {
                         let qs = self.qsum[h * groups + j];
                         let (s, tmp) = (&mut self.s[h * CHUNK..h * CHUNK + n], &self.tmp[h * CHUNK..h * CHUNK + n]);
@@ -913,9 +949,10 @@ impl HeadState {
                 self.softmax(n);
                 let vc = fmt.value_codes_at(slot) as usize;
                 let vcodes = &page[vc..vc + n * fmt.value_code_bytes() as usize];
-                self.load_params(page, fmt.value_params_at(slot) as usize, n);
+                self.load_params(kern, fmt, page, true, slot, n);
                 for j in 0..groups {
-                    let (scales, zeros) = (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
+                    let (scales, zeros) =
+                        (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
                     for h in 0..g {
                         let (p, w) = (&self.s[h * CHUNK..h * CHUNK + n], &mut self.w[h * CHUNK..h * CHUNK + n]);
                         for t in 0..n {
@@ -924,7 +961,18 @@ impl HeadState {
                         self.zsum[h * groups + j] += dot(p, zeros);
                     }
                     let (c0, c1) = (j * gs, (j + 1) * gs);
-                    kern.accumulate_codes(&mut self.ov, &self.w, g, d, vcodes, fmt.value_bits, n, c0, c1, &mut self.rows);
+                    kern.accumulate_codes(
+                        &mut self.ov,
+                        &self.w,
+                        g,
+                        d,
+                        vcodes,
+                        fmt.value_bits,
+                        n,
+                        c0,
+                        c1,
+                        &mut self.rows,
+                    );
                 }
             }
         }
@@ -951,9 +999,10 @@ fn run_chunks<'a, K: Kernels>(kern: K, st: &mut HeadState, fmt: &Format, chunks:
     st.finish();
 }
 
-/// [`run_chunks`] with the AVX2 kernels, compiled for AVX2 so everything inlines.
+/// [`run_chunks`] with the AVX2 kernels, compiled for AVX2 (and FMA, F16C) so
+/// everything inlines.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn run_chunks_avx2<'a>(kern: Avx2, st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
     run_chunks(kern, st, fmt, chunks)
 }
@@ -962,7 +1011,7 @@ fn run_chunks_avx2<'a>(kern: Avx2, st: &mut HeadState, fmt: &Format, chunks: imp
 fn run_chunks_best<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = Avx2::detect() {
-        // SAFETY: `kern` proves AVX2 and FMA support, the target features of the callee.
+        // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
         return unsafe { run_chunks_avx2(kern, st, fmt, chunks) };
     }
     run_chunks(Portable, st, fmt, chunks)
@@ -1147,4 +1196,121 @@ pub fn decode_f16_baseline(
             merge_into(&parts[h * splits..(h + 1) * splits], i, d, &mut out[qh * d..(qh + 1) * d]);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-2, 2).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x >> 8) as f32 / (1 << 22) as f32 - 2.0
+            })
+            .collect()
+    }
+
+    /// Runs the same chunks (f16 rows and quantized pages) through two kernel sets.
+    fn run_both<K: Kernels>(kern: K, fmt: &Format, g: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let d = fmt.head_dim as usize;
+        let n = 50;
+        let q = values(g * d, 1);
+        let rows: Vec<f16> = values(2 * n * d, 2).iter().map(|&x| f16::from_f32(x)).collect();
+        let page: Vec<u8> = values(fmt.page_bytes() as usize, 3).iter().map(|&x| (x * 1000.0) as i32 as u8).collect();
+        // Valid f16 scales and zeros in the page's params.
+        let mut page = page;
+        for value in [false, true] {
+            for j in 0..fmt.groups() {
+                for slot in 0..fmt.page_size {
+                    let s = fmt.scale_at(value, j, slot) as usize;
+                    let z = fmt.zero_at(value, j, slot) as usize;
+                    page[s..s + 2].copy_from_slice(&f16::from_f32(0.01 + (slot % 7) as f32 * 0.03).to_le_bytes());
+                    page[z..z + 2].copy_from_slice(&f16::from_f32(-0.2 - (j as f32) * 0.1).to_le_bytes());
+                }
+            }
+        }
+        let mut st = HeadState::new(fmt, &q, g);
+        let chunks = [
+            Chunk::F16 { k: &rows[..n * d], v: &rows[n * d..] },
+            Chunk::Quant { page: &page, slot: 3, n: 13 },
+            Chunk::Quant { page: &page, slot: 0, n: fmt.page_size },
+        ];
+        run_chunks(kern, &mut st, fmt, chunks.into_iter());
+        (st.m[..g].to_vec(), st.l[..g].to_vec(), st.o[..g * d].to_vec())
+    }
+
+    #[test]
+    fn avx2_kernels_match_portable_kernels() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let Some(avx) = Avx2::detect() else {
+                eprintln!("SKIPPED: this processor has no AVX2/FMA/F16C");
+                return;
+            };
+            for (d, kb, vb, gs) in [(64, 2, 2, 64), (128, 4, 2, 32), (256, 2, 4, 128), (128, 4, 4, 128)] {
+                let fmt = Format {
+                    head_dim: d,
+                    key_bits: kb,
+                    value_bits: vb,
+                    group_size: gs,
+                    page_size: 16,
+                    sinks: 0,
+                    window: 0,
+                };
+                for g in [1, 3, 7, 8] {
+                    let (m0, l0, o0) = run_both(Portable, &fmt, g);
+                    let (m1, l1, o1) = run_both(avx, &fmt, g);
+                    for (a, b) in m0.iter().zip(&m1).chain(l0.iter().zip(&l1)).chain(o0.iter().zip(&o1)) {
+                        assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b} ({d} {kb} {vb} {gs} g{g})");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exp_neg_is_accurate() {
+        for i in 0..=19_000 {
+            let x = -(i as f32) * 0.0045;
+            let (a, b) = (exp_neg(x) as f64, (x as f64).exp());
+            assert!((a - b).abs() <= 3e-7 * b, "exp({x}) = {a}, want {b}");
+        }
+        assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_neg(-100.0), 0.0);
+        assert!((exp_shifted(20.0) / 485_165_195.4 - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn unpack_order_is_a_permutation_within_groups() {
+        for bits in [2, 4] {
+            let mut seen = vec![false; 256];
+            for c in 0..256 {
+                let u = unpack_position(c, bits);
+                assert!(!seen[u] && u / 32 == c / 32);
+                seen[u] = true;
+            }
+            // unpack() puts channel c's code at unpack_position(c).
+            let codes: Vec<u8> = (0..64).map(|c| (c % (1 << bits)) as u8).collect();
+            let packed = reference::pack_codes(&codes, bits);
+            let mut out = vec![0f32; 64];
+            unpack(&packed, bits, &mut out);
+            for (c, &code) in codes.iter().enumerate() {
+                assert_eq!(out[unpack_position(c, bits)], code as f32);
+            }
+        }
+    }
+
+    #[test]
+    fn default_splits_keep_threads_busy_and_splits_long() {
+        assert_eq!(default_splits(100, 1, 1, 2), 1);
+        assert_eq!(default_splits(32768, 8, 8, 2), 1);
+        assert_eq!(default_splits(32768, 1, 1, 16), 64);
+        assert_eq!(default_splits(4096, 1, 2, 4), 8);
+        assert!(default_splits(1 << 20, 1, 1, 1) <= 64);
+    }
 }

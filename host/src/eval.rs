@@ -250,7 +250,7 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
     let (t, hq, hkv, d) = (tile.tokens, tile.num_q_heads, tile.num_kv_heads, tile.head_dim);
     let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
     let blocks = paged::blocks_for(config, t)?;
-    let mut pool = vec![0u8; paged::pool_bytes(config, &shape, blocks)?];
+    let mut pool = paged::PoolBuffer::new(paged::pool_bytes(config, &shape, blocks)?);
     let mut side = vec![f16::ZERO; paged::side_elems(config, &shape)?];
     let table: Vec<u32> = (0..blocks as u32).collect();
     let calib = LayerCalibration::identity(hkv, d);
@@ -262,7 +262,7 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
         config,
         &calib,
         &shape,
-        &mut pool,
+        pool.bytes_mut(),
         &table,
         &mut side,
         0,
@@ -274,15 +274,25 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
     let opts = DecodeOptions { sm_scale: Some(scale as f32), num_splits: None };
     for (i, pos) in (prefill..t).enumerate() {
         let (kr, vr) = (&tile.k[pos * row..(pos + 1) * row], &tile.v[pos * row..(pos + 1) * row]);
-        paged::append(backend, config, &calib, &shape, &mut pool, &table, &mut side, pos, 1, kr, vr)?;
+        paged::append(backend, config, &calib, &shape, pool.bytes_mut(), &table, &mut side, pos, 1, kr, vr)?;
         let seq = SeqRef { block_table: &table, side: &side, len: pos + 1 };
         let q = &tile.q[pos * hq * d..(pos + 1) * hq * d];
-        paged::decode(backend, config, &calib, &shape, &pool, &[seq], q, &mut out[i * hq * d..(i + 1) * hq * d], opts)?;
+        paged::decode(
+            backend,
+            config,
+            &calib,
+            &shape,
+            pool.bytes(),
+            &[seq],
+            q,
+            &mut out[i * hq * d..(i + 1) * hq * d],
+            opts,
+        )?;
     }
     let fmt = config.format()?;
     let seq = SeqRef { block_table: &table, side: &side, len: t };
     let ident: Vec<u16> = (0..d as u16).collect();
-    let (pool, ident) = (&pool, &ident);
+    let (pool, ident) = (pool.bytes(), &ident);
     let read = |value: bool, rot: Rotation| -> Vec<f64> {
         (0..t)
             .flat_map(|pos| {

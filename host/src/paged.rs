@@ -35,6 +35,28 @@ impl LayerShape {
     }
 }
 
+/// Page pools must start on a 16-byte boundary (vector loads on every backend).
+pub const POOL_ALIGN: usize = 16;
+
+/// A zeroed, 16-byte aligned byte buffer for a page pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolBuffer(Vec<u128>);
+
+impl PoolBuffer {
+    /// `bytes` zero bytes (rounded up to a multiple of 16).
+    pub fn new(bytes: usize) -> Self {
+        PoolBuffer(vec![0u128; bytes.div_ceil(16)])
+    }
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+    /// The bytes, mutably.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(&mut self.0)
+    }
+}
+
 /// Bytes of a pool of `num_blocks` blocks.
 pub fn pool_bytes(config: &CacheConfig, shape: &LayerShape, num_blocks: usize) -> Result<usize> {
     Ok(num_blocks * shape.num_kv_heads * config.format()?.page_bytes() as usize)
@@ -51,7 +73,11 @@ pub fn blocks_for(config: &CacheConfig, len: usize) -> Result<usize> {
     Ok(fmt.pages_for(len.min(u32::MAX as usize) as u32) as usize)
 }
 
-fn num_blocks(fmt: &Format, shape: &LayerShape, pool_len: usize) -> Result<usize> {
+fn num_blocks(fmt: &Format, shape: &LayerShape, pool: &[u8]) -> Result<usize> {
+    let pool_len = pool.len();
+    if !(pool.as_ptr() as usize).is_multiple_of(POOL_ALIGN) {
+        return Err(Error::Shape(format!("the pool must start on a {POOL_ALIGN}-byte boundary (see PoolBuffer)")));
+    }
     let per_block = fmt.page_bytes() as usize * shape.num_kv_heads;
     if !pool_len.is_multiple_of(per_block) {
         return Err(Error::Shape(format!("pool of {pool_len} bytes is not a whole number of {per_block}-byte blocks")));
@@ -150,7 +176,7 @@ pub fn append<T: KvElement>(
             fmt.side_elems(hkv as u32)
         )));
     }
-    let blocks = num_blocks(&fmt, shape, pool.len())?;
+    let blocks = num_blocks(&fmt, shape, pool)?;
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
     let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
     let v = to_f32_rows("v", v, tokens, hkv, d, None)?;
@@ -192,7 +218,7 @@ pub fn decode<T: KvElement>(
     let d = config.head_dim;
     let (hkv, hq) = (shape.num_kv_heads, shape.num_q_heads);
     calib.validate(hkv, d)?;
-    let blocks = num_blocks(&fmt, shape, pool.len())?;
+    let blocks = num_blocks(&fmt, shape, pool)?;
     for (i, s) in seqs.iter().enumerate() {
         if s.len == 0 {
             return Err(Error::Shape(format!("sequence {i} of the batch has no tokens")));

@@ -188,6 +188,29 @@ pub fn append(
     }
 }
 
+/// The `(scale, zero)` pairs of one slot's key or value, gathered from the page's planar
+/// params into the row-local layout [`quantize_row`] writes (`[group][scale, zero]`).
+pub fn page_params(fmt: &Format, page: &[u8], value: bool, slot: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(fmt.param_bytes() as usize);
+    for j in 0..fmt.groups() {
+        for at in [fmt.scale_at(value, j, slot), fmt.zero_at(value, j, slot)] {
+            out.extend_from_slice(&page[at as usize..at as usize + 2]);
+        }
+    }
+    out
+}
+
+/// Scatters row-local `(scale, zero)` pairs (as [`quantize_row`] writes them) into the
+/// page's planar params.
+pub fn set_page_params(fmt: &Format, page: &mut [u8], value: bool, slot: u32, params: &[u8]) {
+    for j in 0..fmt.groups() {
+        let (s, z) = (fmt.scale_at(value, j, slot) as usize, fmt.zero_at(value, j, slot) as usize);
+        let p = 4 * j as usize;
+        page[s..s + 2].copy_from_slice(&params[p..p + 2]);
+        page[z..z + 2].copy_from_slice(&params[p + 2..p + 4]);
+    }
+}
+
 /// Quantizes the newest page of a sequence that just reached `len` tokens from its
 /// window rows.
 fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &[u32], side: &[f16], len: u32) {
@@ -197,6 +220,7 @@ fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &
     let block = block_table[page as usize];
     for h in 0..num_kv_heads as u32 {
         let base = fmt.page_offset(block, h, num_kv_heads as u32);
+        let head_page = &mut pool[base..base + fmt.page_bytes() as usize];
         for slot in 0..fmt.page_size {
             let pos = fmt.sinks + page * fmt.page_size + slot;
             // Before this flush the token sat in the window of a sequence of len - 1.
@@ -206,20 +230,11 @@ fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &
             for value in [false, true] {
                 let at = fmt.side_row_at(h, value, row);
                 let x: Vec<f64> = side[at..at + d].iter().map(|v| v.to_f64()).collect();
-                let (bits, c0, c1, p0, p1) = if value {
-                    let c = base + fmt.value_codes_at(slot) as usize;
-                    let p = base + fmt.value_params_at(slot) as usize;
-                    (fmt.value_bits, c, c + fmt.value_code_bytes() as usize, p, p + fmt.param_bytes() as usize)
-                } else {
-                    let c = base + fmt.key_codes_at(slot) as usize;
-                    let p = base + fmt.key_params_at(slot) as usize;
-                    (fmt.key_bits, c, c + fmt.key_code_bytes() as usize, p, p + fmt.param_bytes() as usize)
-                };
-                let mut codes = vec![0u8; c1 - c0];
-                let mut params = vec![0u8; p1 - p0];
-                quantize_row(&x, bits, g, &mut codes, &mut params);
-                pool[c0..c1].copy_from_slice(&codes);
-                pool[p0..p1].copy_from_slice(&params);
+                let c = fmt.codes_at(value, slot) as usize;
+                let mut params = vec![0u8; fmt.param_bytes() as usize];
+                let codes = &mut head_page[c..c + fmt.code_bytes(value) as usize];
+                quantize_row(&x, fmt.bits(value), g, codes, &mut params);
+                set_page_params(fmt, head_page, value, slot, &params);
             }
         }
     }
@@ -256,20 +271,11 @@ pub fn read_row(
         }
         Place::Page { page, slot } => {
             let base = fmt.page_offset(seq.block_table[page as usize], h, num_kv_heads as u32);
-            let (bits, c, cb, p) = if value {
-                (fmt.value_bits, fmt.value_codes_at(slot), fmt.value_code_bytes(), fmt.value_params_at(slot))
-            } else {
-                (fmt.key_bits, fmt.key_codes_at(slot), fmt.key_code_bytes(), fmt.key_params_at(slot))
-            };
-            let c = base + c as usize;
-            let p = base + p as usize;
-            dequantize_row(
-                &pool[c..c + cb as usize],
-                &pool[p..p + fmt.param_bytes() as usize],
-                bits,
-                fmt.group_size as usize,
-                d,
-            )
+            let head_page = &pool[base..base + fmt.page_bytes() as usize];
+            let c = fmt.codes_at(value, slot) as usize;
+            let params = page_params(fmt, head_page, value, slot);
+            let codes = &head_page[c..c + fmt.code_bytes(value) as usize];
+            dequantize_row(codes, &params, fmt.bits(value), fmt.group_size as usize, d)
         }
     }
 }

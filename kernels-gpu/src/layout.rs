@@ -68,14 +68,30 @@ impl Format {
     pub const fn value_codes_at(&self, slot: u32) -> u32 {
         self.page_size * self.key_code_bytes() + slot * self.value_code_bytes()
     }
-    /// Offset of the key scale/zero pairs of `slot` inside a head-page.
-    pub const fn key_params_at(&self, slot: u32) -> u32 {
-        self.page_size * (self.key_code_bytes() + self.value_code_bytes()) + slot * self.param_bytes()
+    /// Bits of the key (`value == false`) or value codes.
+    pub const fn bits(&self, value: bool) -> u32 {
+        if value { self.value_bits } else { self.key_bits }
     }
-    /// Offset of the value scale/zero pairs of `slot` inside a head-page.
-    pub const fn value_params_at(&self, slot: u32) -> u32 {
-        self.page_size * (self.key_code_bytes() + self.value_code_bytes() + self.param_bytes())
-            + slot * self.param_bytes()
+    /// Bytes of one token's key or value codes.
+    pub const fn code_bytes(&self, value: bool) -> u32 {
+        if value { self.value_code_bytes() } else { self.key_code_bytes() }
+    }
+    /// Offset of the key or value codes of `slot` inside a head-page.
+    pub const fn codes_at(&self, value: bool, slot: u32) -> u32 {
+        if value { self.value_codes_at(slot) } else { self.key_codes_at(slot) }
+    }
+    /// Offset of the f16 scale of group `group` of the key or value of `slot` inside a
+    /// head-page. Scales and zeros are planar and group-major: for keys, then values,
+    /// `scales[group][slot]` then `zeros[group][slot]`, so consecutive tokens' scales of
+    /// one group are contiguous.
+    pub const fn scale_at(&self, value: bool, group: u32, slot: u32) -> u32 {
+        let base = self.page_size * (self.key_code_bytes() + self.value_code_bytes())
+            + if value { self.page_size * self.param_bytes() } else { 0 };
+        base + 2 * (group * self.page_size + slot)
+    }
+    /// Offset of the f16 zero of group `group` of the key or value of `slot`.
+    pub const fn zero_at(&self, value: bool, group: u32, slot: u32) -> u32 {
+        self.scale_at(value, group + self.groups(), slot)
     }
     /// Offset of the head-page of `kv_head` in physical block `block` of a layer's pool
     /// (pool layout `[block][kv_head][page_bytes]`).
@@ -151,12 +167,15 @@ mod tests {
     fn sections_tile_the_page() {
         for (kb, vb, g) in [(2, 2, 32), (4, 2, 64), (2, 4, 128), (4, 4, 32)] {
             let f = Format { key_bits: kb, value_bits: vb, group_size: g, ..F };
-            assert_eq!(f.key_codes_at(f.page_size), f.value_codes_at(0));
-            assert_eq!(f.value_codes_at(f.page_size), f.key_params_at(0));
-            assert_eq!(f.key_params_at(f.page_size), f.value_params_at(0));
-            assert_eq!(f.value_params_at(f.page_size), f.page_bytes());
+            let (p, groups) = (f.page_size, f.groups());
+            assert_eq!(f.key_codes_at(p), f.value_codes_at(0));
+            assert_eq!(f.value_codes_at(p), f.scale_at(false, 0, 0));
+            assert_eq!(f.scale_at(false, groups - 1, p), f.zero_at(false, 0, 0));
+            assert_eq!(f.zero_at(false, groups - 1, p), f.scale_at(true, 0, 0));
+            assert_eq!(f.zero_at(true, groups - 1, p), f.page_bytes());
             assert_eq!(f.value_codes_at(0) % 16, 0);
-            assert_eq!(f.key_params_at(0) % 16, 0);
+            assert_eq!(f.scale_at(false, 0, 0) % 16, 0);
+            assert_eq!(f.scale_at(true, 0, 0) % 16, 0);
         }
     }
 

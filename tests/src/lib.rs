@@ -92,7 +92,7 @@ pub struct Store {
     /// Calibration.
     pub calib: LayerCalibration,
     /// Page pool.
-    pub pool: Vec<u8>,
+    pub pool: paged::PoolBuffer,
     /// Side store.
     pub side: Vec<f16>,
     /// Block table.
@@ -117,7 +117,7 @@ impl Store {
         table.truncate(blocks);
         let calib = LayerCalibration::identity(shape.num_kv_heads, config.head_dim);
         Self {
-            pool: vec![0u8; paged::pool_bytes(&config, &shape, blocks + spare).expect("config")],
+            pool: paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, blocks + spare).expect("config")),
             side: vec![f16::ZERO; paged::side_elems(&config, &shape).expect("config")],
             config,
             shape,
@@ -135,7 +135,7 @@ impl Store {
             &self.config,
             &self.calib,
             &self.shape,
-            &mut self.pool,
+            self.pool.bytes_mut(),
             &self.table,
             &mut self.side,
             self.len,
@@ -159,7 +159,7 @@ impl Store {
             &self.config,
             &self.calib,
             &self.shape,
-            &self.pool,
+            self.pool.bytes(),
             &[self.seq()],
             q,
             &mut out,

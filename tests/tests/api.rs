@@ -232,21 +232,26 @@ fn low_level_api_checks_block_tables_and_buffers() {
     let calib = LayerCalibration::identity(2, 64);
     let k = rows(Data::Keys, 60 * 2, 64, 1);
     let v = rows(Data::Normal, 60 * 2, 64, 2);
-    let mut pool = vec![0u8; paged::pool_bytes(&config, &shape, 4).unwrap()];
+    let mut buf = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, 4).unwrap() + 16);
+    let size = paged::pool_bytes(&config, &shape, 4).unwrap();
     let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
     for &backend in Backend::all() {
-        let (pool0, side0) = (pool.clone(), side.clone());
+        let misaligned = &mut buf.bytes_mut()[1..size + 1];
+        let r = paged::append(backend, &config, &calib, &shape, misaligned, &[0, 1], &mut side, 0, 60, &k, &v);
+        assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
+        let pool = &mut buf.bytes_mut()[..size];
+        let (pool0, side0) = (pool.to_vec(), side.clone());
         let bad_table = [1u32, 4, 2];
-        let r = paged::append(backend, &config, &calib, &shape, &mut pool, &bad_table, &mut side, 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, pool, &bad_table, &mut side, 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::BlockTable { index: 1, block: 4, num_blocks: 4 })), "{r:?}");
-        let r = paged::append(backend, &config, &calib, &shape, &mut pool, &[0], &mut side, 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, pool, &[0], &mut side, 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Capacity(_))), "{r:?}");
         let r = paged::append(backend, &config, &calib, &shape, &mut pool[..100], &[0, 1], &mut side, 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
-        let r = paged::append(backend, &config, &calib, &shape, &mut pool, &[0, 1], &mut side[..10], 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, pool, &[0, 1], &mut side[..10], 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
-        assert_eq!((&pool, &side), (&pool0, &side0), "a failed append wrote");
-        let n = paged::append(backend, &config, &calib, &shape, &mut pool, &[2, 0], &mut side, 0, 60, &k, &v).unwrap();
+        assert_eq!((&pool[..], &side), (&pool0[..], &side0), "a failed append wrote");
+        let n = paged::append(backend, &config, &calib, &shape, pool, &[2, 0], &mut side, 0, 60, &k, &v).unwrap();
         assert_eq!(n, 60);
         let q = rows(Data::Normal, 2, 64, 3);
         let mut out = vec![0f32; 128];
@@ -255,7 +260,7 @@ fn low_level_api_checks_block_tables_and_buffers() {
             &config,
             &calib,
             &shape,
-            &pool,
+            pool,
             &[seq(&[2, 9], &side)],
             &q,
             &mut out,
@@ -267,7 +272,7 @@ fn low_level_api_checks_block_tables_and_buffers() {
             &config,
             &calib,
             &shape,
-            &pool,
+            pool,
             &[seq(&[2, 0], &side)],
             &q,
             &mut out,
@@ -279,7 +284,7 @@ fn low_level_api_checks_block_tables_and_buffers() {
             &config,
             &calib,
             &shape,
-            &pool,
+            pool,
             &[seq(&[2, 0], &side)],
             &q,
             &mut out,

@@ -96,19 +96,16 @@ fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f3
                         assert_eq!(&other.side[s..s + d], &b[..], "backend side row, pos {pos}");
                     }
                     Place::Page { page, slot } => {
-                        let read =
-                            |st: &Store| reference::read_row(fmt, hkv, &st.pool, &st.seq(), h, pos as usize, value);
-                        let (cb, pb) = (
-                            if value { fmt.value_codes_at(slot) } else { fmt.key_codes_at(slot) } as usize,
-                            if value { fmt.value_params_at(slot) } else { fmt.key_params_at(slot) } as usize,
-                        );
-                        let ncode = if value { fmt.value_code_bytes() } else { fmt.key_code_bytes() } as usize;
-                        let np = fmt.param_bytes() as usize;
+                        let read = |st: &Store| {
+                            reference::read_row(fmt, hkv, st.pool.bytes(), &st.seq(), h, pos as usize, value)
+                        };
                         let bytes = |st: &Store| {
                             let base = fmt.page_offset(st.table[page as usize], h as u32, hkv as u32);
+                            let head_page = &st.pool.bytes()[base..base + fmt.page_bytes() as usize];
+                            let c = fmt.codes_at(value, slot) as usize;
                             (
-                                st.pool[base + cb..base + cb + ncode].to_vec(),
-                                st.pool[base + pb..base + pb + np].to_vec(),
+                                head_page[c..c + fmt.code_bytes(value) as usize].to_vec(),
+                                reference::page_params(fmt, head_page, value, slot),
                             )
                         };
                         if same {
@@ -269,9 +266,9 @@ fn split_partials_merge_to_the_unsplit_result() {
             sm_scale: 0.125,
             q_seq_stride: 6 * 64,
         };
-        let one = reference::decode_partials(&params(1), &st.calib, &st.pool, &[st.seq()], &q);
+        let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
         for splits in 1..=70u32 {
-            let parts = reference::decode_partials(&params(splits), &st.calib, &st.pool, &[st.seq()], &q);
+            let parts = reference::decode_partials(&params(splits), &st.calib, st.pool.bytes(), &[st.seq()], &q);
             let empty = parts.iter().filter(|p| p.m == f64::NEG_INFINITY).count();
             if splits as usize > len {
                 assert!(empty > 0, "{splits} splits of {len} tokens must leave some empty");

@@ -115,13 +115,11 @@ struct Result1 {
 }
 
 fn read_result(dir: &Path) -> Option<Result1> {
-    let est: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("new/estimates.json")).ok()?).ok()?;
+    let est: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("new/estimates.json")).ok()?).ok()?;
     let bench: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("new/benchmark.json")).ok()?).ok()?;
-    Some(Result1 {
-        median_ns: est["median"]["point_estimate"].as_f64()?,
-        bytes: bench["throughput"]["Bytes"].as_f64(),
-    })
+    Some(Result1 { median_ns: est["median"]["point_estimate"].as_f64()?, bytes: bench["throughput"]["Bytes"].as_f64() })
 }
 
 fn bench_table() -> Result<(), String> {
