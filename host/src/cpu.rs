@@ -171,7 +171,7 @@ pub fn append(
                     let c = fmt.codes_at(value, slot) as usize;
                     let codes = &mut bytes[c..c + fmt.code_bytes(value) as usize];
                     quantize_row(row_of(pos, h, value), fmt.bits(value), g, codes, &mut params);
-                    reference::set_page_params(&fmt, &mut bytes, value, slot, &params);
+                    reference::set_page_params(fmt, &mut bytes, value, slot, &params);
                 }
             }
             (page, h, bytes)
