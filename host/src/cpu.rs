@@ -145,10 +145,8 @@ pub fn append(
     let new_len = (len + n) as u32;
     let row_of = |pos: u32, h: u32, value: bool| -> &[f16] {
         if (pos as usize) < len {
-            let (Place::Sink { index: row } | Place::Window { slot: row }) = fmt.place(pos, len as u32) else {
-                unreachable!("an unflushed old token is in the sinks or the window")
-            };
-            let at = fmt.side_row_at(h, value, row);
+            // Old tokens being quantized now are in the window (sinks never are).
+            let at = fmt.side_row_at(h, value, fmt.window_row(pos));
             &side[at..at + d]
         } else {
             let at = (((pos as usize - len) * hkv + h as usize) * 2 + value as usize) * d;

@@ -172,11 +172,8 @@ pub fn append(
             let (mean, kperm, vperm) = calib.head(h, d);
             let x = (i * num_kv_heads + h) * d;
             let rows = [stored_key(&k[x..x + d], mean, flags, kperm), stored_value(&v[x..x + d], flags, vperm)];
-            let row = match fmt.place(pos, pos + 1) {
-                Place::Sink { index } => index,
-                Place::Window { slot } => slot,
-                Place::Page { .. } => unreachable!("a new token always enters the sinks or the window"),
-            };
+            // A new token enters the sinks or the window (and may be flushed just below).
+            let row = if pos < fmt.sinks { pos } else { fmt.window_row(pos) };
             for (which, r) in rows.iter().enumerate() {
                 let at = fmt.side_row_at(h as u32, which == 1, row);
                 side[at..at + d].copy_from_slice(r);
@@ -223,10 +220,7 @@ fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &
         let head_page = &mut pool[base..base + fmt.page_bytes() as usize];
         for slot in 0..fmt.page_size {
             let pos = fmt.sinks + page * fmt.page_size + slot;
-            // Before this flush the token sat in the window of a sequence of len - 1.
-            let Place::Window { slot: row } = fmt.place(pos, len - 1) else {
-                unreachable!("a token is flushed from the window")
-            };
+            let row = fmt.window_row(pos);
             for value in [false, true] {
                 let at = fmt.side_row_at(h, value, row);
                 let x: Vec<f64> = side[at..at + d].iter().map(|v| v.to_f64()).collect();

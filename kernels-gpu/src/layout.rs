@@ -136,6 +136,10 @@ impl Format {
     pub const fn pages_for(&self, len: u32) -> u32 {
         self.quantized_len(len) / self.page_size
     }
+    /// The window-ring row of position `pos` (`pos >= sinks`) while it is in the window.
+    pub const fn window_row(&self, pos: u32) -> u32 {
+        self.sinks + (pos - self.sinks) % self.window_capacity()
+    }
     /// Where the token at position `pos` of a sequence of `len` tokens lives.
     pub const fn place(&self, pos: u32, len: u32) -> Place {
         if pos < self.sinks {
@@ -145,7 +149,7 @@ impl Format {
         if rel < self.quantized_len(len) {
             Place::Page { page: rel / self.page_size, slot: rel % self.page_size }
         } else {
-            Place::Window { slot: self.sinks + rel % self.window_capacity() }
+            Place::Window { slot: self.window_row(pos) }
         }
     }
 }

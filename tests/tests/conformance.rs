@@ -133,8 +133,11 @@ fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f3
 #[test]
 fn append_bytes_match_reference_for_every_config() {
     for (i, &(d, kb, vb, g)) in rotkv::SUPPORTED.iter().enumerate() {
+        // Sinks and window vary too, down to none at all (every full page quantized).
         let config = CacheConfig {
             key_rotation: if i % 5 == 4 { Rotation::None } else { Rotation::Hadamard },
+            sinks: [3, 0, 1][i % 3],
+            window: [32, 0, 16][i % 3],
             ..small_config(d, kb, vb, g)
         };
         let shape = LayerShape { num_kv_heads: 2, num_q_heads: 2 };
@@ -223,8 +226,8 @@ fn decode_matches_reference_for_every_config() {
     let gqa = [1, 3, 7, 8];
     let data = [Data::Keys, Data::AllEqual, Data::ConstantGroups, Data::HugeOutliers];
     for (i, &(d, kb, vb, g)) in rotkv::SUPPORTED.iter().enumerate() {
-        let config = small_config(d, kb, vb, g);
-        // 3 sinks + 2 pages + 32..47 window tokens: every kind of place is read.
+        let config = CacheConfig { sinks: [3, 0][i % 2], window: [32, 0][i % 2], ..small_config(d, kb, vb, g) };
+        // Sinks, 2 or more pages and window tokens: every kind of place is read.
         decode_case(config, 2, gqa[i % 4], 75, data[(i / 4) % 4], 100 + i as u64, &[None, Some(4)]);
     }
 }
