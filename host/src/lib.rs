@@ -10,6 +10,35 @@
 //!
 //! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
 //! returns an [`Error`] that says what was wrong; a failed call changes nothing.
+//!
+//! # Example
+//!
+//! ```
+//! use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
+//!
+//! // SmolLM2-135M's attention shape: 3 KV heads, 9 query heads, head_dim 64.
+//! let config = CacheConfig::k2v2(64);
+//! let shape = CacheShape { layers: 2, num_kv_heads: 3, num_q_heads: 9, max_seqs: 4, max_tokens: 1024, num_blocks: None };
+//! let mut cache = KvCache::new(config, shape, Backend::auto())?;
+//! let seq = cache.add_sequence()?;
+//!
+//! // Prefill 300 tokens ([token][kv_head][head_dim]; f32, f16 or bf16), then one more.
+//! let k: Vec<f32> = (0..301 * 3 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+//! let v: Vec<f32> = k.iter().map(|x| 0.5 * x).collect();
+//! for layer in 0..2 {
+//!     cache.append(layer, seq, 300, &k[..300 * 192], &v[..300 * 192])?;
+//!     cache.append(layer, seq, 1, &k[300 * 192..], &v[300 * 192..])?;
+//! }
+//!
+//! // Decode one query token per sequence: q and out are [seqs][q_heads][head_dim].
+//! let q = vec![0.1f32; 9 * 64];
+//! let mut out = vec![0f32; 9 * 64];
+//! cache.decode(1, &[seq], &q, &mut out)?;
+//! assert!(out.iter().all(|x| x.is_finite()));
+//! assert_eq!(cache.len(1, seq)?, 301);
+//! cache.free_sequence(seq)?;
+//! # Ok::<(), rotkv::Error>(())
+//! ```
 
 pub mod cache;
 pub mod config;

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rotkv::eval::{self, LayerReport, Tile};
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -37,19 +38,43 @@ enum Command {
     Configs,
 }
 
+/// What can stop the program: a library error, or stdout going away.
+#[derive(Debug)]
+enum CliError {
+    Lib(rotkv::Error),
+    Io(std::io::Error),
+}
+
+impl From<rotkv::Error> for CliError {
+    fn from(e: rotkv::Error) -> Self {
+        CliError::Lib(e)
+    }
+}
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> Self {
+        CliError::Io(e)
+    }
+}
+
+type Out<'a> = std::io::StdoutLock<'a>;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut out = std::io::stdout().lock();
     let result = match cli.command {
-        Command::Demo => demo(),
-        Command::Eval { input, json } => eval_file(&input, json),
-        Command::Configs => {
-            print_configs();
-            Ok(())
-        }
+        Command::Demo => demo(&mut out),
+        Command::Eval { input, json } => eval_file(&mut out, &input, json),
+        Command::Configs => print_configs(&mut out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        // A closed pipe (`rotkv configs | head`) is the reader's choice, not a failure.
+        Err(CliError::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(CliError::Io(e)) => {
+            eprintln!("error: writing output: {e}");
+            ExitCode::FAILURE
+        }
+        Err(CliError::Lib(e)) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
@@ -63,7 +88,7 @@ fn progress(len: usize, what: &str) -> ProgressBar {
     bar
 }
 
-fn evaluate(tile: &Tile, label: &str) -> rotkv::Result<Vec<LayerReport>> {
+fn evaluate(tile: &Tile, label: &str) -> Result<Vec<LayerReport>, CliError> {
     let methods = eval::standard_methods(tile.layers[0].head_dim);
     let bar = progress(methods.len() * tile.layers.len(), label);
     let mut reports = Vec::new();
@@ -74,71 +99,79 @@ fn evaluate(tile: &Tile, label: &str) -> rotkv::Result<Vec<LayerReport>> {
     Ok(reports)
 }
 
-fn print_table(report: &LayerReport) {
-    println!("layer {}", report.layer);
-    println!(
+fn print_table(out: &mut Out, report: &LayerReport) -> std::io::Result<()> {
+    writeln!(out, "layer {}", report.layer)?;
+    writeln!(
+        out,
         "  {:<16} {:>9} {:>9} {:>10} {:>9} {:>11}",
         "method", "k rel err", "v rel err", "attn rel", "bits/elem", "B/token/head"
-    );
+    )?;
     for m in &report.methods {
-        println!(
+        writeln!(
+            out,
             "  {:<16} {:>9.4} {:>9.4} {:>10.4} {:>9.2} {:>11}",
             m.name, m.k_rel_err, m.v_rel_err, m.attn_rel_err, m.bits_per_element, m.bytes_per_token
-        );
+        )?;
     }
+    Ok(())
 }
 
-fn eval_file(path: &std::path::Path, json: bool) -> rotkv::Result<()> {
+fn eval_file(out: &mut Out, path: &std::path::Path, json: bool) -> Result<(), CliError> {
     let tile = Tile::load(path)?;
     let reports = evaluate(&tile, "quantizing")?;
     if json {
         let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-        println!("{}", eval::report_json(&name, tile.attn_scaling, &reports));
+        writeln!(out, "{}", eval::report_json(&name, tile.attn_scaling, &reports))?;
     } else {
         for r in &reports {
-            print_table(r);
+            print_table(out, r)?;
         }
     }
     Ok(())
 }
 
-fn print_configs() {
-    println!(
+fn print_configs(out: &mut Out) -> Result<(), CliError> {
+    writeln!(
+        out,
         "{:>8} {:>8} {:>10} {:>6} {:>13} {:>10}",
         "head_dim", "key bits", "value bits", "group", "B/token/head", "vs bf16"
-    );
+    )?;
     for &(d, kb, vb, g) in rotkv::SUPPORTED {
         let c = CacheConfig { key_bits: kb, value_bits: vb, group_size: g as usize, ..CacheConfig::k2v2(d as usize) };
         let b = c.bytes_per_token().expect("every listed config is supported");
-        println!("{d:>8} {kb:>8} {vb:>10} {g:>6} {b:>13} {:>9.1}x", (4 * d) as f64 / b as f64);
+        writeln!(out, "{d:>8} {kb:>8} {vb:>10} {g:>6} {b:>13} {:>9.1}x", (4 * d) as f64 / b as f64)?;
     }
+    Ok(())
 }
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1 << 20) as f64
 }
 
-fn demo() -> rotkv::Result<()> {
+fn demo(out: &mut Out) -> Result<(), CliError> {
     let tile = Tile::from_bytes(TILE)?;
     let l0 = &tile.layers[0];
     let d = l0.head_dim;
-    println!(
+    writeln!(
+        out,
         "rotkv demo: real KV tensors of SmolLM2-135M-Instruct (alice29.txt, {} tokens, {} query / {} KV heads, head_dim {d})\n",
         l0.tokens, l0.num_q_heads, l0.num_kv_heads
-    );
+    )?;
     let c128 = CacheConfig::k2v2(128);
-    println!(
+    writeln!(
+        out,
         "format: head_dim 128, k2v2, group 128 -> {} B per token per KV head (bf16: {} B, {:.1}x less)\n",
         c128.bytes_per_token()?,
         4 * 128,
         512.0 / c128.bytes_per_token()? as f64
-    );
+    )?;
     for r in evaluate(&tile, "quantizing")? {
-        print_table(&r);
+        print_table(out, &r)?;
     }
-    println!(
+    writeln!(
+        out,
         "  (naive/had*: every token quantized; k*v*_s4_w128: the cache, 4 sinks and >= 128 newest tokens in f16)\n"
-    );
+    )?;
 
     // Memory of a 32K-token cache for the model: 30 layers, 3 KV heads, head_dim 64.
     let tokens = 32 * 1024;
@@ -148,19 +181,20 @@ fn demo() -> rotkv::Result<()> {
     let shape =
         CacheShape { layers, num_kv_heads: hkv, num_q_heads: hq, max_seqs: 1, max_tokens: tokens, num_blocks: None };
     let cache = KvCache::new(config, shape, Backend::Cpu)?;
-    println!(
+    writeln!(
+        out,
         "32K-token cache for SmolLM2-135M (30 layers x 3 KV heads x 64): f16 {:.1} MiB, k2v2 {:.1} MiB allocated ({:.1}x less)\n",
         mib(f16_bytes),
         mib(cache.memory_bytes()),
         f16_bytes as f64 / cache.memory_bytes() as f64
-    );
+    )?;
     drop(cache);
-    decode_throughput(l0)
+    decode_throughput(out, l0)
 }
 
 /// Decode throughput of one layer, batch 8, 8K context built from the tile's real keys
 /// and values, against the f16 baseline on the same data in the same run.
-fn decode_throughput(l0: &eval::LayerTile) -> rotkv::Result<()> {
+fn decode_throughput(out: &mut Out, l0: &eval::LayerTile) -> Result<(), CliError> {
     let (t, hkv, hq, d) = (l0.tokens, l0.num_kv_heads, l0.num_q_heads, l0.head_dim);
     let (batch, ctx, steps) = (8, 8192, 30);
     let config = CacheConfig::k2v2(d);
@@ -194,8 +228,8 @@ fn decode_throughput(l0: &eval::LayerTile) -> rotkv::Result<()> {
     bar.finish_and_clear();
     let seqs: Vec<usize> = (0..batch).collect();
     let q: Vec<f32> = (0..batch).flat_map(|b| l0.q[(t - 1 - b) * hq * d..(t - b) * hq * d].iter().copied()).collect();
-    let mut out = vec![0f32; batch * hq * d];
-    let mut out16 = out.clone();
+    let mut attn = vec![0f32; batch * hq * d];
+    let mut attn16 = attn.clone();
     let threads = rayon::current_num_threads();
     let splits = rotkv::cpu::default_splits(ctx, batch, hkv, threads) as usize;
     let mut t_q = Vec::new();
@@ -203,10 +237,10 @@ fn decode_throughput(l0: &eval::LayerTile) -> rotkv::Result<()> {
     let bar = progress(steps, "timing decode");
     for _ in 0..steps {
         let s = Instant::now();
-        cache.decode(0, &seqs, &q, &mut out)?;
+        cache.decode(0, &seqs, &q, &mut attn)?;
         t_q.push(s.elapsed().as_secs_f64());
         let s = Instant::now();
-        rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, &q, &mut out16);
+        rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, &q, &mut attn16);
         t_f.push(s.elapsed().as_secs_f64());
         bar.inc(1);
     }
@@ -218,11 +252,21 @@ fn decode_throughput(l0: &eval::LayerTile) -> rotkv::Result<()> {
     let (mq, mf) = (median(&mut t_q), median(&mut t_f));
     let quant_bytes = batch * hkv * ctx * config.bytes_per_token()?;
     let f16_bytes = batch * hkv * ctx * d * 4;
-    let err: f64 = out.iter().zip(&out16).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt()
-        / out16.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-    println!("CPU decode, one layer, batch {batch}, {ctx}-token context, {threads} threads (median of {steps}):");
-    println!("  k2v2 cache:    {:>7.3} ms/step  ({:.1} GB/s of packed cache)", mq * 1e3, quant_bytes as f64 / mq / 1e9);
-    println!("  f16 baseline:  {:>7.3} ms/step  ({:.1} GB/s of f16 cache)", mf * 1e3, f16_bytes as f64 / mf / 1e9);
-    println!("  speedup {:.2}x; output relative difference k2v2 vs f16: {err:.3}", mf / mq);
+    let err: f64 = attn.iter().zip(&attn16).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt()
+        / attn16.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+    writeln!(out, "CPU decode, one layer, batch {batch}, {ctx}-token context, {threads} threads (median of {steps}):")?;
+    writeln!(
+        out,
+        "  k2v2 cache:    {:>7.3} ms/step  ({:.1} GB/s of packed cache)",
+        mq * 1e3,
+        quant_bytes as f64 / mq / 1e9
+    )?;
+    writeln!(
+        out,
+        "  f16 baseline:  {:>7.3} ms/step  ({:.1} GB/s of f16 cache)",
+        mf * 1e3,
+        f16_bytes as f64 / mf / 1e9
+    )?;
+    writeln!(out, "  speedup {:.2}x; output relative difference k2v2 vs f16: {err:.3}", mf / mq)?;
     Ok(())
 }
