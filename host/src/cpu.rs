@@ -15,7 +15,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use rotkv_kernels::layout::{Format, Place};
-use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// Tokens scored per softmax step (one max and one rescale per chunk).
 const CHUNK: usize = 64;
@@ -109,26 +109,24 @@ fn quantize_row(row: &[f16], bits: u32, group: usize, codes: &mut [u8], params: 
     }
 }
 
-/// Appends new tokens (`[token][kv_head][head_dim]` f32) to a sequence of `len` tokens:
+/// Appends `p.count` new tokens (f32, strides in `p`) to a sequence of `p.start` tokens:
 /// rotates every row once, quantizes the pages that fill (from old window rows or new
 /// rows), then writes the new sink and window rows. Produces the bytes of
 /// [`crate::reference::append`].
-#[allow(clippy::too_many_arguments)]
 pub fn append(
-    fmt: &Format,
-    flags: u32,
+    p: &AppendParams,
     calib: &LayerCalibration,
-    num_kv_heads: usize,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
-    len: usize,
     k: &[f32],
     v: &[f32],
 ) {
+    let fmt = &p.format;
+    let flags = p.flags;
     let d = fmt.head_dim as usize;
-    let hkv = num_kv_heads;
-    let n = k.len() / (hkv * d);
+    let hkv = p.num_kv_heads as usize;
+    let (n, len) = (p.count as usize, p.start as usize);
     // Stored rows of the new tokens: [token][kv_head][K|V][d].
     let mut staged = vec![f16::ZERO; n * hkv * 2 * d];
     staged.par_chunks_mut(2 * d).enumerate().for_each_init(
@@ -136,7 +134,7 @@ pub fn append(
         |(x, y), (i, dst)| {
             let h = i % hkv;
             let (mean, kperm, vperm) = calib.head(h, d);
-            let src = i * d;
+            let src = (i / hkv) * p.token_stride as usize + h * p.head_stride as usize;
             let (dk, dv) = dst.split_at_mut(d);
             stage_row(&k[src..src + d], Some(mean), flags & FLAG_ROTATE_KEYS != 0, kperm, x, y, dk);
             stage_row(&v[src..src + d], None, flags & FLAG_ROTATE_VALUES != 0, vperm, x, y, dv);

@@ -12,7 +12,7 @@ use crate::reference::SeqRef;
 use crate::{Backend, KvElement, cpu, reference};
 use half::f16;
 use rotkv_kernels::layout::Format;
-use rotkv_kernels::params::DecodeParams;
+use rotkv_kernels::params::{AppendParams, DecodeParams};
 
 /// A layer's shape beyond the cache config: heads and the pool's size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -180,10 +180,18 @@ pub fn append<T: KvElement>(
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
     let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
     let v = to_f32_rows("v", v, tokens, hkv, d, None)?;
-    let flags = config.flags();
+    let params = AppendParams {
+        format: fmt,
+        num_kv_heads: hkv as u32,
+        start: len as u32,
+        count: tokens as u32,
+        flags: config.flags(),
+        token_stride: (hkv * d) as u32,
+        head_stride: d as u32,
+    };
     match backend {
-        Backend::Reference => reference::append(&fmt, flags, calib, hkv, pool, block_table, side, len, &k, &v),
-        Backend::Cpu => cpu::append(&fmt, flags, calib, hkv, pool, block_table, side, len, &k, &v),
+        Backend::Reference => reference::append(&params, calib, pool, block_table, side, &k, &v),
+        Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, &k, &v),
     }
     Ok(new_len)
 }

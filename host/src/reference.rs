@@ -11,7 +11,7 @@
 use crate::config::LayerCalibration;
 use half::f16;
 use rotkv_kernels::layout::{Format, Place};
-use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// In-place orthonormal fast Walsh-Hadamard transform: `x -> x H_n`, with `H_n` the
 /// Sylvester Hadamard matrix in natural order divided by `sqrt(n)`. `n` must be a power
@@ -147,31 +147,28 @@ pub fn stored_value(v: &[f32], flags: u32, perm: &[u16]) -> Vec<f16> {
     rotate(&x, flags & FLAG_ROTATE_VALUES != 0, perm).into_iter().map(f16::from_f64).collect()
 }
 
-/// Appends `k.len() / (num_kv_heads * head_dim)` tokens (`[token][kv_head][head_dim]`)
-/// to a sequence of `len` tokens, one token at a time: each goes to a sink row or the
-/// window ring; when the window reaches `window + page_size` tokens its oldest page is
-/// quantized into the page `block_table[page]`.
-#[allow(clippy::too_many_arguments)]
+/// Appends `p.count` tokens (`k[t * p.token_stride + h * p.head_stride + c]`, likewise
+/// `v`) to a sequence of `p.start` tokens, one token at a time: each goes to a sink row
+/// or the window ring; when the window reaches `window + page_size` tokens its oldest
+/// page is quantized into the page `block_table[page]`.
 pub fn append(
-    fmt: &Format,
-    flags: u32,
+    p: &AppendParams,
     calib: &LayerCalibration,
-    num_kv_heads: usize,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
-    len: usize,
     k: &[f32],
     v: &[f32],
 ) {
+    let fmt = &p.format;
     let d = fmt.head_dim as usize;
-    let n = k.len() / (num_kv_heads * d);
-    for i in 0..n {
-        let pos = (len + i) as u32;
-        for h in 0..num_kv_heads {
+    let hkv = p.num_kv_heads as usize;
+    for i in 0..p.count as usize {
+        let pos = p.start + i as u32;
+        for h in 0..hkv {
             let (mean, kperm, vperm) = calib.head(h, d);
-            let x = (i * num_kv_heads + h) * d;
-            let rows = [stored_key(&k[x..x + d], mean, flags, kperm), stored_value(&v[x..x + d], flags, vperm)];
+            let x = i * p.token_stride as usize + h * p.head_stride as usize;
+            let rows = [stored_key(&k[x..x + d], mean, p.flags, kperm), stored_value(&v[x..x + d], p.flags, vperm)];
             // A new token enters the sinks or the window (and may be flushed just below).
             let row = if pos < fmt.sinks { pos } else { fmt.window_row(pos) };
             for (which, r) in rows.iter().enumerate() {
@@ -180,7 +177,7 @@ pub fn append(
             }
         }
         if fmt.quantized_len(pos + 1) > fmt.quantized_len(pos) {
-            flush_page(fmt, num_kv_heads, pool, block_table, side, pos + 1);
+            flush_page(fmt, hkv, pool, block_table, side, pos + 1);
         }
     }
 }
