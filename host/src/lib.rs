@@ -48,6 +48,8 @@ pub mod error;
 pub mod eval;
 pub mod paged;
 pub mod reference;
+#[cfg(feature = "sim")]
+pub mod sim;
 
 pub use cache::{CacheShape, KvCache, SeqId};
 pub use config::{CacheConfig, LayerCalibration, Rotation};

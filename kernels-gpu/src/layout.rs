@@ -37,46 +37,57 @@ pub struct Format {
 
 impl Format {
     /// Quantization groups per head.
+    #[inline]
     pub const fn groups(&self) -> u32 {
         self.head_dim / self.group_size
     }
     /// Bytes of key codes per token and head.
+    #[inline]
     pub const fn key_code_bytes(&self) -> u32 {
         self.head_dim * self.key_bits / 8
     }
     /// Bytes of value codes per token and head.
+    #[inline]
     pub const fn value_code_bytes(&self) -> u32 {
         self.head_dim * self.value_bits / 8
     }
     /// Bytes of scale/zero pairs per token and head (for keys, and again for values).
+    #[inline]
     pub const fn param_bytes(&self) -> u32 {
         self.groups() * crate::GROUP_PARAM_BYTES
     }
     /// Bytes per quantized token and KV head: codes plus scales and zeros, K and V.
+    #[inline]
     pub const fn bytes_per_token(&self) -> u32 {
         self.key_code_bytes() + self.value_code_bytes() + 2 * self.param_bytes()
     }
     /// Bytes of one head-page (`page_size` tokens of one KV head).
+    #[inline]
     pub const fn page_bytes(&self) -> u32 {
         self.page_size * self.bytes_per_token()
     }
     /// Offset of the key codes of `slot` inside a head-page.
+    #[inline]
     pub const fn key_codes_at(&self, slot: u32) -> u32 {
         slot * self.key_code_bytes()
     }
     /// Offset of the value codes of `slot` inside a head-page.
+    #[inline]
     pub const fn value_codes_at(&self, slot: u32) -> u32 {
         self.page_size * self.key_code_bytes() + slot * self.value_code_bytes()
     }
     /// Bits of the key (`value == false`) or value codes.
+    #[inline]
     pub const fn bits(&self, value: bool) -> u32 {
         if value { self.value_bits } else { self.key_bits }
     }
     /// Bytes of one token's key or value codes.
+    #[inline]
     pub const fn code_bytes(&self, value: bool) -> u32 {
         if value { self.value_code_bytes() } else { self.key_code_bytes() }
     }
     /// Offset of the key or value codes of `slot` inside a head-page.
+    #[inline]
     pub const fn codes_at(&self, value: bool, slot: u32) -> u32 {
         if value { self.value_codes_at(slot) } else { self.key_codes_at(slot) }
     }
@@ -84,37 +95,44 @@ impl Format {
     /// head-page. Scales and zeros are planar and group-major: for keys, then values,
     /// `scales[group][slot]` then `zeros[group][slot]`, so consecutive tokens' scales of
     /// one group are contiguous.
+    #[inline]
     pub const fn scale_at(&self, value: bool, group: u32, slot: u32) -> u32 {
         let base = self.page_size * (self.key_code_bytes() + self.value_code_bytes())
             + if value { self.page_size * self.param_bytes() } else { 0 };
         base + 2 * (group * self.page_size + slot)
     }
     /// Offset of the f16 zero of group `group` of the key or value of `slot`.
+    #[inline]
     pub const fn zero_at(&self, value: bool, group: u32, slot: u32) -> u32 {
         self.scale_at(value, group + self.groups(), slot)
     }
     /// Offset of the head-page of `kv_head` in physical block `block` of a layer's pool
     /// (pool layout `[block][kv_head][page_bytes]`).
+    #[inline]
     pub const fn page_offset(&self, block: u32, kv_head: u32, num_kv_heads: u32) -> usize {
         (block as usize * num_kv_heads as usize + kv_head as usize) * self.page_bytes() as usize
     }
 
     /// Rows in the window ring: `window + page_size`, so that a full page can be flushed
     /// while at least `window` newest tokens stay in f16.
+    #[inline]
     pub const fn window_capacity(&self) -> u32 {
         self.window + self.page_size
     }
     /// f16 rows per head in the side store: sinks then the window ring.
+    #[inline]
     pub const fn side_rows(&self) -> u32 {
         self.sinks + self.window_capacity()
     }
     /// f16 elements of one sequence's side store for one layer:
     /// `[kv_head][K|V][side_rows][head_dim]`.
+    #[inline]
     pub const fn side_elems(&self, num_kv_heads: u32) -> usize {
         num_kv_heads as usize * 2 * self.side_rows() as usize * self.head_dim as usize
     }
     /// Element offset of row `row` of the keys (`value == false`) or values of
     /// `kv_head` in a side store.
+    #[inline]
     pub const fn side_row_at(&self, kv_head: u32, value: bool, row: u32) -> usize {
         ((kv_head as usize * 2 + value as usize) * self.side_rows() as usize + row as usize) * self.head_dim as usize
     }
@@ -125,6 +143,7 @@ impl Format {
     /// `window + page_size` tokens, its oldest `page_size` tokens are quantized into the
     /// next page. So the quantized count is the largest multiple of `page_size` that
     /// leaves at least `window` tokens in the window.
+    #[inline]
     pub const fn quantized_len(&self, len: u32) -> u32 {
         if len <= self.sinks + self.window {
             0
@@ -133,14 +152,17 @@ impl Format {
         }
     }
     /// Pages a sequence of `len` tokens uses.
+    #[inline]
     pub const fn pages_for(&self, len: u32) -> u32 {
         self.quantized_len(len) / self.page_size
     }
     /// The window-ring row of position `pos` (`pos >= sinks`) while it is in the window.
+    #[inline]
     pub const fn window_row(&self, pos: u32) -> u32 {
         self.sinks + (pos - self.sinks) % self.window_capacity()
     }
     /// Where the token at position `pos` of a sequence of `len` tokens lives.
+    #[inline]
     pub const fn place(&self, pos: u32, len: u32) -> Place {
         if pos < self.sinks {
             return Place::Sink { index: pos };

@@ -1,17 +1,37 @@
 //! rotkv device code.
 //!
 //! This crate is `#![no_std]` and compiles both for the host (as an rlib: the format
-//! constants, the page layout arithmetic and the `#[repr(C)]` kernel parameter structs
-//! that the host shares with the device) and, in a later step, for
-//! `nvptx64-nvidia-cuda` (the kernels). Nothing here validates user input: every check
-//! and every `Result` lives in the host crate `rotkv`.
+//! constants, the page layout arithmetic, the `#[repr(C)]` kernel parameter structs and
+//! the kernel bodies, which the SIMT emulator of the `sim` feature runs) and for
+//! `nvptx64-nvidia-cuda` (`cargo xtask ptx`: the same bodies behind `extern
+//! "ptx-kernel"` entry points). Nothing here validates user input: every check and every
+//! `Result` lives in the host crate `rotkv`.
 //!
 //! The byte format is specified in `FORMAT.md` at the repository root; the functions in
 //! [`layout`] are the single source of truth for every offset in it.
 #![no_std]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
 
+#[cfg(feature = "sim")]
+extern crate std;
+
+pub mod ctx;
 pub mod layout;
+pub mod math;
+pub mod merge;
 pub mod params;
+#[cfg(feature = "sim")]
+pub mod sim;
+
+#[cfg(target_arch = "nvptx64")]
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    // Kernels index only inside what the host validated; a panic is a bug. Trap so the
+    // launch fails with an error instead of hanging.
+    // SAFETY: `trap` aborts the kernel; it has no other effect.
+    unsafe { core::arch::asm!("trap;") };
+    loop {}
+}
 
 /// Version of the cache byte format described in `FORMAT.md`.
 pub const FORMAT_VERSION: u32 = 1;
@@ -62,6 +82,7 @@ macro_rules! config_array {
 for_each_config!(config_array);
 
 /// Whether `(head_dim, key_bits, value_bits, group_size)` is in [`CONFIGS`].
+#[inline]
 pub const fn is_instantiated(head_dim: u32, key_bits: u32, value_bits: u32, group: u32) -> bool {
     let mut i = 0;
     while i < CONFIGS.len() {

@@ -65,6 +65,8 @@ pub struct MergeParams {
     pub num_seqs: u32,
     /// Query heads.
     pub num_q_heads: u32,
+    /// KV heads (selects the value permutation of each query head's group).
+    pub num_kv_heads: u32,
     /// Channels per head.
     pub head_dim: u32,
     /// Splits per sequence.
@@ -75,11 +77,13 @@ pub struct MergeParams {
 
 impl DecodeParams {
     /// Tokens per split for a sequence of `len` tokens: `ceil(len / num_splits)`.
+    #[inline]
     pub const fn split_len(&self, len: u32) -> u32 {
         len.div_ceil(self.num_splits)
     }
     /// Positions `[begin, end)` of split `split` of a sequence of `len` tokens (empty
     /// when the sequence is too short to reach it).
+    #[inline]
     pub const fn split_range(&self, split: u32, len: u32) -> (u32, u32) {
         let per = self.split_len(len);
         let begin = split.saturating_mul(per);

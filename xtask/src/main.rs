@@ -5,6 +5,13 @@
 //!   `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table`: the decode benchmark table (markdown) from criterion's results in
 //!   `target/criterion` (run `cargo bench -p rotkv-benches --bench cpu -- decode` first).
+//! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
+//!   `nvptx64-nvidia-cuda` target (installing `rust-src` if missing) and writes
+//!   `host/ptx/rotkv.ptx` (sm_80); `--check` fails when the committed file differs.
+//! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
+//!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
+//!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
+//!   any error or spill.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -14,8 +21,10 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("bench-table") => bench_table(),
+        Some("ptx") => ptx(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
+        Some("ptxas") => ptxas().map_err(|e| e.to_string()),
         _ => {
-            eprintln!("usage: cargo xtask <ci | bench-table>");
+            eprintln!("usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas>");
             return ExitCode::from(2);
         }
     };
@@ -95,6 +104,30 @@ fn ci() -> Result<(), String> {
     if !run("tests", c)? {
         failed.push("tests");
     }
+    println!("\n==> PTX freshness: cargo xtask ptx --check");
+    match ptx(true) {
+        Ok(()) => {}
+        Err(Step::Skipped(why)) => {
+            println!("SKIPPED: PTX freshness: {why}");
+            skipped.push("ptx");
+        }
+        Err(Step::Failed(why)) => {
+            println!("FAILED: {why}");
+            failed.push("ptx");
+        }
+    }
+    println!("\n==> ptxas: cargo xtask ptxas");
+    match ptxas() {
+        Ok(()) => {}
+        Err(Step::Skipped(why)) => {
+            println!("SKIPPED: ptxas: {why}");
+            skipped.push("ptxas");
+        }
+        Err(Step::Failed(why)) => {
+            println!("FAILED: {why}");
+            failed.push("ptxas");
+        }
+    }
 
     println!();
     if !skipped.is_empty() {
@@ -154,6 +187,217 @@ fn bench_table() -> Result<(), String> {
                 h.median_ns / q.median_ns
             );
         }
+    }
+    Ok(())
+}
+
+/// How a step that needs an external tool ended.
+#[derive(Debug)]
+enum Step {
+    /// The tool could not be had here: the step did not run.
+    Skipped(String),
+    /// The step ran and found a problem.
+    Failed(String),
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::Skipped(w) => write!(f, "SKIPPED: {w}"),
+            Step::Failed(w) => write!(f, "{w}"),
+        }
+    }
+}
+
+const PTX_FILE: &str = "host/ptx/rotkv.ptx";
+const NVCC_WHEEL: &str = "nvidia-cuda-nvcc-cu12==12.9.86";
+
+/// `rustup run nightly <cmd>` with the outer cargo's toolchain variables removed.
+fn nightly(args: &[&str]) -> Command {
+    let mut c = Command::new("rustup");
+    c.current_dir(root()).args(["run", "nightly"]).args(args);
+    for var in
+        ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTC_WRAPPER", "RUSTDOC", "CARGO", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS"]
+    {
+        c.env_remove(var);
+    }
+    c
+}
+
+fn output_of(mut c: Command) -> Result<String, String> {
+    let out = c.output().map_err(|e| format!("{c:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{c:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Builds the PTX text (header line plus LLVM's output).
+fn build_ptx() -> Result<String, Step> {
+    let version =
+        output_of(nightly(&["rustc", "--version"])).map_err(|e| Step::Skipped(format!("no nightly toolchain: {e}")))?;
+    let installed = output_of(nightly(&["rustup", "component", "list", "--installed"])).unwrap_or_default();
+    if !installed.lines().any(|l| l.starts_with("rust-src")) {
+        println!("installing rust-src for the nightly toolchain");
+        let ok = Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]).status();
+        if !matches!(ok, Ok(s) if s.success()) {
+            return Err(Step::Skipped("rust-src for the nightly toolchain cannot be installed".into()));
+        }
+    }
+    let target_dir = root().join("target/nvptx");
+    let mut c = nightly(&[
+        "cargo",
+        "rustc",
+        "-p",
+        "rotkv-kernels",
+        "--release",
+        "--target",
+        "nvptx64-nvidia-cuda",
+        "-Zbuild-std=core",
+        "--target-dir",
+    ]);
+    c.arg(&target_dir).args(["--", "--emit=asm", "-C", "target-cpu=sm_80"]);
+    c.env("CARGO_PROFILE_RELEASE_DEBUG", "0").env("CARGO_PROFILE_RELEASE_PANIC", "abort");
+    let status = c.status().map_err(|e| Step::Skipped(format!("cannot run the nightly cargo: {e}")))?;
+    if !status.success() {
+        return Err(Step::Failed("the nvptx build of rotkv-kernels failed".into()));
+    }
+    let deps = target_dir.join("nvptx64-nvidia-cuda/release/deps");
+    let newest = std::fs::read_dir(&deps)
+        .map_err(|e| Step::Failed(format!("{}: {e}", deps.display())))?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("rotkv_kernels") && n.ends_with(".s")
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .ok_or_else(|| Step::Failed(format!("no rotkv_kernels-*.s in {}", deps.display())))?;
+    let body = std::fs::read_to_string(newest.path()).map_err(|e| Step::Failed(e.to_string()))?;
+    Ok(format!("// rotkv PTX for sm_80, generated by `cargo xtask ptx` with {}\n{body}", version.trim()))
+}
+
+fn ptx(check: bool) -> Result<(), Step> {
+    let text = build_ptx()?;
+    let path = root().join(PTX_FILE);
+    if check {
+        let committed = std::fs::read_to_string(&path).map_err(|e| Step::Failed(format!("{PTX_FILE}: {e}")))?;
+        if committed != text {
+            return Err(Step::Failed(format!("{PTX_FILE} is stale: run `cargo xtask ptx` and commit it")));
+        }
+        println!("{PTX_FILE} is up to date ({} entry points)", text.matches(".entry").count());
+        return Ok(());
+    }
+    std::fs::create_dir_all(path.parent().expect("a parent")).map_err(|e| Step::Failed(e.to_string()))?;
+    std::fs::write(&path, &text).map_err(|e| Step::Failed(e.to_string()))?;
+    println!("wrote {PTX_FILE} ({} entry points)", text.matches(".entry").count());
+    Ok(())
+}
+
+/// The ptxas of the pinned wheel, fetched into the cache folder once.
+fn ptxas_binary() -> Result<PathBuf, Step> {
+    let home = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .ok_or_else(|| Step::Skipped("no HOME for the cache folder".into()))?;
+    let dir = home.join("rotkv/nvcc-12.9.86");
+    let bin = dir.join("nvidia/cuda_nvcc/bin/ptxas");
+    if bin.exists() {
+        return Ok(bin);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| Step::Skipped(format!("{}: {e}", dir.display())))?;
+    println!("fetching {NVCC_WHEEL} from PyPI into {}", dir.display());
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", NVCC_WHEEL, "-d"])
+        .arg(&dir)
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        return Err(Step::Skipped(format!("cannot download {NVCC_WHEEL} with pip")));
+    }
+    let script = "import sys, zipfile, glob, os\n\
+w = glob.glob(os.path.join(sys.argv[1], 'nvidia_cuda_nvcc_cu12-*.whl'))[0]\n\
+zipfile.ZipFile(w).extract('nvidia/cuda_nvcc/bin/ptxas', sys.argv[1])\n";
+    let status = Command::new("python3").args(["-c", script]).arg(&dir).status();
+    if !matches!(status, Ok(s) if s.success()) || !bin.exists() {
+        return Err(Step::Skipped("cannot extract ptxas from the wheel".into()));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| Step::Skipped(e.to_string()))?;
+    }
+    Ok(bin)
+}
+
+/// One kernel's resources for one architecture, from `ptxas -v`.
+#[derive(Default)]
+struct Usage {
+    kernel: String,
+    arch: String,
+    registers: u32,
+    spill: u32,
+    smem: u32,
+}
+
+fn parse_ptxas(log: &str) -> Vec<Usage> {
+    let num_before = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find(|part| part.trim_end().ends_with(unit))
+            .and_then(|part| {
+                part.split_whitespace().rev().nth(unit.split_whitespace().count()).and_then(|n| n.parse().ok())
+            })
+            .unwrap_or(0)
+    };
+    let mut out: Vec<Usage> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let mut it = rest.split('\'');
+            let kernel = it.next().unwrap_or_default().to_string();
+            let arch = it.nth(1).unwrap_or_default().to_string();
+            out.push(Usage { kernel, arch, ..Usage::default() });
+        } else if let Some(u) = out.last_mut() {
+            if line.contains("spill stores") {
+                u.spill += num_before(line, "bytes spill stores") + num_before(line, "bytes spill loads");
+            } else if line.contains("Used") && line.contains("registers") {
+                u.registers = line
+                    .split("Used ")
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                u.smem = num_before(line, "bytes smem");
+            }
+        }
+    }
+    out
+}
+
+fn ptxas() -> Result<(), Step> {
+    let bin = ptxas_binary()?;
+    let ptx = root().join(PTX_FILE);
+    let mut rows = Vec::new();
+    for arch in ["sm_80", "sm_90"] {
+        let out = Command::new(&bin)
+            .args(["-v", "-arch", arch, "-o", "/dev/null"])
+            .arg(&ptx)
+            .output()
+            .map_err(|e| Step::Skipped(format!("cannot run ptxas: {e}")))?;
+        let log = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(Step::Failed(format!("ptxas -arch {arch} rejected {PTX_FILE}:\n{log}")));
+        }
+        rows.extend(parse_ptxas(&log));
+    }
+    println!("| kernel | arch | registers | spill bytes | shared memory |");
+    println!("|---|---|---:|---:|---:|");
+    for u in &rows {
+        println!("| {} | {} | {} | {} | {} B |", u.kernel, u.arch, u.registers, u.spill, u.smem);
+    }
+    if rows.is_empty() {
+        return Err(Step::Failed("ptxas reported no entry function".into()));
+    }
+    if let Some(u) = rows.iter().find(|u| u.spill > 0) {
+        return Err(Step::Failed(format!("{} spills {} bytes on {}", u.kernel, u.spill, u.arch)));
     }
     Ok(())
 }

@@ -1,0 +1,31 @@
+//! Arithmetic shared by the device kernels and the host (no `std`, no libm).
+
+/// `exp(x)` for `x <= 0` in f32, branch-free: Cody-Waite range reduction and a degree-6
+/// polynomial (relative error below 3e-7 on `[-87, 0]`); returns 0 below -87, for
+/// `-inf` and for NaN.
+#[inline(always)]
+pub fn exp_neg(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let x = x.max(-87.0);
+    let t = x * core::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
+    let p = 1.0
+        + r * (1.0 + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
+    // The low mantissa bits of t hold n (two's complement): 2^n without a float-to-int
+    // conversion, so loops over this function stay vectorized.
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
+    let y = p * scale;
+    if x <= -87.0 { 0.0 } else { y }
+}
+
+/// `1 / sqrt(d)` for the supported head dimensions (the FWHT normalization).
+#[inline]
+pub const fn inv_sqrt_head_dim(d: u32) -> f32 {
+    match d {
+        64 => 0.125,
+        128 => 0.088_388_35,
+        256 => 0.0625,
+        _ => 0.0,
+    }
+}

@@ -1,0 +1,154 @@
+//! `decode_merge`: the log-sum-exp combine of split-K partials, the inverse value
+//! permutation and the inverse Hadamard rotation, one warp per (query head, sequence).
+
+use crate::ctx::{Ctx, WARP};
+use crate::math::{exp_neg, inv_sqrt_head_dim};
+use crate::params::{FLAG_ROTATE_VALUES, MergeParams};
+
+/// Merges the partials of one `(query head, sequence)` and writes its attention output
+/// in the original value channels.
+///
+/// # Safety
+/// With `S = p.num_seqs`, `H = p.num_q_heads`, `N = p.num_splits`: `m` and `l` must be
+/// valid for `S * H * N` reads, `o` for `S * H * N * D`, `vperm_inv` for
+/// `p.num_kv_heads * D` (each row a permutation of `0..D`), `out` for `S * H * D` writes
+/// not aliased by the inputs; `D == p.head_dim`, `V * 32 == D`. The grid must be
+/// `(H, S, 1)` with 32 threads per block.
+///
+/// # Parameters
+/// - `m`, `l`: per `[seq][q_head][split]`, the split's max logit (`-inf` when empty) and
+///   sum of `exp(logit - m)`;
+/// - `o`: `[seq][q_head][split][D]`, the split's sum of `exp(logit - m) * v'` in stored
+///   value order;
+/// - `vperm_inv`: `[kv_head][D]` inverse value permutation: rotated channel `c` is stored
+///   channel `vperm_inv[c]`;
+/// - `out`: `[seq][q_head][D]` f32.
+///
+/// # Thread mapping
+/// Block `(x, y)` = (query head, sequence), one warp. Lane `i` owns channels
+/// `[i * V, (i + 1) * V)`: it merges them over the splits, fetches the stored channels it
+/// needs with `V` indexed shuffles, then runs the FWHT: butterflies inside the lane for
+/// strides below `V`, `shfl.bfly` across lanes for the rest.
+#[inline(always)]
+pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
+    ctx: &C,
+    p: &MergeParams,
+    m: *const f32,
+    l: *const f32,
+    o: *const f32,
+    vperm_inv: *const u16,
+    out: *mut f32,
+) {
+    let [qh, seq, _] = ctx.block_idx();
+    let lane = ctx.lane() as usize;
+    let (hq, splits) = (p.num_q_heads as usize, p.num_splits as usize);
+    let row = seq as usize * hq + qh as usize;
+    let base = row * splits;
+    // SAFETY (all reads below): indices stay inside the sizes of the `# Safety` contract.
+    let mut max = f32::NEG_INFINITY;
+    for i in 0..splits {
+        max = max.max(unsafe { *m.add(base + i) });
+    }
+    let mut acc = [0f32; V];
+    let mut sum = 0.0;
+    if max > f32::NEG_INFINITY {
+        for i in 0..splits {
+            let mi = unsafe { *m.add(base + i) };
+            if mi == f32::NEG_INFINITY {
+                continue;
+            }
+            let c = exp_neg(mi - max);
+            sum += unsafe { *l.add(base + i) } * c;
+            let oi = unsafe { o.add((base + i) * D + lane * V) };
+            for (v, a) in acc.iter_mut().enumerate() {
+                *a += unsafe { *oi.add(v) } * c;
+            }
+        }
+    }
+    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    acc.iter_mut().for_each(|a| *a *= inv);
+    // Inverse permutation: rotated channel c comes from stored channel vperm_inv[c].
+    // (max(1): no division can trap; the host validated both counts.)
+    let group = (hq / (p.num_kv_heads as usize).max(1)).max(1);
+    let kvh = qh as usize / group;
+    let mut x = [0f32; V];
+    for (v, xv) in x.iter_mut().enumerate() {
+        let j = unsafe { *vperm_inv.add(kvh * D + lane * V + v) } as usize;
+        let (src, slot) = ((j / V) as u32, j % V);
+        for (s, &a) in acc.iter().enumerate() {
+            let t = ctx.shfl_idx(a, src);
+            if s == slot {
+                *xv = t;
+            }
+        }
+    }
+    if p.flags & FLAG_ROTATE_VALUES != 0 {
+        let mut h = 1;
+        while h < V {
+            let mut i = 0;
+            while i < V {
+                for j in i..i + h {
+                    let (a, b) = (x[j], x[j + h]);
+                    x[j] = a + b;
+                    x[j + h] = a - b;
+                }
+                i += 2 * h;
+            }
+            h *= 2;
+        }
+        let mut lanes = 1;
+        while lanes < WARP as usize {
+            let upper = lane & lanes != 0;
+            for xv in x.iter_mut() {
+                let other = ctx.shfl_xor(*xv, lanes as u32);
+                *xv = if upper { other - *xv } else { *xv + other };
+            }
+            lanes *= 2;
+        }
+        let s = inv_sqrt_head_dim(D as u32);
+        x.iter_mut().for_each(|v| *v *= s);
+    }
+    let dst = unsafe { out.add(row * D + lane * V) };
+    for (v, &xv) in x.iter().enumerate() {
+        unsafe { *dst.add(v) = xv };
+    }
+}
+
+/// Calls `$m!(name, head_dim, values_per_lane)` for every merge instantiation.
+#[macro_export]
+macro_rules! for_each_merge {
+    ($m:ident) => {
+        $m!(rotkv_decode_merge_d64, 64, 2);
+        $m!(rotkv_decode_merge_d128, 128, 4);
+        $m!(rotkv_decode_merge_d256, 256, 8);
+    };
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod entry {
+    use super::decode_merge;
+    use crate::ctx::Nvptx;
+    use crate::params::MergeParams;
+
+    macro_rules! merge_entry {
+        ($name:ident, $d:literal, $v:literal) => {
+            /// PTX entry point of [`decode_merge`] for one head dimension.
+            ///
+            /// # Safety
+            /// See [`decode_merge`].
+            #[unsafe(no_mangle)]
+            pub unsafe extern "ptx-kernel" fn $name(
+                p: MergeParams,
+                m: *const f32,
+                l: *const f32,
+                o: *const f32,
+                vperm_inv: *const u16,
+                out: *mut f32,
+            ) {
+                // SAFETY: forwarded contract of `decode_merge`.
+                unsafe { decode_merge::<_, $d, $v>(&Nvptx, &p, m, l, o, vperm_inv, out) }
+            }
+        };
+    }
+    crate::for_each_merge!(merge_entry);
+}

@@ -1,0 +1,87 @@
+//! The `decode_merge` device kernel, run by the SIMT emulator, against the reference's
+//! log-sum-exp merge and inverse value rotation.
+
+use rotkv::reference::{self, Partial};
+use rotkv_kernels::params::{FLAG_ROTATE_VALUES, MergeParams};
+use rotkv_tests::Rng;
+
+/// Random partials (some splits empty, some with very different maxima) for
+/// `seqs x heads x splits`, in the kernel's layout and as reference partials.
+fn partials(
+    seqs: usize,
+    heads: usize,
+    splits: usize,
+    d: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<Partial>) {
+    let mut r = Rng::new(seed);
+    let (mut m, mut l, mut o, mut parts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..seqs * heads {
+        for i in 0..splits {
+            let empty = splits > 1 && (r.below(4) == 0 || i == splits - 1);
+            let (mi, li) = if empty { (f32::NEG_INFINITY, 0.0) } else { (r.normal() * 8.0, 1.0 + 5.0 * r.uniform()) };
+            let oi: Vec<f32> = (0..d).map(|_| if empty { 0.0 } else { r.normal() * li }).collect();
+            m.push(mi);
+            l.push(li);
+            o.extend_from_slice(&oi);
+            parts.push(Partial { m: mi as f64, l: li as f64, o: oi.iter().map(|&x| x as f64).collect() });
+        }
+    }
+    (m, l, o, parts)
+}
+
+#[test]
+fn sim_decode_merge_matches_the_reference() {
+    for (d, splits, hkv, gqa, rotate) in
+        [(64, 1, 1, 1, true), (64, 5, 3, 3, true), (128, 7, 2, 4, false), (256, 3, 1, 8, true)]
+    {
+        let (seqs, hq) = (2, hkv * gqa);
+        let (m, l, o, parts) = partials(seqs, hq, splits, d, d as u64 + splits as u64);
+        let mut r = Rng::new(9);
+        let mut vperm: Vec<u16> = Vec::new();
+        for _ in 0..hkv {
+            let mut p: Vec<u16> = (0..d as u16).collect();
+            for i in (1..d).rev() {
+                p.swap(i, r.below(i + 1));
+            }
+            vperm.extend(p);
+        }
+        let mut inv = vec![0u16; vperm.len()];
+        for (h, p) in vperm.chunks_exact(d).enumerate() {
+            for (j, &c) in p.iter().enumerate() {
+                inv[h * d + c as usize] = j as u16;
+            }
+        }
+        let params = MergeParams {
+            num_seqs: seqs as u32,
+            num_q_heads: hq as u32,
+            num_kv_heads: hkv as u32,
+            head_dim: d as u32,
+            num_splits: splits as u32,
+            flags: if rotate { FLAG_ROTATE_VALUES } else { 0 },
+        };
+        let mut out = vec![f32::NAN; seqs * hq * d];
+        rotkv::sim::decode_merge_sim(&params, &m, &l, &o, &inv, &mut out).unwrap();
+        for (row, chunk) in parts.chunks_exact(splits).enumerate() {
+            let kvh = (row % hq) / gqa;
+            let want = reference::unrotate(&reference::merge(chunk), rotate, &vperm[kvh * d..(kvh + 1) * d]);
+            let got = &out[row * d..(row + 1) * d];
+            // f32 merge and FWHT against f64: a few ulps of the row's scale.
+            let scale = want.iter().fold(0.0f64, |a, b| a.max(b.abs())).max(1e-6);
+            for (g, w) in got.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() <= 2e-6 * scale, "d {d} splits {splits} row {row}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn sim_decode_merge_rejects_bad_sizes() {
+    let p = MergeParams { num_seqs: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 64, num_splits: 2, flags: 0 };
+    let mut out = vec![0f32; 128];
+    let inv: Vec<u16> = (0..64).collect();
+    assert!(rotkv::sim::decode_merge_sim(&p, &[0.0; 3], &[0.0; 4], &[0.0; 256], &inv, &mut out).is_err());
+    assert!(rotkv::sim::decode_merge_sim(&p, &[0.0; 4], &[0.0; 4], &[0.0; 256], &inv[..10], &mut out).is_err());
+    let p96 = MergeParams { head_dim: 96, ..p };
+    assert!(rotkv::sim::decode_merge_sim(&p96, &[0.0; 4], &[0.0; 4], &[0.0; 384], &[0; 96], &mut [0.0; 192]).is_err());
+}
