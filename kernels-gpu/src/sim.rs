@@ -203,7 +203,7 @@ pub fn launch<F>(grid: [u32; 3], block_dim: u32, shared_bytes: usize, kernel: F)
 where
     F: Fn(&SimCtx<'_>) + Sync,
 {
-    if block_dim == 0 || block_dim % WARP != 0 || block_dim > 1024 {
+    if block_dim == 0 || !block_dim.is_multiple_of(WARP) || block_dim > 1024 {
         return Err(SimError(format!("block of {block_dim} threads (a multiple of 32, at most 1024)")));
     }
     for z in 0..grid[2] {
