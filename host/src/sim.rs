@@ -17,6 +17,13 @@ unsafe impl<T> Send for Shared<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for Shared<T> {}
 
+impl<T> Shared<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn ptr(self) -> *mut T {
+        self.0
+    }
+}
+
 /// Runs the `decode_merge` kernel: partials `m`, `l` (`[seq][q_head][split]`), `o`
 /// (`[seq][q_head][split][head_dim]`, stored value order) and the inverse value
 /// permutations `vperm_inv` (`[kv_head][head_dim]`) into `out` (`[seq][q_head][head_dim]`).
@@ -57,29 +64,20 @@ pub fn decode_merge_sim(
         Shared(out.as_mut_ptr()),
     );
     let p = *p;
-    let run = |f: fn(&SimCtx<'_>, &MergeParams, Shared<f32>, Shared<f32>, Shared<f32>, Shared<u16>, Shared<f32>)| {
-        sim::launch([h as u32, s as u32, 1], 32, 0, |c| f(c, &p, mp, lp, op, vp, outp))
-            .map_err(|e| Error::Backend(format!("sim decode_merge: {e}")))
-    };
-    macro_rules! kernel {
+    macro_rules! launch {
         ($d:literal, $v:literal) => {
-            |c: &SimCtx<'_>,
-             p: &MergeParams,
-             m: Shared<f32>,
-             l: Shared<f32>,
-             o: Shared<f32>,
-             v: Shared<u16>,
-             out: Shared<f32>| {
+            sim::launch([h as u32, s as u32, 1], 32, 0, |c: &SimCtx<'_>| {
                 // SAFETY: sizes checked above; grid (H, S, 1) of 32-thread blocks, as
                 // `decode_merge` requires; each block writes its own output row.
-                unsafe { decode_merge::<_, $d, $v>(c, p, m.0, l.0, o.0, v.0, out.0) }
-            }
+                unsafe { decode_merge::<_, $d, $v>(c, &p, mp.ptr(), lp.ptr(), op.ptr(), vp.ptr(), outp.ptr()) }
+            })
+            .map_err(|e| Error::Backend(format!("sim decode_merge: {e}")))
         };
     }
     match d {
-        64 => run(kernel!(64, 2)),
-        128 => run(kernel!(128, 4)),
-        256 => run(kernel!(256, 8)),
+        64 => launch!(64, 2),
+        128 => launch!(128, 4),
+        256 => launch!(256, 8),
         other => Err(Error::Unsupported(format!("head_dim {other}"))),
     }
 }
