@@ -101,7 +101,8 @@ fn ci() -> Result<(), String> {
     }
     let mut c = cargo();
     c.args(["test", "--workspace", "--all-features"]);
-    if !run("tests", c)? {
+    let (ok, counts) = run_tests(c)?;
+    if !ok {
         failed.push("tests");
     }
     println!("\n==> PTX freshness: cargo xtask ptx --check");
@@ -133,12 +134,40 @@ fn ci() -> Result<(), String> {
     if !skipped.is_empty() {
         println!("SKIPPED steps: {}", skipped.join(", "));
     }
-    if failed.is_empty() {
-        println!("xtask ci: all steps passed");
-        Ok(())
-    } else {
-        Err(format!("failed steps: {}", failed.join(", ")))
+    let verdict =
+        if failed.is_empty() { "all steps passed".to_string() } else { format!("failed steps: {}", failed.join(", ")) };
+    println!("xtask ci: {verdict}");
+    // The summed test counts of every test binary, as the closing line.
+    println!("tests: {} passed, {} failed, {} skipped", counts.0, counts.1, counts.2);
+    if failed.is_empty() { Ok(()) } else { Err(verdict) }
+}
+
+/// Runs `cargo test`, echoing its output, and sums the `test result:` lines:
+/// (passed, failed, ignored).
+fn run_tests(mut cmd: Command) -> Result<(bool, (u64, u64, u64)), String> {
+    use std::io::BufRead;
+    println!("\n==> tests: {cmd:?}");
+    let mut child =
+        cmd.stdout(std::process::Stdio::piped()).spawn().map_err(|e| format!("tests: cannot start: {e}"))?;
+    let mut counts = (0, 0, 0);
+    let stdout = child.stdout.take().expect("piped stdout");
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let num = |key: &str| -> u64 {
+                rest.split(';')
+                    .find(|p| p.trim().ends_with(key))
+                    .and_then(|p| p.split_whitespace().rev().nth(1).and_then(|n| n.parse().ok()))
+                    .unwrap_or(0)
+            };
+            counts.0 += num("passed");
+            counts.1 += num("failed");
+            counts.2 += num("ignored");
+        }
     }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    Ok((status.success(), counts))
 }
 
 /// One criterion result: median time (ns) and bytes per iteration.
