@@ -1,8 +1,9 @@
 //! `decode_merge`: the log-sum-exp combine of split-K partials, the inverse value
 //! permutation and the inverse Hadamard rotation, one warp per (query head, sequence).
 
-use crate::ctx::{Ctx, WARP};
-use crate::math::{exp_neg, inv_sqrt_head_dim};
+use crate::ctx::Ctx;
+use crate::fwht::fwht_warp;
+use crate::math::exp_neg;
 use crate::params::{FLAG_ROTATE_VALUES, MergeParams};
 
 /// Merges the partials of one `(query head, sequence)` and writes its attention output
@@ -83,30 +84,7 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
         }
     }
     if p.flags & FLAG_ROTATE_VALUES != 0 {
-        let mut h = 1;
-        while h < V {
-            let mut i = 0;
-            while i < V {
-                for j in i..i + h {
-                    let (a, b) = (x[j], x[j + h]);
-                    x[j] = a + b;
-                    x[j + h] = a - b;
-                }
-                i += 2 * h;
-            }
-            h *= 2;
-        }
-        let mut lanes = 1;
-        while lanes < WARP as usize {
-            let upper = lane & lanes != 0;
-            for xv in x.iter_mut() {
-                let other = ctx.shfl_xor(*xv, lanes as u32);
-                *xv = if upper { other - *xv } else { *xv + other };
-            }
-            lanes *= 2;
-        }
-        let s = inv_sqrt_head_dim(D as u32);
-        x.iter_mut().for_each(|v| *v *= s);
+        fwht_warp(ctx, &mut x);
     }
     let dst = unsafe { out.add(row * D + lane * V) };
     for (v, &xv) in x.iter().enumerate() {
