@@ -1,10 +1,13 @@
 //! Device kernels run by the SIMT emulator (feature `sim`), through the launch geometry
-//! the CUDA backend uses. So far: `decode_merge`. The `append` and `decode_split`
-//! kernels, and with them a `sim` [`crate::Backend`], are not written yet.
+//! the CUDA backend uses. So far: `decode_split` and `decode_merge`. The `append`
+//! kernel, and with it a `sim` [`crate::Backend`], is not written yet.
 
+use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
+use crate::reference::SeqRef;
+use rotkv_kernels::decode::{MAX_GROUP, decode_split};
 use rotkv_kernels::merge::decode_merge;
-use rotkv_kernels::params::MergeParams;
+use rotkv_kernels::params::{DecodeParams, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
 
 /// A raw pointer the emulator's threads may share (each kernel thread writes its own
@@ -80,4 +83,83 @@ pub fn decode_merge_sim(
         256 => launch!(256, 8),
         other => Err(Error::Unsupported(format!("head_dim {other}"))),
     }
+}
+
+/// Split-K partials from the emulated `decode_split` kernel: `(m, l, o)` with `m`, `l`
+/// per `[seq][q_head][split]` and `o` per `[seq][q_head][split][head_dim]` (stored value
+/// order), for the batch `seqs` whose queries `q` are `[seq][q_head][head_dim]`.
+pub fn decode_split_sim(
+    p: &DecodeParams,
+    calib: &LayerCalibration,
+    pool: &[u8],
+    seqs: &[SeqRef<'_>],
+    q: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let fmt = p.format;
+    let d = fmt.head_dim as usize;
+    let (s, hq, hkv, n) = (seqs.len(), p.num_q_heads as usize, p.num_kv_heads as usize, p.num_splits as usize);
+    if hq / hkv > MAX_GROUP {
+        return Err(Error::Unsupported(format!("{} query heads per KV head on the GPU kernels (at most {MAX_GROUP})", hq / hkv)));
+    }
+    if q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != hq * d {
+        return Err(Error::Shape(format!("q has {} elements for {s} sequences of {hq} x {d}", q.len())));
+    }
+    let stride = seqs.iter().map(|x| x.block_table.len()).max().unwrap_or(0).max(1);
+    let mut tables = vec![0u32; s * stride];
+    for (i, x) in seqs.iter().enumerate() {
+        tables[i * stride..i * stride + x.block_table.len()].copy_from_slice(x.block_table);
+    }
+    let lens: Vec<u32> = seqs.iter().map(|x| x.len as u32).collect();
+    let sides: Vec<u16> = seqs.iter().flat_map(|x| x.side.iter().map(|v| v.to_bits())).collect();
+    let p = DecodeParams { block_table_stride: stride as u32, ..*p };
+    let (mut m, mut l, mut o) = (vec![0f32; s * hq * n], vec![0f32; s * hq * n], vec![0f32; s * hq * n * d]);
+    let (qp, pp, tp, lp, sp, kp) = (
+        Shared(q.as_ptr().cast_mut()),
+        Shared(pool.as_ptr().cast_mut()),
+        Shared(tables.as_mut_ptr()),
+        Shared(lens.as_ptr().cast_mut()),
+        Shared(sides.as_ptr().cast_mut()),
+        Shared(calib.key_perm.as_ptr().cast_mut()),
+    );
+    let (mp, lsp, op) = (Shared(m.as_mut_ptr()), Shared(l.as_mut_ptr()), Shared(o.as_mut_ptr()));
+    macro_rules! launch {
+        ($d:literal, $v:literal, $kb:literal, $vb:literal) => {
+            sim::launch([hkv as u32, s as u32, n as u32], 32, 0, |c: &SimCtx<'_>| {
+                // SAFETY: the paged layer validated pool, tables, lengths and side stores;
+                // the buffers above have the kernel's sizes; grid (Hkv, S, N) x 32.
+                unsafe {
+                    decode_split::<_, $d, $v, $kb, $vb>(
+                        c,
+                        &p,
+                        qp.ptr(),
+                        pp.ptr(),
+                        tp.ptr(),
+                        lp.ptr(),
+                        sp.ptr(),
+                        kp.ptr(),
+                        mp.ptr(),
+                        lsp.ptr(),
+                        op.ptr(),
+                    )
+                }
+            })
+            .map_err(|e| Error::Backend(format!("sim decode_split: {e}")))
+        };
+    }
+    match (d, fmt.key_bits, fmt.value_bits) {
+        (64, 2, 2) => launch!(64, 2, 2, 2),
+        (64, 2, 4) => launch!(64, 2, 2, 4),
+        (64, 4, 2) => launch!(64, 2, 4, 2),
+        (64, 4, 4) => launch!(64, 2, 4, 4),
+        (128, 2, 2) => launch!(128, 4, 2, 2),
+        (128, 2, 4) => launch!(128, 4, 2, 4),
+        (128, 4, 2) => launch!(128, 4, 4, 2),
+        (128, 4, 4) => launch!(128, 4, 4, 4),
+        (256, 2, 2) => launch!(256, 8, 2, 2),
+        (256, 2, 4) => launch!(256, 8, 2, 4),
+        (256, 4, 2) => launch!(256, 8, 4, 2),
+        (256, 4, 4) => launch!(256, 8, 4, 4),
+        other => Err(Error::Unsupported(format!("(head_dim, key bits, value bits) {other:?}"))),
+    }?;
+    Ok((m, l, o))
 }

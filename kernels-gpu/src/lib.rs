@@ -16,6 +16,7 @@
 extern crate std;
 
 pub mod ctx;
+pub mod decode;
 pub mod fwht;
 pub mod layout;
 pub mod math;

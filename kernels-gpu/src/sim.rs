@@ -18,7 +18,7 @@ use std::boxed::Box;
 use std::cell::UnsafeCell;
 use std::format;
 use std::string::{String, ToString};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::vec::Vec;
 
 /// Why a launch failed.
@@ -33,54 +33,48 @@ impl core::fmt::Display for SimError {
 
 impl std::error::Error for SimError {}
 
-#[derive(Debug)]
-struct BarrierState {
-    arrived: u32,
-    alive: u32,
-    generation: u64,
-}
-
-/// A barrier that knows how many threads are still running.
+/// A barrier that knows how many threads are still running. Waiters spin on the
+/// generation counter with `yield_now` (much cheaper than a condition variable when 32
+/// threads meet at every shuffle).
 #[derive(Debug)]
 struct SimBarrier {
-    state: Mutex<BarrierState>,
-    cv: Condvar,
+    /// Low 32 bits: threads arrived; high 32 bits: threads still running.
+    state: Mutex<(u32, u32)>,
+    generation: AtomicU32,
 }
 
 impl SimBarrier {
     fn new(n: u32) -> Self {
-        Self { state: Mutex::new(BarrierState { arrived: 0, alive: n, generation: 0 }), cv: Condvar::new() }
+        Self { state: Mutex::new((0, n)), generation: AtomicU32::new(0) }
     }
 
-    fn lock(&self) -> MutexGuard<'_, BarrierState> {
+    fn lock(&self) -> MutexGuard<'_, (u32, u32)> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn release(&self, s: &mut BarrierState) {
-        s.arrived = 0;
-        s.generation += 1;
-        self.cv.notify_all();
-    }
-
     fn wait(&self) {
-        let mut s = self.lock();
-        s.arrived += 1;
-        if s.arrived == s.alive {
-            self.release(&mut s);
-            return;
+        let generation = self.generation.load(Ordering::SeqCst);
+        {
+            let mut s = self.lock();
+            s.0 += 1;
+            if s.0 == s.1 {
+                s.0 = 0;
+                self.generation.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
         }
-        let generation = s.generation;
-        while s.generation == generation {
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        while self.generation.load(Ordering::SeqCst) == generation {
+            std::thread::yield_now();
         }
     }
 
     /// A thread finished (normally or not): it no longer holds up the barrier.
     fn leave(&self) {
         let mut s = self.lock();
-        s.alive -= 1;
-        if s.arrived > 0 && s.arrived == s.alive {
-            self.release(&mut s);
+        s.1 -= 1;
+        if s.0 > 0 && s.0 == s.1 {
+            s.0 = 0;
+            self.generation.fetch_add(1, Ordering::SeqCst);
         }
     }
 }

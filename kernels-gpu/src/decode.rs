@@ -1,0 +1,254 @@
+//! `decode_split`: split-K decode attention of one query token per sequence straight
+//! from the packed cache, one warp per (KV head, sequence, split).
+//!
+//! The score and value steps are small functions ([`key_row`], [`value_row`]) so that a
+//! tensor-core path can replace them without touching the page walk, the online softmax
+//! or the merge.
+
+use crate::ctx::Ctx;
+use crate::fwht::fwht_warp;
+use crate::layout::{Format, Place};
+use crate::math::{exp_neg, f16_to_f32};
+use crate::params::{DecodeParams, FLAG_ROTATE_KEYS};
+
+/// Largest GQA group (query heads per KV head) the kernel holds in registers.
+pub const MAX_GROUP: usize = 8;
+
+/// Reads the `V` f16 values of a side-store row that lane `lane` owns.
+///
+/// # Safety
+/// `side` must be valid for the row's `D` elements at `at`.
+#[inline(always)]
+unsafe fn f16_lane<const V: usize>(side: *const u16, at: usize, lane: usize) -> [f32; V] {
+    // SAFETY: lane * V + v < D by construction (32 lanes x V = D).
+    core::array::from_fn(|v| f16_to_f32(unsafe { *side.add(at + lane * V + v) }))
+}
+
+/// The `(scale, zero)` pair of the group holding the lane's channels.
+///
+/// # Safety
+/// `page` must point at a whole head-page of `fmt`.
+#[inline(always)]
+unsafe fn lane_params(fmt: &Format, page: *const u8, value: bool, slot: u32, lane: u32, v: u32) -> (f32, f32) {
+    let group = lane * v / fmt.group_size;
+    let s = fmt.scale_at(value, group, slot) as usize;
+    let z = fmt.zero_at(value, group, slot) as usize;
+    // SAFETY: scale_at/zero_at lie inside the head-page (layout invariant); f16 is 2-aligned.
+    unsafe { (f16_to_f32(*page.add(s).cast::<u16>()), f16_to_f32(*page.add(z).cast::<u16>())) }
+}
+
+/// The lane's `V` codes of one token (`BITS` bits each), from the 32-bit word that holds
+/// them.
+///
+/// # Safety
+/// `codes` must point at the token's `D * BITS / 8` code bytes, 4-byte aligned.
+#[inline(always)]
+unsafe fn lane_codes<const V: usize, const BITS: u32>(codes: *const u8, lane: u32) -> [f32; V] {
+    let bit = lane * V as u32 * BITS;
+    // SAFETY: bit / 32 < D * BITS / 32 words; code sections start 16-byte aligned and a
+    // token's codes are a multiple of 4 bytes.
+    let word = unsafe { *codes.cast::<u32>().add((bit / 32) as usize) } >> (bit % 32);
+    let mask = (1u32 << BITS) - 1;
+    core::array::from_fn(|v| ((word >> (v as u32 * BITS)) & mask) as f32)
+}
+
+/// What the lane needs of one key for the score: `key . q'` restricted to the lane's
+/// channels, for each query head of the group.
+///
+/// # Safety
+/// Addresses derived from `p`, `table`, `side` and `pool` must be valid (the host checks
+/// block tables and sizes).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn key_row<const V: usize, const KB: u32>(
+    p: &DecodeParams,
+    place: Place,
+    table: *const u32,
+    side: *const u16,
+    pool: *const u8,
+    kvh: u32,
+    lane: u32,
+    q: &[[f32; V]; MAX_GROUP],
+    qsum: &[f32; MAX_GROUP],
+    g: usize,
+) -> [f32; MAX_GROUP] {
+    let fmt = &p.format;
+    let mut s = [0f32; MAX_GROUP];
+    match place {
+        Place::Sink { index: row } | Place::Window { slot: row } => {
+            // SAFETY: the row lies in the sequence's side store.
+            let k = unsafe { f16_lane::<V>(side, fmt.side_row_at(kvh, false, row), lane as usize) };
+            for h in 0..MAX_GROUP {
+                if h < g {
+                    s[h] = (0..V).map(|v| q[h][v] * k[v]).sum();
+                }
+            }
+        }
+        Place::Page { page, slot } => {
+            // SAFETY: the host checked the block-table entry against the pool.
+            let base = unsafe { pool.add(fmt.page_offset(*table.add(page as usize), kvh, p.num_kv_heads)) };
+            // SAFETY: inside the head-page.
+            let (scale, zero) = unsafe { lane_params(fmt, base, false, slot, lane, V as u32) };
+            let codes = unsafe { lane_codes::<V, KB>(base.add(fmt.key_codes_at(slot) as usize), lane) };
+            for h in 0..MAX_GROUP {
+                if h < g {
+                    let dot: f32 = (0..V).map(|v| q[h][v] * codes[v]).sum();
+                    s[h] = scale * dot + zero * qsum[h];
+                }
+            }
+        }
+    }
+    s
+}
+
+/// The lane's `V` stored-order values of one token (dequantized for pages).
+///
+/// # Safety
+/// As [`key_row`].
+#[inline(always)]
+unsafe fn value_row<const V: usize, const VB: u32>(
+    p: &DecodeParams,
+    place: Place,
+    table: *const u32,
+    side: *const u16,
+    pool: *const u8,
+    kvh: u32,
+    lane: u32,
+) -> [f32; V] {
+    let fmt = &p.format;
+    match place {
+        Place::Sink { index: row } | Place::Window { slot: row } => {
+            // SAFETY: the row lies in the sequence's side store.
+            unsafe { f16_lane::<V>(side, fmt.side_row_at(kvh, true, row), lane as usize) }
+        }
+        Place::Page { page, slot } => {
+            // SAFETY: the host checked the block-table entry against the pool.
+            let base = unsafe { pool.add(fmt.page_offset(*table.add(page as usize), kvh, p.num_kv_heads)) };
+            // SAFETY: inside the head-page.
+            let (scale, zero) = unsafe { lane_params(fmt, base, true, slot, lane, V as u32) };
+            let codes = unsafe { lane_codes::<V, VB>(base.add(fmt.value_codes_at(slot) as usize), lane) };
+            codes.map(|c| c * scale + zero)
+        }
+    }
+}
+
+/// Split-K decode partials of one (KV head, sequence, split).
+///
+/// # Safety
+/// With `S = p.num_seqs`, `Hq = p.num_q_heads`, `N = p.num_splits`: `q` valid for
+/// `S` rows of `p.q_seq_stride` f32 (`Hq * D` used); `block_tables` for
+/// `S * p.block_table_stride` entries, each used entry a block of `pool`; `seq_lens` for
+/// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits; `key_perm` for
+/// `Hkv * D` (rows are permutations); `part_m`, `part_l` for `S * Hq * N` writes and
+/// `part_o` for `S * Hq * N * D`. `D == 32 * V == p.format.head_dim`,
+/// `KB`/`VB` the key/value bits, `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N)`, 32 threads.
+///
+/// # Parameters
+/// Outputs per `[seq][q_head][split]`: `part_m` the max logit (`-inf` for an empty
+/// split), `part_l` the sum of `exp(logit - m)`, `part_o` (`[.. ][D]`) the sum of
+/// `exp(logit - m) * v'` in stored value order: the input of `decode_merge`.
+///
+/// # Thread mapping
+/// Block `(x, y, z)` = (KV head, sequence, split), one warp for the whole GQA group. Lane
+/// `i` owns channels `[i * V, (i + 1) * V)`: it rotates its share of each query (FWHT
+/// across the warp, key permutation by shuffles, softmax scale folded in), then walks
+/// the split's tokens in order (sinks, pages through the block table, window), reading
+/// its 32-bit word of codes and its group's scale and zero per token; the per-lane
+/// partial scores are summed with butterfly shuffles, and the online softmax runs
+/// redundantly in every lane.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32, const VB: u32>(
+    ctx: &C,
+    p: &DecodeParams,
+    q: *const f32,
+    pool: *const u8,
+    block_tables: *const u32,
+    seq_lens: *const u32,
+    sides: *const u16,
+    key_perm: *const u16,
+    part_m: *mut f32,
+    part_l: *mut f32,
+    part_o: *mut f32,
+) {
+    let [kvh, seq, split] = ctx.block_idx();
+    let lane = ctx.lane();
+    let fmt = p.format;
+    let hq = p.num_q_heads as usize;
+    let g = (hq / (p.num_kv_heads as usize).max(1)).clamp(1, MAX_GROUP);
+    // SAFETY (all raw accesses below): inside the sizes of the `# Safety` contract.
+    let len = unsafe { *seq_lens.add(seq as usize) };
+    let table = unsafe { block_tables.add(seq as usize * p.block_table_stride as usize) };
+    let side = unsafe { sides.add(seq as usize * fmt.side_elems(p.num_kv_heads)) };
+
+    // Rotated, permuted, scaled queries of the group, V channels per lane.
+    let mut qr = [[0f32; V]; MAX_GROUP];
+    let mut qsum = [0f32; MAX_GROUP];
+    for h in 0..MAX_GROUP {
+        if h >= g {
+            continue;
+        }
+        let row = unsafe { q.add(seq as usize * p.q_seq_stride as usize + (kvh as usize * g + h) * D) };
+        let mut x: [f32; V] = core::array::from_fn(|v| unsafe { *row.add(lane as usize * V + v) } * p.sm_scale);
+        if p.flags & FLAG_ROTATE_KEYS != 0 {
+            fwht_warp(ctx, &mut x);
+        }
+        // Stored channel j takes rotated channel key_perm[j].
+        for v in 0..V {
+            let c = unsafe { *key_perm.add(kvh as usize * D + lane as usize * V + v) } as usize;
+            let (src, slot) = ((c / V) as u32, c % V);
+            for (s, &xs) in x.iter().enumerate() {
+                let t = ctx.shfl_idx(xs, src);
+                if s == slot {
+                    qr[h][v] = t;
+                }
+            }
+        }
+        // Per-lane share of sum(q') over the lane's group: the zero term of the score.
+        qsum[h] = qr[h].iter().sum();
+    }
+
+    let (begin, end) = p.split_range(split, len);
+    let mut m = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut l = [0f32; MAX_GROUP];
+    let mut o = [[0f32; V]; MAX_GROUP];
+    for pos in begin..end {
+        let place = fmt.place(pos, len);
+        let mut s = unsafe { key_row::<V, KB>(p, place, table, side, pool, kvh, lane, &qr, &qsum, g) };
+        // Sum the lanes' partial scores (every lane ends with the total).
+        for sh in s.iter_mut().take(g) {
+            let mut mask = 1;
+            while mask < 32 {
+                *sh += ctx.shfl_xor(*sh, mask);
+                mask *= 2;
+            }
+        }
+        let val = unsafe { value_row::<V, VB>(p, place, table, side, pool, kvh, lane) };
+        for h in 0..MAX_GROUP {
+            if h < g {
+                let mn = m[h].max(s[h]);
+                let c = exp_neg(m[h] - mn);
+                let w = exp_neg(s[h] - mn);
+                l[h] = l[h] * c + w;
+                for v in 0..V {
+                    o[h][v] = o[h][v] * c + w * val[v];
+                }
+                m[h] = mn;
+            }
+        }
+    }
+    for h in 0..MAX_GROUP {
+        if h < g {
+            let row = (seq as usize * hq + kvh as usize * g + h) * p.num_splits as usize + split as usize;
+            if lane == 0 {
+                unsafe {
+                    *part_m.add(row) = m[h];
+                    *part_l.add(row) = l[h];
+                }
+            }
+            for v in 0..V {
+                unsafe { *part_o.add(row * D + lane as usize * V + v) = o[h][v] };
+            }
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The `decode_split` device kernel, run by the SIMT emulator, against the reference's
+//! split-K partials on the same bytes, and merged by the emulated `decode_merge` against
+//! the reference decode. Sizes stay small: the emulator runs one OS thread per GPU
+//! thread and two barriers per shuffle.
+
+use rotkv::config::LayerCalibration;
+use rotkv::paged::{self, LayerShape};
+use rotkv::reference::{self, SeqRef};
+use rotkv::{Backend, CacheConfig, Rotation, f16};
+use rotkv_kernels::params::{DecodeParams, MergeParams};
+use rotkv_tests::{Data, Rng, rel_err, rows};
+
+fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
+    let mut r = Rng::new(seed);
+    let mut c = LayerCalibration::identity(hkv, d);
+    c.key_mean.iter_mut().for_each(|m| *m = r.normal() * 0.5);
+    for perm in [&mut c.key_perm, &mut c.value_perm] {
+        for p in perm.chunks_exact_mut(d) {
+            for i in (1..d).rev() {
+                p.swap(i, r.below(i + 1));
+            }
+        }
+    }
+    c
+}
+
+#[test]
+fn sim_decode_split_and_merge_match_the_reference() {
+    // (head_dim, key bits, value bits, group, GQA, length, splits)
+    let cases = [
+        (64, 2, 2, 32, 3, 90, 3),
+        (64, 4, 2, 64, 1, 1, 4),
+        (128, 2, 4, 128, 8, 70, 2),
+        (256, 4, 4, 64, 2, 53, 1),
+        (128, 4, 2, 32, 7, 40, 5),
+    ];
+    for (i, &(d, kb, vb, g, gqa, len, splits)) in cases.iter().enumerate() {
+        let config = CacheConfig {
+            head_dim: d,
+            key_bits: kb,
+            value_bits: vb,
+            group_size: g,
+            page_size: 16,
+            sinks: 2,
+            window: 16,
+            key_rotation: if i == 3 { Rotation::None } else { Rotation::Hadamard },
+            value_rotation: Rotation::Hadamard,
+        };
+        let hkv = 2;
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
+        // Two sequences (len + 20 and len tokens) in one pool, pages shuffled.
+        let lens = [len + 20, len];
+        let need: Vec<usize> = lens.iter().map(|&n| paged::blocks_for(&config, n).unwrap()).collect();
+        let total = need.iter().sum::<usize>() + 2;
+        let mut order: Vec<u32> = (0..total as u32).collect();
+        let mut r = Rng::new(i as u64);
+        for x in (1..order.len()).rev() {
+            order.swap(x, r.below(x + 1));
+        }
+        let tables = [order[..need[0]].to_vec(), order[need[0]..need[0] + need[1]].to_vec()];
+        let mut pool = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, total).unwrap());
+        let mut sides = vec![vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()]; 2];
+        let calib = random_calibration(hkv, d, i as u64);
+        for (si, &n) in lens.iter().enumerate() {
+            let k = rows(Data::Keys, n * hkv, d, 10 + i as u64 + si as u64);
+            let v = rows(Data::Normal, n * hkv, d, 20 + i as u64 + si as u64);
+            let (table, side) = (&tables[si], &mut sides[si]);
+            paged::append(Backend::Reference, &config, &calib, &shape, pool.bytes_mut(), table, side, 0, n, &k, &v).unwrap();
+        }
+        let q = rows(Data::Normal, 2 * hkv * gqa, d, 30 + i as u64);
+        let fmt = config.format().unwrap();
+        let hq = hkv * gqa;
+        let p = DecodeParams {
+            format: fmt,
+            num_seqs: 2,
+            num_q_heads: hq as u32,
+            num_kv_heads: hkv as u32,
+            num_splits: splits,
+            block_table_stride: 0,
+            flags: config.flags(),
+            sm_scale: 1.0 / (d as f32).sqrt(),
+            q_seq_stride: (hq * d) as u32,
+        };
+        let seqs: Vec<SeqRef<'_>> =
+            (0..2).map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si] }).collect();
+        let want = reference::decode_partials(&p, &calib, pool.bytes(), &seqs, &q);
+        let (m, l, o) = rotkv::sim::decode_split_sim(&p, &calib, pool.bytes(), &seqs, &q).unwrap();
+        for (j, w) in want.iter().enumerate() {
+            if w.m == f64::NEG_INFINITY {
+                assert_eq!(m[j], f32::NEG_INFINITY, "case {i} partial {j}");
+                continue;
+            }
+            // f32 against f64 over at most 110 tokens: a few ulps.
+            assert!((m[j] as f64 - w.m).abs() <= 1e-5 * (1.0 + w.m.abs()), "case {i} m[{j}]: {} vs {}", m[j], w.m);
+            assert!((l[j] as f64 - w.l).abs() <= 1e-5 * w.l, "case {i} l[{j}]: {} vs {}", l[j], w.l);
+            let got = &o[j * d..(j + 1) * d];
+            let wo: Vec<f32> = w.o.iter().map(|&x| x as f32).collect();
+            let e = rel_err(got, &wo);
+            assert!(e <= 2e-5, "case {i} o[{j}]: {e:.2e}");
+        }
+        // Merged by the emulated merge kernel: the reference decode.
+        let mut inv = vec![0u16; hkv * d];
+        for (h, perm) in calib.value_perm.chunks_exact(d).enumerate() {
+            for (j, &c) in perm.iter().enumerate() {
+                inv[h * d + c as usize] = j as u16;
+            }
+        }
+        let mp = MergeParams {
+            num_seqs: 2,
+            num_q_heads: hq as u32,
+            num_kv_heads: hkv as u32,
+            head_dim: d as u32,
+            num_splits: splits,
+            flags: config.flags(),
+        };
+        let mut out = vec![0f32; 2 * hq * d];
+        rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, &mut out).unwrap();
+        let mut expect = vec![0f32; 2 * hq * d];
+        reference::decode(&p, &calib, pool.bytes(), &seqs, &q, &mut expect);
+        assert!(rel_err(&out, &expect) <= 2e-5, "case {i}: merged {:.2e}", rel_err(&out, &expect));
+    }
+}
