@@ -99,7 +99,10 @@ pub fn decode_split_sim(
     let d = fmt.head_dim as usize;
     let (s, hq, hkv, n) = (seqs.len(), p.num_q_heads as usize, p.num_kv_heads as usize, p.num_splits as usize);
     if hq / hkv > MAX_GROUP {
-        return Err(Error::Unsupported(format!("{} query heads per KV head on the GPU kernels (at most {MAX_GROUP})", hq / hkv)));
+        return Err(Error::Unsupported(format!(
+            "{} query heads per KV head on the GPU kernels (at most {MAX_GROUP})",
+            hq / hkv
+        )));
     }
     if q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != hq * d {
         return Err(Error::Shape(format!("q has {} elements for {s} sequences of {hq} x {d}", q.len())));
@@ -146,20 +149,14 @@ pub fn decode_split_sim(
             .map_err(|e| Error::Backend(format!("sim decode_split: {e}")))
         };
     }
-    match (d, fmt.key_bits, fmt.value_bits) {
-        (64, 2, 2) => launch!(64, 2, 2, 2),
-        (64, 2, 4) => launch!(64, 2, 2, 4),
-        (64, 4, 2) => launch!(64, 2, 4, 2),
-        (64, 4, 4) => launch!(64, 2, 4, 4),
-        (128, 2, 2) => launch!(128, 4, 2, 2),
-        (128, 2, 4) => launch!(128, 4, 2, 4),
-        (128, 4, 2) => launch!(128, 4, 4, 2),
-        (128, 4, 4) => launch!(128, 4, 4, 4),
-        (256, 2, 2) => launch!(256, 8, 2, 2),
-        (256, 2, 4) => launch!(256, 8, 2, 4),
-        (256, 4, 2) => launch!(256, 8, 4, 2),
-        (256, 4, 4) => launch!(256, 8, 4, 4),
-        other => Err(Error::Unsupported(format!("(head_dim, key bits, value bits) {other:?}"))),
-    }?;
+    macro_rules! dispatch {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal)),* $(,)?) => {
+            match (d, fmt.key_bits, fmt.value_bits) {
+                $(($d, $kb, $vb) => launch!($d, $v, $kb, $vb),)*
+                other => Err(Error::Unsupported(format!("(head_dim, key bits, value bits) {other:?}"))),
+            }
+        };
+    }
+    rotkv_kernels::for_each_decode!(dispatch)?;
     Ok((m, l, o))
 }

@@ -30,7 +30,7 @@ unsafe fn f16_lane<const V: usize>(side: *const u16, at: usize, lane: usize) -> 
 /// `page` must point at a whole head-page of `fmt`.
 #[inline(always)]
 unsafe fn lane_params(fmt: &Format, page: *const u8, value: bool, slot: u32, lane: u32, v: u32) -> (f32, f32) {
-    let group = lane * v / fmt.group_size;
+    let group = crate::layout::div(lane * v, fmt.group_size);
     let s = fmt.scale_at(value, group, slot) as usize;
     let z = fmt.zero_at(value, group, slot) as usize;
     // SAFETY: scale_at/zero_at lie inside the head-page (layout invariant); f16 is 2-aligned.
@@ -251,4 +251,65 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             }
         }
     }
+}
+
+/// Calls `$m!` with every `decode_split` instantiation:
+/// `(entry point, head_dim, channels per lane, key bits, value bits)`. The group size is
+/// a runtime parameter, so these 12 cover all 36 configurations of
+/// [`crate::for_each_config!`].
+#[macro_export]
+macro_rules! for_each_decode {
+    ($m:ident) => {
+        $m! {
+            (rotkv_decode_split_d64_k2v2, 64, 2, 2, 2),
+            (rotkv_decode_split_d64_k2v4, 64, 2, 2, 4),
+            (rotkv_decode_split_d64_k4v2, 64, 2, 4, 2),
+            (rotkv_decode_split_d64_k4v4, 64, 2, 4, 4),
+            (rotkv_decode_split_d128_k2v2, 128, 4, 2, 2),
+            (rotkv_decode_split_d128_k2v4, 128, 4, 2, 4),
+            (rotkv_decode_split_d128_k4v2, 128, 4, 4, 2),
+            (rotkv_decode_split_d128_k4v4, 128, 4, 4, 4),
+            (rotkv_decode_split_d256_k2v2, 256, 8, 2, 2),
+            (rotkv_decode_split_d256_k2v4, 256, 8, 2, 4),
+            (rotkv_decode_split_d256_k4v2, 256, 8, 4, 2),
+            (rotkv_decode_split_d256_k4v4, 256, 8, 4, 4)
+        }
+    };
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod entry {
+    use super::decode_split;
+    use crate::ctx::Nvptx;
+    use crate::params::DecodeParams;
+
+    macro_rules! decode_entries {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal)),* $(,)?) => {$(
+            /// PTX entry point of [`decode_split`] for one (head_dim, key bits, value bits).
+            ///
+            /// # Safety
+            /// See [`decode_split`].
+            #[unsafe(no_mangle)]
+            pub unsafe extern "ptx-kernel" fn $name(
+                p: DecodeParams,
+                q: *const f32,
+                pool: *const u8,
+                block_tables: *const u32,
+                seq_lens: *const u32,
+                sides: *const u16,
+                key_perm: *const u16,
+                part_m: *mut f32,
+                part_l: *mut f32,
+                part_o: *mut f32,
+            ) {
+                // SAFETY: forwarded contract of `decode_split`.
+                unsafe {
+                    decode_split::<_, $d, $v, $kb, $vb>(
+                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, key_perm, part_m, part_l, part_o,
+                    )
+                }
+            }
+        )*};
+    }
+    crate::for_each_decode!(decode_entries);
 }

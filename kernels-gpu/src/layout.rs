@@ -4,6 +4,20 @@
 //! validation: the host checks a [`Format`] once (see `rotkv::CacheConfig`) before any
 //! of them is used.
 
+/// `a / b`, and 0 when `b` is 0. Every divisor here is a format field the host validated
+/// as non-zero; spelling the division this way leaves device code without a trap path
+/// (a panicking division would need `core`'s panic machinery, which PTX does not link).
+#[inline]
+pub const fn div(a: u32, b: u32) -> u32 {
+    if b == 0 { 0 } else { a / b }
+}
+
+/// `a % b`, and 0 when `b` is 0 (see [`div`]).
+#[inline]
+pub const fn rem(a: u32, b: u32) -> u32 {
+    if b == 0 { 0 } else { a % b }
+}
+
 /// Where a token of a sequence lives, by its position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Place {
@@ -39,7 +53,7 @@ impl Format {
     /// Quantization groups per head.
     #[inline]
     pub const fn groups(&self) -> u32 {
-        self.head_dim / self.group_size
+        div(self.head_dim, self.group_size)
     }
     /// Bytes of key codes per token and head.
     #[inline]
@@ -148,18 +162,18 @@ impl Format {
         if len <= self.sinks + self.window {
             0
         } else {
-            (len - self.sinks - self.window) / self.page_size * self.page_size
+            div(len - self.sinks - self.window, self.page_size) * self.page_size
         }
     }
     /// Pages a sequence of `len` tokens uses.
     #[inline]
     pub const fn pages_for(&self, len: u32) -> u32 {
-        self.quantized_len(len) / self.page_size
+        div(self.quantized_len(len), self.page_size)
     }
     /// The window-ring row of position `pos` (`pos >= sinks`) while it is in the window.
     #[inline]
     pub const fn window_row(&self, pos: u32) -> u32 {
-        self.sinks + (pos - self.sinks) % self.window_capacity()
+        self.sinks + rem(pos - self.sinks, self.window_capacity())
     }
     /// Where the token at position `pos` of a sequence of `len` tokens lives.
     #[inline]
@@ -169,7 +183,7 @@ impl Format {
         }
         let rel = pos - self.sinks;
         if rel < self.quantized_len(len) {
-            Place::Page { page: rel / self.page_size, slot: rel % self.page_size }
+            Place::Page { page: div(rel, self.page_size), slot: rem(rel, self.page_size) }
         } else {
             Place::Window { slot: self.window_row(pos) }
         }

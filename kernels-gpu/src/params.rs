@@ -79,7 +79,8 @@ impl DecodeParams {
     /// Tokens per split for a sequence of `len` tokens: `ceil(len / num_splits)`.
     #[inline]
     pub const fn split_len(&self, len: u32) -> u32 {
-        len.div_ceil(self.num_splits)
+        // (num_splits >= 1 on every launch; written without a trap path, see layout::div.)
+        if self.num_splits == 0 { 0 } else { len.div_ceil(self.num_splits) }
     }
     /// Positions `[begin, end)` of split `split` of a sequence of `len` tokens (empty
     /// when the sequence is too short to reach it).

@@ -65,7 +65,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             let k = rows(Data::Keys, n * hkv, d, 10 + i as u64 + si as u64);
             let v = rows(Data::Normal, n * hkv, d, 20 + i as u64 + si as u64);
             let (table, side) = (&tables[si], &mut sides[si]);
-            paged::append(Backend::Reference, &config, &calib, &shape, pool.bytes_mut(), table, side, 0, n, &k, &v).unwrap();
+            paged::append(Backend::Reference, &config, &calib, &shape, pool.bytes_mut(), table, side, 0, n, &k, &v)
+                .unwrap();
         }
         let q = rows(Data::Normal, 2 * hkv * gqa, d, 30 + i as u64);
         let fmt = config.format().unwrap();
