@@ -194,13 +194,13 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             fwht_warp(ctx, &mut x);
         }
         // Stored channel j takes rotated channel key_perm[j].
-        for v in 0..V {
+        for (v, qv) in qr[h].iter_mut().enumerate() {
             let c = unsafe { *key_perm.add(kvh as usize * D + lane as usize * V + v) } as usize;
             let (src, slot) = ((c / V) as u32, c % V);
             for (s, &xs) in x.iter().enumerate() {
                 let t = ctx.shfl_idx(xs, src);
                 if s == slot {
-                    qr[h][v] = t;
+                    *qv = t;
                 }
             }
         }
@@ -246,8 +246,8 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
                     *part_l.add(row) = l[h];
                 }
             }
-            for v in 0..V {
-                unsafe { *part_o.add(row * D + lane as usize * V + v) = o[h][v] };
+            for (v, &ov) in o[h].iter().enumerate() {
+                unsafe { *part_o.add(row * D + lane as usize * V + v) = ov };
             }
         }
     }

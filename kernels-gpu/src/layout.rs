@@ -9,13 +9,19 @@
 /// (a panicking division would need `core`'s panic machinery, which PTX does not link).
 #[inline]
 pub const fn div(a: u32, b: u32) -> u32 {
-    if b == 0 { 0 } else { a / b }
+    match a.checked_div(b) {
+        Some(q) => q,
+        None => 0,
+    }
 }
 
 /// `a % b`, and 0 when `b` is 0 (see [`div`]).
 #[inline]
 pub const fn rem(a: u32, b: u32) -> u32 {
-    if b == 0 { 0 } else { a % b }
+    match a.checked_rem(b) {
+        Some(r) => r,
+        None => 0,
+    }
 }
 
 /// Where a token of a sequence lives, by its position.
