@@ -65,6 +65,9 @@ pub enum Backend {
     Reference,
     /// The fast multi-threaded CPU implementation.
     Cpu,
+    /// The device kernels run by the SIMT emulator (feature `sim`; slow, for tests).
+    #[cfg(feature = "sim")]
+    Sim,
 }
 
 impl Backend {
@@ -75,13 +78,20 @@ impl Backend {
     }
     /// Every backend this build has.
     pub fn all() -> &'static [Backend] {
-        &[Backend::Reference, Backend::Cpu]
+        &[
+            Backend::Reference,
+            Backend::Cpu,
+            #[cfg(feature = "sim")]
+            Backend::Sim,
+        ]
     }
-    /// Short name: `reference`, `cpu`.
+    /// Short name: `reference`, `cpu`, `sim`.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Reference => "reference",
             Backend::Cpu => "cpu",
+            #[cfg(feature = "sim")]
+            Backend::Sim => "sim",
         }
     }
     /// Parses a name of [`Backend::name`], or `auto`.
@@ -90,7 +100,12 @@ impl Backend {
             "auto" => Ok(Self::auto()),
             "reference" => Ok(Backend::Reference),
             "cpu" => Ok(Backend::Cpu),
-            other => Err(Error::Backend(format!("{other:?} (this build has: auto, reference, cpu)"))),
+            #[cfg(feature = "sim")]
+            "sim" => Ok(Backend::Sim),
+            other => Err(Error::Backend(format!(
+                "{other:?} (this build has: auto, {})",
+                Backend::all().iter().map(|b| b.name()).collect::<Vec<_>>().join(", ")
+            ))),
         }
     }
 }

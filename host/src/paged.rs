@@ -192,6 +192,8 @@ pub fn append<T: KvElement>(
     match backend {
         Backend::Reference => reference::append(&params, calib, pool, block_table, side, &k, &v),
         Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, &k, &v),
+        #[cfg(feature = "sim")]
+        Backend::Sim => crate::sim::append_sim(&params, calib, pool, block_table, side, &k, &v)?,
     }
     Ok(new_len)
 }
@@ -263,6 +265,8 @@ pub fn decode<T: KvElement>(
         None => match backend {
             Backend::Reference => 1,
             Backend::Cpu => cpu::default_splits(max_len, seqs.len(), hkv, rayon::current_num_threads()),
+            #[cfg(feature = "sim")]
+            Backend::Sim => gpu_split_count(max_len, seqs.len(), hkv, crate::sim::SIM_SMS),
         },
     };
     let params = DecodeParams {
@@ -282,6 +286,18 @@ pub fn decode<T: KvElement>(
     match backend {
         Backend::Reference => reference::decode(&params, calib, pool, seqs, &q, out),
         Backend::Cpu => cpu::decode(&params, calib, pool, seqs, &q, out),
+        #[cfg(feature = "sim")]
+        Backend::Sim => crate::sim::decode_sim(&params, calib, pool, seqs, &q, out)?,
     }
     Ok(())
+}
+
+/// Splits per sequence for the GPU decode kernel: enough `(KV head, sequence, split)`
+/// blocks for two waves over `num_sms` multiprocessors, no split shorter than 256
+/// tokens, at most 64 splits.
+pub fn gpu_split_count(max_len: usize, num_seqs: usize, num_kv_heads: usize, num_sms: usize) -> u32 {
+    let blocks = (num_seqs * num_kv_heads).max(1);
+    let want = (2 * num_sms).div_ceil(blocks);
+    let cap = max_len.div_ceil(256).clamp(1, 64);
+    want.clamp(1, cap) as u32
 }

@@ -1,14 +1,48 @@
 //! Device kernels run by the SIMT emulator (feature `sim`), through the launch geometry
-//! the CUDA backend uses. So far: `decode_split` and `decode_merge`. The `append`
-//! kernel, and with it a `sim` [`crate::Backend`], is not written yet.
+//! the CUDA backend uses: `append_rotate` and `append_quantize` for append,
+//! `decode_split` and `decode_merge` for decode. [`crate::Backend::Sim`] runs them.
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
 use crate::reference::SeqRef;
+use half::f16;
+use rotkv_kernels::append::{append_quantize, append_rotate};
 use rotkv_kernels::decode::{MAX_GROUP, decode_split};
+use rotkv_kernels::layout::Place;
 use rotkv_kernels::merge::decode_merge;
-use rotkv_kernels::params::{DecodeParams, MergeParams};
+use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
+
+/// Multiprocessors of the emulated device (drives the split count only).
+pub const SIM_SMS: usize = 4;
+
+/// Decode attention through the emulated `decode_split` and `decode_merge` kernels.
+pub fn decode_sim(
+    p: &DecodeParams,
+    calib: &LayerCalibration,
+    pool: &[u8],
+    seqs: &[SeqRef<'_>],
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    let d = p.format.head_dim as usize;
+    let (m, l, o) = decode_split_sim(p, calib, pool, seqs, q)?;
+    let mut inv = vec![0u16; calib.value_perm.len()];
+    for (h, perm) in calib.value_perm.chunks_exact(d).enumerate() {
+        for (j, &c) in perm.iter().enumerate() {
+            inv[h * d + c as usize] = j as u16;
+        }
+    }
+    let mp = MergeParams {
+        num_seqs: p.num_seqs,
+        num_q_heads: p.num_q_heads,
+        num_kv_heads: p.num_kv_heads,
+        head_dim: p.format.head_dim,
+        num_splits: p.num_splits,
+        flags: p.flags,
+    };
+    decode_merge_sim(&mp, &m, &l, &o, &inv, out)
+}
 
 /// A raw pointer the emulator's threads may share (each kernel thread writes its own
 /// elements, as on the GPU).
@@ -159,4 +193,110 @@ pub fn decode_split_sim(
     }
     rotkv_kernels::for_each_decode!(dispatch)?;
     Ok((m, l, o))
+}
+
+/// Appends `p.count` tokens with the emulated `append_rotate` and `append_quantize`
+/// kernels: the same bytes as [`crate::reference::append`] (up to f16 rounding ties of
+/// the f32 rotation).
+pub fn append_sim(
+    p: &AppendParams,
+    calib: &LayerCalibration,
+    pool: &mut [u8],
+    block_table: &[u32],
+    side: &mut [f16],
+    k: &[f32],
+    v: &[f32],
+) -> Result<()> {
+    let fmt = p.format;
+    let d = fmt.head_dim as usize;
+    let hkv = p.num_kv_heads as usize;
+    let (n, len) = (p.count as usize, p.start as usize);
+    let new_len = p.start + p.count;
+    let mut staged = vec![0u16; n * hkv * 2 * d];
+    let err = |what: &str, e: sim::SimError| Error::Backend(format!("sim {what}: {e}"));
+    // 1. Stored rows of the new tokens.
+    if n > 0 {
+        let (kp, vp, mp, kq, vq, sp) = (
+            Shared(k.as_ptr().cast_mut()),
+            Shared(v.as_ptr().cast_mut()),
+            Shared(calib.key_mean.as_ptr().cast_mut()),
+            Shared(calib.key_perm.as_ptr().cast_mut()),
+            Shared(calib.value_perm.as_ptr().cast_mut()),
+            Shared(staged.as_mut_ptr()),
+        );
+        macro_rules! rotate {
+            ($(($rot:ident, $q2:ident, $q4:ident, $d:literal, $v:literal)),* $(,)?) => {
+                match d {
+                    $($d => sim::launch([hkv as u32, n as u32, 1], 32, 0, |c: &SimCtx<'_>| {
+                        // SAFETY: the paged layer validated the inputs' sizes; `staged`
+                        // has count x Hkv x 2 x D entries; grid (Hkv, count) x 32.
+                        unsafe { append_rotate::<_, $d, $v>(c, p, kp.ptr(), vp.ptr(), mp.ptr(), kq.ptr(), vq.ptr(), sp.ptr()) }
+                    }),)*
+                    other => return Err(Error::Unsupported(format!("head_dim {other}"))),
+                }
+            };
+        }
+        rotkv_kernels::for_each_append!(rotate).map_err(|e| err("append_rotate", e))?;
+    }
+    // 2. Pages that fill: their rows come from the old window or the new tokens.
+    let (p0, p1) = (fmt.pages_for(p.start), fmt.pages_for(new_len));
+    for value in [false, true] {
+        let (mut rows, mut slots) = (Vec::new(), Vec::new());
+        for page in p0..p1 {
+            for h in 0..hkv as u32 {
+                for slot in 0..fmt.page_size {
+                    let pos = fmt.sinks + page * fmt.page_size + slot;
+                    if (pos as usize) < len {
+                        let at = fmt.side_row_at(h, value, fmt.window_row(pos));
+                        rows.extend(side[at..at + d].iter().map(|x| x.to_bits()));
+                    } else {
+                        let at = ((pos as usize - len) * hkv + h as usize) * 2 * d + value as usize * d;
+                        rows.extend_from_slice(&staged[at..at + d]);
+                    }
+                    slots.extend_from_slice(&[block_table[page as usize], slot, h]);
+                }
+            }
+        }
+        let jobs = slots.len() / 3;
+        if jobs == 0 {
+            continue;
+        }
+        let (rp, tp, pp) = (Shared(rows.as_mut_ptr()), Shared(slots.as_mut_ptr()), Shared(pool.as_mut_ptr()));
+        let bits = fmt.bits(value);
+        macro_rules! quantize {
+            ($(($rot:ident, $q2:ident, $q4:ident, $d:literal, $v:literal)),* $(,)?) => {
+                match (d, bits) {
+                    $(
+                        ($d, 2) => sim::launch([jobs as u32, 1, 1], 32, 0, |c: &SimCtx<'_>| {
+                            // SAFETY: `rows` holds jobs x D entries, `slots` jobs triples
+                            // whose blocks the paged layer checked against the pool.
+                            unsafe { append_quantize::<_, $d, $v, 2>(c, &fmt, p.num_kv_heads, value, rp.ptr(), tp.ptr(), pp.ptr()) }
+                        }),
+                        ($d, 4) => sim::launch([jobs as u32, 1, 1], 32, 0, |c: &SimCtx<'_>| {
+                            // SAFETY: as above.
+                            unsafe { append_quantize::<_, $d, $v, 4>(c, &fmt, p.num_kv_heads, value, rp.ptr(), tp.ptr(), pp.ptr()) }
+                        }),
+                    )*
+                    other => return Err(Error::Unsupported(format!("(head_dim, bits) {other:?}"))),
+                }
+            };
+        }
+        rotkv_kernels::for_each_append!(quantize).map_err(|e| err("append_quantize", e))?;
+    }
+    // 3. New tokens that stay in f16.
+    for pos in p.start..new_len {
+        let row = match fmt.place(pos, new_len) {
+            Place::Sink { index } => index,
+            Place::Window { slot } => slot,
+            Place::Page { .. } => continue,
+        };
+        for h in 0..hkv as u32 {
+            for value in [false, true] {
+                let at = fmt.side_row_at(h, value, row);
+                let src = ((pos as usize - len) * hkv + h as usize) * 2 * d + value as usize * d;
+                side[at..at + d].iter_mut().zip(&staged[src..src + d]).for_each(|(o, &b)| *o = f16::from_bits(b));
+            }
+        }
+    }
+    Ok(())
 }

@@ -6,7 +6,7 @@
 //! or the merge.
 
 use crate::ctx::Ctx;
-use crate::fwht::fwht_warp;
+use crate::fwht::{fwht_warp, permute_warp};
 use crate::layout::{Format, Place};
 use crate::math::{exp_neg, f16_to_f32};
 use crate::params::{DecodeParams, FLAG_ROTATE_KEYS};
@@ -194,16 +194,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             fwht_warp(ctx, &mut x);
         }
         // Stored channel j takes rotated channel key_perm[j].
-        for (v, qv) in qr[h].iter_mut().enumerate() {
-            let c = unsafe { *key_perm.add(kvh as usize * D + lane as usize * V + v) } as usize;
-            let (src, slot) = ((c / V) as u32, c % V);
-            for (s, &xs) in x.iter().enumerate() {
-                let t = ctx.shfl_idx(xs, src);
-                if s == slot {
-                    *qv = t;
-                }
-            }
-        }
+        qr[h] = unsafe { permute_warp(ctx, &x, key_perm.add(kvh as usize * D)) };
         // Per-lane share of sum(q') over the lane's group: the zero term of the score.
         qsum[h] = qr[h].iter().sum();
     }

@@ -40,6 +40,33 @@ pub fn fwht_warp<C: Ctx, const V: usize>(ctx: &C, x: &mut [f32; V]) {
     x.iter_mut().for_each(|v| *v *= s);
 }
 
+/// Gathers a permutation across the warp: returns, for the lane's stored channels
+/// `j = lane * V + v`, the value of rotated channel `perm[j]` (held by lane
+/// `perm[j] / V`, slot `perm[j] % V`). `perm` points at the head's `32 * V` entries.
+///
+/// # Safety
+/// `perm` must be valid for `32 * V` reads, each entry below `32 * V`.
+///
+/// # Thread mapping
+/// Every lane of the warp must call it (`V * V` indexed shuffles).
+#[inline(always)]
+pub unsafe fn permute_warp<C: Ctx, const V: usize>(ctx: &C, x: &[f32; V], perm: *const u16) -> [f32; V] {
+    let lane = ctx.lane() as usize;
+    let mut out = [0f32; V];
+    for (v, o) in out.iter_mut().enumerate() {
+        // SAFETY: lane * V + v < 32 * V entries (contract).
+        let c = unsafe { *perm.add(lane * V + v) } as usize;
+        let (src, slot) = ((c / V) as u32, c % V);
+        for (s, &xs) in x.iter().enumerate() {
+            let t = ctx.shfl_idx(xs, src);
+            if s == slot {
+                *o = t;
+            }
+        }
+    }
+    out
+}
+
 #[cfg(all(test, feature = "sim"))]
 mod tests {
     use super::*;

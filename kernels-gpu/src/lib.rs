@@ -15,6 +15,7 @@
 #[cfg(feature = "sim")]
 extern crate std;
 
+pub mod append;
 pub mod ctx;
 pub mod decode;
 pub mod fwht;

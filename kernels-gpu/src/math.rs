@@ -52,9 +52,74 @@ pub fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
+/// Rounds a finite f64 to IEEE binary16 bits, to nearest with ties to even (overflow
+/// gives infinity). Exact for the quantizer's inputs, which are differences of f16 values
+/// divided by 3 or 15 and f16 values themselves.
+#[inline(always)]
+pub fn f64_to_f16(x: f64) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 48) & 0x8000) as u16;
+    let exp = ((b >> 52) & 0x7ff) as i64;
+    let man = b & ((1u64 << 52) - 1);
+    if exp == 0x7ff {
+        return sign | 0x7c00 | if man != 0 { 0x200 } else { 0 };
+    }
+    let e = exp - 1023 + 15;
+    if e >= 31 {
+        return sign | 0x7c00;
+    }
+    // Significand with the implicit bit (53 bits), and how far to shift it right.
+    let (m, shift) = if e > 0 { (man | (1u64 << 52), 42u32) } else { (man | (1u64 << 52), (42 + 1 - e) as u32) };
+    if exp == 0 || shift > 63 {
+        return sign;
+    }
+    let kept = m >> shift;
+    let rest = m & ((1u64 << shift) - 1);
+    let half = 1u64 << (shift - 1);
+    let up = (rest > half || (rest == half && kept & 1 == 1)) as u64;
+    let bits = if e > 0 { ((e as u64) << 10) + (kept & 0x3ff) + up } else { kept + up };
+    sign | bits as u16
+}
+
+/// Rounds an f32 to binary16 bits (see [`f64_to_f16`]; every f32 is an f64).
+#[inline(always)]
+pub fn f32_to_f16(x: f32) -> u16 {
+    f64_to_f16(x as f64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn f16_rounding_is_to_nearest_even() {
+        for h in 0..0x7c00u16 {
+            for sign in [0u16, 0x8000] {
+                let bits = h | sign;
+                let x = half::f16::from_bits(bits).to_f64();
+                assert_eq!(f64_to_f16(x), bits, "{x:e}");
+                if h == 0x7bff {
+                    continue; // the next value is infinity
+                }
+                // Next value away from zero and the midpoint between the two.
+                let next = half::f16::from_bits(bits + 1).to_f64();
+                let mid = (x + next) / 2.0;
+                let even = if bits & 1 == 0 { bits } else { bits + 1 };
+                assert_eq!(f64_to_f16(mid), even, "mid {mid:e}");
+                assert_eq!(f64_to_f16(mid * (1.0 + 1e-9)), bits + 1, "above {mid:e}");
+                if mid * (1.0 - 1e-9) != 0.0 {
+                    assert_eq!(f64_to_f16(mid * (1.0 - 1e-9)), bits, "below {mid:e}");
+                }
+                // f32 inputs: half's correctly rounded conversion is the oracle.
+                for p in [x as f32, mid as f32, (mid * (1.0 + 1e-7)) as f32, (mid * (1.0 - 1e-7)) as f32] {
+                    assert_eq!(f32_to_f16(p), half::f16::from_f32(p).to_bits(), "{p:e}");
+                }
+            }
+        }
+        assert_eq!(f64_to_f16(1e6), 0x7c00);
+        assert_eq!(f64_to_f16(-1e6), 0xfc00);
+        assert_eq!(f64_to_f16(1e-30), 0);
+    }
 
     #[test]
     fn f16_conversion_is_exact_for_every_value() {

@@ -82,7 +82,8 @@ impl SimBarrier {
 /// State shared by the threads of one block.
 struct Block {
     barrier: SimBarrier,
-    warps: Vec<(SimBarrier, [AtomicU32; WARP as usize])>,
+    /// Per warp: its barrier and two slot arrays used alternately by successive shuffles.
+    warps: Vec<(SimBarrier, [[AtomicU32; WARP as usize]; 2])>,
     shared: Box<[UnsafeCell<u8>]>,
     /// Per thread: block barriers and warp barriers passed.
     passed: Vec<(AtomicU32, AtomicU32)>,
@@ -98,7 +99,7 @@ impl Block {
         Self {
             barrier: SimBarrier::new(threads),
             warps: (0..threads / WARP)
-                .map(|_| (SimBarrier::new(WARP), core::array::from_fn(|_| AtomicU32::new(0))))
+                .map(|_| (SimBarrier::new(WARP), core::array::from_fn(|_| core::array::from_fn(|_| AtomicU32::new(0)))))
                 .collect(),
             shared: (0..shared_bytes).map(|_| UnsafeCell::new(0xFF)).collect(),
             passed: (0..threads).map(|_| (AtomicU32::new(0), AtomicU32::new(0))).collect(),
@@ -120,9 +121,7 @@ impl Block {
             let first = counts[t / WARP as usize * WARP as usize].1;
             if w != first {
                 return Err(format!(
-                    "divergent barrier: lane {t} took part in {} shuffles, its warp's lane 0 in {}",
-                    w / 2,
-                    first / 2
+                    "divergent barrier: lane {t} took part in {w} shuffles, its warp's lane 0 in {first}"
                 ));
             }
         }
@@ -145,14 +144,16 @@ impl SimCtx<'_> {
         UnsafeCell::raw_get(self.block.shared.as_ptr())
     }
 
+    /// One barrier per shuffle: successive shuffles alternate between two slot arrays,
+    /// and a lane can only write an array again after every lane has passed the next
+    /// barrier, that is, after every lane has read it.
     fn shuffle(&self, v: f32, src_lane: u32) -> f32 {
-        self.block.passed[self.thread as usize].1.fetch_add(2, Ordering::SeqCst);
+        let n = self.block.passed[self.thread as usize].1.fetch_add(1, Ordering::SeqCst);
         let (barrier, slots) = &self.block.warps[(self.thread / WARP) as usize];
+        let slots = &slots[(n % 2) as usize];
         slots[self.lane() as usize].store(v.to_bits(), Ordering::SeqCst);
         barrier.wait();
-        let r = f32::from_bits(slots[(src_lane % WARP) as usize].load(Ordering::SeqCst));
-        barrier.wait();
-        r
+        f32::from_bits(slots[(src_lane % WARP) as usize].load(Ordering::SeqCst))
     }
 }
 
@@ -192,7 +193,10 @@ impl Drop for Leave<'_> {
 }
 
 /// Runs `kernel` on a `grid` of blocks of `block_dim` threads (a multiple of 32, at most
-/// 1024) with `shared_bytes` of dynamic shared memory per block.
+/// 1024) with `shared_bytes` of dynamic shared memory per block. `block_dim` OS threads
+/// serve every block in turn (thread `t` of each block), so blocks overlap in time
+/// without sharing state; a panic in one block is reported, and its thread still visits
+/// the other blocks, so no barrier waits for it forever.
 pub fn launch<F>(grid: [u32; 3], block_dim: u32, shared_bytes: usize, kernel: F) -> Result<(), SimError>
 where
     F: Fn(&SimCtx<'_>) + Sync,
@@ -200,43 +204,46 @@ where
     if block_dim == 0 || !block_dim.is_multiple_of(WARP) || block_dim > 1024 {
         return Err(SimError(format!("block of {block_dim} threads (a multiple of 32, at most 1024)")));
     }
-    for z in 0..grid[2] {
-        for y in 0..grid[1] {
-            for x in 0..grid[0] {
-                let block = Block::new(block_dim, shared_bytes);
-                let failures: Vec<String> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..block_dim)
-                        .map(|thread| {
-                            let (block, kernel) = (&block, &kernel);
-                            std::thread::Builder::new()
-                                .stack_size(256 << 10)
-                                .spawn_scoped(s, move || {
-                                    let _leave = Leave(block, thread);
-                                    let ctx = SimCtx { thread, block_idx: [x, y, z], block_dim, grid_dim: grid, block };
-                                    kernel(&ctx);
-                                })
-                                .map_err(|e| e.to_string())
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .filter_map(|h| match h {
-                            Err(e) => Some(format!("cannot start a thread: {e}")),
-                            Ok(h) => h.join().err().map(|p| {
-                                p.downcast_ref::<&str>()
-                                    .map(|s| s.to_string())
-                                    .or_else(|| p.downcast_ref::<String>().cloned())
-                                    .unwrap_or_else(|| "a thread panicked".into())
-                            }),
-                        })
-                        .collect()
-                });
-                if let Some(first) = failures.first() {
-                    return Err(SimError(format!("block ({x}, {y}, {z}): {first}")));
-                }
-                block.check_convergence().map_err(|e| SimError(format!("block ({x}, {y}, {z}): {e}")))?;
-            }
-        }
+    let indices: Vec<[u32; 3]> =
+        (0..grid[2]).flat_map(|z| (0..grid[1]).flat_map(move |y| (0..grid[0]).map(move |x| [x, y, z]))).collect();
+    let blocks: Vec<Block> = indices.iter().map(|_| Block::new(block_dim, shared_bytes)).collect();
+    let failures: Vec<(usize, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..block_dim)
+            .map(|thread| {
+                let (blocks, indices, kernel) = (&blocks, &indices, &kernel);
+                std::thread::Builder::new().stack_size(256 << 10).spawn_scoped(s, move || {
+                    let mut failed = Vec::new();
+                    for (b, block) in blocks.iter().enumerate() {
+                        let _leave = Leave(block, thread);
+                        let ctx = SimCtx { thread, block_idx: indices[b], block_dim, grid_dim: grid, block };
+                        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&ctx))) {
+                            let msg = p
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "a thread panicked".into());
+                            failed.push((b, msg));
+                        }
+                    }
+                    failed
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| match h {
+                Err(e) => std::vec![(0, format!("cannot start a thread: {e}"))],
+                Ok(h) => h.join().unwrap_or_else(|_| std::vec![(0, "a thread died".into())]),
+            })
+            .collect()
+    });
+    if let Some((b, msg)) = failures.iter().min_by_key(|f| f.0) {
+        let [x, y, z] = indices[*b];
+        return Err(SimError(format!("block ({x}, {y}, {z}): {msg}")));
+    }
+    for (b, block) in blocks.iter().enumerate() {
+        let [x, y, z] = indices[b];
+        block.check_convergence().map_err(|e| SimError(format!("block ({x}, {y}, {z}): {e}")))?;
     }
     Ok(())
 }

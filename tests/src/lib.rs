@@ -184,6 +184,12 @@ pub fn small_config(d: u32, kb: u32, vb: u32, g: u32) -> CacheConfig {
     }
 }
 
+/// Whether `backend` runs device kernels on the SIMT emulator (one OS thread per GPU
+/// thread: slow, so the suite gives it its smaller cases).
+pub fn emulated(backend: Backend) -> bool {
+    backend == Backend::Sim
+}
+
 /// Where the shared data directory of the workspace is, if present
 /// (`../shared/data` beside the repository).
 pub fn shared_data() -> Option<std::path::PathBuf> {

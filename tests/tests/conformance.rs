@@ -1,5 +1,6 @@
 //! The conformance suite: one body per property, run on every backend of this build
-//! against the f64 reference (`Backend::all()`; the GPU backends join it later).
+//! against the f64 reference (`Backend::all()`: cpu, and sim, the device kernels on the
+//! SIMT emulator, which gets the smaller cases; cuda joins when it exists).
 //!
 //! Tolerances (each justified where it is used):
 //! - bytes written by append: equal to the reference's, except where the f32 rotation of
@@ -13,7 +14,7 @@ use rotkv::reference;
 use rotkv::{Backend, CacheConfig, Format, Rotation, f16};
 use rotkv_kernels::layout::Place;
 use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS};
-use rotkv_tests::{Data, Rng, Store, rel_err, rows, small_config};
+use rotkv_tests::{Data, Rng, Store, emulated, rel_err, rows, small_config};
 
 /// f32 accumulation (unit roundoff 6e-8) over at most 4097 tokens x 256 channels with
 /// a polynomial exp of relative error 2e-7, against f64: the largest error observed over
@@ -61,7 +62,31 @@ fn check_rows(exact: &[f64], reference: &[f16], backend: &[f16]) -> bool {
 }
 
 /// Compares the bytes two backends appended, token by token and head by head.
-fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f32]) {
+/// Every f16 row a backend stores for `k`, `v` (`[token][kv_head][K|V][d]`), read back
+/// from a cache whose window holds them all (nothing is quantized).
+fn backend_rows(backend: Backend, like: &Store, k: &[f32], v: &[f32]) -> Vec<f16> {
+    let d = like.config.head_dim;
+    let hkv = like.shape.num_kv_heads;
+    let n = k.len() / (hkv * d);
+    let config = CacheConfig { sinks: 0, window: n.next_multiple_of(16), ..like.config };
+    let mut st = Store::new(config, like.shape, n, None);
+    st.calib = like.calib.clone();
+    st.append(backend, k, v).unwrap();
+    let fmt = config.format().unwrap();
+    let mut out = Vec::with_capacity(n * hkv * 2 * d);
+    for pos in 0..n as u32 {
+        for h in 0..hkv as u32 {
+            for value in [false, true] {
+                let at = fmt.side_row_at(h, value, fmt.window_row(pos));
+                out.extend_from_slice(&st.side[at..at + d]);
+            }
+        }
+    }
+    out
+}
+
+/// `rows` are the other backend's stored rows ([`backend_rows`]).
+fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f32], rows: &[f16]) {
     let d = fmt.head_dim as usize;
     let hkv = refs.shape.num_kv_heads;
     let len = refs.len as u32;
@@ -87,13 +112,14 @@ fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f3
                 } else {
                     reference::stored_key(src, mean, flags, perm)
                 };
-                let b = rotkv::cpu::stored_row(src, (!value).then_some(mean), had, perm);
-                let same = check_rows(&exact, &r, &b);
+                let row = ((pos as usize * hkv + h) * 2 + value as usize) * d;
+                let b = &rows[row..row + d];
+                let same = check_rows(&exact, &r, b);
                 match fmt.place(pos, len) {
                     Place::Sink { index: row } | Place::Window { slot: row } => {
                         let s = fmt.side_row_at(h as u32, value, row);
                         assert_eq!(&refs.side[s..s + d], &r[..], "reference side row, pos {pos}");
-                        assert_eq!(&other.side[s..s + d], &b[..], "backend side row, pos {pos}");
+                        assert_eq!(&other.side[s..s + d], b, "backend side row, pos {pos}");
                     }
                     Place::Page { page, slot } => {
                         let read = |st: &Store| {
@@ -158,7 +184,8 @@ fn append_bytes_match_reference_for_every_config() {
                 b.append(backend, &k[r.clone()], &v[r]).unwrap();
                 at += chunk;
             }
-            compare_appends(&config.format().unwrap(), &a, &b, &k, &v);
+            let rows = backend_rows(backend, &b, &k, &v);
+            compare_appends(&config.format().unwrap(), &a, &b, &k, &v, &rows);
         }
     }
 }
@@ -173,8 +200,11 @@ fn chunking_of_appends_is_invisible() {
     let v = rows(Data::Normal, n * 3, 64, 2);
     let row = 3 * 64;
     for backend in Backend::all().iter().copied() {
+        // The emulator appends the first 300 tokens (still 4 sinks, 14 pages, a window).
+        let n = if emulated(backend) { 300 } else { n };
+        let (k, v) = (&k[..n * row], &v[..n * row]);
         let mut whole = Store::new(config, shape, n, None);
-        whole.append(backend, &k, &v).unwrap();
+        whole.append(backend, k, v).unwrap();
         let mut pieces = Store::new(config, shape, n, None);
         let mut r = Rng::new(5);
         let mut at = 0;
@@ -198,7 +228,18 @@ fn chunking_of_appends_is_invisible() {
 }
 
 /// Fills a store through the reference and decodes one query on every backend.
-fn decode_case(config: CacheConfig, hkv: usize, gqa: usize, len: usize, data: Data, seed: u64, splits: &[Option<u32>]) {
+/// `emulate`: also on the SIMT emulator (else only the fast backends).
+#[allow(clippy::too_many_arguments)]
+fn decode_case(
+    config: CacheConfig,
+    hkv: usize,
+    gqa: usize,
+    len: usize,
+    data: Data,
+    seed: u64,
+    splits: &[Option<u32>],
+    emulate: bool,
+) {
     let d = config.head_dim;
     let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
     let mut st = Store::new(config, shape, len, Some(seed));
@@ -209,7 +250,7 @@ fn decode_case(config: CacheConfig, hkv: usize, gqa: usize, len: usize, data: Da
     let q = rows(Data::Normal, hkv * gqa, d, seed + 2);
     let want = st.decode(Backend::Reference, &q, Some(1)).unwrap();
     assert!(want.iter().all(|x| x.is_finite()));
-    for backend in fast_backends() {
+    for backend in fast_backends().filter(|&b| emulate || !emulated(b)) {
         for &s in splits {
             let got = st.decode(backend, &q, s).unwrap();
             let e = rel_err(&got, &want);
@@ -228,7 +269,7 @@ fn decode_matches_reference_for_every_config() {
     for (i, &(d, kb, vb, g)) in rotkv::SUPPORTED.iter().enumerate() {
         let config = CacheConfig { sinks: [3, 0][i % 2], window: [32, 0][i % 2], ..small_config(d, kb, vb, g) };
         // Sinks, 2 or more pages and window tokens: every kind of place is read.
-        decode_case(config, 2, gqa[i % 4], 75, data[(i / 4) % 4], 100 + i as u64, &[None, Some(4)]);
+        decode_case(config, 2, gqa[i % 4], 75, data[(i / 4) % 4], 100 + i as u64, &[None, Some(4)], true);
     }
 }
 
@@ -242,7 +283,10 @@ fn decode_matches_reference_at_boundary_and_long_lengths() {
     for (i, config) in configs.into_iter().enumerate() {
         for len in [1, 63, 64, 65, 132, 133, 196, 197, 1000, 4097] {
             let gqa = if i == 1 { 3 } else { 8 };
-            decode_case(config, 1 + i % 2, gqa, len, Data::Keys, len as u64 * 7 + i as u64, &[None, Some(1), Some(3)]);
+            // The emulator takes every length up to 200, and 1000 and 4097 for the first config.
+            let emulate = len <= 200 || i == 0;
+            let seed = len as u64 * 7 + i as u64;
+            decode_case(config, 1 + i % 2, gqa, len, Data::Keys, seed, &[None, Some(1), Some(3)], emulate);
         }
     }
 }
@@ -286,7 +330,8 @@ fn split_partials_merge_to_the_unsplit_result() {
         }
         let base = st.decode(Backend::Reference, &q, Some(1)).unwrap();
         for backend in fast_backends() {
-            for splits in 1..=64 {
+            let counts: Vec<u32> = if emulated(backend) { vec![1, 2, 3, 7, 18, 64] } else { (1..=64).collect() };
+            for splits in counts {
                 let got = st.decode(backend, &q, Some(splits)).unwrap();
                 assert!(rel_err(&got, &base) <= DECODE_TOL, "{backend:?} len {len} splits {splits}");
             }
