@@ -301,3 +301,22 @@ pub fn gpu_split_count(max_len: usize, num_seqs: usize, num_kv_heads: usize, num
     let cap = max_len.div_ceil(256).clamp(1, 64);
     want.clamp(1, cap) as u32
 }
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_split_count;
+
+    #[test]
+    fn gpu_split_count_fills_the_device_without_tiny_splits() {
+        // H200: 132 SMs. One long sequence on 8 KV heads: two waves need 33 splits.
+        assert_eq!(gpu_split_count(131_072, 1, 8, 132), 33);
+        // A big batch fills the device by itself.
+        assert_eq!(gpu_split_count(32_768, 64, 8, 132), 1);
+        // Short contexts are not cut below 256 tokens per split.
+        assert_eq!(gpu_split_count(1000, 1, 1, 132), 4);
+        assert_eq!(gpu_split_count(1, 1, 1, 132), 1);
+        // Never more than 64.
+        assert_eq!(gpu_split_count(1 << 24, 1, 1, 1000), 64);
+        assert_eq!(gpu_split_count(0, 0, 0, 0), 1);
+    }
+}
