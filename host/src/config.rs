@@ -199,6 +199,18 @@ impl LayerCalibration {
         Ok(())
     }
 
+    /// The inverse value permutations, `[kv_head][head_dim]`: rotated channel `c` is
+    /// stored channel `inverse[c]` (what the merge kernel gathers with).
+    pub fn value_perm_inverse(&self, head_dim: usize) -> Vec<u16> {
+        let mut inv = vec![0u16; self.value_perm.len()];
+        for (h, perm) in self.value_perm.chunks_exact(head_dim).enumerate() {
+            for (j, &c) in perm.iter().enumerate() {
+                inv[h * head_dim + c as usize] = j as u16;
+            }
+        }
+        inv
+    }
+
     /// The slices of one KV head: `(key_mean, key_perm, value_perm)`.
     pub fn head(&self, kv_head: usize, head_dim: usize) -> (&[f32], &[u16], &[u16]) {
         let r = kv_head * head_dim..(kv_head + 1) * head_dim;

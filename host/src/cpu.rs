@@ -15,6 +15,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use rotkv_kernels::layout::{Format, Place};
+pub use rotkv_kernels::math::exp_neg;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// Tokens scored per softmax step (one max and one rescale per chunk).
@@ -245,25 +246,6 @@ fn exp_shifted(x: f32) -> f32 {
 
 /// `e^RESCALE_THRESHOLD`.
 const RESCALE_EXP: f32 = 485_165_200.0;
-
-/// `exp(x)` for `x <= 0` in f32, branch-free so loops over it vectorize: Cody-Waite
-/// range reduction and a degree-6 polynomial (relative error below 3e-7 on
-/// `[-87, 0]`); returns 0 below -87 (and for `-inf`).
-#[inline(always)]
-pub fn exp_neg(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let x = x.max(-87.0);
-    let t = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = t - MAGIC;
-    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
-    let p = 1.0
-        + r * (1.0 + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    // The low mantissa bits of t hold n (two's complement): 2^n without a float-to-int
-    // conversion, so loops over this function stay vectorized.
-    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
-    let y = p * scale;
-    if x <= -87.0 { 0.0 } else { y }
-}
 
 /// One block of consecutive tokens of one KV head.
 #[derive(Clone, Copy)]

@@ -27,12 +27,7 @@ pub fn decode_sim(
 ) -> Result<()> {
     let d = p.format.head_dim as usize;
     let (m, l, o) = decode_split_sim(p, calib, pool, seqs, q)?;
-    let mut inv = vec![0u16; calib.value_perm.len()];
-    for (h, perm) in calib.value_perm.chunks_exact(d).enumerate() {
-        for (j, &c) in perm.iter().enumerate() {
-            inv[h * d + c as usize] = j as u16;
-        }
-    }
+    let inv = calib.value_perm_inverse(d);
     let mp = MergeParams {
         num_seqs: p.num_seqs,
         num_q_heads: p.num_q_heads,

@@ -184,6 +184,21 @@ pub fn small_config(d: u32, kb: u32, vb: u32, g: u32) -> CacheConfig {
     }
 }
 
+/// A calibration with a non-zero key mean and random permutations.
+pub fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
+    let mut r = Rng::new(seed);
+    let mut c = LayerCalibration::identity(hkv, d);
+    c.key_mean.iter_mut().for_each(|m| *m = r.normal() * 0.5);
+    for perm in [&mut c.key_perm, &mut c.value_perm] {
+        for p in perm.chunks_exact_mut(d) {
+            for i in (1..d).rev() {
+                p.swap(i, r.below(i + 1));
+            }
+        }
+    }
+    c
+}
+
 /// Whether `backend` runs device kernels on the SIMT emulator (one OS thread per GPU
 /// thread: slow, so the suite gives it its smaller cases).
 pub fn emulated(backend: Backend) -> bool {

@@ -8,13 +8,12 @@
 //!   which may only happen when the exact value sits at an f16 rounding tie (checked).
 //! - decode outputs: `||out - ref|| / ||ref||` below `DECODE_TOL` on the same bytes.
 
-use rotkv::config::LayerCalibration;
 use rotkv::paged::LayerShape;
 use rotkv::reference;
 use rotkv::{Backend, CacheConfig, Format, Rotation, f16};
 use rotkv_kernels::layout::Place;
 use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS};
-use rotkv_tests::{Data, Rng, Store, emulated, rel_err, rows, small_config};
+use rotkv_tests::{Data, Rng, Store, emulated, random_calibration, rel_err, rows, small_config};
 
 /// f32 accumulation (unit roundoff 6e-8) over at most 4097 tokens x 256 channels with
 /// a polynomial exp of relative error 2e-7, against f64: the largest error observed over
@@ -23,21 +22,6 @@ const DECODE_TOL: f64 = 5e-5;
 
 fn fast_backends() -> impl Iterator<Item = Backend> {
     Backend::all().iter().copied().filter(|&b| b != Backend::Reference)
-}
-
-/// A calibration with a non-zero key mean and random permutations.
-fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
-    let mut r = Rng::new(seed);
-    let mut c = LayerCalibration::identity(hkv, d);
-    c.key_mean.iter_mut().for_each(|m| *m = r.normal() * 0.5);
-    for perm in [&mut c.key_perm, &mut c.value_perm] {
-        for p in perm.chunks_exact_mut(d) {
-            for i in (1..d).rev() {
-                p.swap(i, r.below(i + 1));
-            }
-        }
-    }
-    c
 }
 
 /// Checks that a backend's f16 row may differ from the reference's only at rounding ties

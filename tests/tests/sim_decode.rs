@@ -3,26 +3,11 @@
 //! the reference decode. Sizes stay small: the emulator runs one OS thread per GPU
 //! thread and two barriers per shuffle.
 
-use rotkv::config::LayerCalibration;
 use rotkv::paged::{self, LayerShape};
 use rotkv::reference::{self, SeqRef};
 use rotkv::{Backend, CacheConfig, Rotation, f16};
 use rotkv_kernels::params::{DecodeParams, MergeParams};
-use rotkv_tests::{Data, Rng, rel_err, rows};
-
-fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
-    let mut r = Rng::new(seed);
-    let mut c = LayerCalibration::identity(hkv, d);
-    c.key_mean.iter_mut().for_each(|m| *m = r.normal() * 0.5);
-    for perm in [&mut c.key_perm, &mut c.value_perm] {
-        for p in perm.chunks_exact_mut(d) {
-            for i in (1..d).rev() {
-                p.swap(i, r.below(i + 1));
-            }
-        }
-    }
-    c
-}
+use rotkv_tests::{Data, Rng, random_calibration, rel_err, rows};
 
 #[test]
 fn sim_decode_split_and_merge_match_the_reference() {
@@ -100,12 +85,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             assert!(e <= 2e-5, "case {i} o[{j}]: {e:.2e}");
         }
         // Merged by the emulated merge kernel: the reference decode.
-        let mut inv = vec![0u16; hkv * d];
-        for (h, perm) in calib.value_perm.chunks_exact(d).enumerate() {
-            for (j, &c) in perm.iter().enumerate() {
-                inv[h * d + c as usize] = j as u16;
-            }
-        }
+        let inv = calib.value_perm_inverse(d);
         let mp = MergeParams {
             num_seqs: 2,
             num_q_heads: hq as u32,
