@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::reference::SeqRef;
 use half::f16;
 use rotkv_kernels::append::{append_quantize, append_rotate};
-use rotkv_kernels::decode::{MAX_GROUP, decode_split};
+use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes, decode_split};
 use rotkv_kernels::layout::Place;
 use rotkv_kernels::merge::decode_merge;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
@@ -136,15 +136,29 @@ pub fn decode_split_sim(
     if q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != hq * d {
         return Err(Error::Shape(format!("q has {} elements for {s} sequences of {hq} x {d}", q.len())));
     }
+    if !(pool.as_ptr() as usize).is_multiple_of(16) {
+        return Err(Error::Shape("the pool must start on a 16-byte boundary".into()));
+    }
     let stride = seqs.iter().map(|x| x.block_table.len()).max().unwrap_or(0).max(1);
     let mut tables = vec![0u32; s * stride];
     for (i, x) in seqs.iter().enumerate() {
         tables[i * stride..i * stride + x.block_table.len()].copy_from_slice(x.block_table);
     }
     let lens: Vec<u32> = seqs.iter().map(|x| x.len as u32).collect();
-    let sides: Vec<u16> = seqs.iter().flat_map(|x| x.side.iter().map(|v| v.to_bits())).collect();
+    // Side stores back to back, 16-byte aligned (the kernel reads rows with 16-byte
+    // loads; a GPU allocation is aligned the same way).
+    let side_elems = p.format.side_elems(p.num_kv_heads);
+    let mut sides_buf = vec![0u128; (s * side_elems).div_ceil(8)];
+    let sides: &mut [u16] = &mut bytemuck::cast_slice_mut::<u128, u16>(&mut sides_buf)[..s * side_elems];
+    for (i, x) in seqs.iter().enumerate() {
+        if x.side.len() != side_elems {
+            return Err(Error::Shape(format!("side store of sequence {i} has {} elements", x.side.len())));
+        }
+        sides[i * side_elems..(i + 1) * side_elems].iter_mut().zip(x.side).for_each(|(o, v)| *o = v.to_bits());
+    }
     let p = DecodeParams { block_table_stride: stride as u32, ..*p };
     let (mut m, mut l, mut o) = (vec![0f32; s * hq * n], vec![0f32; s * hq * n], vec![0f32; s * hq * n * d]);
+    let shared = decode_shared_bytes(&fmt, MAX_GROUP as u32) as usize;
     let (qp, pp, tp, lp, sp, kp) = (
         Shared(q.as_ptr().cast_mut()),
         Shared(pool.as_ptr().cast_mut()),
@@ -156,7 +170,7 @@ pub fn decode_split_sim(
     let (mp, lsp, op) = (Shared(m.as_mut_ptr()), Shared(l.as_mut_ptr()), Shared(o.as_mut_ptr()));
     macro_rules! launch {
         ($d:literal, $v:literal, $kb:literal, $vb:literal) => {
-            sim::launch([hkv as u32, s as u32, n as u32], 32, 0, |c: &SimCtx<'_>| {
+            sim::launch([hkv as u32, s as u32, n as u32], 32, shared, |c: &SimCtx<'_>| {
                 // SAFETY: the paged layer validated pool, tables, lengths and side stores;
                 // the buffers above have the kernel's sizes; grid (Hkv, S, N) x 32.
                 unsafe {

@@ -24,6 +24,17 @@ pub trait Ctx {
     fn shfl_xor(&self, v: f32, mask: u32) -> f32;
     /// `__shfl_sync(0xffffffff, v, src_lane)`: every lane of the warp must take part.
     fn shfl_idx(&self, v: f32, src_lane: u32) -> f32;
+    /// The block's dynamic shared memory (16-byte aligned; its size is set at launch).
+    fn shared(&self) -> *mut u8;
+    /// One 16-byte load of read-only global memory (`ld.global.nc.v4.u32` on the device).
+    ///
+    /// # Safety
+    /// `p` must be 16-byte aligned and valid for 16 bytes that no thread writes during
+    /// the kernel.
+    unsafe fn load16(&self, p: *const u8) -> [u32; 4] {
+        // SAFETY: forwarded contract.
+        unsafe { *p.cast::<[u32; 4]>() }
+    }
     /// Lane within the warp.
     fn lane(&self) -> u32 {
         self.thread_idx() % WARP
@@ -34,6 +45,10 @@ pub trait Ctx {
 #[cfg(target_arch = "nvptx64")]
 #[derive(Clone, Copy)]
 pub struct Nvptx;
+
+// The dynamic shared memory of every kernel of the module, sized at launch.
+#[cfg(target_arch = "nvptx64")]
+core::arch::global_asm!(".extern .shared .align 16 .b8 rotkv_smem[];");
 
 #[cfg(target_arch = "nvptx64")]
 impl Ctx for Nvptx {
@@ -76,6 +91,27 @@ impl Ctx for Nvptx {
             );
         }
         r
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, p: *const u8) -> [u32; 4] {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: the caller guarantees an aligned, valid, read-only global address.
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [g]; }}",
+                p = in(reg64) p,
+                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            );
+        }
+        [a, b, c, d]
+    }
+    #[inline(always)]
+    fn shared(&self) -> *mut u8 {
+        let p: u64;
+        // SAFETY: converts the address of the module's extern shared array to a generic
+        // pointer; no memory is touched.
+        unsafe { core::arch::asm!("cvta.shared.u64 {p}, rotkv_smem;", p = out(reg64) p) };
+        p as *mut u8
     }
     #[inline(always)]
     fn shfl_idx(&self, v: f32, src_lane: u32) -> f32 {

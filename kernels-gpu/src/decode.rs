@@ -1,9 +1,9 @@
 //! `decode_split`: split-K decode attention of one query token per sequence straight
 //! from the packed cache, one warp per (KV head, sequence, split).
 //!
-//! The score and value steps are small functions ([`key_row`], [`value_row`]) so that a
-//! tensor-core path can replace them without touching the page walk, the online softmax
-//! or the merge.
+//! The score and value steps are small functions ([`score_token`], [`value_row`]) so that
+//! a tensor-core path can replace them without touching the page walk, the online
+//! softmax or the merge.
 
 use crate::ctx::Ctx;
 use crate::fwht::{fwht_warp, permute_warp};
@@ -52,55 +52,6 @@ unsafe fn lane_codes<const V: usize, const BITS: u32>(codes: *const u8, lane: u3
     core::array::from_fn(|v| ((word >> (v as u32 * BITS)) & mask) as f32)
 }
 
-/// What the lane needs of one key for the score: `key . q'` restricted to the lane's
-/// channels, for each query head of the group.
-///
-/// # Safety
-/// Addresses derived from `p`, `table`, `side` and `pool` must be valid (the host checks
-/// block tables and sizes).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn key_row<const V: usize, const KB: u32>(
-    p: &DecodeParams,
-    place: Place,
-    table: *const u32,
-    side: *const u16,
-    pool: *const u8,
-    kvh: u32,
-    lane: u32,
-    q: &[[f32; V]; MAX_GROUP],
-    qsum: &[f32; MAX_GROUP],
-    g: usize,
-) -> [f32; MAX_GROUP] {
-    let fmt = &p.format;
-    let mut s = [0f32; MAX_GROUP];
-    match place {
-        Place::Sink { index: row } | Place::Window { slot: row } => {
-            // SAFETY: the row lies in the sequence's side store.
-            let k = unsafe { f16_lane::<V>(side, fmt.side_row_at(kvh, false, row), lane as usize) };
-            for h in 0..MAX_GROUP {
-                if h < g {
-                    s[h] = (0..V).map(|v| q[h][v] * k[v]).sum();
-                }
-            }
-        }
-        Place::Page { page, slot } => {
-            // SAFETY: the host checked the block-table entry against the pool.
-            let base = unsafe { pool.add(fmt.page_offset(*table.add(page as usize), kvh, p.num_kv_heads)) };
-            // SAFETY: inside the head-page.
-            let (scale, zero) = unsafe { lane_params(fmt, base, false, slot, lane, V as u32) };
-            let codes = unsafe { lane_codes::<V, KB>(base.add(fmt.key_codes_at(slot) as usize), lane) };
-            for h in 0..MAX_GROUP {
-                if h < g {
-                    let dot: f32 = (0..V).map(|v| q[h][v] * codes[v]).sum();
-                    s[h] = scale * dot + zero * qsum[h];
-                }
-            }
-        }
-    }
-    s
-}
-
 /// The lane's `V` stored-order values of one token (dequantized for pages).
 ///
 /// # Safety
@@ -132,16 +83,111 @@ unsafe fn value_row<const V: usize, const VB: u32>(
     }
 }
 
+/// Tokens scored per step: one per lane.
+pub const TILE: u32 = 32;
+
+/// Dynamic shared memory of `decode_split` for a GQA group of `group` query heads: the
+/// rotated queries `[group][D]` and their per-quantization-group sums
+/// `[group][D / g]`, f32.
+pub const fn decode_shared_bytes(fmt: &Format, group: u32) -> u32 {
+    group * (fmt.head_dim + fmt.groups()) * 4
+}
+
+/// Scores of the lane's token against every query head of the group (in `s`), reading
+/// the whole key with 16-byte loads; the queries come from shared memory (every lane
+/// reads the same address).
+///
+/// # Safety
+/// `row` must point at the token's key: `D * KB / 8` code bytes (quantized, with its
+/// head-page `page` for scales and zeros) or `D` f16 values (`page` null), 16-byte
+/// aligned; `qs` at `[MAX_GROUP][D]` f32 and `qsum` at `[MAX_GROUP][D / g]` f32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
+    ctx: &C,
+    fmt: &Format,
+    row: *const u8,
+    page: *const u8,
+    slot: u32,
+    qs: *const f32,
+    qsum: *const f32,
+    g: usize,
+    s: &mut [f32; MAX_GROUP],
+) {
+    *s = [0.0; MAX_GROUP];
+    let groups = fmt.groups() as usize;
+    if page.is_null() {
+        for chunk in 0..D / 8 {
+            // SAFETY: 16-byte chunk `chunk` of the D f16 values (contract).
+            let w = unsafe { ctx.load16(row.add(16 * chunk)) };
+            for (k, &word) in w.iter().enumerate() {
+                let x = [f16_to_f32(word as u16), f16_to_f32((word >> 16) as u16)];
+                for (i, &xi) in x.iter().enumerate() {
+                    let c = chunk * 8 + k * 2 + i;
+                    for (h, sh) in s.iter_mut().enumerate() {
+                        if h < g {
+                            // SAFETY: h < MAX_GROUP, c < D (contract on qs).
+                            *sh += unsafe { *qs.add(h * D + c) } * xi;
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+    let per_word = (32 / KB) as usize;
+    let mask = (1u32 << KB) - 1;
+    let gs = fmt.group_size as usize;
+    let mut scale = 0.0;
+    for chunk in 0..D * KB as usize / 128 {
+        // SAFETY: 16-byte chunk of the token's codes (contract).
+        let w = unsafe { ctx.load16(row.add(16 * chunk)) };
+        for (k, &word) in w.iter().enumerate() {
+            for i in 0..per_word {
+                let c = (chunk * 4 + k) * per_word + i;
+                // (Power-of-two group size: masks and shifts, no trapping division.)
+                if c & gs.wrapping_sub(1) == 0 {
+                    // A new quantization group: its scale, and its zero times sum(q').
+                    let j = c as u32 >> gs.trailing_zeros();
+                    // SAFETY: inside the head-page (layout invariant), 2-aligned.
+                    let (sc, z) = unsafe {
+                        (
+                            f16_to_f32(*page.add(fmt.scale_at(false, j, slot) as usize).cast::<u16>()),
+                            f16_to_f32(*page.add(fmt.zero_at(false, j, slot) as usize).cast::<u16>()),
+                        )
+                    };
+                    scale = sc;
+                    for (h, sh) in s.iter_mut().enumerate() {
+                        if h < g {
+                            // SAFETY: h < MAX_GROUP, j < D / g.
+                            *sh += z * unsafe { *qsum.add(h * groups + j as usize) };
+                        }
+                    }
+                }
+                let x = ((word >> (i as u32 * KB)) & mask) as f32 * scale;
+                for (h, sh) in s.iter_mut().enumerate() {
+                    if h < g {
+                        // SAFETY: h < MAX_GROUP, c < D.
+                        *sh += unsafe { *qs.add(h * D + c) } * x;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Split-K decode partials of one (KV head, sequence, split).
 ///
 /// # Safety
 /// With `S = p.num_seqs`, `Hq = p.num_q_heads`, `N = p.num_splits`: `q` valid for
 /// `S` rows of `p.q_seq_stride` f32 (`Hq * D` used); `block_tables` for
 /// `S * p.block_table_stride` entries, each used entry a block of `pool`; `seq_lens` for
-/// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits; `key_perm` for
-/// `Hkv * D` (rows are permutations); `part_m`, `part_l` for `S * Hq * N` writes and
-/// `part_o` for `S * Hq * N * D`. `D == 32 * V == p.format.head_dim`,
-/// `KB`/`VB` the key/value bits, `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N)`, 32 threads.
+/// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits, 16-byte aligned;
+/// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `part_m`,
+/// `part_l` for `S * Hq * N` writes and `part_o` for `S * Hq * N * D`.
+/// `D == 32 * V == p.format.head_dim`, `KB`/`VB` the key/value bits,
+/// `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N)`, 32 threads, [`decode_shared_bytes`] of
+/// dynamic shared memory for `MAX_GROUP` heads.
 ///
 /// # Parameters
 /// Outputs per `[seq][q_head][split]`: `part_m` the max logit (`-inf` for an empty
@@ -149,13 +195,14 @@ unsafe fn value_row<const V: usize, const VB: u32>(
 /// `exp(logit - m) * v'` in stored value order: the input of `decode_merge`.
 ///
 /// # Thread mapping
-/// Block `(x, y, z)` = (KV head, sequence, split), one warp for the whole GQA group. Lane
-/// `i` owns channels `[i * V, (i + 1) * V)`: it rotates its share of each query (FWHT
-/// across the warp, key permutation by shuffles, softmax scale folded in), then walks
-/// the split's tokens in order (sinks, pages through the block table, window), reading
-/// its 32-bit word of codes and its group's scale and zero per token; the per-lane
-/// partial scores are summed with butterfly shuffles, and the online softmax runs
-/// redundantly in every lane.
+/// Block `(x, y, z)` = (KV head, sequence, split), one warp for the whole GQA group.
+/// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: FWHT across the
+/// warp, key permutation by shuffles, softmax scale folded in, written to shared memory
+/// with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
+/// token per lane, whole keys read with 16-byte loads (codes, or f16 rows for sinks and
+/// window) against the shared queries; a warp max and sum per query head update the
+/// online softmax; then back to channels per lane for the values: each lane reads its
+/// 32-bit word of value codes per token and takes the token's weights by shuffles.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32, const VB: u32>(
@@ -176,14 +223,15 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     let fmt = p.format;
     let hq = p.num_q_heads as usize;
     let g = (hq / (p.num_kv_heads as usize).max(1)).clamp(1, MAX_GROUP);
+    let groups = fmt.groups() as usize;
     // SAFETY (all raw accesses below): inside the sizes of the `# Safety` contract.
     let len = unsafe { *seq_lens.add(seq as usize) };
     let table = unsafe { block_tables.add(seq as usize * p.block_table_stride as usize) };
     let side = unsafe { sides.add(seq as usize * fmt.side_elems(p.num_kv_heads)) };
+    let qs = ctx.shared().cast::<f32>();
+    let qsum = unsafe { qs.add(MAX_GROUP * D) };
 
-    // Rotated, permuted, scaled queries of the group, V channels per lane.
-    let mut qr = [[0f32; V]; MAX_GROUP];
-    let mut qsum = [0f32; MAX_GROUP];
+    // Rotated, permuted, scaled queries of the group into shared memory.
     for h in 0..MAX_GROUP {
         if h >= g {
             continue;
@@ -194,39 +242,83 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             fwht_warp(ctx, &mut x);
         }
         // Stored channel j takes rotated channel key_perm[j].
-        qr[h] = unsafe { permute_warp(ctx, &x, key_perm.add(kvh as usize * D)) };
-        // Per-lane share of sum(q') over the lane's group: the zero term of the score.
-        qsum[h] = qr[h].iter().sum();
+        let y = unsafe { permute_warp(ctx, &x, key_perm.add(kvh as usize * D)) };
+        for (v, &yv) in y.iter().enumerate() {
+            unsafe { *qs.add(h * D + lane as usize * V + v) = yv };
+        }
     }
+    ctx.sync_threads();
+    if (lane as usize) < groups {
+        for h in 0..MAX_GROUP {
+            if h < g {
+                let gs = fmt.group_size as usize;
+                let sum = (0..gs).map(|c| unsafe { *qs.add(h * D + lane as usize * gs + c) }).sum();
+                unsafe { *qsum.add(h * groups + lane as usize) = sum };
+            }
+        }
+    }
+    ctx.sync_threads();
 
     let (begin, end) = p.split_range(split, len);
     let mut m = [f32::NEG_INFINITY; MAX_GROUP];
     let mut l = [0f32; MAX_GROUP];
     let mut o = [[0f32; V]; MAX_GROUP];
-    for pos in begin..end {
-        let place = fmt.place(pos, len);
-        let mut s = unsafe { key_row::<V, KB>(p, place, table, side, pool, kvh, lane, &qr, &qsum, g) };
-        // Sum the lanes' partial scores (every lane ends with the total).
-        for sh in s.iter_mut().take(g) {
+    let mut t0 = begin;
+    while t0 < end {
+        let n = (end - t0).min(TILE);
+        // Scores: one token per lane.
+        let mut s = [f32::NEG_INFINITY; MAX_GROUP];
+        if lane < n {
+            let pos = t0 + lane;
+            let (row, page, slot) = match fmt.place(pos, len) {
+                Place::Sink { index: r } | Place::Window { slot: r } => {
+                    (unsafe { side.add(fmt.side_row_at(kvh, false, r)) }.cast::<u8>(), core::ptr::null(), 0)
+                }
+                Place::Page { page, slot } => {
+                    let base = unsafe { pool.add(fmt.page_offset(*table.add(page as usize), kvh, p.num_kv_heads)) };
+                    (unsafe { base.add(fmt.key_codes_at(slot) as usize) }, base, slot)
+                }
+            };
+            unsafe { score_token::<C, D, KB>(ctx, &fmt, row, page, slot, qs, qsum, g, &mut s) };
+        }
+        // Online softmax over the tile, per query head.
+        for h in 0..MAX_GROUP {
+            if h >= g {
+                continue;
+            }
+            let mut mx = s[h];
             let mut mask = 1;
             while mask < 32 {
-                *sh += ctx.shfl_xor(*sh, mask);
+                mx = mx.max(ctx.shfl_xor(mx, mask));
                 mask *= 2;
             }
+            let mn = m[h].max(mx);
+            let c = exp_neg(m[h] - mn);
+            s[h] = exp_neg(s[h] - mn);
+            let mut sum = s[h];
+            let mut mask = 1;
+            while mask < 32 {
+                sum += ctx.shfl_xor(sum, mask);
+                mask *= 2;
+            }
+            l[h] = l[h] * c + sum;
+            m[h] = mn;
+            o[h].iter_mut().for_each(|x| *x *= c);
         }
-        let val = unsafe { value_row::<V, VB>(p, place, table, side, pool, kvh, lane) };
-        for h in 0..MAX_GROUP {
-            if h < g {
-                let mn = m[h].max(s[h]);
-                let c = exp_neg(m[h] - mn);
-                let w = exp_neg(s[h] - mn);
-                l[h] = l[h] * c + w;
-                for v in 0..V {
-                    o[h][v] = o[h][v] * c + w * val[v];
+        // Values: channels per lane, each token's weights by shuffles.
+        for t in 0..n {
+            let place = fmt.place(t0 + t, len);
+            let val = unsafe { value_row::<V, VB>(p, place, table, side, pool, kvh, lane) };
+            for h in 0..MAX_GROUP {
+                if h < g {
+                    let w = ctx.shfl_idx(s[h], t);
+                    for (ov, &x) in o[h].iter_mut().zip(&val) {
+                        *ov += w * x;
+                    }
                 }
-                m[h] = mn;
             }
         }
+        t0 += n;
     }
     for h in 0..MAX_GROUP {
         if h < g {

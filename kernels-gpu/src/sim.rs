@@ -84,7 +84,7 @@ struct Block {
     barrier: SimBarrier,
     /// Per warp: its barrier and two slot arrays used alternately by successive shuffles.
     warps: Vec<(SimBarrier, [[AtomicU32; WARP as usize]; 2])>,
-    shared: Box<[UnsafeCell<u8>]>,
+    shared: Box<[UnsafeCell<u128>]>,
     /// Per thread: block barriers and warp barriers passed.
     passed: Vec<(AtomicU32, AtomicU32)>,
 }
@@ -101,7 +101,7 @@ impl Block {
             warps: (0..threads / WARP)
                 .map(|_| (SimBarrier::new(WARP), core::array::from_fn(|_| core::array::from_fn(|_| AtomicU32::new(0)))))
                 .collect(),
-            shared: (0..shared_bytes).map(|_| UnsafeCell::new(0xFF)).collect(),
+            shared: (0..shared_bytes.div_ceil(16)).map(|_| UnsafeCell::new(u128::MAX)).collect(),
             passed: (0..threads).map(|_| (AtomicU32::new(0), AtomicU32::new(0))).collect(),
         }
     }
@@ -139,11 +139,6 @@ pub struct SimCtx<'a> {
 }
 
 impl SimCtx<'_> {
-    /// The block's dynamic shared memory (filled with `0xFF` before the block starts).
-    pub fn shared(&self) -> *mut u8 {
-        UnsafeCell::raw_get(self.block.shared.as_ptr())
-    }
-
     /// One barrier per shuffle: successive shuffles alternate between two slot arrays,
     /// and a lane can only write an array again after every lane has passed the next
     /// barrier, that is, after every lane has read it.
@@ -179,6 +174,10 @@ impl Ctx for SimCtx<'_> {
     }
     fn shfl_idx(&self, v: f32, src_lane: u32) -> f32 {
         self.shuffle(v, src_lane)
+    }
+    /// Filled with `0xFF` (NaN as f32 and f16) before the block starts.
+    fn shared(&self) -> *mut u8 {
+        UnsafeCell::raw_get(self.block.shared.as_ptr()).cast()
     }
 }
 
