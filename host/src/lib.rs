@@ -46,6 +46,8 @@ pub mod cpu;
 pub mod error;
 #[cfg(feature = "eval")]
 pub mod eval;
+#[cfg(feature = "sim")]
+pub mod launch;
 pub mod paged;
 pub mod reference;
 #[cfg(feature = "sim")]

@@ -1,0 +1,182 @@
+//! Host-side launch planning shared by the device backends (`sim` now, `cuda` next): the
+//! buffers the kernels read, in the layout they read them, and the launch geometry. Both
+//! backends go through these functions, so the emulator checks the same launches a GPU
+//! gets.
+
+use crate::config::LayerCalibration;
+use crate::error::{Error, Result};
+use crate::reference::SeqRef;
+use half::f16;
+use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
+use rotkv_kernels::layout::Place;
+use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
+
+/// Threads per block of every kernel (one warp).
+pub const BLOCK: u32 = 32;
+
+/// Everything `decode_split` reads besides the pool and the queries.
+pub struct DecodeInputs {
+    /// The launch parameters (with the block-table stride filled in).
+    pub params: DecodeParams,
+    /// Block tables, `[seq][stride]` (padded with 0).
+    pub tables: Vec<u32>,
+    /// Sequence lengths.
+    pub lens: Vec<u32>,
+    /// Side stores back to back, f16 bits, 16-byte aligned storage.
+    sides: Vec<u128>,
+    side_len: usize,
+    /// Inverse value permutations for `decode_merge`.
+    pub vperm_inv: Vec<u16>,
+}
+
+impl DecodeInputs {
+    /// Checks what the kernels assume beyond the paged layer's checks (GQA group size,
+    /// query size, pool alignment) and lays out the inputs.
+    pub fn new(
+        p: &DecodeParams,
+        calib: &LayerCalibration,
+        pool: &[u8],
+        seqs: &[SeqRef<'_>],
+        q: &[f32],
+    ) -> Result<Self> {
+        let fmt = p.format;
+        let d = fmt.head_dim as usize;
+        let (s, hq, hkv) = (seqs.len(), p.num_q_heads as usize, p.num_kv_heads as usize);
+        if hkv == 0 || hq / hkv > MAX_GROUP {
+            return Err(Error::Unsupported(format!(
+                "{hq} query heads for {hkv} KV heads on the device kernels (at most {MAX_GROUP} per KV head)"
+            )));
+        }
+        if q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != hq * d {
+            return Err(Error::Shape(format!("q has {} elements for {s} sequences of {hq} x {d}", q.len())));
+        }
+        if !(pool.as_ptr() as usize).is_multiple_of(16) {
+            return Err(Error::Shape("the pool must start on a 16-byte boundary".into()));
+        }
+        let stride = seqs.iter().map(|x| x.block_table.len()).max().unwrap_or(0).max(1);
+        let mut tables = vec![0u32; s * stride];
+        for (i, x) in seqs.iter().enumerate() {
+            tables[i * stride..i * stride + x.block_table.len()].copy_from_slice(x.block_table);
+        }
+        let side_elems = fmt.side_elems(p.num_kv_heads);
+        let mut sides = vec![0u128; (s * side_elems).div_ceil(8)];
+        let bits: &mut [u16] = &mut bytemuck::cast_slice_mut::<u128, u16>(&mut sides)[..s * side_elems];
+        for (i, x) in seqs.iter().enumerate() {
+            if x.side.len() != side_elems {
+                return Err(Error::Shape(format!("side store of sequence {i} has {} elements", x.side.len())));
+            }
+            bits[i * side_elems..(i + 1) * side_elems].iter_mut().zip(x.side).for_each(|(o, v)| *o = v.to_bits());
+        }
+        Ok(Self {
+            params: DecodeParams { block_table_stride: stride as u32, ..*p },
+            tables,
+            lens: seqs.iter().map(|x| x.len as u32).collect(),
+            sides,
+            side_len: s * side_elems,
+            vperm_inv: calib.value_perm_inverse(d),
+        })
+    }
+
+    /// The side stores as f16 bits (16-byte aligned).
+    pub fn sides(&self) -> &[u16] {
+        &bytemuck::cast_slice::<u128, u16>(&self.sides)[..self.side_len]
+    }
+
+    /// `decode_split` grid: (KV heads, sequences, splits).
+    pub fn split_grid(&self) -> [u32; 3] {
+        [self.params.num_kv_heads, self.params.num_seqs, self.params.num_splits]
+    }
+
+    /// `decode_split` dynamic shared memory.
+    pub fn split_shared_bytes(&self) -> u32 {
+        decode_shared_bytes(&self.params.format, MAX_GROUP as u32)
+    }
+
+    /// Elements of the partial outputs `(m and l, o)`.
+    pub fn partial_lens(&self) -> (usize, usize) {
+        let p = &self.params;
+        let n = p.num_seqs as usize * p.num_q_heads as usize * p.num_splits as usize;
+        (n, n * p.format.head_dim as usize)
+    }
+
+    /// `decode_merge` parameters and grid (query heads, sequences).
+    pub fn merge(&self) -> (MergeParams, [u32; 3]) {
+        let p = &self.params;
+        let mp = MergeParams {
+            num_seqs: p.num_seqs,
+            num_q_heads: p.num_q_heads,
+            num_kv_heads: p.num_kv_heads,
+            head_dim: p.format.head_dim,
+            num_splits: p.num_splits,
+            flags: p.flags,
+        };
+        (mp, [p.num_q_heads, p.num_seqs, 1])
+    }
+}
+
+/// `append_rotate` grid: (KV heads, new tokens).
+pub fn rotate_grid(p: &AppendParams) -> [u32; 3] {
+    [p.num_kv_heads, p.count, 1]
+}
+
+/// Elements of the staged rows `append_rotate` writes.
+pub fn staged_len(p: &AppendParams) -> usize {
+    p.count as usize * p.num_kv_heads as usize * 2 * p.format.head_dim as usize
+}
+
+/// The rows `append_quantize` quantizes for keys (`value == false`) or values: every
+/// slot of the pages that fill during this append, from the old window (positions
+/// before `p.start`) or from the staged rows; and their `(block, slot, kv_head)` jobs.
+pub fn quantize_jobs(
+    p: &AppendParams,
+    side: &[f16],
+    staged: &[u16],
+    block_table: &[u32],
+    value: bool,
+) -> (Vec<u16>, Vec<u32>) {
+    let fmt = p.format;
+    let d = fmt.head_dim as usize;
+    let hkv = p.num_kv_heads as usize;
+    let len = p.start as usize;
+    let (p0, p1) = (fmt.pages_for(p.start), fmt.pages_for(p.start + p.count));
+    let (mut rows, mut slots) = (Vec::new(), Vec::new());
+    for page in p0..p1 {
+        for h in 0..hkv as u32 {
+            for slot in 0..fmt.page_size {
+                let pos = fmt.sinks + page * fmt.page_size + slot;
+                if (pos as usize) < len {
+                    let at = fmt.side_row_at(h, value, fmt.window_row(pos));
+                    rows.extend(side[at..at + d].iter().map(|x| x.to_bits()));
+                } else {
+                    let at = ((pos as usize - len) * hkv + h as usize) * 2 * d + value as usize * d;
+                    rows.extend_from_slice(&staged[at..at + d]);
+                }
+                slots.extend_from_slice(&[block_table[page as usize], slot, h]);
+            }
+        }
+    }
+    (rows, slots)
+}
+
+/// Copies the staged rows of new tokens that stay in f16 (sinks and window) into the side
+/// store. Runs after the quantize jobs have read the old window.
+pub fn store_f16_rows(p: &AppendParams, side: &mut [f16], staged: &[u16]) {
+    let fmt = p.format;
+    let d = fmt.head_dim as usize;
+    let hkv = p.num_kv_heads as usize;
+    let new_len = p.start + p.count;
+    for pos in p.start..new_len {
+        let row = match fmt.place(pos, new_len) {
+            Place::Sink { index } => index,
+            Place::Window { slot } => slot,
+            Place::Page { .. } => continue,
+        };
+        for h in 0..hkv as u32 {
+            for value in [false, true] {
+                let at = fmt.side_row_at(h, value, row);
+                let src = ((pos - p.start) as usize * hkv + h as usize) * 2 * d + value as usize * d;
+                side[at..at + d].iter_mut().zip(&staged[src..src + d]).for_each(|(o, &b)| *o = f16::from_bits(b));
+            }
+        }
+    }
+}
