@@ -43,10 +43,12 @@
 pub mod cache;
 pub mod config;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 #[cfg(feature = "eval")]
 pub mod eval;
-#[cfg(feature = "sim")]
+#[cfg(any(feature = "sim", feature = "cuda"))]
 pub mod launch;
 pub mod paged;
 pub mod reference;
@@ -70,21 +72,40 @@ pub enum Backend {
     /// The device kernels run by the SIMT emulator (feature `sim`; slow, for tests).
     #[cfg(feature = "sim")]
     Sim,
+    /// The device kernels on an NVIDIA GPU (feature `cuda`; needs a driver and a device
+    /// at run time, see [`Backend::available`]).
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 impl Backend {
-    /// The fastest backend available on this machine. GPU backends are not built yet,
-    /// so this is [`Backend::Cpu`].
+    /// The fastest backend available on this machine: [`Backend::Cuda`] when this build
+    /// has it and a driver and a device are present, else [`Backend::Cpu`].
     pub fn auto() -> Self {
+        #[cfg(feature = "cuda")]
+        if cuda::available() {
+            return Backend::Cuda;
+        }
         Backend::Cpu
     }
-    /// Every backend this build has.
+    /// Whether this backend can run here (only `cuda` can be missing: no driver or no
+    /// device).
+    pub fn available(self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => cuda::available(),
+            _ => true,
+        }
+    }
+    /// Every backend this build has (see [`Backend::available`] for which can run here).
     pub fn all() -> &'static [Backend] {
         &[
             Backend::Reference,
             Backend::Cpu,
             #[cfg(feature = "sim")]
             Backend::Sim,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda,
         ]
     }
     /// Short name: `reference`, `cpu`, `sim`.
@@ -94,6 +115,8 @@ impl Backend {
             Backend::Cpu => "cpu",
             #[cfg(feature = "sim")]
             Backend::Sim => "sim",
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => "cuda",
         }
     }
     /// Parses a name of [`Backend::name`], or `auto`.
@@ -104,6 +127,8 @@ impl Backend {
             "cpu" => Ok(Backend::Cpu),
             #[cfg(feature = "sim")]
             "sim" => Ok(Backend::Sim),
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok(Backend::Cuda),
             other => Err(Error::Backend(format!(
                 "{other:?} (this build has: auto, {})",
                 Backend::all().iter().map(|b| b.name()).collect::<Vec<_>>().join(", ")

@@ -194,6 +194,8 @@ pub fn append<T: KvElement>(
         Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, &k, &v),
         #[cfg(feature = "sim")]
         Backend::Sim => crate::sim::append_sim(&params, calib, pool, block_table, side, &k, &v)?,
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => crate::cuda::append_cuda(&params, calib, pool, block_table, side, &k, &v)?,
     }
     Ok(new_len)
 }
@@ -267,6 +269,9 @@ pub fn decode<T: KvElement>(
             Backend::Cpu => cpu::default_splits(max_len, seqs.len(), hkv, rayon::current_num_threads()),
             #[cfg(feature = "sim")]
             Backend::Sim => gpu_split_count(max_len, seqs.len(), hkv, crate::sim::SIM_SMS),
+            // An H100/H200 has 132 SMs; the count only steers the split heuristic.
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => gpu_split_count(max_len, seqs.len(), hkv, 132),
         },
     };
     let params = DecodeParams {
@@ -288,6 +293,8 @@ pub fn decode<T: KvElement>(
         Backend::Cpu => cpu::decode(&params, calib, pool, seqs, &q, out),
         #[cfg(feature = "sim")]
         Backend::Sim => crate::sim::decode_sim(&params, calib, pool, seqs, &q, out)?,
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => crate::cuda::decode_cuda(&params, calib, pool, seqs, &q, out)?,
     }
     Ok(())
 }

@@ -199,6 +199,23 @@ pub fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
     c
 }
 
+/// The backends this build has that can run here; prints `SKIPPED: <backend> (...)` for
+/// each one that cannot (the cuda backend without a driver or a device), so a GPU test
+/// never passes silently.
+pub fn backends() -> Vec<Backend> {
+    Backend::all()
+        .iter()
+        .copied()
+        .filter(|b| {
+            let ok = b.available();
+            if !ok {
+                eprintln!("SKIPPED: {} backend (no CUDA driver or device on this machine)", b.name());
+            }
+            ok
+        })
+        .collect()
+}
+
 /// Whether `backend` runs device kernels on the SIMT emulator (one OS thread per GPU
 /// thread: slow, so the suite gives it its smaller cases).
 pub fn emulated(backend: Backend) -> bool {

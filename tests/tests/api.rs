@@ -4,7 +4,7 @@
 use rotkv::paged::{self, DecodeOptions, LayerShape};
 use rotkv::reference::SeqRef;
 use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, bf16, f16};
-use rotkv_tests::{Data, Store, rel_err, rows, small_config};
+use rotkv_tests::{Data, Store, backends, rel_err, rows, small_config};
 
 fn shape(max_seqs: usize, max_tokens: usize) -> CacheShape {
     CacheShape { layers: 2, num_kv_heads: 2, num_q_heads: 6, max_seqs, max_tokens, num_blocks: None }
@@ -20,7 +20,7 @@ fn decode(cache: &KvCache, layer: usize, seqs: &[usize], q: &[f32]) -> Vec<f32> 
 #[test]
 fn cache_matches_the_low_level_api_and_reuses_blocks() {
     let config = small_config(64, 2, 2, 32);
-    for &backend in Backend::all() {
+    for backend in backends() {
         let mut cache = KvCache::new(config, shape(3, 300), backend).unwrap();
         let total = cache.free_blocks();
         let a = cache.add_sequence().unwrap();
@@ -113,7 +113,7 @@ fn observe(cache: &KvCache, seqs: &[usize]) -> (Vec<usize>, usize, Vec<Vec<f32>>
 #[test]
 fn every_error_is_reported_and_changes_nothing() {
     let config = CacheConfig { window: 16, page_size: 16, ..CacheConfig::k2v2(64) };
-    for &backend in Backend::all() {
+    for backend in backends() {
         let mut cache = KvCache::new(
             config,
             CacheShape {
@@ -235,7 +235,7 @@ fn low_level_api_checks_block_tables_and_buffers() {
     let mut buf = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, 4).unwrap() + 16);
     let size = paged::pool_bytes(&config, &shape, 4).unwrap();
     let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
-    for &backend in Backend::all() {
+    for backend in backends() {
         let misaligned = &mut buf.bytes_mut()[1..size + 1];
         let r = paged::append(backend, &config, &calib, &shape, misaligned, &[0, 1], &mut side, 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");

@@ -13,7 +13,7 @@ use rotkv::reference;
 use rotkv::{Backend, CacheConfig, Format, Rotation, f16};
 use rotkv_kernels::layout::Place;
 use rotkv_kernels::params::{DecodeParams, FLAG_ROTATE_KEYS};
-use rotkv_tests::{Data, Rng, Store, emulated, random_calibration, rel_err, rows, small_config};
+use rotkv_tests::{Data, Rng, Store, backends, emulated, random_calibration, rel_err, rows, small_config};
 
 /// f32 accumulation (unit roundoff 6e-8) over at most 4097 tokens x 256 channels with
 /// a polynomial exp of relative error 2e-7, against f64: the largest error observed over
@@ -21,7 +21,7 @@ use rotkv_tests::{Data, Rng, Store, emulated, random_calibration, rel_err, rows,
 const DECODE_TOL: f64 = 5e-5;
 
 fn fast_backends() -> impl Iterator<Item = Backend> {
-    Backend::all().iter().copied().filter(|&b| b != Backend::Reference)
+    backends().into_iter().filter(|&b| b != Backend::Reference)
 }
 
 /// Checks that a backend's f16 row may differ from the reference's only at rounding ties
@@ -183,7 +183,7 @@ fn chunking_of_appends_is_invisible() {
     let k = rows(Data::Keys, n * 3, 64, 1);
     let v = rows(Data::Normal, n * 3, 64, 2);
     let row = 3 * 64;
-    for backend in Backend::all().iter().copied() {
+    for backend in backends() {
         // The emulator appends the first 300 tokens (still 4 sinks, 14 pages, a window).
         let n = if emulated(backend) { 300 } else { n };
         let (k, v) = (&k[..n * row], &v[..n * row]);
@@ -364,7 +364,7 @@ fn rotation_bookkeeping_is_exact_without_quantization() {
                     (0..len).map(|t| w[t] * v[(t * hkv + h) * d + c] as f64).sum::<f64>() as f32 / sum as f32;
             }
         }
-        for backend in Backend::all().iter().copied() {
+        for backend in backends() {
             let got = st.decode(backend, &q, None).unwrap();
             let e = rel_err(&got, &exact);
             assert!(e < 2e-3, "{backend:?} d {d} {rot:?}: {e:.2e}");

@@ -1,8 +1,8 @@
 //! FORMAT.md's worked byte example, checked byte for byte on every backend.
 
 use rotkv::paged::LayerShape;
-use rotkv::{Backend, CacheConfig, Rotation};
-use rotkv_tests::Store;
+use rotkv::{CacheConfig, Rotation};
+use rotkv_tests::{Store, backends};
 
 #[test]
 fn worked_example_of_format_md() {
@@ -24,7 +24,7 @@ fn worked_example_of_format_md() {
     // 16 tokens fill one page (no sinks, no window); the example token is slot 0.
     let k: Vec<f32> = (0..16).flat_map(|_| key.iter().copied()).collect();
     let v = k.clone();
-    for &backend in Backend::all() {
+    for backend in backends() {
         let mut st = Store::new(config, LayerShape { num_kv_heads: 1, num_q_heads: 1 }, 16, None);
         st.append(backend, &k, &v).unwrap();
         let page = &st.pool.bytes()[..768];

@@ -2,10 +2,10 @@
 //! numpy implementation's `.metrics.json`, and every backend against the reference on
 //! the real tile.
 
+use rotkv::CacheConfig;
 use rotkv::eval::{self, MethodKind, Tile};
 use rotkv::paged::LayerShape;
-use rotkv::{Backend, CacheConfig};
-use rotkv_tests::{Store, rel_err, repo_data, shared_data};
+use rotkv_tests::{Store, backends, rel_err, repo_data, shared_data};
 
 fn metrics() -> serde_json::Value {
     let text = std::fs::read_to_string(repo_data().join("smollm2-alice-kv.metrics.json")).unwrap();
@@ -71,7 +71,7 @@ fn backends_agree_on_the_real_tile() {
             let (k, v) = (&layer.k[..len * hkv * d], &layer.v[..len * hkv * d]);
             let q = &layer.q[(len - 1) * hq * d..len * hq * d];
             let mut want = None;
-            for &backend in Backend::all() {
+            for backend in backends() {
                 let mut st = Store::new(config, shape, len, Some(3));
                 st.append(backend, k, v).unwrap();
                 let out = st.decode(backend, q, None).unwrap();

@@ -1,0 +1,24 @@
+//! The CUDA backend on this machine: present and selected by `Backend::auto`, or
+//! reported SKIPPED (every conformance test runs it when present, through `backends()`).
+
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
+
+#[test]
+fn cuda_backend_is_used_when_present_or_reported_skipped() {
+    if !Backend::Cuda.available() {
+        eprintln!("SKIPPED: cuda backend (no CUDA driver or device on this machine)");
+        assert_eq!(Backend::auto(), Backend::Cpu);
+        // Selecting it explicitly gives an error, not a crash.
+        let shape =
+            CacheShape { layers: 1, num_kv_heads: 1, num_q_heads: 1, max_seqs: 1, max_tokens: 100, num_blocks: None };
+        let mut cache = KvCache::new(CacheConfig::k2v2(64), shape, Backend::Cuda).unwrap();
+        let s = cache.add_sequence().unwrap();
+        let k = vec![0.5f32; 100 * 64];
+        let e = cache.append(0, s, 100, &k, &k).unwrap_err();
+        assert!(e.to_string().contains("cuda"), "{e}");
+        assert_eq!(cache.len(0, s).unwrap(), 0);
+        return;
+    }
+    assert_eq!(Backend::auto(), Backend::Cuda);
+    assert!(rotkv::cuda::PTX.contains(".entry rotkv_decode_split_d128_k2v2"));
+}
