@@ -229,7 +229,11 @@ pub fn shared_data() -> Option<std::path::PathBuf> {
     p.join("smollm2-alice-kv.safetensors").exists().then_some(p)
 }
 
-/// The repository's `data/` directory.
+/// The repository's `data/` directory (`ROTKV_REPO_DATA` overrides it, for test binaries
+/// run away from the checkout, as the GPU bundle does).
 pub fn repo_data() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
+    match std::env::var_os("ROTKV_REPO_DATA") {
+        Some(dir) => dir.into(),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data"),
+    }
 }

@@ -8,6 +8,10 @@
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
 //!   `nvptx64-nvidia-cuda` target (installing `rust-src` if missing) and writes
 //!   `host/ptx/rotkv.ptx` (sm_80); `--check` fails when the committed file differs.
+//! - `gpu-bundle`: builds the test binaries (release, stripped) and gathers them with the
+//!   bundled data and `run.sh` into `target/gpu-bundle` (under 64 MiB) for a machine that
+//!   has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs every test on every
+//!   backend, the cuda one included, and prints a summary table last.
 //! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
@@ -23,8 +27,9 @@ fn main() -> ExitCode {
         Some("bench-table") => bench_table(),
         Some("ptx") => ptx(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
         Some("ptxas") => ptxas().map_err(|e| e.to_string()),
+        Some("gpu-bundle") => gpu_bundle(),
         _ => {
-            eprintln!("usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas>");
+            eprintln!("usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | gpu-bundle>");
             return ExitCode::from(2);
         }
     };
@@ -438,6 +443,73 @@ fn ptxas() -> Result<(), Step> {
     }
     if let Some(u) = rows.iter().find(|u| u.spill > 0) {
         return Err(Step::Failed(format!("{} spills {} bytes on {}", u.kernel, u.spill, u.arch)));
+    }
+    Ok(())
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# rotkv GPU check: runs the test binaries built by `cargo xtask gpu-bundle` (every test on
+# every backend; the cuda backend runs when a driver and a device are present, and each
+# test prints SKIPPED for it otherwise). Prints a summary table last.
+set -u
+cd "$(dirname "$0")"
+export ROTKV_REPO_DATA="$PWD/data"
+mkdir -p logs
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+summary=$(mktemp)
+printf '%-24s %8s %8s %6s\n' binary passed failed status > "$summary"
+status=0
+for bin in bin/*; do
+    name=$(basename "$bin")
+    "$bin" --test-threads=2 --nocapture > "logs/$name.log" 2>&1
+    rc=$?
+    passed=$(grep -o '[0-9]* passed' "logs/$name.log" | awk '{s += $1} END {print s + 0}')
+    failed=$(grep -o '[0-9]* failed' "logs/$name.log" | awk '{s += $1} END {print s + 0}')
+    [ "$rc" -eq 0 ] || status=1
+    printf '%-24s %8s %8s %6s\n' "$name" "$passed" "$failed" "$rc" >> "$summary"
+done
+grep -h "SKIPPED" logs/*.log | sort | uniq -c || true
+cat "$summary"
+exit $status
+"#;
+
+fn gpu_bundle() -> Result<(), String> {
+    let target = root().join("target/gpu-build");
+    let mut c = cargo();
+    c.args(["test", "--release", "--no-run", "-p", "rotkv-tests", "--message-format=json-render-diagnostics"])
+        .arg("--target-dir")
+        .arg(&target)
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "true");
+    println!("==> building test binaries: {c:?}");
+    let out = c.stderr(std::process::Stdio::inherit()).output().map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err("building the test binaries failed".into());
+    }
+    let bundle = root().join("target/gpu-bundle");
+    let _ = std::fs::remove_dir_all(&bundle);
+    std::fs::create_dir_all(bundle.join("bin")).map_err(|e| e.to_string())?;
+    let mut total = 0u64;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let (Some(exe), true) = (msg["executable"].as_str(), msg["profile"]["test"].as_bool() == Some(true)) else {
+            continue;
+        };
+        let name = Path::new(exe).file_name().ok_or("executable without a name")?.to_string_lossy().into_owned();
+        // Test binaries are named <target>-<hash>; keep the target's name.
+        let short = name.rsplit_once('-').map_or(name.as_str(), |(a, _)| a).to_string();
+        let dst = bundle.join("bin").join(&short);
+        total += std::fs::copy(exe, &dst).map_err(|e| format!("{exe}: {e}"))?;
+    }
+    std::fs::create_dir_all(bundle.join("data")).map_err(|e| e.to_string())?;
+    for entry in std::fs::read_dir(root().join("data")).map_err(|e| e.to_string())? {
+        let entry = entry.map_err(|e| e.to_string())?;
+        total += std::fs::copy(entry.path(), bundle.join("data").join(entry.file_name())).map_err(|e| e.to_string())?;
+    }
+    std::fs::write(bundle.join("run.sh"), RUN_SH).map_err(|e| e.to_string())?;
+    println!("wrote {} ({:.1} MiB): bash target/gpu-bundle/run.sh", bundle.display(), total as f64 / (1 << 20) as f64);
+    if total > 64 << 20 {
+        return Err(format!("the bundle is {total} bytes, over 64 MiB"));
     }
     Ok(())
 }
