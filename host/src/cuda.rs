@@ -69,7 +69,7 @@ fn function(g: &Gpu, name: &str) -> Result<CudaFunction> {
     g.module.load_function(name).map_err(err(name))
 }
 
-fn config(grid: [u32; 3], shared: u32) -> LaunchConfig {
+fn launch_config(grid: [u32; 3], shared: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (BLOCK, 1, 1), shared_mem_bytes: shared }
 }
 
@@ -149,14 +149,15 @@ pub fn decode_cuda(
     b.arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
     // SAFETY: the arguments match `decode_split`'s entry point in order and type; the
     // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
-    unsafe { b.launch(config(inputs.split_grid(), inputs.split_shared_bytes())) }.map_err(err("decode_split"))?;
+    unsafe { b.launch(launch_config(inputs.split_grid(), inputs.split_shared_bytes())) }
+        .map_err(err("decode_split"))?;
     let (mp, grid) = inputs.merge();
     let merge = function(g, merge_entry(mp.head_dim)?)?;
     let mp = Arg(mp);
     let mut b = s.launch_builder(&merge);
     b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&mut out_d);
     // SAFETY: as above, for `decode_merge`.
-    unsafe { b.launch(config(grid, 0)) }.map_err(err("decode_merge"))?;
+    unsafe { b.launch(launch_config(grid, 0)) }.map_err(err("decode_merge"))?;
     let host = s.clone_dtoh(&out_d).map_err(err("download"))?;
     out.copy_from_slice(&host);
     Ok(())
@@ -191,7 +192,7 @@ pub fn append_cuda(
         b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&mut staged_d);
         // SAFETY: arguments in the order and types of `append_rotate`'s entry point; the
         // paged layer checked the inputs' sizes; `staged` has staged_len elements.
-        unsafe { b.launch(config(launch::rotate_grid(p), 0)) }.map_err(err(rot))?;
+        unsafe { b.launch(launch_config(launch::rotate_grid(p), 0)) }.map_err(err(rot))?;
         staged = s.clone_dtoh(&staged_d).map_err(err("download"))?;
     }
     let mut pool_d = s.clone_htod(&*pool).map_err(&up)?;
@@ -210,7 +211,7 @@ pub fn append_cuda(
         b.arg(&fa).arg(&hkv).arg(&vflag).arg(&rows_d).arg(&slots_d).arg(&mut pool_d);
         // SAFETY: arguments in the order and types of `append_quantize`'s entry point;
         // every job's block is in the pool (the paged layer checked the block table).
-        unsafe { b.launch(config([jobs, 1, 1], 0)) }.map_err(err("append_quantize"))?;
+        unsafe { b.launch(launch_config([jobs, 1, 1], 0)) }.map_err(err("append_quantize"))?;
     }
     if quantized {
         let host = s.clone_dtoh(&pool_d).map_err(err("download"))?;
@@ -218,4 +219,153 @@ pub fn append_cuda(
     }
     launch::store_f16_rows(p, side, &staged);
     Ok(())
+}
+
+/// Medians of a decode benchmark on device-resident buffers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeTiming {
+    /// Seconds per decode step (`decode_split` + `decode_merge`, batch and context as asked).
+    pub decode_s: f64,
+    /// Seconds per device-to-device copy of the whole device pool, same run.
+    pub copy_s: f64,
+    /// Bytes of packed cache the step reads: every token at the format's bytes per token
+    /// (the f16 sinks and window are read too, and not counted).
+    pub cache_bytes: usize,
+    /// Bytes the copy reads (the device pool: whole pages).
+    pub copy_bytes: usize,
+}
+
+/// Times decode for `batch` sequences of `context` tokens on the GPU, the pages uploaded
+/// once: one sequence is built on the CPU from synthetic rows and copied on the device
+/// into distinct blocks for every sequence; `iters` steps after 3 warm-up steps, each
+/// synchronized, against a device-to-device copy of the same byte count.
+pub fn time_decode(
+    config: &crate::CacheConfig,
+    num_kv_heads: usize,
+    num_q_heads: usize,
+    batch: usize,
+    context: usize,
+    iters: usize,
+) -> Result<DecodeTiming> {
+    use crate::paged::{self, LayerShape};
+    let g = gpu()?;
+    let s = &g.stream;
+    let fmt = config.format()?;
+    let d = config.head_dim;
+    let shape = LayerShape { num_kv_heads, num_q_heads };
+    let calib = LayerCalibration::identity(num_kv_heads, d);
+    // One sequence on the CPU.
+    let blocks = paged::blocks_for(config, context)?.max(1);
+    let mut pool = paged::PoolBuffer::new(paged::pool_bytes(config, &shape, blocks)?);
+    let mut side = vec![f16::ZERO; paged::side_elems(config, &shape)?];
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let rows: Vec<f32> = (0..context * num_kv_heads * d)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 2000) as f32 / 500.0 - 2.0)
+        .collect();
+    paged::append(
+        crate::Backend::Cpu,
+        config,
+        &calib,
+        &shape,
+        pool.bytes_mut(),
+        &table,
+        &mut side,
+        0,
+        context,
+        &rows,
+        &rows,
+    )?;
+    // Every sequence gets its own copy of the pages on the device.
+    let one = pool.bytes();
+    let up = err("upload");
+    let src = s.clone_htod(one).map_err(&up)?;
+    let mut pool_d = s.alloc_zeros::<u8>(one.len() * batch).map_err(err("alloc"))?;
+    for b in 0..batch {
+        let mut dst = pool_d.slice_mut(b * one.len()..(b + 1) * one.len());
+        s.memcpy_dtod(&src, &mut dst).map_err(err("copy"))?;
+    }
+    let tables: Vec<u32> = (0..batch).flat_map(|b| table.iter().map(move |&t| t + (b * blocks) as u32)).collect();
+    let lens = vec![context as u32; batch];
+    let side_bits: Vec<u16> = (0..batch).flat_map(|_| side.iter().map(|x| x.to_bits())).collect();
+    let q: Vec<f32> = (0..batch * num_q_heads * d).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+    let p = DecodeParams {
+        format: fmt,
+        num_seqs: batch as u32,
+        num_q_heads: num_q_heads as u32,
+        num_kv_heads: num_kv_heads as u32,
+        num_splits: crate::paged::gpu_split_count(context, batch, num_kv_heads, 132),
+        block_table_stride: blocks as u32,
+        flags: config.flags(),
+        sm_scale: 1.0 / (d as f32).sqrt(),
+        q_seq_stride: (num_q_heads * d) as u32,
+    };
+    let (q_d, tables_d, lens_d, sides_d) = (
+        s.clone_htod(&q).map_err(&up)?,
+        s.clone_htod(&tables).map_err(&up)?,
+        s.clone_htod(&lens).map_err(&up)?,
+        s.clone_htod(&side_bits).map_err(&up)?,
+    );
+    let (perm_d, inv_d) =
+        (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm_inverse(d)).map_err(&up)?);
+    let parts = batch * num_q_heads * p.num_splits as usize;
+    let alloc = err("alloc");
+    let (mut m_d, mut l_d) =
+        (s.alloc_zeros::<f32>(parts).map_err(&alloc)?, s.alloc_zeros::<f32>(parts).map_err(&alloc)?);
+    let mut o_d = s.alloc_zeros::<f32>(parts * d).map_err(&alloc)?;
+    let mut out_d = s.alloc_zeros::<f32>(batch * num_q_heads * d).map_err(&alloc)?;
+    let split = function(g, decode_entry(&fmt)?)?;
+    let merge = function(g, merge_entry(fmt.head_dim)?)?;
+    let mp = Arg(MergeParams {
+        num_seqs: p.num_seqs,
+        num_q_heads: p.num_q_heads,
+        num_kv_heads: p.num_kv_heads,
+        head_dim: fmt.head_dim,
+        num_splits: p.num_splits,
+        flags: p.flags,
+    });
+    let pa = Arg(p);
+    let split_cfg = launch_config(
+        [p.num_kv_heads, p.num_seqs, p.num_splits],
+        rotkv_kernels::decode::decode_shared_bytes(&fmt, rotkv_kernels::decode::MAX_GROUP as u32),
+    );
+    let merge_cfg = launch_config([p.num_q_heads, p.num_seqs, 1], 0);
+    let mut step = || -> Result<f64> {
+        let t = std::time::Instant::now();
+        let mut b = s.launch_builder(&split);
+        b.arg(&pa).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d);
+        b.arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
+        // SAFETY: `decode_split`'s arguments in order; buffers sized for batch x context.
+        unsafe { b.launch(split_cfg) }.map_err(err("decode_split"))?;
+        let mut b = s.launch_builder(&merge);
+        b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&mut out_d);
+        // SAFETY: `decode_merge`'s arguments in order.
+        unsafe { b.launch(merge_cfg) }.map_err(err("decode_merge"))?;
+        s.synchronize().map_err(err("synchronize"))?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    for _ in 0..3 {
+        step()?;
+    }
+    let mut times: Vec<f64> = (0..iters.max(1)).map(|_| step()).collect::<Result<_>>()?;
+    let cache_bytes = batch * num_kv_heads * context * fmt.bytes_per_token() as usize;
+    let mut copy_dst = s.alloc_zeros::<u8>(pool_d.len()).map_err(&alloc)?;
+    let mut copies = Vec::new();
+    for i in 0..iters.max(1) + 3 {
+        let t = std::time::Instant::now();
+        s.memcpy_dtod(&pool_d, &mut copy_dst).map_err(err("copy"))?;
+        s.synchronize().map_err(err("synchronize"))?;
+        if i >= 3 {
+            copies.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(DecodeTiming {
+        decode_s: median(&mut times),
+        copy_s: median(&mut copies),
+        cache_bytes,
+        copy_bytes: pool_d.len(),
+    })
 }

@@ -11,7 +11,8 @@
 //! - `gpu-bundle`: builds the test binaries (release, stripped) and gathers them with the
 //!   bundled data and `run.sh` into `target/gpu-bundle` (under 64 MiB) for a machine that
 //!   has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs every test on every
-//!   backend, the cuda one included, and prints a summary table last.
+//!   backend, the cuda one included, then the GPU decode benchmark (`gpu_decode`), whose
+//!   table it prints last.
 //! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
@@ -470,6 +471,9 @@ for bin in bin/*; do
 done
 grep -h "SKIPPED" logs/*.log | sort | uniq -c || true
 cat "$summary"
+echo
+echo "GPU decode benchmark (median step time, packed cache GB/s, device-to-device copy GB/s):"
+./gpu_decode || status=1
 exit $status
 "#;
 
@@ -506,6 +510,15 @@ fn gpu_bundle() -> Result<(), String> {
         let entry = entry.map_err(|e| e.to_string())?;
         total += std::fs::copy(entry.path(), bundle.join("data").join(entry.file_name())).map_err(|e| e.to_string())?;
     }
+    let mut c = cargo();
+    c.args(["build", "--release", "-p", "rotkv-benches", "--features", "cuda", "--bin", "gpu_decode", "--target-dir"])
+        .arg(&target)
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "true");
+    if !run("GPU decode benchmark", c)? {
+        return Err("building gpu_decode failed".into());
+    }
+    total += std::fs::copy(target.join("release/gpu_decode"), bundle.join("gpu_decode")).map_err(|e| e.to_string())?;
     std::fs::write(bundle.join("run.sh"), RUN_SH).map_err(|e| e.to_string())?;
     println!("wrote {} ({:.1} MiB): bash target/gpu-bundle/run.sh", bundle.display(), total as f64 / (1 << 20) as f64);
     if total > 64 << 20 {
