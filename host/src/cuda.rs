@@ -166,14 +166,16 @@ pub fn decode_cuda(
 /// Appends `p.count` tokens on the GPU: `append_rotate`, then `append_quantize` for the
 /// keys and the values of the pages that fill; the rows that stay in f16 go to the side
 /// store on the host.
+/// `k` and `v` are the raw inputs, of the element type `p.input_dtype` names (the
+/// kernel converts f16 and bf16 itself).
 pub fn append_cuda(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
-    k: &[f32],
-    v: &[f32],
+    k: &[u8],
+    v: &[u8],
 ) -> Result<()> {
     let g = gpu()?;
     let s = &g.stream;

@@ -142,21 +142,26 @@ impl Backend {
 
 /// An input element type: f32, f16 or bf16.
 pub trait KvElement: bytemuck::Pod + Send + Sync {
+    /// The `DTYPE_*` code the device kernels read it by.
+    const DTYPE: u32;
     /// The value as f32.
     fn to_f32(self) -> f32;
 }
 
 impl KvElement for f32 {
+    const DTYPE: u32 = rotkv_kernels::params::DTYPE_F32;
     fn to_f32(self) -> f32 {
         self
     }
 }
 impl KvElement for f16 {
+    const DTYPE: u32 = rotkv_kernels::params::DTYPE_F16;
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
 }
 impl KvElement for bf16 {
+    const DTYPE: u32 = rotkv_kernels::params::DTYPE_BF16;
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }

@@ -178,6 +178,7 @@ pub fn append<T: KvElement>(
     }
     let blocks = num_blocks(&fmt, shape, pool)?;
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
+    let (k_in, v_in) = (k, v);
     let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
     let v = to_f32_rows("v", v, tokens, hkv, d, None)?;
     let params = AppendParams {
@@ -188,14 +189,24 @@ pub fn append<T: KvElement>(
         flags: config.flags(),
         token_stride: (hkv * d) as u32,
         head_stride: d as u32,
+        input_dtype: rotkv_kernels::params::DTYPE_F32,
     };
+    // The device kernels read the caller's elements as they are (f16 and bf16 too).
+    #[cfg(any(feature = "sim", feature = "cuda"))]
+    let (raw, raw_k, raw_v) = (
+        AppendParams { input_dtype: T::DTYPE, ..params },
+        bytemuck::cast_slice::<T, u8>(k_in),
+        bytemuck::cast_slice::<T, u8>(v_in),
+    );
+    #[cfg(not(any(feature = "sim", feature = "cuda")))]
+    let _ = (k_in, v_in);
     match backend {
         Backend::Reference => reference::append(&params, calib, pool, block_table, side, &k, &v),
         Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, &k, &v),
         #[cfg(feature = "sim")]
-        Backend::Sim => crate::sim::append_sim(&params, calib, pool, block_table, side, &k, &v)?,
+        Backend::Sim => crate::sim::append_sim(&raw, calib, pool, block_table, side, raw_k, raw_v)?,
         #[cfg(feature = "cuda")]
-        Backend::Cuda => crate::cuda::append_cuda(&params, calib, pool, block_table, side, &k, &v)?,
+        Backend::Cuda => crate::cuda::append_cuda(&raw, calib, pool, block_table, side, raw_k, raw_v)?,
     }
     Ok(new_len)
 }

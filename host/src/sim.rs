@@ -10,7 +10,7 @@ use half::f16;
 use rotkv_kernels::append::{append_quantize, append_rotate};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::merge::decode_merge;
-use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
+use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_OUTPUT_F16, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
 
 /// Multiprocessors of the emulated device (drives the split count only).
@@ -29,6 +29,18 @@ pub fn decode_sim(
     let (m, l, o) = decode_split_launch(&inputs, calib, pool, q)?;
     let (mp, _) = inputs.merge();
     decode_merge_sim(&mp, &m, &l, &o, &inputs.vperm_inv, out)
+}
+
+/// Element types `decode_merge` can write: f32 and f16.
+pub trait MergeOutput: bytemuck::Pod {
+    /// Whether this is f16 (sets `FLAG_OUTPUT_F16`).
+    const F16: bool;
+}
+impl MergeOutput for f32 {
+    const F16: bool = false;
+}
+impl MergeOutput for f16 {
+    const F16: bool = true;
 }
 
 /// A raw pointer the emulator's threads may share (each kernel thread writes its own
@@ -51,13 +63,13 @@ impl<T> Shared<T> {
 /// Runs the `decode_merge` kernel: partials `m`, `l` (`[seq][q_head][split]`), `o`
 /// (`[seq][q_head][split][head_dim]`, stored value order) and the inverse value
 /// permutations `vperm_inv` (`[kv_head][head_dim]`) into `out` (`[seq][q_head][head_dim]`).
-pub fn decode_merge_sim(
+pub fn decode_merge_sim<O: MergeOutput>(
     p: &MergeParams,
     m: &[f32],
     l: &[f32],
     o: &[f32],
     vperm_inv: &[u16],
-    out: &mut [f32],
+    out: &mut [O],
 ) -> Result<()> {
     let (s, h, n, d) = (p.num_seqs as usize, p.num_q_heads as usize, p.num_splits as usize, p.head_dim as usize);
     if p.num_kv_heads == 0 || h % p.num_kv_heads as usize != 0 {
@@ -85,9 +97,9 @@ pub fn decode_merge_sim(
         Shared(l.as_ptr().cast_mut()),
         Shared(o.as_ptr().cast_mut()),
         Shared(vperm_inv.as_ptr().cast_mut()),
-        Shared(out.as_mut_ptr()),
+        Shared(out.as_mut_ptr().cast::<u8>()),
     );
-    let p = *p;
+    let p = MergeParams { flags: (p.flags & !FLAG_OUTPUT_F16) | if O::F16 { FLAG_OUTPUT_F16 } else { 0 }, ..*p };
     macro_rules! launch {
         ($d:literal, $v:literal) => {
             sim::launch([h as u32, s as u32, 1], 32, 0, |c: &SimCtx<'_>| {
@@ -178,14 +190,15 @@ fn decode_split_launch(
 /// Appends `p.count` tokens with the emulated `append_rotate` and `append_quantize`
 /// kernels: the same bytes as [`crate::reference::append`] (up to f16 rounding ties of
 /// the f32 rotation).
+/// `k` and `v` are the raw inputs, of the element type `p.input_dtype` names.
 pub fn append_sim(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
-    k: &[f32],
-    v: &[f32],
+    k: &[u8],
+    v: &[u8],
 ) -> Result<()> {
     let fmt = p.format;
     let d = fmt.head_dim as usize;

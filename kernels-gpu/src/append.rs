@@ -8,12 +8,12 @@ use crate::ctx::Ctx;
 use crate::fwht::{fwht_warp, permute_warp};
 use crate::layout::{Format, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
-use crate::params::{AppendParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+use crate::params::{AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// Stored f16 rows of the new tokens.
 ///
 /// # Safety
-/// `k` and `v` valid at `t * p.token_stride + h * p.head_stride + c` for `t < p.count`,
+/// `k` and `v` valid at element `t * p.token_stride + h * p.head_stride + c` for `t < p.count`,
 /// `h < p.num_kv_heads`, `c < D`; `key_mean` for `Hkv * D` reads; `key_perm` and
 /// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `staged` for
 /// `p.count * Hkv * 2 * D` writes. `D == 32 * V == p.format.head_dim`. Grid
@@ -25,20 +25,35 @@ use crate::params::{AppendParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 ///
 /// # Thread mapping
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
-/// loads them, subtracts the key mean, runs the warp FWHT, gathers the permutation with
+/// loads them (f32, f16 or bf16 as `p.input_dtype` says), subtracts the key mean, runs the warp FWHT, gathers the permutation with
 /// indexed shuffles and rounds to f16. Keys first, then values.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn append_rotate<C: Ctx, const D: usize, const V: usize>(
     ctx: &C,
     p: &AppendParams,
-    k: *const f32,
-    v: *const f32,
+    k: *const u8,
+    v: *const u8,
     key_mean: *const f32,
     key_perm: *const u16,
     value_perm: *const u16,
     staged: *mut u16,
 ) {
+    /// Element `i` of an input of type `dtype`.
+    ///
+    /// # Safety
+    /// `x` valid for element `i` of that type.
+    #[inline(always)]
+    unsafe fn load(x: *const u8, dtype: u32, i: usize) -> f32 {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match dtype {
+                DTYPE_F16 => f16_to_f32(*x.cast::<u16>().add(i)),
+                DTYPE_BF16 => f32::from_bits((*x.cast::<u16>().add(i) as u32) << 16),
+                _ => *x.cast::<f32>().add(i),
+            }
+        }
+    }
     let [h, t, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
     let hkv = p.num_kv_heads as usize;
@@ -47,7 +62,11 @@ pub unsafe fn append_rotate<C: Ctx, const D: usize, const V: usize>(
     for value in [false, true] {
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
-            if value { *v.add(src + c) } else { *k.add(src + c) - *key_mean.add(h as usize * D + lane * V + c) }
+            if value {
+                load(v, p.input_dtype, src + c)
+            } else {
+                load(k, p.input_dtype, src + c) - *key_mean.add(h as usize * D + lane * V + c)
+            }
         });
         let flag = if value { FLAG_ROTATE_VALUES } else { FLAG_ROTATE_KEYS };
         if p.flags & flag != 0 {
@@ -184,8 +203,8 @@ mod entry {
             #[unsafe(no_mangle)]
             pub unsafe extern "ptx-kernel" fn $rot(
                 p: AppendParams,
-                k: *const f32,
-                v: *const f32,
+                k: *const u8,
+                v: *const u8,
                 key_mean: *const f32,
                 key_perm: *const u16,
                 value_perm: *const u16,

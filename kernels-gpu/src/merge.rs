@@ -3,8 +3,8 @@
 
 use crate::ctx::Ctx;
 use crate::fwht::fwht_warp;
-use crate::math::exp_neg;
-use crate::params::{FLAG_ROTATE_VALUES, MergeParams};
+use crate::math::{exp_neg, f32_to_f16};
+use crate::params::{FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
 
 /// Merges the partials of one `(query head, sequence)` and writes its attention output
 /// in the original value channels.
@@ -12,7 +12,7 @@ use crate::params::{FLAG_ROTATE_VALUES, MergeParams};
 /// # Safety
 /// With `S = p.num_seqs`, `H = p.num_q_heads`, `N = p.num_splits`: `m` and `l` must be
 /// valid for `S * H * N` reads, `o` for `S * H * N * D`, `vperm_inv` for
-/// `p.num_kv_heads * D` (each row a permutation of `0..D`), `out` for `S * H * D` writes
+/// `p.num_kv_heads * D` (each row a permutation of `0..D`), `out` for `S * H * D` writes (4 or 2 bytes each)
 /// not aliased by the inputs; `D == p.head_dim`, `V * 32 == D`. The grid must be
 /// `(H, S, 1)` with 32 threads per block.
 ///
@@ -23,7 +23,7 @@ use crate::params::{FLAG_ROTATE_VALUES, MergeParams};
 ///   value order;
 /// - `vperm_inv`: `[kv_head][D]` inverse value permutation: rotated channel `c` is stored
 ///   channel `vperm_inv[c]`;
-/// - `out`: `[seq][q_head][D]` f32.
+/// - `out`: `[seq][q_head][D]`, f32, or f16 when `p.flags` has `FLAG_OUTPUT_F16`.
 ///
 /// # Thread mapping
 /// Block `(x, y)` = (query head, sequence), one warp. Lane `i` owns channels
@@ -38,7 +38,7 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     l: *const f32,
     o: *const f32,
     vperm_inv: *const u16,
-    out: *mut f32,
+    out: *mut u8,
 ) {
     let [qh, seq, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
@@ -86,9 +86,13 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     if p.flags & FLAG_ROTATE_VALUES != 0 {
         fwht_warp(ctx, &mut x);
     }
-    let dst = unsafe { out.add(row * D + lane * V) };
+    let at = row * D + lane * V;
     for (v, &xv) in x.iter().enumerate() {
-        unsafe { *dst.add(v) = xv };
+        if p.flags & FLAG_OUTPUT_F16 != 0 {
+            unsafe { *out.cast::<u16>().add(at + v) = f32_to_f16(xv) };
+        } else {
+            unsafe { *out.cast::<f32>().add(at + v) = xv };
+        }
     }
 }
 
@@ -121,7 +125,7 @@ mod entry {
                 l: *const f32,
                 o: *const f32,
                 vperm_inv: *const u16,
-                out: *mut f32,
+                out: *mut u8,
             ) {
                 // SAFETY: forwarded contract of `decode_merge`.
                 unsafe { decode_merge::<_, $d, $v>(&Nvptx, &p, m, l, o, vperm_inv, out) }

@@ -10,6 +10,15 @@ use crate::layout::Format;
 pub const FLAG_ROTATE_KEYS: u32 = 1 << 0;
 /// Values are rotated by the Hadamard transform before quantization.
 pub const FLAG_ROTATE_VALUES: u32 = 1 << 1;
+/// `decode_merge` writes f16 outputs (else f32).
+pub const FLAG_OUTPUT_F16: u32 = 1 << 2;
+
+/// Element type of the K/V inputs of `append_rotate`: f32.
+pub const DTYPE_F32: u32 = 0;
+/// Element type of the K/V inputs of `append_rotate`: IEEE f16.
+pub const DTYPE_F16: u32 = 1;
+/// Element type of the K/V inputs of `append_rotate`: bf16.
+pub const DTYPE_BF16: u32 = 2;
 
 /// Parameters of the fused append (rotate, quantize, pack, store) of new tokens of one
 /// sequence and one layer.
@@ -30,6 +39,8 @@ pub struct AppendParams {
     pub token_stride: u32,
     /// Elements between consecutive heads of the K and V inputs.
     pub head_stride: u32,
+    /// Element type of the K and V inputs (`DTYPE_*`).
+    pub input_dtype: u32,
 }
 
 /// Parameters of the split-K decode of one query token per sequence.
@@ -71,7 +82,8 @@ pub struct MergeParams {
     pub head_dim: u32,
     /// Splits per sequence.
     pub num_splits: u32,
-    /// `FLAG_*` bits (only `FLAG_ROTATE_VALUES` is read: the output is rotated back).
+    /// `FLAG_*` bits: `FLAG_ROTATE_VALUES` (the output is rotated back) and
+    /// `FLAG_OUTPUT_F16` (the output is f16, else f32).
     pub flags: u32,
 }
 

@@ -76,6 +76,27 @@ fn sim_decode_merge_matches_the_reference() {
 }
 
 #[test]
+fn sim_decode_merge_writes_f16_when_asked() {
+    let (m, l, o, _) = partials(1, 3, 4, 128, 5);
+    let inv: Vec<u16> = (0..128).collect();
+    let p = MergeParams {
+        num_seqs: 1,
+        num_q_heads: 3,
+        num_kv_heads: 1,
+        head_dim: 128,
+        num_splits: 4,
+        flags: FLAG_ROTATE_VALUES,
+    };
+    let mut wide = vec![0f32; 3 * 128];
+    rotkv::sim::decode_merge_sim(&p, &m, &l, &o, &inv, &mut wide).unwrap();
+    let mut narrow = vec![rotkv::f16::ZERO; 3 * 128];
+    rotkv::sim::decode_merge_sim(&p, &m, &l, &o, &inv, &mut narrow).unwrap();
+    for (a, b) in wide.iter().zip(&narrow) {
+        assert_eq!(rotkv::f16::from_f32(*a), *b);
+    }
+}
+
+#[test]
 fn sim_decode_merge_rejects_bad_sizes() {
     let p = MergeParams { num_seqs: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 64, num_splits: 2, flags: 0 };
     let mut out = vec![0f32; 128];
