@@ -6,7 +6,7 @@
 //!   [`CacheConfig::k4v4`].
 //! - [`KvCache`]: the paged cache a serving stack holds (append, decode, free).
 //! - [`paged`]: the same two operations over caller-owned pools and block tables.
-//! - [`reference`]: the scalar f64 oracle; [`cpu`]: the fast CPU backend; `sim`
+//! - [`reference`](mod@reference): the scalar f64 oracle; [`cpu`]: the fast CPU backend; `sim`
 //!   (feature `sim`): the device kernels on the SIMT emulator; `cuda` (feature `cuda`):
 //!   the device kernels on a GPU; `launch`: the launch planning both device backends
 //!   share.

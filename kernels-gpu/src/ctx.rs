@@ -1,6 +1,6 @@
 //! The device context kernel bodies are generic over.
 //!
-//! On `nvptx64` it is [`Nvptx`]: special registers, `bar.sync` and `shfl.sync` through
+//! On `nvptx64` it is `Nvptx`: special registers, `bar.sync` and `shfl.sync` through
 //! `core::arch::nvptx` and `asm!`. On the host the SIMT emulator (`sim` feature,
 //! `crate::sim`) implements it with one OS thread per GPU thread, so the same kernel body
 //! runs on both. Blocks are one-dimensional (`threadIdx.x` only); grids are 3-D.

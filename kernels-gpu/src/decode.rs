@@ -1,7 +1,7 @@
 //! `decode_split`: split-K decode attention of one query token per sequence straight
 //! from the packed cache, one warp per (KV head, sequence, split).
 //!
-//! The score and value steps are small functions ([`score_token`], [`value_row`]) so that
+//! The score and value steps are small functions (`score_token`, `value_row`) so that
 //! a tensor-core path can replace them without touching the page walk, the online
 //! softmax or the merge.
 
