@@ -161,15 +161,19 @@ fn append_bytes_match_reference_for_every_config() {
             a.calib = calib.clone();
             b.calib = calib.clone();
             let row = 2 * d as usize;
+            // The emulator takes 60 tokens: still past every config's first flush.
+            let chunks: &[usize] = if emulated(backend) { &[1, 30, 1, 1, 27] } else { &[1, 40, 1, 1, 57] };
+            let n = chunks.iter().sum::<usize>();
+            let (k, v) = (&k[..n * row], &v[..n * row]);
             let mut at = 0;
-            for chunk in [1, 40, 1, 1, 57] {
+            for &chunk in chunks {
                 let r = at * row..(at + chunk) * row;
                 a.append(Backend::Reference, &k[r.clone()], &v[r.clone()]).unwrap();
                 b.append(backend, &k[r.clone()], &v[r]).unwrap();
                 at += chunk;
             }
-            let rows = backend_rows(backend, &b, &k, &v);
-            compare_appends(&config.format().unwrap(), &a, &b, &k, &v, &rows);
+            let rows = backend_rows(backend, &b, k, v);
+            compare_appends(&config.format().unwrap(), &a, &b, k, v, &rows);
         }
     }
 }
