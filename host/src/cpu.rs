@@ -26,6 +26,45 @@ pub fn fwht(x: &mut [f32]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
     let mut h = 1;
+    if n >= 8 {
+        // The three short strides inside each block of 8, in registers (the same additions
+        // in the same order as the loop below would do them).
+        for b in x.chunks_exact_mut(8) {
+            let a: [f32; 8] = b.try_into().expect("8 values");
+            let s = [
+                a[0] + a[1],
+                a[0] - a[1],
+                a[2] + a[3],
+                a[2] - a[3],
+                a[4] + a[5],
+                a[4] - a[5],
+                a[6] + a[7],
+                a[6] - a[7],
+            ];
+            let t = [
+                s[0] + s[2],
+                s[1] + s[3],
+                s[0] - s[2],
+                s[1] - s[3],
+                s[4] + s[6],
+                s[5] + s[7],
+                s[4] - s[6],
+                s[5] - s[7],
+            ];
+            let u = [
+                t[0] + t[4],
+                t[1] + t[5],
+                t[2] + t[6],
+                t[3] + t[7],
+                t[0] - t[4],
+                t[1] - t[5],
+                t[2] - t[6],
+                t[3] - t[7],
+            ];
+            b.copy_from_slice(&u);
+        }
+        h = 8;
+    }
     while h < n {
         for block in x.chunks_exact_mut(2 * h) {
             let (a, b) = block.split_at_mut(h);
