@@ -218,20 +218,7 @@ pub fn append(
         pool[at..at + pb].copy_from_slice(&bytes);
     }
     // New tokens that stay in f16.
-    for pos in len as u32..new_len {
-        let row = match fmt.place(pos, new_len) {
-            Place::Sink { index } => index,
-            Place::Window { slot } => slot,
-            Place::Page { .. } => continue,
-        };
-        for h in 0..hkv as u32 {
-            for value in [false, true] {
-                let at = fmt.side_row_at(h, value, row);
-                let src = (((pos as usize - len) * hkv + h as usize) * 2 + value as usize) * d;
-                side[at..at + d].copy_from_slice(&staged[src..src + d]);
-            }
-        }
-    }
+    crate::launch::store_f16_rows(p, side, bytemuck::cast_slice(&staged));
 }
 
 /// The split count the CPU backend uses when the caller does not choose: enough

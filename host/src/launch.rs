@@ -1,7 +1,7 @@
-//! Host-side launch planning shared by the device backends (`sim` now, `cuda` next): the
-//! buffers the kernels read, in the layout they read them, and the launch geometry. Both
-//! backends go through these functions, so the emulator checks the same launches a GPU
-//! gets.
+//! Host-side launch planning shared by the device backends (`sim`, `cuda`): the buffers
+//! the kernels read, in the layout they read them, and the launch geometry. Both backends
+//! go through these functions, so the emulator checks the same launches a GPU gets. The
+//! CPU backend shares [`store_f16_rows`] (the same staged-row layout).
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};

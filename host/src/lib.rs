@@ -51,7 +51,6 @@ pub mod cuda;
 pub mod error;
 #[cfg(feature = "eval")]
 pub mod eval;
-#[cfg(any(feature = "sim", feature = "cuda"))]
 pub mod launch;
 pub mod paged;
 pub mod reference;
