@@ -99,12 +99,12 @@ fn merge_entry(d: u32) -> Result<&'static str> {
     Err(Error::Unsupported(format!("head_dim {d}")))
 }
 
-/// The append entry points `(rotate, quantize 2-bit, quantize 4-bit)` for a head dimension.
-fn append_entries(d: u32) -> Result<(&'static str, &'static str, &'static str)> {
+/// The append entry points `(tokens, flush)` for a head dimension.
+fn append_entries(d: u32) -> Result<(&'static str, &'static str)> {
     macro_rules! names {
-        ($(($rot:ident, $q2:ident, $q4:ident, $d:literal, $v:literal)),* $(,)?) => {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
             match d {
-                $($d => Ok((stringify!($rot), stringify!($q2), stringify!($q4))),)*
+                $($d => Ok((stringify!($tok), stringify!($flush))),)*
                 other => Err(Error::Unsupported(format!("head_dim {other}"))),
             }
         };
@@ -163,9 +163,9 @@ pub fn decode_cuda(
     Ok(())
 }
 
-/// Appends `p.count` tokens on the GPU: `append_rotate`, then `append_quantize` for the
-/// keys and the values of the pages that fill; the rows that stay in f16 go to the side
-/// store on the host.
+/// Appends `p.count` tokens on the GPU: `append_flush` for the window rows whose page
+/// fills, then the fused `append_tokens` for the new tokens. The pool and the side store
+/// are host buffers here: they are uploaded, updated on the device and copied back.
 /// `k` and `v` are the raw inputs, of the element type `p.input_dtype` names (the
 /// kernel converts f16 and bf16 itself).
 pub fn append_cuda(
@@ -180,46 +180,39 @@ pub fn append_cuda(
     let g = gpu()?;
     let s = &g.stream;
     let fmt = p.format;
-    let (rot, q2, q4) = append_entries(fmt.head_dim)?;
+    let (tok, flush) = append_entries(fmt.head_dim)?;
     let up = err("upload");
-    let mut staged = vec![0u16; launch::staged_len(p)];
+    let side_bits: &mut [u16] = bytemuck::cast_slice_mut(side);
+    let mut pool_d = s.clone_htod(&*pool).map_err(&up)?;
+    let mut side_d = s.clone_htod(&*side_bits).map_err(&up)?;
+    let jobs = launch::flush_jobs(p, block_table);
+    if !jobs.is_empty() {
+        let jobs_d = s.clone_htod(&jobs).map_err(&up)?;
+        let f = function(g, flush)?;
+        let (fa, hkv) = (Arg(fmt), p.num_kv_heads);
+        let mut b = s.launch_builder(&f);
+        b.arg(&fa).arg(&hkv).arg(&side_d).arg(&jobs_d).arg(&mut pool_d);
+        // SAFETY: arguments in the order and types of `append_flush`'s entry point; every
+        // job's block is in the pool (the paged layer checked the block table).
+        unsafe { b.launch(launch_config([(jobs.len() / 4) as u32, 2, 1], 0)) }.map_err(err(flush))?;
+    }
     if p.count > 0 {
         let (k_d, v_d, mean_d) =
             (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
         let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
-        let mut staged_d = s.alloc_zeros::<u16>(staged.len()).map_err(err("alloc"))?;
-        let f = function(g, rot)?;
+        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table)).map_err(&up)?;
+        let f = function(g, tok)?;
         let params = Arg(*p);
         let mut b = s.launch_builder(&f);
-        b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&mut staged_d);
-        // SAFETY: arguments in the order and types of `append_rotate`'s entry point; the
-        // paged layer checked the inputs' sizes; `staged` has staged_len elements.
-        unsafe { b.launch(launch_config(launch::rotate_grid(p), 0)) }.map_err(err(rot))?;
-        staged = s.clone_dtoh(&staged_d).map_err(err("download"))?;
+        b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&slots_d);
+        b.arg(&mut pool_d).arg(&mut side_d);
+        // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
+        // paged layer checked the inputs' sizes and the block table.
+        unsafe { b.launch(launch_config(launch::tokens_grid(p), 0)) }.map_err(err(tok))?;
     }
-    let mut pool_d = s.clone_htod(&*pool).map_err(&up)?;
-    let mut quantized = false;
-    for value in [false, true] {
-        let (rows, slots) = launch::quantize_jobs(p, side, &staged, block_table, value);
-        let jobs = (slots.len() / 3) as u32;
-        if jobs == 0 {
-            continue;
-        }
-        quantized = true;
-        let (rows_d, slots_d) = (s.clone_htod(&rows).map_err(&up)?, s.clone_htod(&slots).map_err(&up)?);
-        let f = function(g, if fmt.bits(value) == 2 { q2 } else { q4 })?;
-        let (fa, hkv, vflag) = (Arg(fmt), p.num_kv_heads, value as u32);
-        let mut b = s.launch_builder(&f);
-        b.arg(&fa).arg(&hkv).arg(&vflag).arg(&rows_d).arg(&slots_d).arg(&mut pool_d);
-        // SAFETY: arguments in the order and types of `append_quantize`'s entry point;
-        // every job's block is in the pool (the paged layer checked the block table).
-        unsafe { b.launch(launch_config([jobs, 1, 1], 0)) }.map_err(err("append_quantize"))?;
-    }
-    if quantized {
-        let host = s.clone_dtoh(&pool_d).map_err(err("download"))?;
-        pool.copy_from_slice(&host);
-    }
-    launch::store_f16_rows(p, side, &staged);
+    let down = err("download");
+    pool.copy_from_slice(&s.clone_dtoh(&pool_d).map_err(&down)?);
+    side_bits.copy_from_slice(&s.clone_dtoh(&side_d).map_err(&down)?);
     Ok(())
 }
 

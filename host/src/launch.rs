@@ -1,12 +1,13 @@
 //! Host-side launch planning shared by the device backends (`sim`, `cuda`): the buffers
 //! the kernels read, in the layout they read them, and the launch geometry. Both backends
 //! go through these functions, so the emulator checks the same launches a GPU gets. The
-//! CPU backend shares [`store_f16_rows`] (the same staged-row layout).
+//! CPU backend uses [`store_f16_rows`] for its sink and window rows.
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
 use crate::reference::SeqRef;
 use half::f16;
+use rotkv_kernels::append::SLOT_SIDE;
 use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
 use rotkv_kernels::layout::Place;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
@@ -114,48 +115,42 @@ impl DecodeInputs {
     }
 }
 
-/// `append_rotate` grid: (KV heads, new tokens).
-pub fn rotate_grid(p: &AppendParams) -> [u32; 3] {
+/// `append_tokens` grid: (KV heads, new tokens).
+pub fn tokens_grid(p: &AppendParams) -> [u32; 3] {
     [p.num_kv_heads, p.count, 1]
 }
 
-/// Elements of the staged rows `append_rotate` writes.
-pub fn staged_len(p: &AppendParams) -> usize {
-    p.count as usize * p.num_kv_heads as usize * 2 * p.format.head_dim as usize
+/// `append_tokens`'s slot mapping: for each new token, its f16 side row
+/// ([`SLOT_SIDE`] set) or its pool slot `block * page_size + slot`, as it lives once the
+/// sequence has `p.start + p.count` tokens. `block_table` covers every page of that length
+/// (the paged layer checked it).
+pub fn slot_mapping(p: &AppendParams, block_table: &[u32]) -> Vec<u32> {
+    let fmt = p.format;
+    let new_len = p.start + p.count;
+    (p.start..new_len)
+        .map(|pos| match fmt.place(pos, new_len) {
+            Place::Sink { index } => SLOT_SIDE | index,
+            Place::Window { slot } => SLOT_SIDE | slot,
+            Place::Page { page, slot } => block_table[page as usize] * fmt.page_size + slot,
+        })
+        .collect()
 }
 
-/// The rows `append_quantize` quantizes for keys (`value == false`) or values: every
-/// slot of the pages that fill during this append, from the old window (positions
-/// before `p.start`) or from the staged rows; and their `(block, slot, kv_head)` jobs.
-pub fn quantize_jobs(
-    p: &AppendParams,
-    side: &[f16],
-    staged: &[u16],
-    block_table: &[u32],
-    value: bool,
-) -> (Vec<u16>, Vec<u32>) {
+/// `append_flush` jobs `(block, slot, kv_head, side row)`: the tokens already in the
+/// window (positions before `p.start`) whose page fills during this append, for every KV
+/// head. Its grid is `(jobs, 2)` (keys and values).
+pub fn flush_jobs(p: &AppendParams, block_table: &[u32]) -> Vec<u32> {
     let fmt = p.format;
-    let d = fmt.head_dim as usize;
-    let hkv = p.num_kv_heads as usize;
-    let len = p.start as usize;
-    let (p0, p1) = (fmt.pages_for(p.start), fmt.pages_for(p.start + p.count));
-    let (mut rows, mut slots) = (Vec::new(), Vec::new());
-    for page in p0..p1 {
-        for h in 0..hkv as u32 {
-            for slot in 0..fmt.page_size {
-                let pos = fmt.sinks + page * fmt.page_size + slot;
-                if (pos as usize) < len {
-                    let at = fmt.side_row_at(h, value, fmt.window_row(pos));
-                    rows.extend(side[at..at + d].iter().map(|x| x.to_bits()));
-                } else {
-                    let at = ((pos as usize - len) * hkv + h as usize) * 2 * d + value as usize * d;
-                    rows.extend_from_slice(&staged[at..at + d]);
-                }
-                slots.extend_from_slice(&[block_table[page as usize], slot, h]);
+    let (old, new_len) = (p.start, p.start + p.count);
+    let mut jobs = Vec::new();
+    for pos in fmt.sinks + fmt.quantized_len(old)..old {
+        if let Place::Page { page, slot } = fmt.place(pos, new_len) {
+            for h in 0..p.num_kv_heads {
+                jobs.extend_from_slice(&[block_table[page as usize], slot, h, fmt.window_row(pos)]);
             }
         }
     }
-    (rows, slots)
+    jobs
 }
 
 /// Copies the staged rows of new tokens that stay in f16 (sinks and window) into the side

@@ -1,5 +1,5 @@
 //! Device kernels run by the SIMT emulator (feature `sim`), through the launch geometry
-//! the CUDA backend uses: `append_rotate` and `append_quantize` for append,
+//! the CUDA backend uses: `append_flush` and `append_tokens` for append,
 //! `decode_split` and `decode_merge` for decode. [`crate::Backend::Sim`] runs them.
 
 use crate::config::LayerCalibration;
@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::launch::{self, BLOCK, DecodeInputs};
 use crate::reference::SeqRef;
 use half::f16;
-use rotkv_kernels::append::{append_quantize, append_rotate};
+use rotkv_kernels::append::{append_flush, append_tokens};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::merge::decode_merge;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_OUTPUT_F16, MergeParams};
@@ -187,9 +187,9 @@ fn decode_split_launch(
     Ok((m, l, o))
 }
 
-/// Appends `p.count` tokens with the emulated `append_rotate` and `append_quantize`
-/// kernels: the same bytes as [`crate::reference::append`] (up to f16 rounding ties of
-/// the f32 rotation).
+/// Appends `p.count` tokens with the emulated `append_flush` (window rows whose page
+/// fills) and `append_tokens` (the new tokens, fused) kernels: the same bytes as
+/// [`crate::reference::append`] (up to f16 rounding ties of the f32 rotation).
 /// `k` and `v` are the raw inputs, of the element type `p.input_dtype` names.
 pub fn append_sim(
     p: &AppendParams,
@@ -202,62 +202,51 @@ pub fn append_sim(
 ) -> Result<()> {
     let fmt = p.format;
     let d = fmt.head_dim as usize;
-    let mut staged = vec![0u16; launch::staged_len(p)];
     let err = |what: &str, e: sim::SimError| Error::Backend(format!("sim {what}: {e}"));
-    // 1. Stored rows of the new tokens.
-    if p.count > 0 {
-        let (kp, vp, mp, kq, vq, sp) = (
-            Shared(k.as_ptr().cast_mut()),
-            Shared(v.as_ptr().cast_mut()),
-            Shared(calib.key_mean.as_ptr().cast_mut()),
-            Shared(calib.key_perm.as_ptr().cast_mut()),
-            Shared(calib.value_perm.as_ptr().cast_mut()),
-            Shared(staged.as_mut_ptr()),
-        );
-        macro_rules! rotate {
-            ($(($rot:ident, $q2:ident, $q4:ident, $d:literal, $v:literal)),* $(,)?) => {
-                match d {
-                    $($d => sim::launch(launch::rotate_grid(p), BLOCK, 0, |c: &SimCtx<'_>| {
-                        // SAFETY: the paged layer validated the inputs' sizes; `staged`
-                        // has count x Hkv x 2 x D entries; grid (Hkv, count) x 32.
-                        unsafe { append_rotate::<_, $d, $v>(c, p, kp.ptr(), vp.ptr(), mp.ptr(), kq.ptr(), vq.ptr(), sp.ptr()) }
-                    }),)*
-                    other => return Err(Error::Unsupported(format!("head_dim {other}"))),
-                }
-            };
-        }
-        rotkv_kernels::for_each_append!(rotate).map_err(|e| err("append_rotate", e))?;
+    let mut jobs = launch::flush_jobs(p, block_table);
+    let mut slots = launch::slot_mapping(p, block_table);
+    let side: &mut [u16] = bytemuck::cast_slice_mut(side);
+    let (pp, sp, jp, tp) =
+        (Shared(pool.as_mut_ptr()), Shared(side.as_mut_ptr()), Shared(jobs.as_mut_ptr()), Shared(slots.as_mut_ptr()));
+    let (kp, vp, mp, kq, vq) = (
+        Shared(k.as_ptr().cast_mut()),
+        Shared(v.as_ptr().cast_mut()),
+        Shared(calib.key_mean.as_ptr().cast_mut()),
+        Shared(calib.key_perm.as_ptr().cast_mut()),
+        Shared(calib.value_perm.as_ptr().cast_mut()),
+    );
+    let njobs = (jobs.len() / 4) as u32;
+    macro_rules! run {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
+            match d {
+                $($d => {
+                    // 1. Window rows whose page fills (they may be overwritten in 2).
+                    if njobs > 0 {
+                        sim::launch([njobs, 2, 1], BLOCK, 0, |c: &SimCtx<'_>| {
+                            // SAFETY: `jobs` holds njobs quadruples whose blocks the paged
+                            // layer checked against the pool; `side` is the sequence's store.
+                            unsafe { append_flush::<_, $d, $v>(c, &fmt, p.num_kv_heads, sp.ptr(), jp.ptr(), pp.ptr()) }
+                        })
+                        .map_err(|e| err("append_flush", e))?;
+                    }
+                    // 2. The new tokens.
+                    if p.count > 0 {
+                        sim::launch(launch::tokens_grid(p), BLOCK, 0, |c: &SimCtx<'_>| {
+                            // SAFETY: the paged layer validated the inputs' sizes and the
+                            // block table; `slots` has one entry per new token.
+                            unsafe {
+                                append_tokens::<_, $d, $v>(
+                                    c, p, kp.ptr(), vp.ptr(), mp.ptr(), kq.ptr(), vq.ptr(), tp.ptr(), pp.ptr(), sp.ptr(),
+                                )
+                            }
+                        })
+                        .map_err(|e| err("append_tokens", e))?;
+                    }
+                    Ok(())
+                })*
+                other => Err(Error::Unsupported(format!("head_dim {other}"))),
+            }
+        };
     }
-    // 2. Pages that fill: their rows come from the old window or the new tokens.
-    for value in [false, true] {
-        let (mut rows, mut slots) = launch::quantize_jobs(p, side, &staged, block_table, value);
-        let jobs = slots.len() / 3;
-        if jobs == 0 {
-            continue;
-        }
-        let (rp, tp, pp) = (Shared(rows.as_mut_ptr()), Shared(slots.as_mut_ptr()), Shared(pool.as_mut_ptr()));
-        let bits = fmt.bits(value);
-        macro_rules! quantize {
-            ($(($rot:ident, $q2:ident, $q4:ident, $d:literal, $v:literal)),* $(,)?) => {
-                match (d, bits) {
-                    $(
-                        ($d, 2) => sim::launch([jobs as u32, 1, 1], BLOCK, 0, |c: &SimCtx<'_>| {
-                            // SAFETY: `rows` holds jobs x D entries, `slots` jobs triples
-                            // whose blocks the paged layer checked against the pool.
-                            unsafe { append_quantize::<_, $d, $v, 2>(c, &fmt, p.num_kv_heads, value, rp.ptr(), tp.ptr(), pp.ptr()) }
-                        }),
-                        ($d, 4) => sim::launch([jobs as u32, 1, 1], BLOCK, 0, |c: &SimCtx<'_>| {
-                            // SAFETY: as above.
-                            unsafe { append_quantize::<_, $d, $v, 4>(c, &fmt, p.num_kv_heads, value, rp.ptr(), tp.ptr(), pp.ptr()) }
-                        }),
-                    )*
-                    other => return Err(Error::Unsupported(format!("(head_dim, bits) {other:?}"))),
-                }
-            };
-        }
-        rotkv_kernels::for_each_append!(quantize).map_err(|e| err("append_quantize", e))?;
-    }
-    // 3. New tokens that stay in f16.
-    launch::store_f16_rows(p, side, &staged);
-    Ok(())
+    rotkv_kernels::for_each_append!(run)
 }

@@ -1,8 +1,12 @@
-//! Append: `append_rotate` turns new K/V rows into the stored f16 rows (key mean
-//! subtracted, FWHT, channel permutation, rounding to f16), `append_quantize` quantizes
-//! stored rows into page slots (group min/max, f16 scale and zero, codes, packing). The
-//! host runs rotate for the new tokens, quantize for the pages that fill, and copies the
-//! rows that stay in f16 to the sinks and the window.
+//! Append. `append_tokens` is the fused pass over new tokens (as vLLM's
+//! reshape-and-cache): per token and KV head it loads K and V (f32, f16 or bf16),
+//! subtracts the key mean, runs the FWHT in registers and shuffles, applies the channel
+//! permutation and rounds to f16 (the stored row); then, as the token's slot mapping says,
+//! either stores that row in the f16 side store (sinks and recent window) or quantizes it
+//! into its page slot (group min/max by shuffles, f16 scale and zero, codes, packing).
+//! `append_flush` quantizes window rows that leave the window during an append (a page of
+//! the ring fills), reading them from the side store; it runs before `append_tokens`,
+//! which may overwrite those ring rows.
 
 use crate::ctx::Ctx;
 use crate::fwht::{fwht_warp, permute_warp};
@@ -10,26 +14,35 @@ use crate::layout::{Format, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
-/// Stored f16 rows of the new tokens.
+/// Bit of a slot-mapping entry that marks an f16 side-store row (the other bits are the
+/// row, as `Format::side_row_at` numbers them); without it the entry is the pool slot
+/// `block * page_size + slot`.
+pub const SLOT_SIDE: u32 = 1 << 31;
+
+/// Fused append of new tokens: stored f16 rows, then f16 side rows or page slots.
 ///
 /// # Safety
 /// `k` and `v` valid at element `t * p.token_stride + h * p.head_stride + c` for `t < p.count`,
 /// `h < p.num_kv_heads`, `c < D`; `key_mean` for `Hkv * D` reads; `key_perm` and
-/// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `staged` for
-/// `p.count * Hkv * 2 * D` writes. `D == 32 * V == p.format.head_dim`. Grid
-/// `(Hkv, count, 1)`, 32 threads.
+/// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `slot_mapping` for
+/// `p.count` entries, each a side row below `p.format.side_rows()` or a pool slot whose
+/// block is inside `pool`; `pool` a 16-byte aligned pool of `p.format`'s head-pages
+/// with `p.num_kv_heads` heads per block; `side` a side store of
+/// `p.format.side_elems(p.num_kv_heads)` f16 entries. `D == 32 * V == p.format.head_dim`.
+/// Grid `(Hkv, count, 1)`, 32 threads.
 ///
 /// # Parameters
-/// `staged[(t * Hkv + h) * 2 * D + (0 for K | D for V) + c]`: f16 bits of stored channel
-/// `c` of token `t`, head `h`.
+/// Token `t` (position `p.start + t`) goes where `slot_mapping[t]` says: [`SLOT_SIDE`]
+/// plus a side row, or a pool slot. Keys and values both.
 ///
 /// # Thread mapping
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
-/// loads them (f32, f16 or bf16 as `p.input_dtype` says), subtracts the key mean, runs the warp FWHT, gathers the permutation with
-/// indexed shuffles and rounds to f16. Keys first, then values.
+/// loads them, subtracts the key mean, runs the warp FWHT, gathers the permutation with
+/// indexed shuffles and rounds to f16; then it stores its channels of the side row, or
+/// quantizes them with the group's lanes ([`quantize_lanes`]). Keys first, then values.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn append_rotate<C: Ctx, const D: usize, const V: usize>(
+pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     ctx: &C,
     p: &AppendParams,
     k: *const u8,
@@ -37,7 +50,9 @@ pub unsafe fn append_rotate<C: Ctx, const D: usize, const V: usize>(
     key_mean: *const f32,
     key_perm: *const u16,
     value_perm: *const u16,
-    staged: *mut u16,
+    slot_mapping: *const u32,
+    pool: *mut u8,
+    side: *mut u16,
 ) {
     /// Element `i` of an input of type `dtype`.
     ///
@@ -54,11 +69,12 @@ pub unsafe fn append_rotate<C: Ctx, const D: usize, const V: usize>(
             }
         }
     }
+    let fmt = &p.format;
     let [h, t, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
-    let hkv = p.num_kv_heads as usize;
     let src = t as usize * p.token_stride as usize + h as usize * p.head_stride as usize + lane * V;
-    let out = (t as usize * hkv + h as usize) * 2 * D + lane * V;
+    // SAFETY: t < p.count entries.
+    let dest = unsafe { *slot_mapping.add(t as usize) };
     for value in [false, true] {
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
@@ -74,51 +90,94 @@ pub unsafe fn append_rotate<C: Ctx, const D: usize, const V: usize>(
         }
         let perm = if value { value_perm } else { key_perm };
         let y = unsafe { permute_warp(ctx, &x, perm.add(h as usize * D)) };
-        for (c, &yc) in y.iter().enumerate() {
-            unsafe { *staged.add(out + value as usize * D + c) = f32_to_f16(yc) };
+        let stored: [u16; V] = core::array::from_fn(|c| f32_to_f16(y[c]));
+        if dest & SLOT_SIDE != 0 {
+            let at = fmt.side_row_at(h, value, dest & !SLOT_SIDE) + lane * V;
+            for (c, &s) in stored.iter().enumerate() {
+                // SAFETY: the row is a side row (contract); lane * V + c < D.
+                unsafe { *side.add(at + c) = s };
+            }
+        } else {
+            let (block, slot) = (div(dest, fmt.page_size), dest & (fmt.page_size - 1));
+            // SAFETY: the slot's block is inside the pool (contract).
+            unsafe { quantize_lanes::<C, V>(ctx, fmt, p.num_kv_heads, value, &stored, pool, block, slot, h) };
         }
     }
 }
 
-/// Quantizes stored f16 rows into page slots (keys or values, `BITS` bits).
+/// Quantizes window rows into page slots: job `j` moves side row `jobs[4j + 3]` of KV head
+/// `jobs[4j + 2]` into slot `jobs[4j + 1]` of block `jobs[4j]`; keys for `blockIdx.y == 0`,
+/// values for 1.
 ///
 /// # Safety
-/// `rows` valid for `jobs * D` f16 reads; `slots` for `3 * jobs` entries
-/// `(block, slot, kv_head)`, each block inside `pool`; `pool` a 16-byte aligned pool of
-/// `fmt`'s head-pages with `num_kv_heads` heads per block. `D == 32 * V`,
-/// `BITS == fmt.bits(value)`. Grid `(jobs, 1, 1)`, 32 threads.
+/// `side` a side store of `fmt.side_elems(num_kv_heads)` f16 entries; `jobs` valid for
+/// `4 * jobs` entries, each block inside `pool`, each head below `num_kv_heads`, each row
+/// below `fmt.side_rows()`; `pool` a 16-byte aligned pool of `fmt`'s head-pages with
+/// `num_kv_heads` heads per block. `D == 32 * V == fmt.head_dim`. Grid `(jobs, 2, 1)`,
+/// 32 threads.
 ///
 /// # Parameters
-/// Job `j` quantizes `rows[j * D..(j + 1) * D]` into slot `slots[3j + 1]` of the
-/// head-page of KV head `slots[3j + 2]` in block `slots[3j]`: packed codes plus the f16
-/// scale and zero of each group, exactly as `rotkv::reference::quantize_row` defines them
-/// (scale and zero in f64 from the f16 inputs, codes rounded half away from zero).
+/// The rows are the stored f16 rows, so the codes equal those a one-shot append writes.
 ///
 /// # Thread mapping
-/// Block `j`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)`; a group of g
-/// channels is `g / V` consecutive lanes, reduced with butterfly shuffles for its min and
-/// max; the lanes sharing a 32-bit word of codes OR their parts together with shuffles,
-/// and the first of them stores the word; the group's first lane stores scale and zero.
+/// Block `(j, kv)`, one warp; lane `i` reads channels `[i * V, (i + 1) * V)` of the row
+/// and quantizes them with its group's lanes ([`quantize_lanes`]).
+#[inline(always)]
+pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
+    ctx: &C,
+    fmt: &Format,
+    num_kv_heads: u32,
+    side: *const u16,
+    jobs: *const u32,
+    pool: *mut u8,
+) {
+    let [job, value, _] = ctx.block_idx();
+    let value = value != 0;
+    let lane = ctx.lane() as usize;
+    // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
+    let (block, slot, head, row) = unsafe {
+        let s = jobs.add(4 * job as usize);
+        (*s, *s.add(1), *s.add(2), *s.add(3))
+    };
+    let at = fmt.side_row_at(head, value, row) + lane * V;
+    let stored: [u16; V] = core::array::from_fn(|c| unsafe { *side.add(at + c) });
+    // SAFETY: the job's block is inside the pool (contract).
+    unsafe { quantize_lanes::<C, V>(ctx, fmt, num_kv_heads, value, &stored, pool, block, slot, head) };
+}
+
+/// Quantizes one stored row held by a warp (lane `i`: channels `[i * V, (i + 1) * V)`, f16
+/// bits) into slot `slot` of the head-page of `head` in block `block`: packed codes plus
+/// the f16 scale and zero of each group, exactly as `rotkv::reference::quantize_row`
+/// defines them (scale and zero in f64 from the f16 inputs, codes rounded half away from
+/// zero). A group of g channels is `g / V` consecutive lanes, reduced with butterfly
+/// shuffles for its min and max; the lanes sharing a 32-bit word of codes OR their parts
+/// together with shuffles and the first of them stores the word; the group's first lane
+/// stores scale and zero.
+///
+/// # Safety
+/// `block` inside `pool` (a 16-byte aligned pool of `fmt`'s head-pages, `num_kv_heads`
+/// per block), `head < num_kv_heads`, `slot < fmt.page_size`, `32 * V == fmt.head_dim`,
+/// bits 2 or 4.
+///
+/// # Thread mapping
+/// Every lane of the warp must call it (it shuffles).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn append_quantize<C: Ctx, const D: usize, const V: usize, const BITS: u32>(
+unsafe fn quantize_lanes<C: Ctx, const V: usize>(
     ctx: &C,
     fmt: &Format,
     num_kv_heads: u32,
     value: bool,
-    rows: *const u16,
-    slots: *const u32,
+    stored: &[u16; V],
     pool: *mut u8,
+    block: u32,
+    slot: u32,
+    head: u32,
 ) {
-    let [job, _, _] = ctx.block_idx();
     let lane = ctx.lane();
-    // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
-    let (block, slot, head) = unsafe {
-        let s = slots.add(3 * job as usize);
-        (*s, *s.add(1), *s.add(2))
-    };
-    let x: [f32; V] =
-        core::array::from_fn(|c| f16_to_f32(unsafe { *rows.add(job as usize * D + lane as usize * V + c) }));
+    let bits = fmt.bits(value);
+    let top = (1u32 << bits) - 1;
+    let x: [f32; V] = core::array::from_fn(|c| f16_to_f32(stored[c]));
     // Group min and max over the group's lanes.
     let group_lanes = div(fmt.group_size, V as u32).max(1);
     let (mut lo, mut hi) = (x[0], x[0]);
@@ -132,12 +191,11 @@ pub unsafe fn append_quantize<C: Ctx, const D: usize, const V: usize, const BITS
         hi = hi.max(ctx.shfl_xor(hi, mask));
         mask *= 2;
     }
-    let levels = ((1u32 << BITS) - 1) as f64;
-    let scale = f64_to_f16((hi as f64 - lo as f64) / levels);
+    let scale = f64_to_f16((hi as f64 - lo as f64) / top as f64);
     let zero = f64_to_f16(lo as f64);
     let (s, z) = (f16_to_f32(scale) as f64, f16_to_f32(zero) as f64);
     // Codes, packed into this lane's share of its 32-bit word.
-    let bit0 = lane * V as u32 * BITS;
+    let bit0 = lane * V as u32 * bits;
     let mut part = 0u32;
     for (c, &xc) in x.iter().enumerate() {
         let code = if s == 0.0 {
@@ -148,11 +206,12 @@ pub unsafe fn append_quantize<C: Ctx, const D: usize, const V: usize, const BITS
             let y = ((xc as f64 - z) / s).max(0.0);
             let t = y as u32;
             let r = if y - t as f64 >= 0.5 { t + 1 } else { t };
-            r.min((1 << BITS) - 1)
+            r.min(top)
         };
-        part |= code << ((bit0 + c as u32 * BITS) % 32);
+        part |= code << ((bit0 + c as u32 * bits) % 32);
     }
-    let word_lanes = 32 / (V as u32 * BITS).min(32);
+    // V * bits is 4, 8, 16 or 32: a word holds the parts of 32 / (V * bits) lanes.
+    let word_lanes = div(32, V as u32 * bits).max(1);
     let mut mask = 1;
     while mask < word_lanes {
         part |= ctx.shfl_xor(f32::from_bits(part), mask).to_bits();
@@ -174,78 +233,64 @@ pub unsafe fn append_quantize<C: Ctx, const D: usize, const V: usize, const BITS
     }
 }
 
-/// Calls `$m!` with every append instantiation: `(rotate entry, quantize 2-bit entry,
-/// quantize 4-bit entry, head_dim, channels per lane)`.
+/// Calls `$m!` with every append instantiation: `(tokens entry, flush entry, head_dim,
+/// channels per lane)`.
 #[macro_export]
 macro_rules! for_each_append {
     ($m:ident) => {
         $m! {
-            (rotkv_append_rotate_d64, rotkv_append_quantize_d64_b2, rotkv_append_quantize_d64_b4, 64, 2),
-            (rotkv_append_rotate_d128, rotkv_append_quantize_d128_b2, rotkv_append_quantize_d128_b4, 128, 4),
-            (rotkv_append_rotate_d256, rotkv_append_quantize_d256_b2, rotkv_append_quantize_d256_b4, 256, 8)
+            (rotkv_append_tokens_d64, rotkv_append_flush_d64, 64, 2),
+            (rotkv_append_tokens_d128, rotkv_append_flush_d128, 128, 4),
+            (rotkv_append_tokens_d256, rotkv_append_flush_d256, 256, 8)
         }
     };
 }
 
 #[cfg(target_arch = "nvptx64")]
 mod entry {
-    use super::{append_quantize, append_rotate};
+    use super::{append_flush, append_tokens};
     use crate::ctx::Nvptx;
     use crate::layout::Format;
     use crate::params::AppendParams;
 
     macro_rules! append_entries {
-        ($(($rot:ident, $q2:ident, $q4:ident, $d:literal, $v:literal)),* $(,)?) => {$(
-            /// PTX entry point of [`append_rotate`].
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {$(
+            /// PTX entry point of [`append_tokens`].
             ///
             /// # Safety
-            /// See [`append_rotate`].
+            /// See [`append_tokens`].
             #[unsafe(no_mangle)]
-            pub unsafe extern "ptx-kernel" fn $rot(
+            pub unsafe extern "ptx-kernel" fn $tok(
                 p: AppendParams,
                 k: *const u8,
                 v: *const u8,
                 key_mean: *const f32,
                 key_perm: *const u16,
                 value_perm: *const u16,
-                staged: *mut u16,
+                slot_mapping: *const u32,
+                pool: *mut u8,
+                side: *mut u16,
             ) {
                 // SAFETY: forwarded contract.
-                unsafe { append_rotate::<_, $d, $v>(&Nvptx, &p, k, v, key_mean, key_perm, value_perm, staged) }
+                unsafe {
+                    append_tokens::<_, $d, $v>(&Nvptx, &p, k, v, key_mean, key_perm, value_perm, slot_mapping, pool, side)
+                }
             }
 
-            /// PTX entry point of [`append_quantize`] for 2-bit codes.
+            /// PTX entry point of [`append_flush`].
             ///
             /// # Safety
-            /// See [`append_quantize`].
+            /// See [`append_flush`].
             #[unsafe(no_mangle)]
-            pub unsafe extern "ptx-kernel" fn $q2(
+            pub unsafe extern "ptx-kernel" fn $flush(
                 fmt: Format,
                 num_kv_heads: u32,
-                value: u32,
-                rows: *const u16,
-                slots: *const u32,
+                side: *const u16,
+                jobs: *const u32,
                 pool: *mut u8,
             ) {
                 // SAFETY: forwarded contract.
-                unsafe { append_quantize::<_, $d, $v, 2>(&Nvptx, &fmt, num_kv_heads, value != 0, rows, slots, pool) }
-            }
-
-            /// PTX entry point of [`append_quantize`] for 4-bit codes.
-            ///
-            /// # Safety
-            /// See [`append_quantize`].
-            #[unsafe(no_mangle)]
-            pub unsafe extern "ptx-kernel" fn $q4(
-                fmt: Format,
-                num_kv_heads: u32,
-                value: u32,
-                rows: *const u16,
-                slots: *const u32,
-                pool: *mut u8,
-            ) {
-                // SAFETY: forwarded contract.
-                unsafe { append_quantize::<_, $d, $v, 4>(&Nvptx, &fmt, num_kv_heads, value != 0, rows, slots, pool) }
+                unsafe { append_flush::<_, $d, $v>(&Nvptx, &fmt, num_kv_heads, side, jobs, pool) }
             }
         )*};
     }

@@ -13,11 +13,11 @@ pub const FLAG_ROTATE_VALUES: u32 = 1 << 1;
 /// `decode_merge` writes f16 outputs (else f32).
 pub const FLAG_OUTPUT_F16: u32 = 1 << 2;
 
-/// Element type of the K/V inputs of `append_rotate`: f32.
+/// Element type of the K/V inputs of `append_tokens`: f32.
 pub const DTYPE_F32: u32 = 0;
-/// Element type of the K/V inputs of `append_rotate`: IEEE f16.
+/// Element type of the K/V inputs of `append_tokens`: IEEE f16.
 pub const DTYPE_F16: u32 = 1;
-/// Element type of the K/V inputs of `append_rotate`: bf16.
+/// Element type of the K/V inputs of `append_tokens`: bf16.
 pub const DTYPE_BF16: u32 = 2;
 
 /// Parameters of the fused append (rotate, quantize, pack, store) of new tokens of one
