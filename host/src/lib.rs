@@ -52,6 +52,8 @@ pub mod error;
 #[cfg(feature = "eval")]
 pub mod eval;
 pub mod launch;
+#[cfg(feature = "model")]
+pub mod model;
 pub mod paged;
 pub mod reference;
 #[cfg(feature = "sim")]

@@ -3,7 +3,7 @@
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rotkv::eval::{self, LayerReport, Tile};
-use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16, model};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +36,69 @@ enum Command {
     },
     /// Every supported (head_dim, key bits, value bits, group) with its bytes per token.
     Configs,
+    /// Perplexity of a GGUF model on a text with each KV method, decode-faithful (token
+    /// by token through the cache).
+    Ppl {
+        /// A llama or qwen2 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
+        #[arg(long)]
+        model: PathBuf,
+        /// A UTF-8 text file.
+        #[arg(long)]
+        text: PathBuf,
+        /// Tokens per window.
+        #[arg(long, default_value_t = 1024)]
+        ctx: usize,
+        /// Non-overlapping windows from the start of the text.
+        #[arg(long, default_value_t = 8)]
+        windows: usize,
+        /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4, each with optional
+        /// -g<group> -s<sinks> -w<window> -p<page> (e.g. k2v2-g32-w256).
+        #[arg(long, value_delimiter = ',', default_value = "f16,naive2,k2v2,k4v2")]
+        kv: Vec<String>,
+        /// cpu, sim, cuda, reference or auto.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Capture post-RoPE q, k, v and pre-RoPE k of some layers to a safetensors file
+    /// (f16, Hugging Face channel order), from an exact f32 forward pass.
+    Capture {
+        /// A llama or qwen2 GGUF file.
+        #[arg(long)]
+        model: PathBuf,
+        /// A UTF-8 text file.
+        #[arg(long)]
+        text: PathBuf,
+        /// Tokens from the start of the text.
+        #[arg(long, default_value_t = 2048)]
+        tokens: usize,
+        /// Layers to keep.
+        #[arg(long, value_delimiter = ',', default_value = "0,5")]
+        layers: Vec<usize>,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Greedy continuation of a prompt, decoding from the rotkv cache.
+    Generate {
+        /// A llama or qwen2 GGUF file.
+        #[arg(long)]
+        model: PathBuf,
+        /// The prompt.
+        #[arg(long)]
+        prompt: String,
+        /// New tokens.
+        #[arg(long, default_value_t = 16)]
+        tokens: usize,
+        /// KV method (as for `ppl`).
+        #[arg(long, default_value = "k2v2")]
+        kv: String,
+        /// cpu, sim, cuda, reference or auto.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+    },
 }
 
 /// What can stop the program: a library error, or stdout going away.
@@ -65,6 +128,15 @@ fn main() -> ExitCode {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
         Command::Configs => print_configs(&mut out),
+        Command::Ppl { model, text, ctx, windows, kv, backend, json } => {
+            ppl(&mut out, &model, &text, ctx, windows, &kv, &backend, json)
+        }
+        Command::Capture { model, text, tokens, layers, out: path } => {
+            capture(&mut out, &model, &text, tokens, &layers, &path)
+        }
+        Command::Generate { model, prompt, tokens, kv, backend } => {
+            generate(&mut out, &model, &prompt, tokens, &kv, &backend)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -268,5 +340,165 @@ fn decode_throughput(out: &mut Out, l0: &eval::LayerTile) -> Result<(), CliError
         f16_bytes as f64 / mf / 1e9
     )?;
     writeln!(out, "  speedup {:.2}x; output relative difference k2v2 vs f16: {err:.3}", mf / mq)?;
+    Ok(())
+}
+
+fn read_text(path: &std::path::Path) -> Result<String, CliError> {
+    Ok(model::read_text(path)?)
+}
+
+fn load_model(path: &std::path::Path) -> Result<(model::llama::Llama, model::tokenizer::Tokenizer), CliError> {
+    let started = Instant::now();
+    let m = model::load(path)?;
+    eprintln!("loaded {} in {:.1} s", path.display(), started.elapsed().as_secs_f64());
+    Ok(m)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn ppl(
+    out: &mut Out,
+    model_path: &std::path::Path,
+    text: &std::path::Path,
+    ctx: usize,
+    windows: usize,
+    kv: &[String],
+    backend: &str,
+    json: bool,
+) -> Result<(), CliError> {
+    let backend = Backend::parse(backend)?;
+    let (llama, tok) = load_model(model_path)?;
+    let ids = tok.encode(&read_text(text)?);
+    if ctx < 2 || windows == 0 || ids.len() < ctx * windows {
+        return Err(CliError::Lib(rotkv::Error::Shape(format!(
+            "{} tokens in {}: {windows} windows of {ctx} need {}",
+            ids.len(),
+            text.display(),
+            ctx * windows
+        ))));
+    }
+    let wins: Vec<Vec<u32>> = ids.chunks_exact(ctx).take(windows).map(<[u32]>::to_vec).collect();
+    let methods =
+        kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
+    let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
+    let started = Instant::now();
+    let opts = model::PplOptions { backend, calibration: None };
+    let results = model::perplexity(&llama, &wins, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
+    bar.finish_and_clear();
+    let base = results.iter().find(|r| !r.method.quantized).map(|r| r.ppl);
+    let name =
+        |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into());
+    if json {
+        let rows: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "method": r.method.name, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
+                    "vs_f16": base.map(|b| r.ppl / b - 1.0), "bits_per_element": r.method.bits_per_element(),
+                    "kv_bytes": r.kv_bytes,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "model": name(model_path), "text": name(text), "ctx": ctx, "windows": windows,
+            "backend": backend.name(), "results": rows,
+        });
+        writeln!(out, "{doc}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{} on {}: {windows} x {ctx} tokens ({} scored), backend {}, {:.0} s",
+        name(model_path),
+        name(text),
+        results[0].tokens,
+        backend.name(),
+        started.elapsed().as_secs_f64()
+    )?;
+    writeln!(out, "{:<16} {:>10} {:>9} {:>10} {:>12}", "method", "perplexity", "vs f16", "bits/elem", "KV MiB/seq")?;
+    for r in &results {
+        let delta = base.map_or_else(|| "-".to_string(), |b| format!("{:+.2}%", 100.0 * (r.ppl / b - 1.0)));
+        writeln!(
+            out,
+            "{:<16} {:>10.3} {:>9} {:>10.2} {:>12.2}",
+            r.method.name,
+            r.ppl,
+            delta,
+            r.method.bits_per_element(),
+            mib(r.kv_bytes)
+        )?;
+    }
+    Ok(())
+}
+
+fn capture(
+    out: &mut Out,
+    model_path: &std::path::Path,
+    text: &std::path::Path,
+    tokens: usize,
+    layers: &[usize],
+    path: &std::path::Path,
+) -> Result<(), CliError> {
+    let (llama, tok) = load_model(model_path)?;
+    let mut ids = tok.encode(&read_text(text)?);
+    if ids.len() < tokens {
+        return Err(CliError::Lib(rotkv::Error::Shape(format!(
+            "{} has {} tokens, {tokens} asked",
+            text.display(),
+            ids.len()
+        ))));
+    }
+    ids.truncate(tokens);
+    let started = Instant::now();
+    let cap = model::capture(&llama, &ids, layers)?;
+    let c = &llama.config;
+    let name =
+        |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into());
+    let meta: std::collections::BTreeMap<String, String> = [
+        ("model", name(model_path)),
+        ("text_file", name(text)),
+        ("tokens", tokens.to_string()),
+        ("token_ids", format!("{ids:?}")),
+        ("layers", format!("{layers:?}")),
+        ("rope_theta", format!("{:?}", c.rope_theta as f64)),
+        ("head_dim", c.head_dim.to_string()),
+        ("n_q_heads", c.heads.to_string()),
+        ("n_kv_heads", c.kv_heads.to_string()),
+        ("n_layers", c.layers.to_string()),
+        ("attn_scaling", format!("{:?}", 1.0 / (c.head_dim as f64).sqrt())),
+        ("rope_convention", "HF rotate_half (non-interleaved: channel i pairs with i+D/2)".into()),
+        ("layout", "[T, H, D]; q and k post-RoPE, v, k_pre_rope = k before RoPE".into()),
+        ("dtype", "float16 (computed in fp32)".into()),
+        ("captured_with", format!("rotkv capture {}", env!("CARGO_PKG_VERSION"))),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let bytes = cap.to_safetensors(meta)?;
+    std::fs::write(path, &bytes)
+        .map_err(|e| CliError::Lib(rotkv::Error::Input(format!("writing {}: {e}", path.display()))))?;
+    writeln!(
+        out,
+        "wrote {} ({:.1} MiB): layers {layers:?}, {tokens} tokens, {:.1} s",
+        path.display(),
+        mib(bytes.len()),
+        started.elapsed().as_secs_f64()
+    )?;
+    Ok(())
+}
+
+fn generate(
+    out: &mut Out,
+    model_path: &std::path::Path,
+    prompt: &str,
+    tokens: usize,
+    kv: &str,
+    backend: &str,
+) -> Result<(), CliError> {
+    let backend = Backend::parse(backend)?;
+    let (llama, tok) = load_model(model_path)?;
+    let ids = tok.encode(prompt);
+    let method = model::KvMethod::parse(kv, llama.config.head_dim, ids.len() + tokens)?;
+    let new = model::generate(&llama, &ids, tokens, method.config, backend)?;
+    writeln!(out, "{prompt}{}", tok.decode(&new))?;
     Ok(())
 }

@@ -1,0 +1,368 @@
+//! A reader for GGUF files (versions 2 and 3): metadata, tensor directory, and
+//! dequantization to f32 of the tensor types llama-family files use (F32, F16, BF16,
+//! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Other types (the K-quants among them) are reported as
+//! [`Error::Unsupported`] when a tensor of that type is read.
+
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use std::collections::HashMap;
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// Any unsigned integer type.
+    U64(u64),
+    /// Any signed integer type.
+    I64(i64),
+    /// f32 or f64.
+    F64(f64),
+    /// A boolean.
+    Bool(bool),
+    /// A UTF-8 string.
+    Str(String),
+    /// An array of values.
+    Array(Vec<Value>),
+}
+
+impl Value {
+    /// The value as an unsigned integer, if it is a non-negative integer.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U64(v) => Some(v),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+    /// The value as a float, if it is a number.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F64(v) => Some(v),
+            Value::U64(v) => Some(v as f64),
+            Value::I64(v) => Some(v as f64),
+            _ => None,
+        }
+    }
+    /// The value as a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// One entry of the tensor directory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    /// ggml dimensions, fastest-varying first (`[in, out]` for a weight matrix).
+    pub dims: Vec<u64>,
+    /// ggml type id.
+    pub kind: u32,
+    /// Offset of the data from the start of the data section.
+    pub offset: u64,
+}
+
+impl TensorInfo {
+    /// Number of elements.
+    pub fn elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// A parsed GGUF file held in memory.
+pub struct Gguf {
+    /// Metadata key/value pairs.
+    pub metadata: HashMap<String, Value>,
+    /// Tensor directory by name.
+    pub tensors: HashMap<String, TensorInfo>,
+    bytes: Vec<u8>,
+    data_start: usize,
+}
+
+impl std::fmt::Debug for Gguf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gguf").field("metadata", &self.metadata.len()).field("tensors", &self.tensors.len()).finish()
+    }
+}
+
+/// ggml type ids and block geometry: `(block elements, block bytes)`.
+fn block_geometry(kind: u32) -> Option<(usize, usize)> {
+    Some(match kind {
+        0 => (1, 4),   // F32
+        1 => (1, 2),   // F16
+        2 => (32, 18), // Q4_0: f16 d, 16 B nibbles
+        3 => (32, 20), // Q4_1: f16 d, f16 m, 16 B nibbles
+        6 => (32, 22), // Q5_0: f16 d, 4 B high bits, 16 B nibbles
+        7 => (32, 24), // Q5_1: f16 d, f16 m, 4 B high bits, 16 B nibbles
+        8 => (32, 34), // Q8_0: f16 d, 32 i8
+        30 => (1, 2),  // BF16
+        _ => return None,
+    })
+}
+
+/// The ggml name of a type id (for messages).
+pub fn type_name(kind: u32) -> &'static str {
+    match kind {
+        0 => "F32",
+        1 => "F16",
+        2 => "Q4_0",
+        3 => "Q4_1",
+        6 => "Q5_0",
+        7 => "Q5_1",
+        8 => "Q8_0",
+        10 => "Q2_K",
+        11 => "Q3_K",
+        12 => "Q4_K",
+        13 => "Q5_K",
+        14 => "Q6_K",
+        15 => "Q8_K",
+        30 => "BF16",
+        _ => "unknown",
+    }
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| {
+            Error::Input(format!("GGUF truncated: {n} bytes wanted at offset {} of {}", self.at, self.b.len()))
+        })?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn count(&mut self, what: &str) -> Result<usize> {
+        let n = self.u64()?;
+        // Every counted item takes at least one byte: a larger count is a corrupt file.
+        if n > (self.b.len() - self.at) as u64 {
+            return Err(Error::Input(format!("GGUF {what} count {n} is larger than the file")));
+        }
+        Ok(n as usize)
+    }
+    fn string(&mut self) -> Result<String> {
+        let n = self.count("string length")?;
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Error::Input("GGUF string is not UTF-8".into()))
+    }
+    fn value(&mut self, kind: u32, depth: usize) -> Result<Value> {
+        let b = |c: &mut Self, n| c.take(n).map(|s| s.to_vec());
+        Ok(match kind {
+            0 => Value::U64(b(self, 1)?[0] as u64),
+            1 => Value::I64(b(self, 1)?[0] as i8 as i64),
+            2 => Value::U64(u16::from_le_bytes(b(self, 2)?.try_into().expect("2")) as u64),
+            3 => Value::I64(i16::from_le_bytes(b(self, 2)?.try_into().expect("2")) as i64),
+            4 => Value::U64(self.u32()? as u64),
+            5 => Value::I64(self.u32()? as i32 as i64),
+            6 => Value::F64(f32::from_bits(self.u32()?) as f64),
+            7 => Value::Bool(b(self, 1)?[0] != 0),
+            8 => Value::Str(self.string()?),
+            9 => {
+                if depth > 4 {
+                    return Err(Error::Input("GGUF arrays nested too deeply".into()));
+                }
+                let inner = self.u32()?;
+                let n = self.count("array")?;
+                let mut items = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    items.push(self.value(inner, depth + 1)?);
+                }
+                Value::Array(items)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(self.u64()? as i64),
+            12 => Value::F64(f64::from_bits(self.u64()?)),
+            other => return Err(Error::Input(format!("GGUF metadata type {other} is unknown"))),
+        })
+    }
+}
+
+impl Gguf {
+    /// Reads and parses a GGUF file.
+    pub fn open(path: &std::path::Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::Input(format!("reading {}: {e}", path.display())))?;
+        Self::parse(bytes)
+    }
+
+    /// Parses a GGUF file held in memory.
+    pub fn parse(bytes: Vec<u8>) -> Result<Self> {
+        let mut c = Cursor { b: &bytes, at: 0 };
+        if c.take(4)? != b"GGUF" {
+            return Err(Error::Input("not a GGUF file (magic bytes differ)".into()));
+        }
+        let version = c.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(Error::Unsupported(format!("GGUF version {version} (2 and 3 are read)")));
+        }
+        let n_tensors = c.count("tensor")?;
+        let n_kv = c.count("metadata")?;
+        let mut metadata = HashMap::new();
+        for _ in 0..n_kv {
+            let key = c.string()?;
+            let kind = c.u32()?;
+            metadata.insert(key, c.value(kind, 0)?);
+        }
+        let mut tensors = HashMap::new();
+        for _ in 0..n_tensors {
+            let name = c.string()?;
+            let n_dims = c.u32()?;
+            if n_dims > 4 {
+                return Err(Error::Input(format!("tensor {name} has {n_dims} dimensions")));
+            }
+            let dims = (0..n_dims).map(|_| c.u64()).collect::<Result<Vec<_>>>()?;
+            let kind = c.u32()?;
+            let offset = c.u64()?;
+            tensors.insert(name, TensorInfo { dims, kind, offset });
+        }
+        let align = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32).max(1) as usize;
+        let data_start = c.at.div_ceil(align) * align;
+        let file = Self { metadata, tensors, bytes, data_start };
+        // Every tensor of a known type must lie inside the file.
+        for (name, t) in &file.tensors {
+            if let Some(range) = file.data_range(t)? {
+                if range.end > file.bytes.len() {
+                    return Err(Error::Input(format!("tensor {name} runs past the end of the file")));
+                }
+            }
+        }
+        Ok(file)
+    }
+
+    fn data_range(&self, t: &TensorInfo) -> Result<Option<std::ops::Range<usize>>> {
+        let Some((block, bytes)) = block_geometry(t.kind) else { return Ok(None) };
+        let n = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let n = n.filter(|n| n % block as u64 == 0 && *n < (1 << 40)).ok_or_else(|| {
+            Error::Input(format!("tensor of {:?} elements does not fit {} blocks", t.dims, type_name(t.kind)))
+        })? as usize;
+        let start = self.data_start + t.offset as usize;
+        Ok(Some(start..start + n / block * bytes))
+    }
+
+    /// A metadata value, or an error naming the missing key.
+    pub fn get(&self, key: &str) -> Result<&Value> {
+        self.metadata.get(key).ok_or_else(|| Error::Input(format!("GGUF metadata has no {key}")))
+    }
+
+    /// A metadata integer.
+    pub fn get_u64(&self, key: &str) -> Result<u64> {
+        self.get(key)?.as_u64().ok_or_else(|| Error::Input(format!("GGUF metadata {key} is not an integer")))
+    }
+
+    /// A metadata number.
+    pub fn get_f64(&self, key: &str) -> Result<f64> {
+        self.get(key)?.as_f64().ok_or_else(|| Error::Input(format!("GGUF metadata {key} is not a number")))
+    }
+
+    /// A metadata array of strings.
+    pub fn get_strings(&self, key: &str) -> Result<Vec<&str>> {
+        match self.get(key)? {
+            Value::Array(items) => items
+                .iter()
+                .map(|v| v.as_str().ok_or_else(|| Error::Input(format!("GGUF metadata {key} holds a non-string"))))
+                .collect(),
+            _ => Err(Error::Input(format!("GGUF metadata {key} is not an array"))),
+        }
+    }
+
+    /// A tensor dequantized to f32, in ggml order (fastest dimension first), with its dims.
+    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
+        let t = self.tensors.get(name).ok_or_else(|| Error::Input(format!("GGUF has no tensor {name}")))?;
+        let range = self
+            .data_range(t)?
+            .ok_or_else(|| Error::Unsupported(format!("tensor {name} has type {} ({})", type_name(t.kind), t.kind)))?;
+        Ok((dequantize(t.kind, &self.bytes[range])?, t.dims.clone()))
+    }
+}
+
+/// Dequantizes whole blocks of ggml type `kind` to f32 (the ggml definitions).
+pub fn dequantize(kind: u32, data: &[u8]) -> Result<Vec<f32>> {
+    let (block, bytes) = block_geometry(kind).ok_or_else(|| Error::Unsupported(format!("ggml type {kind}")))?;
+    if !data.len().is_multiple_of(bytes) {
+        return Err(Error::Shape(format!("{} bytes is not a whole number of {} blocks", data.len(), type_name(kind))));
+    }
+    let h = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    let mut out = Vec::with_capacity(data.len() / bytes * block);
+    for b in data.chunks_exact(bytes) {
+        match kind {
+            0 => out.push(f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+            1 => out.push(h(b, 0)),
+            30 => out.push(bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            // Q4_0: x = d * (q - 8); low nibbles are elements 0..16, high nibbles 16..32.
+            2 => {
+                let d = h(b, 0);
+                out.extend((0..32).map(|i| d * (nibble(&b[2..], i) as f32 - 8.0)));
+            }
+            // Q4_1: x = d * q + m.
+            3 => {
+                let (d, m) = (h(b, 0), h(b, 2));
+                out.extend((0..32).map(|i| d * nibble(&b[4..], i) as f32 + m));
+            }
+            // Q5_0: x = d * (q - 16), the fifth bit of element i in bit i of qh.
+            6 => {
+                let d = h(b, 0);
+                let qh = u32::from_le_bytes(b[2..6].try_into().expect("4 bytes"));
+                out.extend((0..32).map(|i| d * ((nibble(&b[6..], i) | (((qh >> i) & 1) << 4) as u8) as f32 - 16.0)));
+            }
+            // Q5_1: x = d * q + m.
+            7 => {
+                let (d, m) = (h(b, 0), h(b, 2));
+                let qh = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+                out.extend((0..32).map(|i| d * (nibble(&b[8..], i) | (((qh >> i) & 1) << 4) as u8) as f32 + m));
+            }
+            // Q8_0: x = d * q.
+            8 => {
+                let d = h(b, 0);
+                out.extend(b[2..34].iter().map(|&q| d * q as i8 as f32));
+            }
+            _ => unreachable!("block_geometry covers the same kinds"),
+        }
+    }
+    Ok(out)
+}
+
+/// Element `i` (0..32) of a 16-byte nibble array: low nibbles first, then high nibbles.
+fn nibble(q: &[u8], i: usize) -> u8 {
+    if i < 16 { q[i] & 0x0f } else { q[i - 16] >> 4 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4_1_and_q8_0_blocks() {
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b.extend_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        b.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
+        let x = dequantize(3, &b).unwrap();
+        assert_eq!(x[0], -1.0);
+        assert_eq!(x[3], 0.5);
+        assert_eq!(x[16], 6.5);
+        let mut q8 = f16::from_f32(0.25).to_le_bytes().to_vec();
+        q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let y = dequantize(8, &q8).unwrap();
+        assert_eq!(y[0], -4.0);
+        assert_eq!(y[31], 3.75);
+        assert!(dequantize(3, &b[..19]).is_err());
+        assert!(matches!(dequantize(12, &b), Err(Error::Unsupported(_))));
+    }
+
+    #[test]
+    fn truncated_and_foreign_files_are_errors() {
+        assert!(Gguf::parse(b"GGML\x03\0\0\0".to_vec()).is_err());
+        assert!(Gguf::parse(b"GGUF\x03\0\0\0\x01".to_vec()).is_err());
+        let mut huge = b"GGUF\x03\0\0\0".to_vec();
+        huge.extend_from_slice(&u64::MAX.to_le_bytes());
+        huge.extend_from_slice(&0u64.to_le_bytes());
+        assert!(Gguf::parse(huge).is_err());
+    }
+}

@@ -1,0 +1,438 @@
+//! A llama-family forward pass on the CPU (llama and qwen2 GGUF files): RMSNorm, RoPE,
+//! grouped-query attention through an [`Attention`] implementation (exact f32, or the
+//! rotkv cache), SwiGLU MLP, tied or untied output.
+//!
+//! Weights are dequantized to f32 at load time and multiplied in f32. llama GGUF files
+//! store the q and k rows permuted for ggml's interleaved RoPE (adjacent channel pairs);
+//! they are un-permuted at load time, so q and k are in Hugging Face's channel order
+//! (channel `i` rotates with `i + head_dim / 2`) everywhere in this crate. qwen2 files are
+//! stored in that order already.
+
+use super::gguf::Gguf;
+use super::math::{Matrix, matmul, rms_norm, rope, rope_table, swiglu};
+use crate::error::{Error, Result};
+
+/// Model hyper-parameters read from the GGUF metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// `llama` or `qwen2`.
+    pub arch: String,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// MLP hidden size.
+    pub ffn: usize,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+}
+
+/// One transformer layer's weights (`[out][in]` matrices).
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    /// Attention RMSNorm gain.
+    pub attn_norm: Vec<f32>,
+    /// Query projection (rows in Hugging Face order).
+    pub wq: Matrix,
+    /// Key projection (rows in Hugging Face order).
+    pub wk: Matrix,
+    /// Value projection.
+    pub wv: Matrix,
+    /// q, k, v biases (qwen2).
+    pub bias: Option<[Vec<f32>; 3]>,
+    /// Attention output projection.
+    pub wo: Matrix,
+    /// MLP RMSNorm gain.
+    pub ffn_norm: Vec<f32>,
+    /// SwiGLU gate projection.
+    pub gate: Matrix,
+    /// SwiGLU up projection.
+    pub up: Matrix,
+    /// MLP down projection.
+    pub down: Matrix,
+}
+
+/// A llama-family model in f32.
+#[derive(Clone, Debug)]
+pub struct Llama {
+    /// Hyper-parameters.
+    pub config: LlamaConfig,
+    /// Token embeddings `[vocab][dim]`.
+    pub embed: Matrix,
+    /// Layers.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm gain.
+    pub norm: Vec<f32>,
+    /// Output projection `[vocab][dim]`; `None`: tied to the embeddings.
+    pub output: Option<Matrix>,
+}
+
+/// One row of a forward batch: a token of sequence `seq` (an index the [`Attention`]
+/// implementation understands) at position `pos`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    /// Sequence index.
+    pub seq: usize,
+    /// Position of the token in its sequence.
+    pub pos: usize,
+}
+
+/// Attention of a layer for a batch of rows: `q` is `[rows][heads][head_dim]` after RoPE,
+/// `k` and `v` are `[rows][kv_heads][head_dim]` (k after RoPE); `out` is
+/// `[rows][heads][head_dim]`. Each row attends to every earlier token of its sequence and
+/// to itself; the implementation keeps the keys and values.
+pub trait Attention {
+    /// Attends and stores this batch's keys and values.
+    fn attend(&mut self, layer: usize, rows: &[Row], q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()>;
+}
+
+/// What a layer computed for a batch, shown to an observer (capture): `q` post-RoPE,
+/// `k_pre` before RoPE, `k` post-RoPE, `v`; shapes as in [`Attention::attend`].
+#[derive(Debug)]
+pub struct LayerActivations<'a> {
+    /// The layer.
+    pub layer: usize,
+    /// The batch's rows.
+    pub rows: &'a [Row],
+    /// Queries after RoPE.
+    pub q: &'a [f32],
+    /// Keys before RoPE.
+    pub k_pre: &'a [f32],
+    /// Keys after RoPE.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+}
+
+fn hf_order(m: Matrix, heads: usize) -> Matrix {
+    // GGUF row 2i + h2 of a head holds Hugging Face row h2 * d/2 + i.
+    let d = m.rows / heads;
+    let mut data = vec![0f32; m.data.len()];
+    for h in 0..heads {
+        for j in 0..d {
+            let src = if j < d / 2 { 2 * j } else { 2 * (j - d / 2) + 1 };
+            data[(h * d + j) * m.cols..][..m.cols].copy_from_slice(m.row(h * d + src));
+        }
+    }
+    Matrix { data, ..m }
+}
+
+impl Llama {
+    /// Loads a llama or qwen2 model from a parsed GGUF file.
+    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let arch = g.get("general.architecture")?.as_str().unwrap_or("").to_string();
+        if arch != "llama" && arch != "qwen2" {
+            return Err(Error::Unsupported(format!("architecture {arch:?} (llama and qwen2 are supported)")));
+        }
+        let u = |k: &str| g.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
+        let (dim, layers, heads) = (u("embedding_length")?, u("block_count")?, u("attention.head_count")?);
+        let kv_heads = u("attention.head_count_kv").unwrap_or(heads);
+        let head_dim = u("rope.dimension_count").unwrap_or(dim / heads.max(1));
+        let eps = g.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f32;
+        let rope_theta = g.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10000.0) as f32;
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads * head_dim != dim {
+            return Err(Error::Unsupported(format!(
+                "{heads} heads, {kv_heads} KV heads, head_dim {head_dim}, dim {dim}"
+            )));
+        }
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+            let (data, dims) = g.tensor_f32(name)?;
+            if dims != [cols as u64, rows as u64] {
+                return Err(Error::Shape(format!("{name} is {dims:?}, expected [{cols}, {rows}]")));
+            }
+            Ok(Matrix { rows, cols, data })
+        };
+        let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let (data, dims) = g.tensor_f32(name)?;
+            if dims != [n as u64] {
+                return Err(Error::Shape(format!("{name} is {dims:?}, expected [{n}]")));
+            }
+            Ok(data)
+        };
+        let embed = g.tensor_f32("token_embd.weight")?;
+        let vocab = *embed.1.get(1).ok_or_else(|| Error::Shape("token_embd.weight is not a matrix".into()))? as usize;
+        let embed = matrix("token_embd.weight", vocab, dim)?;
+        let kvd = kv_heads * head_dim;
+        let ffn = u("feed_forward_length")?;
+        let llama = arch == "llama";
+        let layers = (0..layers)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}");
+                let (mut wq, mut wk) = (matrix(&n("attn_q.weight"), dim, dim)?, matrix(&n("attn_k.weight"), kvd, dim)?);
+                if llama {
+                    wq = hf_order(wq, heads);
+                    wk = hf_order(wk, kv_heads);
+                }
+                let bias = if g.tensors.contains_key(&n("attn_q.bias")) {
+                    Some([
+                        vector(&n("attn_q.bias"), dim)?,
+                        vector(&n("attn_k.bias"), kvd)?,
+                        vector(&n("attn_v.bias"), kvd)?,
+                    ])
+                } else {
+                    None
+                };
+                Ok(LayerWeights {
+                    attn_norm: vector(&n("attn_norm.weight"), dim)?,
+                    wq,
+                    wk,
+                    wv: matrix(&n("attn_v.weight"), kvd, dim)?,
+                    bias,
+                    wo: matrix(&n("attn_output.weight"), dim, dim)?,
+                    ffn_norm: vector(&n("ffn_norm.weight"), dim)?,
+                    gate: matrix(&n("ffn_gate.weight"), ffn, dim)?,
+                    up: matrix(&n("ffn_up.weight"), ffn, dim)?,
+                    down: matrix(&n("ffn_down.weight"), dim, ffn)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let output =
+            if g.tensors.contains_key("output.weight") { Some(matrix("output.weight", vocab, dim)?) } else { None };
+        let config =
+            LlamaConfig { arch, vocab, dim, layers: layers.len(), heads, kv_heads, head_dim, ffn, eps, rope_theta };
+        Ok(Self { config, embed, layers, norm: vector("output_norm.weight", dim)?, output })
+    }
+
+    /// Runs the first `n_layers` layers on a batch of rows (one token each) and returns
+    /// the hidden states `[rows][dim]`, after the final RMSNorm when all layers ran.
+    /// `observe` sees each layer's q, k and v.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        rows: &[Row],
+        attn: &mut dyn Attention,
+        mut observe: Option<&mut dyn FnMut(&LayerActivations<'_>)>,
+        n_layers: usize,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n = rows.len();
+        if tokens.len() != n {
+            return Err(Error::Shape(format!("{} tokens for {n} rows", tokens.len())));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(Error::Value(format!("token {t} is outside the vocabulary of {}", c.vocab)));
+        }
+        let (d, kvd) = (c.head_dim, c.kv_heads * c.head_dim);
+        let mut x: Vec<f32> = tokens.iter().flat_map(|&t| self.embed.row(t as usize).iter().copied()).collect();
+        let mut h = vec![0f32; n * c.dim];
+        let (mut q, mut k, mut v) = (vec![0f32; n * c.dim], vec![0f32; n * kvd], vec![0f32; n * kvd]);
+        let mut att = vec![0f32; n * c.dim];
+        let (mut g, mut u) = (vec![0f32; n * c.ffn], vec![0f32; n * c.ffn]);
+        let tables: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().map(|r| rope_table(r.pos, d, c.rope_theta)).collect();
+        for (l, w) in self.layers.iter().enumerate().take(n_layers) {
+            rms_norm(&x, &w.attn_norm, c.eps, &mut h);
+            matmul(&w.wq, &h, n, &mut q);
+            matmul(&w.wk, &h, n, &mut k);
+            matmul(&w.wv, &h, n, &mut v);
+            if let Some([bq, bk, bv]) = &w.bias {
+                for (dst, b) in [(&mut q, bq), (&mut k, bk), (&mut v, bv)] {
+                    dst.chunks_exact_mut(b.len()).for_each(|r| r.iter_mut().zip(b).for_each(|(o, &bb)| *o += bb));
+                }
+            }
+            let k_pre = if observe.is_some() { k.clone() } else { Vec::new() };
+            for (r, (cos, sin)) in tables.iter().enumerate() {
+                q[r * c.dim..(r + 1) * c.dim].chunks_exact_mut(d).for_each(|hd| rope(hd, cos, sin));
+                k[r * kvd..(r + 1) * kvd].chunks_exact_mut(d).for_each(|hd| rope(hd, cos, sin));
+            }
+            if let Some(f) = observe.as_mut() {
+                f(&LayerActivations { layer: l, rows, q: &q, k_pre: &k_pre, k: &k, v: &v });
+            }
+            attn.attend(l, rows, &q, &k, &v, &mut att)?;
+            matmul(&w.wo, &att, n, &mut h);
+            x.iter_mut().zip(&h).for_each(|(a, &b)| *a += b);
+            rms_norm(&x, &w.ffn_norm, c.eps, &mut h);
+            matmul(&w.gate, &h, n, &mut g);
+            matmul(&w.up, &h, n, &mut u);
+            swiglu(&mut g, &u);
+            matmul(&w.down, &g, n, &mut h);
+            x.iter_mut().zip(&h).for_each(|(a, &b)| *a += b);
+        }
+        if n_layers >= self.layers.len() {
+            rms_norm(&x, &self.norm, c.eps, &mut h);
+            return Ok(h);
+        }
+        Ok(x)
+    }
+
+    /// Logits `[rows][vocab]` of final hidden states `[rows][dim]`.
+    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let n = hidden.len() / self.config.dim;
+        let w = self.output.as_ref().unwrap_or(&self.embed);
+        let mut out = vec![0f32; n * w.rows];
+        matmul(w, hidden, n, &mut out);
+        out
+    }
+}
+
+/// Causal attention of one query head over `len` keys and values of its KV head
+/// (`keys[t * stride..][..d]`), in f32 with an f64 softmax sum.
+fn attend_head(q: &[f32], keys: &[f32], values: &[f32], len: usize, stride: usize, scale: f32, out: &mut [f32]) {
+    let d = q.len();
+    let scores: Vec<f32> = (0..len).map(|t| super::math::dot(q, &keys[t * stride..][..d]) * scale).collect();
+    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let p: Vec<f32> = scores.iter().map(|&s| (s - m).exp()).collect();
+    let sum: f64 = p.iter().map(|&x| x as f64).sum();
+    out.fill(0.0);
+    for (t, &pt) in p.iter().enumerate() {
+        let w = (pt as f64 / sum) as f32;
+        out.iter_mut().zip(&values[t * stride..][..d]).for_each(|(o, &vv)| *o += w * vv);
+    }
+}
+
+/// Exact attention in f32 over unquantized keys and values (what a prefill kernel
+/// computes). Rows of a sequence must arrive in position order, without gaps.
+#[derive(Clone, Debug)]
+pub struct ExactAttention {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Per layer, per sequence: keys and values `[pos][kv_heads][head_dim]`.
+    store: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl ExactAttention {
+    /// An empty store for a model's attention shape.
+    pub fn new(config: &LlamaConfig) -> Self {
+        Self { heads: config.heads, kv_heads: config.kv_heads, head_dim: config.head_dim, store: Vec::new() }
+    }
+
+    /// Attention of `rows` over the stored keys and values (after storing them): the
+    /// shared code of [`ExactAttention`] and the prefill of [`CacheAttention`].
+    fn run(&mut self, layer: usize, rows: &[Row], q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
+        use rayon::prelude::*;
+        let (d, kvd) = (self.head_dim, self.kv_heads * self.head_dim);
+        if self.store.len() <= layer {
+            self.store.resize(layer + 1, Vec::new());
+        }
+        let store = &mut self.store[layer];
+        for (i, r) in rows.iter().enumerate() {
+            if store.len() <= r.seq {
+                store.resize(r.seq + 1, (Vec::new(), Vec::new()));
+            }
+            let (ks, vs) = &mut store[r.seq];
+            if ks.len() != r.pos * kvd {
+                return Err(Error::Shape(format!(
+                    "sequence {} holds {} tokens in layer {layer}; a row at position {} cannot follow",
+                    r.seq,
+                    ks.len() / kvd,
+                    r.pos
+                )));
+            }
+            ks.extend_from_slice(&k[i * kvd..(i + 1) * kvd]);
+            vs.extend_from_slice(&v[i * kvd..(i + 1) * kvd]);
+        }
+        let group = self.heads / self.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let store = &self.store[layer];
+        out.par_chunks_mut(d).enumerate().for_each(|(i, o)| {
+            let (r, h) = (i / self.heads, i % self.heads);
+            let row = rows[r];
+            let (ks, vs) = &store[row.seq];
+            let kh = h / group;
+            attend_head(&q[i * d..(i + 1) * d], &ks[kh * d..], &vs[kh * d..], row.pos + 1, kvd, scale, o);
+        });
+        Ok(())
+    }
+}
+
+impl Attention for ExactAttention {
+    fn attend(&mut self, layer: usize, rows: &[Row], q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
+        self.run(layer, rows, q, k, v, out)
+    }
+}
+
+/// Attention through rotkv caches, as a serving stack runs it. A row whose sequence gets
+/// exactly that one row in the batch is decode: its key and value are appended to the
+/// cache and its query decoded from the cache. Several rows of one sequence are a
+/// prefill of an empty sequence: they attend to each other exactly (unquantized, as a
+/// prefill kernel does) and are then appended.
+///
+/// Sequence index `s` of a [`Row`] is sequence `slots[s].1` of cache `slots[s].0`.
+#[derive(Debug)]
+pub struct CacheAttention {
+    /// The caches (one per method, say), all with the model's attention shape.
+    pub caches: Vec<crate::KvCache>,
+    /// Row sequence index -> (cache, sequence of that cache).
+    pub slots: Vec<(usize, crate::SeqId)>,
+    prefill: ExactAttention,
+}
+
+impl CacheAttention {
+    /// Attention over `caches`; `slots` maps row sequences to cache sequences.
+    pub fn new(config: &LlamaConfig, caches: Vec<crate::KvCache>, slots: Vec<(usize, crate::SeqId)>) -> Result<Self> {
+        for (s, &(c, _)) in slots.iter().enumerate() {
+            if c >= caches.len() {
+                return Err(Error::Shape(format!("slot {s} names cache {c} of {}", caches.len())));
+            }
+        }
+        Ok(Self { caches, slots, prefill: ExactAttention::new(config) })
+    }
+}
+
+impl Attention for CacheAttention {
+    fn attend(&mut self, layer: usize, rows: &[Row], q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
+        let (hq, hkv, d) = (self.prefill.heads, self.prefill.kv_heads, self.prefill.head_dim);
+        let (qd, kvd) = (hq * d, hkv * d);
+        let mut per_seq = std::collections::HashMap::<usize, Vec<usize>>::new();
+        for (i, r) in rows.iter().enumerate() {
+            if r.seq >= self.slots.len() {
+                return Err(Error::UnknownSequence(r.seq));
+            }
+            per_seq.entry(r.seq).or_default().push(i);
+        }
+        // Prefills: exact attention among the rows, then the rows go to the cache.
+        let mut decode_rows: Vec<Vec<usize>> = vec![Vec::new(); self.caches.len()];
+        for (&s, idx) in &per_seq {
+            let (c, id) = self.slots[s];
+            if idx.len() == 1 {
+                decode_rows[c].push(idx[0]);
+                continue;
+            }
+            if self.caches[c].len(layer, id)? > 0 {
+                return Err(Error::Unsupported(format!("a prefill of {} rows into non-empty sequence {s}", idx.len())));
+            }
+            let sub_rows: Vec<Row> = idx.iter().map(|&i| Row { seq: 0, pos: rows[i].pos }).collect();
+            let gather =
+                |x: &[f32], w: usize| idx.iter().flat_map(|&i| x[i * w..(i + 1) * w].iter().copied()).collect();
+            let (sq, sk, sv): (Vec<f32>, Vec<f32>, Vec<f32>) = (gather(q, qd), gather(k, kvd), gather(v, kvd));
+            let mut so = vec![0f32; idx.len() * qd];
+            let mut exact = ExactAttention { store: Vec::new(), ..self.prefill.clone() };
+            exact.run(layer, &sub_rows, &sq, &sk, &sv, &mut so)?;
+            self.caches[c].append(layer, id, idx.len(), &sk, &sv)?;
+            for (j, &i) in idx.iter().enumerate() {
+                out[i * qd..(i + 1) * qd].copy_from_slice(&so[j * qd..(j + 1) * qd]);
+            }
+        }
+        // Decodes: append each row's key and value, then one decode call per cache.
+        for (c, idx) in decode_rows.iter().enumerate() {
+            if idx.is_empty() {
+                continue;
+            }
+            let ids: Vec<crate::SeqId> = idx.iter().map(|&i| self.slots[rows[i].seq].1).collect();
+            for (&i, &id) in idx.iter().zip(&ids) {
+                let have = self.caches[c].len(layer, id)?;
+                if have != rows[i].pos {
+                    return Err(Error::Shape(format!("row at position {} of a sequence holding {have}", rows[i].pos)));
+                }
+                self.caches[c].append(layer, id, 1, &k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd])?;
+            }
+            let qs: Vec<f32> = idx.iter().flat_map(|&i| q[i * qd..(i + 1) * qd].iter().copied()).collect();
+            let mut o = vec![0f32; qs.len()];
+            self.caches[c].decode(layer, &ids, &qs, &mut o)?;
+            for (j, &i) in idx.iter().enumerate() {
+                out[i * qd..(i + 1) * qd].copy_from_slice(&o[j * qd..(j + 1) * qd]);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,324 @@
+//! A real model end to end (feature `model`): a GGUF reader, the byte-level BPE
+//! tokenizer, a llama-family forward pass on the CPU whose attention runs through the
+//! rotkv cache, perplexity measured decode-faithfully, and capture of KV tensors.
+
+pub mod gguf;
+pub mod llama;
+pub mod math;
+pub mod tokenizer;
+
+use crate::config::{CacheConfig, Rotation};
+use crate::error::{Error, Result};
+use crate::{Backend, CacheShape, KvCache};
+use llama::{CacheAttention, ExactAttention, LayerActivations, Llama, Row};
+use std::collections::BTreeMap;
+use tokenizer::Tokenizer;
+
+/// Loads a model and its tokenizer from a GGUF file.
+pub fn load(path: &std::path::Path) -> Result<(Llama, Tokenizer)> {
+    let g = gguf::Gguf::open(path)?;
+    Ok((Llama::from_gguf(&g)?, Tokenizer::from_gguf(&g)?))
+}
+
+/// Reads a UTF-8 text file with Python's universal newlines (`\r\n` and lone `\r`
+/// become `\n`), as the reference measurements read their texts: the Canterbury files
+/// have CRLF line ends.
+pub fn read_text(path: &std::path::Path) -> Result<String> {
+    let s = std::fs::read_to_string(path).map_err(|e| Error::Input(format!("reading {}: {e}", path.display())))?;
+    Ok(s.replace("\r\n", "\n").replace('\r', "\n"))
+}
+
+/// A KV-cache method of the perplexity harness.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvMethod {
+    /// The name it was given (`f16`, `k2v2-g32-w256`, ...).
+    pub name: String,
+    /// The cache configuration (for `f16`: a window as long as the context, no rotation,
+    /// so nothing is quantized).
+    pub config: CacheConfig,
+    /// Whether tokens are quantized at all.
+    pub quantized: bool,
+}
+
+impl KvMethod {
+    /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (Hadamard-rotated presets)
+    /// or `naive2`, `naive4` (no rotation, 2 or 4 bits), then optional modifiers
+    /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`. `ctx` sizes the window of
+    /// `f16`.
+    pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
+        let mut parts = name.split('-');
+        let base = parts.next().unwrap_or("");
+        let (mut config, quantized) = match base {
+            "f16" => (
+                CacheConfig {
+                    window: ctx,
+                    key_rotation: Rotation::None,
+                    value_rotation: Rotation::None,
+                    ..CacheConfig::k4v4(head_dim)
+                },
+                false,
+            ),
+            "naive2" | "naive4" => {
+                let bits = if base == "naive2" { 2 } else { 4 };
+                let c = CacheConfig {
+                    key_bits: bits,
+                    value_bits: bits,
+                    key_rotation: Rotation::None,
+                    value_rotation: Rotation::None,
+                    ..CacheConfig::k2v2(head_dim)
+                };
+                (c, true)
+            }
+            other => (CacheConfig::preset(other, head_dim).map_err(|_| unknown(name))?, true),
+        };
+        for m in parts {
+            let (key, num) = m.split_at(m.chars().next().map_or(0, char::len_utf8));
+            let n: usize = num.parse().map_err(|_| unknown(name))?;
+            match key {
+                "g" => config.group_size = n,
+                "s" => config.sinks = n,
+                "w" if quantized => config.window = n,
+                "p" => config.page_size = n,
+                _ => return Err(unknown(name)),
+            }
+        }
+        config.format()?;
+        Ok(Self { name: name.to_string(), config, quantized })
+    }
+
+    /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
+    pub fn bits_per_element(&self) -> f64 {
+        if self.quantized { self.config.bits_per_element() } else { 16.0 }
+    }
+
+    /// KV bytes one sequence of `len` tokens holds over `layers` layers of `kv_heads`
+    /// heads: quantized tokens at the format's bytes per token, sinks and window in f16.
+    pub fn kv_bytes(&self, len: usize, layers: usize, kv_heads: usize) -> Result<usize> {
+        let d = self.config.head_dim;
+        let q = if self.quantized { self.config.format()?.quantized_len(len as u32) as usize } else { 0 };
+        let per_head = q * self.config.bytes_per_token()? + (len - q) * 4 * d;
+        Ok(per_head * layers * kv_heads)
+    }
+}
+
+fn unknown(name: &str) -> Error {
+    Error::Value(format!(
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page>"
+    ))
+}
+
+/// The perplexity of one method.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PplResult {
+    /// The method.
+    pub method: KvMethod,
+    /// exp(mean negative log-likelihood).
+    pub ppl: f64,
+    /// Mean negative log-likelihood in nats per token.
+    pub nll: f64,
+    /// Scored tokens.
+    pub tokens: usize,
+    /// KV bytes of one window at full length (all layers).
+    pub kv_bytes: usize,
+}
+
+/// Options of [`perplexity`].
+#[derive(Clone, Debug)]
+pub struct PplOptions {
+    /// Where the cache's append and decode run.
+    pub backend: Backend,
+    /// Per-layer calibration applied to every quantized method's cache.
+    pub calibration: Option<Vec<crate::LayerCalibration>>,
+}
+
+/// Perplexity of `model` on `windows` (token windows of equal length) for each method,
+/// decode-faithfully: every window is fed token by token, each step appends the token's
+/// keys and values to the method's cache and decodes its query from the cache, so the
+/// logits at position `t` see exactly what the decode kernel sees at step `t` (sinks and
+/// the recent window in f16, older tokens quantized). All methods and windows run as one
+/// batch. Token `t + 1` of a window is scored from the logits of position `t`.
+/// `progress(step, steps)` is called after each step.
+pub fn perplexity(
+    model: &Llama,
+    windows: &[Vec<u32>],
+    methods: &[KvMethod],
+    opts: &PplOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<PplResult>> {
+    let c = &model.config;
+    let ctx = windows.first().map_or(0, Vec::len);
+    if ctx < 2 || windows.iter().any(|w| w.len() != ctx) {
+        return Err(Error::Shape("windows must share one length of at least 2 tokens".into()));
+    }
+    if methods.is_empty() {
+        return Err(Error::Value("no KV method given".into()));
+    }
+    let shape = CacheShape {
+        layers: c.layers,
+        num_kv_heads: c.kv_heads,
+        num_q_heads: c.heads,
+        max_seqs: windows.len(),
+        max_tokens: ctx,
+        num_blocks: None,
+    };
+    let mut caches = Vec::new();
+    let mut slots = Vec::new();
+    for (m, method) in methods.iter().enumerate() {
+        if method.config.head_dim != c.head_dim {
+            return Err(Error::Shape(format!("method {} has head_dim {}", method.name, method.config.head_dim)));
+        }
+        let mut cache = KvCache::new(method.config, shape, opts.backend)?;
+        if let (Some(cal), true) = (&opts.calibration, method.quantized) {
+            if cal.len() != c.layers {
+                return Err(Error::Calibration(format!("{} layers of calibration for {} layers", cal.len(), c.layers)));
+            }
+            for (l, lc) in cal.iter().enumerate() {
+                cache.set_calibration(l, lc.clone())?;
+            }
+        }
+        for _ in windows {
+            slots.push((m, cache.add_sequence()?));
+        }
+        caches.push(cache);
+    }
+    let mut attn = CacheAttention::new(c, caches, slots)?;
+    let n = methods.len() * windows.len();
+    let mut nll = vec![0f64; methods.len()];
+    for t in 0..ctx - 1 {
+        let rows: Vec<Row> = (0..n).map(|s| Row { seq: s, pos: t }).collect();
+        let tokens: Vec<u32> = (0..n).map(|s| windows[s % windows.len()][t]).collect();
+        let hidden = model.forward(&tokens, &rows, &mut attn, None, c.layers)?;
+        let logits = model.logits(&hidden);
+        for (s, l) in logits.chunks_exact(c.vocab).enumerate() {
+            nll[s / windows.len()] += neg_log_softmax(l, windows[s % windows.len()][t + 1] as usize);
+        }
+        progress(t + 1, ctx - 1);
+    }
+    let scored = windows.len() * (ctx - 1);
+    methods
+        .iter()
+        .zip(nll)
+        .map(|(m, total)| {
+            let mean = total / scored as f64;
+            Ok(PplResult {
+                method: m.clone(),
+                ppl: mean.exp(),
+                nll: mean,
+                tokens: scored,
+                kv_bytes: m.kv_bytes(ctx, c.layers, c.kv_heads)?,
+            })
+        })
+        .collect()
+}
+
+/// `-log softmax(logits)[target]`, in f64.
+fn neg_log_softmax(logits: &[f32], target: usize) -> f64 {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - m).exp()).sum();
+    m + sum.ln() - logits[target] as f64
+}
+
+/// Greedy continuation of `prompt` for `steps` tokens through a rotkv cache with
+/// `config`: the prompt is a prefill (exact attention among its tokens, then appended
+/// to the cache), every new token a decode step (append, then decode from the cache).
+pub fn generate(
+    model: &Llama,
+    prompt: &[u32],
+    steps: usize,
+    config: CacheConfig,
+    backend: Backend,
+) -> Result<Vec<u32>> {
+    let c = &model.config;
+    if prompt.is_empty() {
+        return Err(Error::Shape("empty prompt".into()));
+    }
+    let shape = CacheShape {
+        layers: c.layers,
+        num_kv_heads: c.kv_heads,
+        num_q_heads: c.heads,
+        max_seqs: 1,
+        max_tokens: prompt.len() + steps,
+        num_blocks: None,
+    };
+    let mut cache = KvCache::new(config, shape, backend)?;
+    let id = cache.add_sequence()?;
+    let mut attn = CacheAttention::new(c, vec![cache], vec![(0, id)])?;
+    let rows: Vec<Row> = (0..prompt.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    let hidden = model.forward(prompt, &rows, &mut attn, None, c.layers)?;
+    let mut last = hidden[(prompt.len() - 1) * c.dim..].to_vec();
+    let mut out = Vec::new();
+    for s in 0..steps {
+        let logits = model.logits(&last);
+        let next =
+            logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
+        out.push(next.0 as u32);
+        if s + 1 == steps {
+            break;
+        }
+        last = model.forward(&[next.0 as u32], &[Row { seq: 0, pos: prompt.len() + s }], &mut attn, None, c.layers)?;
+    }
+    Ok(out)
+}
+
+/// Captured activations of some layers: per layer, q post-RoPE `[T][heads][D]`, k
+/// post-RoPE, v and k before RoPE `[T][kv_heads][D]`, all f32, in Hugging Face channel
+/// order.
+#[derive(Clone, Debug, Default)]
+pub struct Capture {
+    /// `layer{L}.{q,k,v,k_pre_rope}` -> (shape, values).
+    pub tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+/// Runs `tokens` as one exact-attention prefill and keeps q, k, v and pre-RoPE k of
+/// `layers` (layers past the last one asked for are not run).
+pub fn capture(model: &Llama, tokens: &[u32], layers: &[usize]) -> Result<Capture> {
+    let c = &model.config;
+    if let Some(&l) = layers.iter().find(|&&l| l >= c.layers) {
+        return Err(Error::Layer { layer: l, layers: c.layers });
+    }
+    let rows: Vec<Row> = (0..tokens.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    let mut cap = Capture::default();
+    let t = tokens.len();
+    let mut keep = |a: &LayerActivations<'_>| {
+        if layers.contains(&a.layer) {
+            let l = a.layer;
+            for (name, x, heads) in [
+                ("q", a.q, c.heads),
+                ("k", a.k, c.kv_heads),
+                ("v", a.v, c.kv_heads),
+                ("k_pre_rope", a.k_pre, c.kv_heads),
+            ] {
+                cap.tensors.insert(format!("layer{l}.{name}"), (vec![t, heads, c.head_dim], x.to_vec()));
+            }
+        }
+    };
+    let last = layers.iter().max().map_or(0, |&l| l + 1);
+    let mut attn = ExactAttention::new(c);
+    model.forward(tokens, &rows, &mut attn, Some(&mut keep), last)?;
+    Ok(cap)
+}
+
+impl Capture {
+    /// The safetensors bytes (f16 tensors) with `metadata`.
+    pub fn to_safetensors(&self, metadata: BTreeMap<String, String>) -> Result<Vec<u8>> {
+        use safetensors::tensor::{Dtype, TensorView};
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = self
+            .tensors
+            .iter()
+            .map(|(k, (shape, x))| {
+                let b = x.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+                (k.clone(), shape.clone(), b)
+            })
+            .collect();
+        let views = bytes
+            .iter()
+            .map(|(k, s, b)| {
+                TensorView::new(Dtype::F16, s.clone(), b)
+                    .map(|v| (k.clone(), v))
+                    .map_err(|e| Error::Input(format!("tensor {k}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let meta: std::collections::HashMap<String, String> = metadata.into_iter().collect();
+        safetensors::serialize(views, Some(meta)).map_err(|e| Error::Input(format!("safetensors: {e}")))
+    }
+}
