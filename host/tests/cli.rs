@@ -49,6 +49,18 @@ fn bad_arguments_fail_with_a_message() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("nonexistent"));
+    // The model commands: a missing model file and an unknown KV method are named.
+    let fail = |args: &[&str], says: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_rotkv")).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    };
+    fail(&["ppl", "--model", "/nonexistent.gguf", "--text", "/dev/null"], "nonexistent.gguf");
+    fail(&["capture", "--model", "/no.gguf", "--text", "/dev/null", "--out", "/tmp/x"], "no.gguf");
+    // A file that is not GGUF (the bundled safetensors tile).
+    let tile = data("smollm2-alice-kv-l0-l5.safetensors");
+    fail(&["generate", "--model", &tile, "--prompt", "hi"], "not a GGUF file");
 }
 
 #[test]

@@ -227,10 +227,10 @@ impl Gguf {
         let file = Self { metadata, tensors, bytes, data_start };
         // Every tensor of a known type must lie inside the file.
         for (name, t) in &file.tensors {
-            if let Some(range) = file.data_range(t)? {
-                if range.end > file.bytes.len() {
-                    return Err(Error::Input(format!("tensor {name} runs past the end of the file")));
-                }
+            if let Some(range) = file.data_range(t)?
+                && range.end > file.bytes.len()
+            {
+                return Err(Error::Input(format!("tensor {name} runs past the end of the file")));
             }
         }
         Ok(file)

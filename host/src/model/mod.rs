@@ -14,6 +14,27 @@ use llama::{CacheAttention, ExactAttention, LayerActivations, Llama, Row};
 use std::collections::BTreeMap;
 use tokenizer::Tokenizer;
 
+/// Where `cargo xtask fetch` puts the model and the texts: `$ROTKV_CACHE`, else
+/// `$XDG_CACHE_HOME/rotkv`, else `~/.cache/rotkv`.
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(d) = std::env::var_os("ROTKV_CACHE") {
+        return Some(d.into());
+    }
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
+        .map(|d| d.join("rotkv"))
+}
+
+/// The fetched SmolLM2-135M-Instruct GGUF, relative to [`cache_dir`].
+pub const SMOLLM2: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// A file fetched by `cargo xtask fetch` ([`SMOLLM2`], `text/alice29.txt`,
+/// `text/lcet10.txt`), if it is there.
+pub fn fetched(relative: &str) -> Option<std::path::PathBuf> {
+    cache_dir().map(|d| d.join(relative)).filter(|p| p.exists())
+}
+
 /// Loads a model and its tokenizer from a GGUF file.
 pub fn load(path: &std::path::Path) -> Result<(Llama, Tokenizer)> {
     let g = gguf::Gguf::open(path)?;
