@@ -486,3 +486,34 @@ fn smollm2_perplexity_2x256() {
     assert!((k4v2 / f16 - 1.0).abs() < 0.05, "k4v2 {k4v2} vs f16 {f16}");
     assert!(k2v2 / f16 - 1.0 < 0.25 && k2v2 >= k4v2 * 0.98, "k2v2 {k2v2} vs {k4v2} / {f16}");
 }
+
+#[test]
+fn calibration_feeds_the_perplexity_harness() {
+    let m = random_model(10, false);
+    let cal = model::calibrate::calibrate(&m, &tokens(64, 11)).unwrap();
+    assert_eq!((cal.layers.len(), cal.kv_heads, cal.head_dim), (2, 2, 64));
+    let back = model::calibrate::Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
+    assert_eq!(back.layers, cal.layers);
+    let windows = vec![tokens(48, 12), tokens(48, 13)];
+    let methods: Vec<KvMethod> = ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-c-r-g32"]
+        .iter()
+        .map(|n| KvMethod::parse(n, 64, 48).unwrap())
+        .collect();
+    // A method that asks for calibration without one is an error, not a silent identity.
+    let none = PplOptions { backend: Backend::Cpu, calibration: None };
+    let err = model::perplexity(&m, &windows, &methods, &none, &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("calibration"), "{err}");
+    // Calibrated, on the CPU and on the emulated GPU kernels: the same perplexities up to
+    // rounding (the two backends write the same bytes but at rounding ties).
+    let mut results = Vec::new();
+    for backend in [Backend::Cpu, Backend::Sim] {
+        let opts = PplOptions { backend, calibration: Some(cal.clone()) };
+        results.push(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap());
+    }
+    for (a, b) in results[0].iter().zip(&results[1]) {
+        assert!(a.ppl.is_finite() && a.ppl > 1.0, "{}: {}", a.method.name, a.ppl);
+        assert!((a.ppl / b.ppl - 1.0).abs() < 1e-3, "{}: cpu {} sim {}", a.method.name, a.ppl, b.ppl);
+    }
+    // The calibration changes what the quantized cache holds, so the perplexity moves.
+    assert_ne!(results[0][1].ppl, results[0][2].ppl);
+}

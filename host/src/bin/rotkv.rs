@@ -58,9 +58,30 @@ enum Command {
         /// cpu, sim, cuda, reference or auto.
         #[arg(long, default_value = "auto")]
         backend: String,
+        /// A calibration file from `rotkv calibrate`, for the methods with -c or -r.
+        #[arg(long)]
+        calib: Option<PathBuf>,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// Calibrate key means and channel permutations per layer and KV head from a text.
+    Calibrate {
+        /// A llama or qwen2 GGUF file.
+        #[arg(long)]
+        model: PathBuf,
+        /// A UTF-8 text file (calibrate on one text, evaluate on another).
+        #[arg(long)]
+        text: PathBuf,
+        /// Tokens from the start of the text.
+        #[arg(long, default_value_t = 2048)]
+        tokens: usize,
+        /// What to calibrate: center (key means), reorder (channel permutations).
+        #[arg(long, value_delimiter = ',', default_value = "center,reorder")]
+        methods: Vec<String>,
+        /// Output file (safetensors).
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Capture post-RoPE q, k, v and pre-RoPE k of some layers to a safetensors file
     /// (f16, Hugging Face channel order), from an exact f32 forward pass.
@@ -128,8 +149,11 @@ fn main() -> ExitCode {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
         Command::Configs => print_configs(&mut out),
-        Command::Ppl { model, text, ctx, windows, kv, backend, json } => {
-            ppl(&mut out, &model, &text, ctx, windows, &kv, &backend, json)
+        Command::Ppl { model, text, ctx, windows, kv, backend, calib, json } => {
+            ppl(&mut out, &model, &text, ctx, windows, &kv, &backend, calib.as_deref(), json)
+        }
+        Command::Calibrate { model, text, tokens, methods, out: path } => {
+            calibrate(&mut out, &model, &text, tokens, &methods, &path)
         }
         Command::Capture { model, text, tokens, layers, out: path } => {
             capture(&mut out, &model, &text, tokens, &layers, &path)
@@ -363,9 +387,11 @@ fn ppl(
     windows: usize,
     kv: &[String],
     backend: &str,
+    calib: Option<&std::path::Path>,
     json: bool,
 ) -> Result<(), CliError> {
     let backend = Backend::parse(backend)?;
+    let calibration = calib.map(model::calibrate::Calibration::load).transpose()?;
     let (llama, tok) = load_model(model_path)?;
     let ids = tok.encode(&read_text(text)?);
     if ctx < 2 || windows == 0 || ids.len() < ctx * windows {
@@ -381,7 +407,7 @@ fn ppl(
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
     let started = Instant::now();
-    let opts = model::PplOptions { backend, calibration: None };
+    let opts = model::PplOptions { backend, calibration };
     let results = model::perplexity(&llama, &wins, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
     bar.finish_and_clear();
     let base = results.iter().find(|r| !r.method.quantized).map(|r| r.ppl);
@@ -400,7 +426,7 @@ fn ppl(
             .collect();
         let doc = serde_json::json!({
             "model": name(model_path), "text": name(text), "ctx": ctx, "windows": windows,
-            "backend": backend.name(), "results": rows,
+            "backend": backend.name(), "calib": calib.map(name), "results": rows,
         });
         writeln!(out, "{doc}")?;
         return Ok(());
@@ -500,5 +526,66 @@ fn generate(
     let method = model::KvMethod::parse(kv, llama.config.head_dim, ids.len() + tokens)?;
     let new = model::generate(&llama, &ids, tokens, method.config, backend)?;
     writeln!(out, "{prompt}{}", tok.decode(&new))?;
+    Ok(())
+}
+
+fn calibrate(
+    out: &mut Out,
+    model_path: &std::path::Path,
+    text: &std::path::Path,
+    tokens: usize,
+    methods: &[String],
+    path: &std::path::Path,
+) -> Result<(), CliError> {
+    let mut what = model::calibrate::Use::default();
+    for m in methods {
+        match m.as_str() {
+            "center" => what.center = true,
+            "reorder" => what.reorder = true,
+            other => {
+                return Err(CliError::Lib(rotkv::Error::Unsupported(format!(
+                    "calibration method {other:?} (this build calibrates: center, reorder)"
+                ))));
+            }
+        }
+    }
+    let (llama, tok) = load_model(model_path)?;
+    let mut ids = tok.encode(&read_text(text)?);
+    if ids.len() < tokens {
+        return Err(CliError::Lib(rotkv::Error::Shape(format!(
+            "{} has {} tokens, {tokens} asked",
+            text.display(),
+            ids.len()
+        ))));
+    }
+    ids.truncate(tokens);
+    let started = Instant::now();
+    let mut cal = model::calibrate::calibrate(&llama, &ids)?;
+    cal.layers = (0..cal.layers.len()).map(|l| cal.layer(l, what)).collect();
+    let name =
+        |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into());
+    cal.metadata = [
+        ("model", name(model_path)),
+        ("text_file", name(text)),
+        ("tokens", tokens.to_string()),
+        ("methods", methods.join(",")),
+        ("skipped_positions", model::calibrate::SKIP_POSITIONS.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let bytes = cal.to_safetensors()?;
+    std::fs::write(path, &bytes)
+        .map_err(|e| CliError::Lib(rotkv::Error::Input(format!("writing {}: {e}", path.display()))))?;
+    writeln!(
+        out,
+        "wrote {}: {} layers x {} KV heads ({}), from {tokens} tokens of {}, {:.1} s",
+        path.display(),
+        cal.layers.len(),
+        cal.kv_heads,
+        methods.join(", "),
+        name(text),
+        started.elapsed().as_secs_f64()
+    )?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! tokenizer, a llama-family forward pass on the CPU whose attention runs through the
 //! rotkv cache, perplexity measured decode-faithfully, and capture of KV tensors.
 
+pub mod calibrate;
 pub mod gguf;
 pub mod llama;
 pub mod math;
@@ -59,13 +60,17 @@ pub struct KvMethod {
     pub config: CacheConfig,
     /// Whether tokens are quantized at all.
     pub quantized: bool,
+    /// Which parts of a calibration file the method uses (`-c`: key centering, `-r`:
+    /// channel reordering).
+    pub calib: calibrate::Use,
 }
 
 impl KvMethod {
     /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (Hadamard-rotated presets)
     /// or `naive2`, `naive4` (no rotation, 2 or 4 bits), then optional modifiers
-    /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`. `ctx` sizes the window of
-    /// `f16`.
+    /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, and `-c` (subtract the
+    /// calibrated key means), `-r` (apply the calibrated channel permutations). `ctx`
+    /// sizes the window of `f16`.
     pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
         let mut parts = name.split('-');
         let base = parts.next().unwrap_or("");
@@ -92,7 +97,19 @@ impl KvMethod {
             }
             other => (CacheConfig::preset(other, head_dim).map_err(|_| unknown(name))?, true),
         };
+        let mut calib = calibrate::Use::default();
         for m in parts {
+            match m {
+                "c" if quantized => {
+                    calib.center = true;
+                    continue;
+                }
+                "r" if quantized => {
+                    calib.reorder = true;
+                    continue;
+                }
+                _ => {}
+            }
             let (key, num) = m.split_at(m.chars().next().map_or(0, char::len_utf8));
             let n: usize = num.parse().map_err(|_| unknown(name))?;
             match key {
@@ -104,7 +121,7 @@ impl KvMethod {
             }
         }
         config.format()?;
-        Ok(Self { name: name.to_string(), config, quantized })
+        Ok(Self { name: name.to_string(), config, quantized, calib })
     }
 
     /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
@@ -124,7 +141,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page>"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -c -r"
     ))
 }
 
@@ -148,8 +165,8 @@ pub struct PplResult {
 pub struct PplOptions {
     /// Where the cache's append and decode run.
     pub backend: Backend,
-    /// Per-layer calibration applied to every quantized method's cache.
-    pub calibration: Option<Vec<crate::LayerCalibration>>,
+    /// The calibration that methods with `-c` or `-r` use.
+    pub calibration: Option<calibrate::Calibration>,
 }
 
 /// Perplexity of `model` on `windows` (token windows of equal length) for each method,
@@ -189,12 +206,23 @@ pub fn perplexity(
             return Err(Error::Shape(format!("method {} has head_dim {}", method.name, method.config.head_dim)));
         }
         let mut cache = KvCache::new(method.config, shape, opts.backend)?;
-        if let (Some(cal), true) = (&opts.calibration, method.quantized) {
-            if cal.len() != c.layers {
-                return Err(Error::Calibration(format!("{} layers of calibration for {} layers", cal.len(), c.layers)));
+        if method.calib != calibrate::Use::default() {
+            let cal = opts.calibration.as_ref().ok_or_else(|| {
+                Error::Calibration(format!("method {} uses a calibration and none was given", method.name))
+            })?;
+            if cal.layers.len() != c.layers || cal.kv_heads != c.kv_heads || cal.head_dim != c.head_dim {
+                return Err(Error::Calibration(format!(
+                    "calibration for {} layers x {} KV heads x {} channels; the model has {} x {} x {}",
+                    cal.layers.len(),
+                    cal.kv_heads,
+                    cal.head_dim,
+                    c.layers,
+                    c.kv_heads,
+                    c.head_dim
+                )));
             }
-            for (l, lc) in cal.iter().enumerate() {
-                cache.set_calibration(l, lc.clone())?;
+            for l in 0..c.layers {
+                cache.set_calibration(l, cal.layer(l, method.calib))?;
             }
         }
         for _ in windows {

@@ -1,0 +1,240 @@
+//! Offline calibration from a model's own keys and values: per (layer, KV head) key
+//! means (centering) and channel permutations after the Hadamard rotation (RotateKV's
+//! outlier-aware reordering), stored in a safetensors file that `rotkv ppl --calib` and
+//! [`crate::KvCache::set_calibration`] take.
+//!
+//! - Key mean: the mean of the post-RoPE keys over the calibration tokens (positions
+//!   before [`SKIP_POSITIONS`] left out: they are the attention sinks, kept in f16, and
+//!   their keys are outliers that would pull the mean).
+//! - Permutation: rotate the centered keys (values: the values, not centered) by the
+//!   Hadamard transform, measure each rotated channel's root mean square over the
+//!   calibration tokens, and sort the channels by it (ascending), so a group of g
+//!   consecutive stored channels holds channels of similar range. One permutation serves
+//!   every group size.
+
+use super::llama::{ExactAttention, LayerActivations, Llama, Row};
+use crate::config::LayerCalibration;
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+
+/// Leading positions left out of the statistics (the default sinks).
+pub const SKIP_POSITIONS: usize = 4;
+
+/// What a calibration file holds, per layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    /// Per layer: key means `[kv_heads][head_dim]`, key and value permutations.
+    pub layers: Vec<LayerCalibration>,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Free-form facts (model, text, tokens), stored as metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Which parts of a calibration a cache uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Use {
+    /// Subtract the calibrated key mean.
+    pub center: bool,
+    /// Apply the calibrated key and value permutations.
+    pub reorder: bool,
+}
+
+impl Calibration {
+    /// The calibration of `layer` restricted to `what` (the rest identity).
+    pub fn layer(&self, layer: usize, what: Use) -> LayerCalibration {
+        let full = &self.layers[layer];
+        let id = LayerCalibration::identity(self.kv_heads, self.head_dim);
+        LayerCalibration {
+            key_mean: if what.center { full.key_mean.clone() } else { id.key_mean },
+            key_perm: if what.reorder { full.key_perm.clone() } else { id.key_perm.clone() },
+            value_perm: if what.reorder { full.value_perm.clone() } else { id.value_perm },
+        }
+    }
+
+    /// Serializes to safetensors: `layer{L}.key_mean` (F32 `[kv_heads, head_dim]`),
+    /// `layer{L}.key_perm` and `layer{L}.value_perm` (U16), metadata `format =
+    /// rotkv-calibration-1` plus [`Calibration::metadata`].
+    pub fn to_safetensors(&self) -> Result<Vec<u8>> {
+        use safetensors::tensor::{Dtype, TensorView};
+        let shape = vec![self.kv_heads, self.head_dim];
+        let mut blobs: Vec<(String, Dtype, Vec<u8>)> = Vec::new();
+        for (l, c) in self.layers.iter().enumerate() {
+            blobs.push((format!("layer{l}.key_mean"), Dtype::F32, bytemuck::cast_slice(&c.key_mean).to_vec()));
+            blobs.push((format!("layer{l}.key_perm"), Dtype::U16, bytemuck::cast_slice(&c.key_perm).to_vec()));
+            blobs.push((format!("layer{l}.value_perm"), Dtype::U16, bytemuck::cast_slice(&c.value_perm).to_vec()));
+        }
+        let views = blobs
+            .iter()
+            .map(|(k, dt, b)| {
+                TensorView::new(*dt, shape.clone(), b).map(|v| (k.clone(), v)).map_err(|e| Error::Input(e.to_string()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut meta: std::collections::HashMap<String, String> = self.metadata.clone().into_iter().collect();
+        meta.insert("format".into(), "rotkv-calibration-1".into());
+        safetensors::serialize(views, Some(meta)).map_err(|e| Error::Input(format!("safetensors: {e}")))
+    }
+
+    /// Reads a file written by [`Calibration::to_safetensors`], validating every layer.
+    pub fn from_safetensors(bytes: &[u8]) -> Result<Self> {
+        use safetensors::SafeTensors;
+        let bad = |e: String| Error::Calibration(e);
+        let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+        if metadata.get("format").map(String::as_str) != Some("rotkv-calibration-1") {
+            return Err(bad("not a rotkv calibration file (metadata format != rotkv-calibration-1)".into()));
+        }
+        let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+        let first = st.tensor("layer0.key_mean").map_err(|e| bad(format!("layer0.key_mean: {e}")))?;
+        let [kv_heads, head_dim] = first.shape() else {
+            return Err(bad("key_mean is not [kv_heads, head_dim]".into()));
+        };
+        let (kv_heads, head_dim) = (*kv_heads, *head_dim);
+        let mut layers = Vec::new();
+        while let Ok(mean) = st.tensor(&format!("layer{}.key_mean", layers.len())) {
+            let l = layers.len();
+            let get = |name: &str, dtype: safetensors::Dtype| -> Result<Vec<u8>> {
+                let t = st.tensor(&format!("layer{l}.{name}")).map_err(|e| bad(format!("layer{l}.{name}: {e}")))?;
+                if t.dtype() != dtype || t.shape() != [kv_heads, head_dim] {
+                    return Err(bad(format!("layer{l}.{name} is {:?} {:?}", t.dtype(), t.shape())));
+                }
+                Ok(t.data().to_vec())
+            };
+            if mean.dtype() != safetensors::Dtype::F32 {
+                return Err(bad(format!("layer{l}.key_mean is {:?}", mean.dtype())));
+            }
+            let f32s = |b: Vec<u8>| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+            let u16s = |b: Vec<u8>| b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+            let c = LayerCalibration {
+                key_mean: f32s(get("key_mean", safetensors::Dtype::F32)?),
+                key_perm: u16s(get("key_perm", safetensors::Dtype::U16)?),
+                value_perm: u16s(get("value_perm", safetensors::Dtype::U16)?),
+            };
+            c.validate(kv_heads, head_dim).map_err(|e| bad(format!("layer {l}: {e}")))?;
+            layers.push(c);
+        }
+        Ok(Self { layers, kv_heads, head_dim, metadata })
+    }
+
+    /// Reads a calibration file.
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::Input(format!("reading {}: {e}", path.display())))?;
+        Self::from_safetensors(&bytes)
+    }
+}
+
+/// Channel order that sorts the channels of `rows` (`[n][d]`) by root mean square,
+/// ascending (ties by channel index).
+pub fn sort_by_rms(rows: &[f32], d: usize) -> Vec<u16> {
+    let n = (rows.len() / d).max(1);
+    let mut ms = vec![0f64; d];
+    for r in rows.chunks_exact(d) {
+        ms.iter_mut().zip(r).for_each(|(m, &x)| *m += (x as f64) * (x as f64));
+    }
+    let mut order: Vec<u16> = (0..d as u16).collect();
+    order.sort_by(|&a, &b| (ms[a as usize] / n as f64).total_cmp(&(ms[b as usize] / n as f64)).then(a.cmp(&b)));
+    order
+}
+
+/// Calibration of one layer from its keys and values `[tokens][kv_heads][head_dim]`
+/// (post-RoPE keys); positions before [`SKIP_POSITIONS`] are left out.
+pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -> Result<LayerCalibration> {
+    let d = head_dim;
+    let row = kv_heads * d;
+    let t = k.len() / row;
+    if t <= SKIP_POSITIONS || k.len() != v.len() || !k.len().is_multiple_of(row) {
+        return Err(Error::Shape(format!("{t} calibration tokens (more than {SKIP_POSITIONS} are needed)")));
+    }
+    let used = t - SKIP_POSITIONS;
+    let mut out = LayerCalibration::identity(kv_heads, d);
+    for h in 0..kv_heads {
+        let head = |x: &[f32], p: usize| x[p * row + h * d..p * row + (h + 1) * d].to_vec();
+        let mut mean = vec![0f64; d];
+        for p in SKIP_POSITIONS..t {
+            mean.iter_mut().zip(head(k, p)).for_each(|(m, x)| *m += x as f64 / used as f64);
+        }
+        let rotate = |x: Vec<f64>| -> Vec<f32> {
+            let mut x = x;
+            crate::reference::fwht(&mut x);
+            x.iter().map(|&y| y as f32).collect()
+        };
+        let (mut kr, mut vr) = (Vec::with_capacity(used * d), Vec::with_capacity(used * d));
+        for p in SKIP_POSITIONS..t {
+            kr.extend(rotate(head(k, p).iter().zip(&mean).map(|(&x, m)| x as f64 - m).collect()));
+            vr.extend(rotate(head(v, p).iter().map(|&x| x as f64).collect()));
+        }
+        out.key_mean[h * d..(h + 1) * d].iter_mut().zip(&mean).for_each(|(o, &m)| *o = m as f32);
+        out.key_perm[h * d..(h + 1) * d].copy_from_slice(&sort_by_rms(&kr, d));
+        out.value_perm[h * d..(h + 1) * d].copy_from_slice(&sort_by_rms(&vr, d));
+    }
+    Ok(out)
+}
+
+/// Runs `tokens` through the model (exact attention) and calibrates every layer.
+pub fn calibrate(model: &Llama, tokens: &[u32]) -> Result<Calibration> {
+    let c = &model.config;
+    let mut keys: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); c.layers];
+    let mut keep = |a: &LayerActivations<'_>| {
+        keys[a.layer].0.extend_from_slice(a.k);
+        keys[a.layer].1.extend_from_slice(a.v);
+    };
+    let rows: Vec<Row> = (0..tokens.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    model.forward(tokens, &rows, &mut ExactAttention::new(c), Some(&mut keep), c.layers)?;
+    let layers = keys.iter().map(|(k, v)| calibrate_layer(k, v, c.kv_heads, c.head_dim)).collect::<Result<Vec<_>>>()?;
+    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata: BTreeMap::new() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_order_of_synthetic_keys() {
+        // 2 heads of 64 channels; head 1 has a bias of 3 on channel 5.
+        let (hkv, d, t) = (2, 64, 40);
+        let mut k = vec![0f32; t * hkv * d];
+        for p in 0..t {
+            for c in 0..d {
+                let wobble = ((p * 7 + c * 3) % 11) as f32 / 11.0 - 0.5;
+                k[p * hkv * d + c] = wobble;
+                k[p * hkv * d + d + c] = wobble * 0.5 + if c == 5 { 3.0 } else { 0.0 };
+            }
+        }
+        let cal = calibrate_layer(&k, &k, hkv, d).unwrap();
+        cal.validate(hkv, d).unwrap();
+        assert!((cal.key_mean[d + 5] - 3.0).abs() < 0.05, "{}", cal.key_mean[d + 5]);
+        assert!(cal.key_mean[5].abs() < 0.1);
+        // The value order sorts rotated channels by RMS: the last holds the largest.
+        let ms = |c: usize| -> f64 {
+            (SKIP_POSITIONS..t)
+                .map(|p| {
+                    let mut x: Vec<f64> = k[p * hkv * d + d..p * hkv * d + 2 * d].iter().map(|&v| v as f64).collect();
+                    crate::reference::fwht(&mut x);
+                    x[c] * x[c]
+                })
+                .sum()
+        };
+        let order = &cal.value_perm[d..];
+        assert!(order.windows(2).all(|w| ms(w[0] as usize) <= ms(w[1] as usize) + 1e-9));
+        assert!(calibrate_layer(&k[..4 * hkv * d], &k[..4 * hkv * d], hkv, d).is_err());
+    }
+
+    #[test]
+    fn file_round_trip_and_bad_files() {
+        let mut c = LayerCalibration::identity(3, 64);
+        c.key_mean[7] = 1.5;
+        c.key_perm.swap(0, 63);
+        let cal = Calibration { layers: vec![c.clone(), c], kv_heads: 3, head_dim: 64, metadata: BTreeMap::new() };
+        let bytes = cal.to_safetensors().unwrap();
+        let back = Calibration::from_safetensors(&bytes).unwrap();
+        assert_eq!(back.layers, cal.layers);
+        assert_eq!(back.layer(1, Use { center: false, reorder: true }).key_mean, vec![0.0; 192]);
+        assert!(Calibration::from_safetensors(b"not a file").is_err());
+        // A permutation that is not one is refused.
+        let mut broken = cal.clone();
+        broken.layers[1].value_perm[3] = 4;
+        assert!(Calibration::from_safetensors(&broken.to_safetensors().unwrap()).is_err());
+    }
+}
