@@ -1,7 +1,7 @@
 //! Cache configuration, presets, validation and per-layer calibration data.
 
 use crate::error::{Error, Result};
-use rotkv_kernels::layout::Format;
+use rotkv_kernels::layout::{Format, NO_CLIP};
 use rotkv_kernels::params::{FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// Rotation applied to keys or values before quantization.
@@ -35,6 +35,12 @@ pub struct CacheConfig {
     pub key_rotation: Rotation,
     /// Rotation of the values.
     pub value_rotation: Rotation,
+    /// Fraction of each key group's min..max range the quantizer spans, about its
+    /// midpoint (1.0: the whole range, as DESIGN.md defines it; 0.5 to 1.0). Values
+    /// outside get the end codes. Decoding does not depend on it: only append reads it.
+    pub key_clip: f32,
+    /// The same for values.
+    pub value_clip: f32,
 }
 
 impl CacheConfig {
@@ -51,6 +57,8 @@ impl CacheConfig {
             window: 128,
             key_rotation: Rotation::Hadamard,
             value_rotation: Rotation::Hadamard,
+            key_clip: 1.0,
+            value_clip: 1.0,
         }
     }
     /// 4-bit keys, 2-bit values (keys dominate the error).
@@ -101,6 +109,13 @@ impl CacheConfig {
                 self.sinks, self.window
             )));
         }
+        let clip = |what: &str, c: f32| -> Result<u32> {
+            if !(0.5..=1.0).contains(&c) {
+                return Err(Error::Value(format!("{what} {c} (a fraction from 0.5 to 1.0)")));
+            }
+            Ok((c as f64 * NO_CLIP as f64).round() as u32)
+        };
+        let (key_clip, value_clip) = (clip("key_clip", self.key_clip)?, clip("value_clip", self.value_clip)?);
         debug_assert!(rotkv_kernels::is_instantiated(d as u32, self.key_bits, self.value_bits, g as u32));
         Ok(Format {
             head_dim: d as u32,
@@ -110,6 +125,8 @@ impl CacheConfig {
             page_size: p as u32,
             sinks: self.sinks as u32,
             window: self.window as u32,
+            key_clip,
+            value_clip,
         })
     }
 

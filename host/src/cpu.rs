@@ -14,8 +14,9 @@ use crate::reference::SeqRef;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
-use rotkv_kernels::layout::{Format, Place};
+use rotkv_kernels::layout::{Format, NO_CLIP, Place, clip_range};
 pub use rotkv_kernels::math::exp_neg;
+use rotkv_kernels::math::f64_to_f16;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// Tokens scored per softmax step (one max and one rescale per chunk).
@@ -122,7 +123,7 @@ pub fn stored_row(src: &[f32], mean: Option<&[f32]>, hadamard: bool, perm: &[u16
 /// Quantizes one stored f16 row into packed codes and `(scale, zero)` pairs, bit for bit
 /// as [`crate::reference::quantize_row`] does for the same row (scale, zero and the
 /// code division are computed in f64, as there).
-fn quantize_row(row: &[f16], bits: u32, group: usize, codes: &mut [u8], params: &mut [u8]) {
+fn quantize_row(row: &[f16], bits: u32, group: usize, clip_q16: u32, codes: &mut [u8], params: &mut [u8]) {
     let levels = ((1u32 << bits) - 1) as f64;
     codes.fill(0);
     let per_byte = 8 / bits as usize;
@@ -133,8 +134,9 @@ fn quantize_row(row: &[f16], bits: u32, group: usize, codes: &mut [u8], params: 
             lo = lo.min(x);
             hi = hi.max(x);
         }
-        let scale = f16::from_f64((hi as f64 - lo as f64) / levels);
-        let zero = f16::from_f64(lo as f64);
+        let (lo, hi) = clip_range(lo as f64, hi as f64, clip_q16);
+        let scale = f16::from_bits(f64_to_f16((hi - lo) / levels));
+        let zero = f16::from_bits(f64_to_f16(lo));
         params[4 * j..4 * j + 2].copy_from_slice(&scale.to_le_bytes());
         params[4 * j + 2..4 * j + 4].copy_from_slice(&zero.to_le_bytes());
         let (s, z) = (scale.to_f64(), zero.to_f64());
@@ -206,7 +208,7 @@ pub fn append(
                 for value in [false, true] {
                     let c = fmt.codes_at(value, slot) as usize;
                     let codes = &mut bytes[c..c + fmt.code_bytes(value) as usize];
-                    quantize_row(row_of(pos, h, value), fmt.bits(value), g, codes, &mut params);
+                    quantize_row(row_of(pos, h, value), fmt.bits(value), g, fmt.clip(value), codes, &mut params);
                     reference::set_page_params(fmt, &mut bytes, value, slot, &params);
                 }
             }
@@ -1171,6 +1173,8 @@ pub fn decode_f16_baseline(
         page_size: CHUNK as u32,
         sinks: 0,
         window: 0,
+        key_clip: NO_CLIP,
+        value_clip: NO_CLIP,
     };
     let per = len.div_ceil(splits);
     let tasks: Vec<(usize, usize, usize)> =
@@ -1265,6 +1269,8 @@ mod tests {
                     page_size: 16,
                     sinks: 0,
                     window: 0,
+                    key_clip: NO_CLIP,
+                    value_clip: NO_CLIP,
                 };
                 for g in [1, 3, 7, 8] {
                     let (m0, l0, o0) = run_both(Portable, &fmt, g);

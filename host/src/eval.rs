@@ -205,7 +205,7 @@ fn quantize_all(x: &[f32], d: usize, bits: u32, group: usize, hadamard: bool) ->
             let stored: Vec<f64> = reference::stored_value(row, flags, &perm).iter().map(|v| v.to_f64()).collect();
             let mut codes = vec![0u8; d * bits as usize / 8];
             let mut params = vec![0u8; d / group * 4];
-            reference::quantize_row(&stored, bits, group, &mut codes, &mut params);
+            reference::quantize_row(&stored, bits, group, rotkv_kernels::layout::NO_CLIP, &mut codes, &mut params);
             let deq = reference::dequantize_row(&codes, &params, bits, group, d);
             reference::unrotate(&deq, hadamard, &perm)
         })

@@ -10,7 +10,8 @@
 
 use crate::config::LayerCalibration;
 use half::f16;
-use rotkv_kernels::layout::{Format, Place};
+use rotkv_kernels::layout::{Format, NO_CLIP, Place, clip_range};
+use rotkv_kernels::math::f64_to_f16;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
 /// In-place orthonormal fast Walsh-Hadamard transform: `x -> x H_n`, with `H_n` the
@@ -70,11 +71,20 @@ pub struct QuantGroup {
 
 /// Asymmetric round-to-nearest quantization of one group (see DESIGN.md).
 pub fn quantize_group(x: &[f64], bits: u32) -> QuantGroup {
+    quantize_group_clipped(x, bits, NO_CLIP)
+}
+
+/// [`quantize_group`] over the range [`clip_range`] keeps for a Q16 clip ratio (the
+/// whole range at [`NO_CLIP`]); values outside it get code 0 or the top code. Scale and
+/// zero are rounded to f16 directly from f64 (`half`'s `from_f64` rounds through f32
+/// and differs in rare double-rounding cases).
+pub fn quantize_group_clipped(x: &[f64], bits: u32, clip_q16: u32) -> QuantGroup {
     let lo = x.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = clip_range(lo, hi, clip_q16);
     let levels = ((1u32 << bits) - 1) as f64;
-    let scale = f16::from_f64((hi - lo) / levels);
-    let zero = f16::from_f64(lo);
+    let scale = f16::from_bits(f64_to_f16((hi - lo) / levels));
+    let zero = f16::from_bits(f64_to_f16(lo));
     let (s, z) = (scale.to_f64(), zero.to_f64());
     let codes = x.iter().map(|&v| if s == 0.0 { 0 } else { ((v - z) / s).round().clamp(0.0, levels) as u8 }).collect();
     QuantGroup { scale, zero, codes }
@@ -110,10 +120,10 @@ pub fn unpack_codes(bytes: &[u8], bits: u32, n: usize) -> Vec<u8> {
 }
 
 /// Quantizes one stored-order row into packed codes and `(scale, zero)` f16 pairs.
-pub fn quantize_row(row: &[f64], bits: u32, group: usize, codes: &mut [u8], params: &mut [u8]) {
+pub fn quantize_row(row: &[f64], bits: u32, group: usize, clip_q16: u32, codes: &mut [u8], params: &mut [u8]) {
     let mut all = Vec::with_capacity(row.len());
     for (j, chunk) in row.chunks_exact(group).enumerate() {
-        let q = quantize_group(chunk, bits);
+        let q = quantize_group_clipped(chunk, bits, clip_q16);
         params[4 * j..4 * j + 2].copy_from_slice(&q.scale.to_le_bytes());
         params[4 * j + 2..4 * j + 4].copy_from_slice(&q.zero.to_le_bytes());
         all.extend_from_slice(&q.codes);
@@ -224,7 +234,7 @@ fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &
                 let c = fmt.codes_at(value, slot) as usize;
                 let mut params = vec![0u8; fmt.param_bytes() as usize];
                 let codes = &mut head_page[c..c + fmt.code_bytes(value) as usize];
-                quantize_row(&x, fmt.bits(value), g, codes, &mut params);
+                quantize_row(&x, fmt.bits(value), g, fmt.clip(value), codes, &mut params);
                 set_page_params(fmt, head_page, value, slot, &params);
             }
         }

@@ -10,7 +10,7 @@
 
 use crate::ctx::Ctx;
 use crate::fwht::{fwht_warp, permute_warp};
-use crate::layout::{Format, div};
+use crate::layout::{Format, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
 
@@ -148,8 +148,8 @@ pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
 /// Quantizes one stored row held by a warp (lane `i`: channels `[i * V, (i + 1) * V)`, f16
 /// bits) into slot `slot` of the head-page of `head` in block `block`: packed codes plus
 /// the f16 scale and zero of each group, exactly as `rotkv::reference::quantize_row`
-/// defines them (scale and zero in f64 from the f16 inputs, codes rounded half away from
-/// zero). A group of g channels is `g / V` consecutive lanes, reduced with butterfly
+/// defines them (the range clipped by `fmt.clip(value)`, scale and zero in f64 from the
+/// f16 inputs, codes rounded half away from zero and clamped). A group of g channels is `g / V` consecutive lanes, reduced with butterfly
 /// shuffles for its min and max; the lanes sharing a 32-bit word of codes OR their parts
 /// together with shuffles and the first of them stores the word; the group's first lane
 /// stores scale and zero.
@@ -191,8 +191,9 @@ unsafe fn quantize_lanes<C: Ctx, const V: usize>(
         hi = hi.max(ctx.shfl_xor(hi, mask));
         mask *= 2;
     }
-    let scale = f64_to_f16((hi as f64 - lo as f64) / top as f64);
-    let zero = f64_to_f16(lo as f64);
+    let (lo, hi) = clip_range(lo as f64, hi as f64, fmt.clip(value));
+    let scale = f64_to_f16((hi - lo) / top as f64);
+    let zero = f64_to_f16(lo);
     let (s, z) = (f16_to_f32(scale) as f64, f16_to_f32(zero) as f64);
     // Codes, packed into this lane's share of its 32-bit word.
     let bit0 = lane * V as u32 * bits;

@@ -53,6 +53,29 @@ pub struct Format {
     pub sinks: u32,
     /// Number of newest tokens that are always in f16 (the recent window).
     pub window: u32,
+    /// Range kept by the key quantizer, Q16 fixed point ([`NO_CLIP`] = 65536: the group's
+    /// whole min..max; below it the range shrinks about its midpoint, see [`clip_range`]).
+    /// Only append reads it: decoding is the same for every value.
+    pub key_clip: u32,
+    /// The same for values.
+    pub value_clip: u32,
+}
+
+/// [`Format::key_clip`] that keeps the whole range (the DESIGN.md quantizer).
+pub const NO_CLIP: u32 = 1 << 16;
+
+/// The quantization range of a group with min `lo` and max `hi` for a Q16 clip ratio:
+/// `(lo, hi)` itself at [`NO_CLIP`] or above, else the range shrunk about its midpoint to
+/// `ratio * (hi - lo)`. Values outside it get code 0 or the top code. Every backend calls
+/// this one function in f64, so they agree bit for bit.
+#[inline]
+pub fn clip_range(lo: f64, hi: f64, clip_q16: u32) -> (f64, f64) {
+    if clip_q16 >= NO_CLIP {
+        return (lo, hi);
+    }
+    let half = 0.5 * (hi - lo) * (clip_q16 as f64 / NO_CLIP as f64);
+    let mid = 0.5 * (lo + hi);
+    (mid - half, mid + half)
 }
 
 impl Format {
@@ -100,6 +123,11 @@ impl Format {
     #[inline]
     pub const fn bits(&self, value: bool) -> u32 {
         if value { self.value_bits } else { self.key_bits }
+    }
+    /// The Q16 clip ratio of the key (`value == false`) or value quantizer.
+    #[inline]
+    pub const fn clip(&self, value: bool) -> u32 {
+        if value { self.value_clip } else { self.key_clip }
     }
     /// Bytes of one token's key or value codes.
     #[inline]
@@ -200,8 +228,17 @@ impl Format {
 mod tests {
     use super::*;
 
-    const F: Format =
-        Format { head_dim: 128, key_bits: 2, value_bits: 2, group_size: 128, page_size: 64, sinks: 4, window: 128 };
+    const F: Format = Format {
+        head_dim: 128,
+        key_bits: 2,
+        value_bits: 2,
+        group_size: 128,
+        page_size: 64,
+        sinks: 4,
+        window: 128,
+        key_clip: NO_CLIP,
+        value_clip: NO_CLIP,
+    };
 
     #[test]
     fn seventy_two_bytes_for_d128_k2v2_g128() {

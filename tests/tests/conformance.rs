@@ -148,6 +148,9 @@ fn append_bytes_match_reference_for_every_config() {
             key_rotation: if i % 5 == 4 { Rotation::None } else { Rotation::Hadamard },
             sinks: [3, 0, 1][i % 3],
             window: [32, 0, 16][i % 3],
+            // Clipped ranges too (append reads them; codes then saturate at the ends).
+            key_clip: [1.0, 0.8, 0.65, 1.0][i % 4],
+            value_clip: [1.0, 1.0, 0.9, 0.75][i % 4],
             ..small_config(d, kb, vb, g)
         };
         let shape = LayerShape { num_kv_heads: 2, num_q_heads: 2 };
@@ -413,6 +416,40 @@ fn quantizer_definitions() {
     let g = reference::quantize_group(&row, 2);
     assert_eq!((g.scale.to_f64(), g.zero.to_f64()), (0.5, -0.25));
     assert_eq!(reference::pack_codes(&g.codes, 2)[0], 0b1110_0100);
+}
+
+#[test]
+fn clipped_quantizer() {
+    let q16 = |r: f64| (r * 65536.0).round() as u32;
+    // 0..31 at half the range: [7.75, 23.25], scale 15.5 / 3 rounded to f16.
+    let x: Vec<f64> = (0..32).map(f64::from).collect();
+    let g = reference::quantize_group_clipped(&x, 2, q16(0.5));
+    assert_eq!(g.zero.to_f64(), 7.75);
+    assert_eq!(g.scale, rotkv::f16::from_f64(15.5 / 3.0));
+    assert!(g.codes[..8].iter().all(|&c| c == 0) && g.codes[24..].iter().all(|&c| c == 3));
+    // The whole range is the unclipped quantizer, bit for bit; constants stay exact.
+    assert_eq!(reference::quantize_group_clipped(&x, 4, 65536), reference::quantize_group(&x, 4));
+    for clip in [0.5, 0.8] {
+        let g = reference::quantize_group_clipped(&[-3.25; 32], 2, q16(clip));
+        assert_eq!(reference::dequantize_group(&g), vec![-3.25; 32]);
+    }
+    // On Gaussian groups of 64 at 2 bits, 0.8 of the range has a lower mean squared
+    // error than the whole range (the extremes are rare; the inner levels get finer).
+    let mut r = Rng::new(21);
+    let (mut full, mut clipped) = (0.0, 0.0);
+    for _ in 0..500 {
+        let x: Vec<f64> = (0..64).map(|_| r.normal() as f64).collect();
+        let err = |g: &reference::QuantGroup| -> f64 {
+            reference::dequantize_group(g).iter().zip(&x).map(|(a, b)| (a - b).powi(2)).sum()
+        };
+        full += err(&reference::quantize_group(&x, 2));
+        clipped += err(&reference::quantize_group_clipped(&x, 2, q16(0.8)));
+    }
+    assert!(clipped < 0.9 * full, "clipped {clipped} vs full {full}");
+    // Out of range clip fractions are refused by the configuration.
+    for bad in [0.4f32, 1.01, f32::NAN] {
+        assert!(CacheConfig { key_clip: bad, ..CacheConfig::k2v2(64) }.format().is_err());
+    }
 }
 
 #[test]

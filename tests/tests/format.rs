@@ -16,6 +16,8 @@ fn worked_example_of_format_md() {
         window: 0,
         key_rotation: Rotation::None,
         value_rotation: Rotation::None,
+        key_clip: 1.0,
+        value_clip: 1.0,
     };
     let fmt = config.format().unwrap();
     assert_eq!(fmt.page_bytes(), 768);

@@ -30,6 +30,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             window: 16,
             key_rotation: if i == 3 { Rotation::None } else { Rotation::Hadamard },
             value_rotation: Rotation::Hadamard,
+            key_clip: 1.0,
+            value_clip: 1.0,
         };
         let hkv = 2;
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };

@@ -52,7 +52,8 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         windows: usize,
         /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4, each with optional
-        /// -g<group> -s<sinks> -w<window> -p<page> (e.g. k2v2-g32-w256).
+        /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>, and -c
+        /// (key centering) -r (reordering) from --calib (e.g. k2v2-c-g32-x80).
         #[arg(long, value_delimiter = ',', default_value = "f16,naive2,k2v2,k4v2")]
         kv: Vec<String>,
         /// cpu, sim, cuda, reference or auto.

@@ -217,7 +217,8 @@ mod tests {
                 .sum()
         };
         let order = &cal.value_perm[d..];
-        assert!(order.windows(2).all(|w| ms(w[0] as usize) <= ms(w[1] as usize) + 1e-9));
+        // (The file sorts f32 rotations, this check f64 ones: equal up to f32 rounding.)
+        assert!(order.windows(2).all(|w| ms(w[0] as usize) <= ms(w[1] as usize) * (1.0 + 1e-5) + 1e-9));
         assert!(calibrate_layer(&k[..4 * hkv * d], &k[..4 * hkv * d], hkv, d).is_err());
     }
 

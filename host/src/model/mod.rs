@@ -68,7 +68,9 @@ pub struct KvMethod {
 impl KvMethod {
     /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (Hadamard-rotated presets)
     /// or `naive2`, `naive4` (no rotation, 2 or 4 bits), then optional modifiers
-    /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, and `-c` (subtract the
+    /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
+    /// `-y<percent>` (key and value quantizers span that share of each group's range,
+    /// [`CacheConfig::key_clip`]), and `-c` (subtract the
     /// calibrated key means), `-r` (apply the calibrated channel permutations). `ctx`
     /// sizes the window of `f16`.
     pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
@@ -117,6 +119,8 @@ impl KvMethod {
                 "s" => config.sinks = n,
                 "w" if quantized => config.window = n,
                 "p" => config.page_size = n,
+                "x" if quantized => config.key_clip = n as f32 / 100.0,
+                "y" if quantized => config.value_clip = n as f32 / 100.0,
                 _ => return Err(unknown(name)),
             }
         }
@@ -141,7 +145,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -c -r"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -c -r"
     ))
 }
 
