@@ -34,6 +34,9 @@ pub type SeqId = usize;
 struct Seq {
     block_table: Vec<u32>,
     lens: Vec<usize>,
+    /// Per layer: this sequence's own key mean `[kv_heads][head_dim]`, replacing the
+    /// layer calibration's at append.
+    key_means: Vec<Option<Vec<f32>>>,
 }
 
 /// A paged, quantized KV cache for `layers` layers and up to `max_seqs` sequences.
@@ -133,6 +136,29 @@ impl KvCache {
         Ok(())
     }
 
+    /// Gives `seq` its own key mean in `layer` (`[num_kv_heads][head_dim]`, finite), used
+    /// instead of the layer calibration's when its keys are appended: online centering
+    /// from the sequence's own tokens (a prompt's keys, say) for users without a
+    /// calibration file. Decode needs nothing: a per-sequence shift of every key leaves
+    /// attention unchanged. Only allowed while the sequence holds no token of the layer.
+    pub fn set_sequence_key_mean(&mut self, layer: usize, seq: SeqId, mean: &[f32]) -> Result<()> {
+        self.check_layer(layer)?;
+        let n = self.shape.num_kv_heads * self.config.head_dim;
+        if mean.len() != n {
+            return Err(Error::Shape(format!("key mean has {} entries, expected {n}", mean.len())));
+        }
+        if let Some(i) = mean.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Value(format!("key mean entry {i} is not finite")));
+        }
+        if self.seq(seq)?.lens[layer] > 0 {
+            return Err(Error::Calibration(format!(
+                "sequence {seq} holds tokens of layer {layer}; set its mean first"
+            )));
+        }
+        self.seqs[seq].as_mut().expect("checked above").key_means[layer] = Some(mean.to_vec());
+        Ok(())
+    }
+
     /// Starts a new, empty sequence.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
         let id = self
@@ -140,7 +166,11 @@ impl KvCache {
             .iter()
             .position(Option::is_none)
             .ok_or_else(|| Error::Capacity(format!("all {} sequence slots are live", self.shape.max_seqs)))?;
-        self.seqs[id] = Some(Seq { block_table: Vec::new(), lens: vec![0; self.shape.layers] });
+        self.seqs[id] = Some(Seq {
+            block_table: Vec::new(),
+            lens: vec![0; self.shape.layers],
+            key_means: vec![None; self.shape.layers],
+        });
         Ok(id)
     }
 
@@ -186,10 +216,18 @@ impl KvCache {
         let mut table = self.seq(seq)?.block_table.clone();
         table.extend(fresh.iter().rev());
         let se = self.format.side_elems(self.shape.num_kv_heads as u32);
+        let own;
+        let calib = match &self.seq(seq)?.key_means[layer] {
+            Some(mean) => {
+                own = LayerCalibration { key_mean: mean.clone(), ..self.calib[layer].clone() };
+                &own
+            }
+            None => &self.calib[layer],
+        };
         let result = paged::append(
             self.backend,
             &self.config,
-            &self.calib[layer],
+            calib,
             &self.layer_shape(),
             self.pools[layer].bytes_mut(),
             &table,

@@ -387,7 +387,9 @@ fn kv_methods_parse_and_size() {
     assert_eq!((m.config.group_size, m.config.window, m.config.sinks), (32, 256, 0));
     assert!(KvMethod::parse("f16", 64, 1024).unwrap().config.window >= 1024);
     assert_eq!(KvMethod::parse("f16", 64, 1024).unwrap().bits_per_element(), 16.0);
-    for bad in ["k3v2", "k2v2-q5", "k2v2-g48", "f16-w8", "k2v2-gx"] {
+    assert_eq!(KvMethod::parse("k2v2-o64-x80", 64, 1024).unwrap().online, Some(64));
+    assert_eq!(KvMethod::parse("k2v2-o64-x80", 64, 1024).unwrap().config.key_clip, 0.8);
+    for bad in ["k3v2", "k2v2-q5", "k2v2-g48", "f16-w8", "k2v2-gx", "k2v2-c-o64", "k2v2-o2", "k2v2-x40", "f16-c"] {
         assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
     }
     // k2v2, d64, g64: a quantized token is 2 x (16 B codes + 4 B scale and zero); an f16
@@ -495,7 +497,7 @@ fn calibration_feeds_the_perplexity_harness() {
     let back = model::calibrate::Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
     assert_eq!(back.layers, cal.layers);
     let windows = vec![tokens(48, 12), tokens(48, 13)];
-    let methods: Vec<KvMethod> = ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-c-r-g32"]
+    let methods: Vec<KvMethod> = ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-c-r-g32-x80", "k2v2-s2-w16-p16-o20"]
         .iter()
         .map(|n| KvMethod::parse(n, 64, 48).unwrap())
         .collect();
@@ -516,4 +518,41 @@ fn calibration_feeds_the_perplexity_harness() {
     }
     // The calibration changes what the quantized cache holds, so the perplexity moves.
     assert_ne!(results[0][1].ppl, results[0][2].ppl);
+}
+
+#[test]
+fn per_sequence_key_means() {
+    // Sinks and window hold everything (f16): a per-sequence shift of all keys must leave
+    // attention unchanged up to f16 rounding, on every backend.
+    let config = rotkv::CacheConfig { window: 256, ..rotkv::CacheConfig::k2v2(64) };
+    let shape =
+        CacheShape { layers: 1, num_kv_heads: 2, num_q_heads: 6, max_seqs: 2, max_tokens: 200, num_blocks: None };
+    let mut r = Rng::new(30);
+    let k: Vec<f32> = (0..200 * 128).map(|i| r.normal() + if i % 64 == 3 { 6.0 } else { 0.0 }).collect();
+    let v: Vec<f32> = (0..200 * 128).map(|_| r.normal()).collect();
+    let q: Vec<f32> = (0..2 * 6 * 64).map(|_| r.normal()).collect();
+    let mean: Vec<f32> = (0..128).map(|i| if i % 64 == 3 { 6.0 } else { 0.1 * (i % 5) as f32 }).collect();
+    for backend in rotkv_tests::backends() {
+        let mut cache = KvCache::new(config, shape, backend).unwrap();
+        let (a, b) = (cache.add_sequence().unwrap(), cache.add_sequence().unwrap());
+        assert!(matches!(cache.set_sequence_key_mean(0, a, &mean[..127]), Err(rotkv::Error::Shape(_))));
+        let mut nan = mean.clone();
+        nan[9] = f32::NAN;
+        assert!(matches!(cache.set_sequence_key_mean(0, a, &nan), Err(rotkv::Error::Value(_))));
+        assert!(cache.set_sequence_key_mean(1, a, &mean).is_err());
+        assert!(cache.set_sequence_key_mean(0, 7, &mean).is_err());
+        cache.set_sequence_key_mean(0, a, &mean).unwrap();
+        let n = if rotkv_tests::emulated(backend) { 40 } else { 200 };
+        for s in [a, b] {
+            cache.append(0, s, n, &k[..n * 128], &v[..n * 128]).unwrap();
+        }
+        assert!(matches!(cache.set_sequence_key_mean(0, a, &mean), Err(rotkv::Error::Calibration(_))));
+        let mut out = vec![0f32; q.len()];
+        cache.decode(0, &[a, b], &q, &mut out).unwrap();
+        let (oa, ob) = out.split_at(6 * 64);
+        let mut out_b = vec![0f32; 6 * 64];
+        cache.decode(0, &[b], &q[..6 * 64], &mut out_b).unwrap();
+        assert!(rel_err(oa, &out_b) < 2e-3, "{backend:?}: {}", rel_err(oa, &out_b));
+        assert!(ob.iter().all(|x| x.is_finite()));
+    }
 }

@@ -63,6 +63,9 @@ pub struct KvMethod {
     /// Which parts of a calibration file the method uses (`-c`: key centering, `-r`:
     /// channel reordering).
     pub calib: calibrate::Use,
+    /// Online key centering (`-o<N>`): each sequence's key mean from its own first N
+    /// tokens (see [`perplexity`]).
+    pub online: Option<usize>,
 }
 
 impl KvMethod {
@@ -70,7 +73,8 @@ impl KvMethod {
     /// or `naive2`, `naive4` (no rotation, 2 or 4 bits), then optional modifiers
     /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
-    /// [`CacheConfig::key_clip`]), and `-c` (subtract the
+    /// [`CacheConfig::key_clip`]), `-o<N>` (online key centering: each sequence's mean
+    /// from its own first N tokens), and `-c` (subtract the
     /// calibrated key means), `-r` (apply the calibrated channel permutations). `ctx`
     /// sizes the window of `f16`.
     pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
@@ -100,6 +104,7 @@ impl KvMethod {
             other => (CacheConfig::preset(other, head_dim).map_err(|_| unknown(name))?, true),
         };
         let mut calib = calibrate::Use::default();
+        let mut online = None;
         for m in parts {
             match m {
                 "c" if quantized => {
@@ -119,13 +124,17 @@ impl KvMethod {
                 "s" => config.sinks = n,
                 "w" if quantized => config.window = n,
                 "p" => config.page_size = n,
+                "o" if quantized && n > calibrate::SKIP_POSITIONS => online = Some(n),
                 "x" if quantized => config.key_clip = n as f32 / 100.0,
                 "y" if quantized => config.value_clip = n as f32 / 100.0,
                 _ => return Err(unknown(name)),
             }
         }
         config.format()?;
-        Ok(Self { name: name.to_string(), config, quantized, calib })
+        if online.is_some() && calib.center {
+            return Err(Error::Value(format!("{name}: -c and -o both set a key mean")));
+        }
+        Ok(Self { name: name.to_string(), config, quantized, calib, online })
     }
 
     /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
@@ -145,7 +154,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -c -r"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -o<N> -c -r"
     ))
 }
 
@@ -234,6 +243,20 @@ pub fn perplexity(
         }
         caches.push(cache);
     }
+    // Online centering: each window's key mean per layer from an exact prefill of its
+    // own first N tokens (what a serving stack has at prefill), set before any append.
+    for (m, method) in methods.iter().enumerate() {
+        let Some(n) = method.online else { continue };
+        if n > ctx {
+            return Err(Error::Value(format!("{}: online mean over {n} tokens of {ctx}-token windows", method.name)));
+        }
+        for (w, window) in windows.iter().enumerate() {
+            let means = online_key_means(model, &window[..n])?;
+            for (l, mean) in means.iter().enumerate() {
+                caches[m].set_sequence_key_mean(l, slots[m * windows.len() + w].1, mean)?;
+            }
+        }
+    }
     let mut attn = CacheAttention::new(c, caches, slots)?;
     let n = methods.len() * windows.len();
     let mut nll = vec![0f64; methods.len()];
@@ -262,6 +285,27 @@ pub fn perplexity(
             })
         })
         .collect()
+}
+
+/// Per layer, the mean post-RoPE key `[kv_heads][head_dim]` of `tokens` (positions before
+/// [`calibrate::SKIP_POSITIONS`] left out), from an exact-attention forward pass.
+pub fn online_key_means(model: &Llama, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+    let c = &model.config;
+    let kvd = c.kv_heads * c.head_dim;
+    if tokens.len() <= calibrate::SKIP_POSITIONS {
+        return Err(Error::Shape(format!("{} tokens for an online mean", tokens.len())));
+    }
+    let used = (tokens.len() - calibrate::SKIP_POSITIONS) as f64;
+    let mut means = vec![vec![0f64; kvd]; c.layers];
+    let mut keep = |a: &LayerActivations<'_>| {
+        for (p, k) in a.k.chunks_exact(kvd).enumerate().skip(calibrate::SKIP_POSITIONS) {
+            debug_assert_eq!(a.rows[p].pos, p);
+            means[a.layer].iter_mut().zip(k).for_each(|(m, &x)| *m += x as f64 / used);
+        }
+    };
+    let rows: Vec<Row> = (0..tokens.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    model.forward(tokens, &rows, &mut ExactAttention::new(c), Some(&mut keep), c.layers)?;
+    Ok(means.into_iter().map(|m| m.into_iter().map(|x| x as f32).collect()).collect())
 }
 
 /// `-log softmax(logits)[target]`, in f64.
