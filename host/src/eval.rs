@@ -154,7 +154,12 @@ pub fn standard_methods(head_dim: usize) -> Vec<Method> {
         whole("naive2_g32", 2, Some(32), Rotation::None),
     ];
     for preset in ["k2v2", "k4v2"] {
-        let c = CacheConfig::preset(preset, head_dim).expect("preset names are known");
+        // The min/max quantizer of the numpy metrics (no clipping), so the rows compare.
+        let c = CacheConfig {
+            key_clip: 1.0,
+            value_clip: 1.0,
+            ..CacheConfig::preset(preset, head_dim).expect("preset names are known")
+        };
         m.push(Method { name: format!("{preset}_s{}_w{}", c.sinks, c.window), kind: MethodKind::Cache(c) });
     }
     m

@@ -69,8 +69,9 @@ pub struct KvMethod {
 }
 
 impl KvMethod {
-    /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (Hadamard-rotated presets)
-    /// or `naive2`, `naive4` (no rotation, 2 or 4 bits), then optional modifiers
+    /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (the presets of
+    /// [`CacheConfig`], Hadamard-rotated) or `naive2`, `naive4` (no rotation, 2 or 4 bits,
+    /// whole ranges), then optional modifiers
     /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
     /// [`CacheConfig::key_clip`]), `-o<N>` (online key centering: each sequence's mean
@@ -97,6 +98,7 @@ impl KvMethod {
                     value_bits: bits,
                     key_rotation: Rotation::None,
                     value_rotation: Rotation::None,
+                    key_clip: 1.0,
                     ..CacheConfig::k2v2(head_dim)
                 };
                 (c, true)
