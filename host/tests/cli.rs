@@ -61,6 +61,12 @@ fn bad_arguments_fail_with_a_message() {
     // A file that is not GGUF (the bundled safetensors tile).
     let tile = data("smollm2-alice-kv-l0-l5.safetensors");
     fail(&["generate", "--model", &tile, "--prompt", "hi"], "not a GGUF file");
+    // Calibration methods this build does not have are named, before any work.
+    fail(
+        &["calibrate", "--model", &tile, "--text", "/dev/null", "--out", "/tmp/x", "--methods", "center,optr"],
+        "optr",
+    );
+    fail(&["ppl", "--model", &tile, "--text", "/dev/null", "--calib", "/nonexistent.calib"], "nonexistent.calib");
 }
 
 #[test]

