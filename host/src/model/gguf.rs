@@ -1,6 +1,7 @@
 //! A reader for GGUF files (versions 2 and 3): metadata, tensor directory, and
 //! dequantization to f32 of the tensor types llama-family files use (F32, F16, BF16,
-//! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Other types (the K-quants among them) are reported as
+//! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), checked against gguf-py's dequantization
+//! (`tests/testdata/ggml_blocks.json`). Other types are reported as
 //! [`Error::Unsupported`] when a tensor of that type is read.
 
 use crate::error::{Error, Result};
@@ -88,14 +89,16 @@ impl std::fmt::Debug for Gguf {
 /// ggml type ids and block geometry: `(block elements, block bytes)`.
 fn block_geometry(kind: u32) -> Option<(usize, usize)> {
     Some(match kind {
-        0 => (1, 4),   // F32
-        1 => (1, 2),   // F16
-        2 => (32, 18), // Q4_0: f16 d, 16 B nibbles
-        3 => (32, 20), // Q4_1: f16 d, f16 m, 16 B nibbles
-        6 => (32, 22), // Q5_0: f16 d, 4 B high bits, 16 B nibbles
-        7 => (32, 24), // Q5_1: f16 d, f16 m, 4 B high bits, 16 B nibbles
-        8 => (32, 34), // Q8_0: f16 d, 32 i8
-        30 => (1, 2),  // BF16
+        0 => (1, 4),      // F32
+        1 => (1, 2),      // F16
+        2 => (32, 18),    // Q4_0: f16 d, 16 B nibbles
+        3 => (32, 20),    // Q4_1: f16 d, f16 m, 16 B nibbles
+        6 => (32, 22),    // Q5_0: f16 d, 4 B high bits, 16 B nibbles
+        7 => (32, 24),    // Q5_1: f16 d, f16 m, 4 B high bits, 16 B nibbles
+        8 => (32, 34),    // Q8_0: f16 d, 32 i8
+        12 => (256, 144), // Q4_K: f16 d, f16 dmin, 12 B of 6-bit scales and mins, 128 B nibbles
+        14 => (256, 210), // Q6_K: 128 B low nibbles, 64 B high 2 bits, 16 i8 scales, f16 d
+        30 => (1, 2),     // BF16
         _ => return None,
     })
 }
@@ -322,10 +325,63 @@ pub fn dequantize(kind: u32, data: &[u8]) -> Result<Vec<f32>> {
                 let d = h(b, 0);
                 out.extend(b[2..34].iter().map(|&q| d * q as i8 as f32));
             }
+            12 => dequantize_q4_k(b, &mut out),
+            14 => dequantize_q6_k(b, &mut out),
             _ => unreachable!("block_geometry covers the same kinds"),
         }
     }
     Ok(out)
+}
+
+/// One Q4_K block (256 values): eight sub-blocks of 32, each `d * scale_j * q - dmin *
+/// min_j` with 6-bit `scale_j`, `min_j` packed in 12 bytes; nibbles of 32 bytes give two
+/// sub-blocks (low nibbles first).
+fn dequantize_q4_k(b: &[u8], out: &mut Vec<f32>) {
+    let h = |i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    let (d, dmin) = (h(0), h(2));
+    let sc = &b[4..16];
+    let qs = &b[16..144];
+    // Scale and min of sub-block j.
+    let scale_min = |j: usize| -> (f32, f32) {
+        if j < 4 {
+            ((sc[j] & 63) as f32, (sc[j + 4] & 63) as f32)
+        } else {
+            (((sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4)) as f32, ((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)) as f32)
+        }
+    };
+    for chunk in 0..4 {
+        let q = &qs[32 * chunk..32 * (chunk + 1)];
+        let (s1, m1) = scale_min(2 * chunk);
+        let (s2, m2) = scale_min(2 * chunk + 1);
+        out.extend(q.iter().map(|&x| d * s1 * (x & 0x0f) as f32 - dmin * m1));
+        out.extend(q.iter().map(|&x| d * s2 * (x >> 4) as f32 - dmin * m2));
+    }
+}
+
+/// One Q6_K block (256 values): `d * scale[i / 16] * (q - 32)` with 6-bit `q` from a low
+/// nibble and two high bits; two halves of 128 values.
+fn dequantize_q6_k(b: &[u8], out: &mut Vec<f32>) {
+    let d = f16::from_le_bytes([b[208], b[209]]).to_f32();
+    let start = out.len();
+    out.resize(start + 256, 0.0);
+    let y = &mut out[start..];
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        for l in 0..32 {
+            let is = l / 16;
+            let q = [
+                (ql[l] & 0x0f) | ((qh[l] & 3) << 4),
+                (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
+                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+            ];
+            for (k, &qk) in q.iter().enumerate() {
+                y[128 * half + l + 32 * k] = d * (sc[is + 2 * k] as i8) as f32 * (qk as i32 - 32) as f32;
+            }
+        }
+    }
 }
 
 /// Element `i` (0..32) of a 16-byte nibble array: low nibbles first, then high nibbles.
@@ -353,7 +409,7 @@ mod tests {
         assert_eq!(y[0], -4.0);
         assert_eq!(y[31], 3.75);
         assert!(dequantize(3, &b[..19]).is_err());
-        assert!(matches!(dequantize(12, &b), Err(Error::Unsupported(_))));
+        assert!(matches!(dequantize(13, &b), Err(Error::Unsupported(_))));
     }
 
     #[test]
