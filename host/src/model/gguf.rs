@@ -245,8 +245,9 @@ impl Gguf {
         let n = n.filter(|n| n % block as u64 == 0 && *n < (1 << 40)).ok_or_else(|| {
             Error::Input(format!("tensor of {:?} elements does not fit {} blocks", t.dims, type_name(t.kind)))
         })? as usize;
-        let start = self.data_start + t.offset as usize;
-        Ok(Some(start..start + n / block * bytes))
+        let start = usize::try_from(t.offset).ok().and_then(|o| self.data_start.checked_add(o));
+        let range = start.and_then(|s| Some(s..s.checked_add(n / block * bytes)?));
+        range.map(Some).ok_or_else(|| Error::Input(format!("tensor offset {} is past any file", t.offset)))
     }
 
     /// A metadata value, or an error naming the missing key.
@@ -416,6 +417,17 @@ mod tests {
     fn truncated_and_foreign_files_are_errors() {
         assert!(Gguf::parse(b"GGML\x03\0\0\0".to_vec()).is_err());
         assert!(Gguf::parse(b"GGUF\x03\0\0\0\x01".to_vec()).is_err());
+        // A tensor whose offset points far past the end.
+        let mut far = b"GGUF\x03\0\0\0".to_vec();
+        far.extend_from_slice(&1u64.to_le_bytes());
+        far.extend_from_slice(&0u64.to_le_bytes());
+        far.extend_from_slice(&1u64.to_le_bytes());
+        far.push(b'w');
+        far.extend_from_slice(&1u32.to_le_bytes());
+        far.extend_from_slice(&32u64.to_le_bytes());
+        far.extend_from_slice(&0u32.to_le_bytes());
+        far.extend_from_slice(&(u64::MAX - 8).to_le_bytes());
+        assert!(Gguf::parse(far).is_err());
         let mut huge = b"GGUF\x03\0\0\0".to_vec();
         huge.extend_from_slice(&u64::MAX.to_le_bytes());
         huge.extend_from_slice(&0u64.to_le_bytes());

@@ -390,6 +390,23 @@ impl Attention for CacheAttention {
             }
             per_seq.entry(r.seq).or_default().push(i);
         }
+        // Check every row before anything is appended: a prefill starts an empty
+        // sequence at position 0, a decode row sits at the sequence's length.
+        for (&s, idx) in &per_seq {
+            let (c, id) = self.slots[s];
+            let have = self.caches[c].len(layer, id)?;
+            if idx.len() > 1 && have > 0 {
+                return Err(Error::Unsupported(format!("a prefill of {} rows into non-empty sequence {s}", idx.len())));
+            }
+            for (j, &i) in idx.iter().enumerate() {
+                if rows[i].pos != have + j {
+                    return Err(Error::Shape(format!(
+                        "row at position {} of sequence {s}, which holds {have} tokens",
+                        rows[i].pos
+                    )));
+                }
+            }
+        }
         // Prefills: exact attention among the rows, then the rows go to the cache.
         let mut decode_rows: Vec<Vec<usize>> = vec![Vec::new(); self.caches.len()];
         for (&s, idx) in &per_seq {
@@ -397,9 +414,6 @@ impl Attention for CacheAttention {
             if idx.len() == 1 {
                 decode_rows[c].push(idx[0]);
                 continue;
-            }
-            if self.caches[c].len(layer, id)? > 0 {
-                return Err(Error::Unsupported(format!("a prefill of {} rows into non-empty sequence {s}", idx.len())));
             }
             let sub_rows: Vec<Row> = idx.iter().map(|&i| Row { seq: 0, pos: rows[i].pos }).collect();
             let gather =
@@ -420,10 +434,6 @@ impl Attention for CacheAttention {
             }
             let ids: Vec<crate::SeqId> = idx.iter().map(|&i| self.slots[rows[i].seq].1).collect();
             for (&i, &id) in idx.iter().zip(&ids) {
-                let have = self.caches[c].len(layer, id)?;
-                if have != rows[i].pos {
-                    return Err(Error::Shape(format!("row at position {} of a sequence holding {have}", rows[i].pos)));
-                }
                 self.caches[c].append(layer, id, 1, &k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd])?;
             }
             let qs: Vec<f32> = idx.iter().flat_map(|&i| q[i * qd..(i + 1) * qd].iter().copied()).collect();
