@@ -39,7 +39,8 @@ pub const SLOT_SIDE: u32 = 1 << 31;
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
 /// loads them, subtracts the key mean, runs the warp FWHT, gathers the permutation with
 /// indexed shuffles and rounds to f16; then it stores its channels of the side row, or
-/// quantizes them with the group's lanes ([`quantize_lanes`]). Keys first, then values.
+/// quantizes them with the group's lanes (`quantize_lanes`: the group's min and max by
+/// shuffles, f16 scale and zero, packed codes). Keys first, then values.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
@@ -121,7 +122,7 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
 ///
 /// # Thread mapping
 /// Block `(j, kv)`, one warp; lane `i` reads channels `[i * V, (i + 1) * V)` of the row
-/// and quantizes them with its group's lanes ([`quantize_lanes`]).
+/// and quantizes them with its group's lanes (`quantize_lanes`, as `append_tokens` does).
 #[inline(always)]
 pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
     ctx: &C,
