@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
-//! - `ci`: format check, clippy (warnings denied), the whole test suite, `fetch` and the
+//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the whole test
+//!   suite, `fetch` and the
 //!   slow real-model test (ignored by default), the GPU-presence test, PTX freshness and
 //!   ptxas. Every step runs;
 //!   the command fails if any step failed. A step whose tool cannot be installed prints
@@ -121,6 +122,12 @@ fn ci() -> Result<(), String> {
             println!("SKIPPED: clippy: {why}");
             skipped.push("clippy");
         }
+    }
+    // Documentation builds without warnings (broken or private intra-doc links).
+    let mut c = cargo();
+    c.args(["doc", "--no-deps", "--workspace", "--all-features"]).env("RUSTDOCFLAGS", "-D warnings");
+    if !run("docs", c)? {
+        failed.push("docs");
     }
     let mut c = cargo();
     c.args(["test", "--workspace", "--all-features"]);
