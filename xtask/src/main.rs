@@ -1,11 +1,10 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
 //! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the whole test
-//!   suite, `fetch` and the
-//!   slow real-model test (ignored by default), the GPU-presence test, PTX freshness and
-//!   ptxas. Every step runs;
-//!   the command fails if any step failed. A step whose tool cannot be installed prints
-//!   `SKIPPED: <why>` and the rest still runs.
+//!   suite, `fetch` and the slow real-model test (ignored by default), the GPU-presence
+//!   test, PTX freshness and ptxas. Every step runs; the command fails if any step failed.
+//!   A step whose tool cannot be installed or fetched prints `SKIPPED: <why>` and the
+//!   rest still runs.
 //! - `bench-table`: the decode benchmark table (markdown) from criterion's results in
 //!   `target/criterion` (run `cargo bench -p rotkv-benches --bench cpu -- decode` first).
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
