@@ -217,8 +217,7 @@ fn eval_file(out: &mut Out, path: &std::path::Path, json: bool) -> Result<(), Cl
     let tile = Tile::load(path)?;
     let reports = evaluate(&tile, "quantizing")?;
     if json {
-        let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-        writeln!(out, "{}", eval::report_json(&name, tile.attn_scaling, &reports))?;
+        writeln!(out, "{}", eval::report_json(&file_name(path), tile.attn_scaling, &reports))?;
     } else {
         for r in &reports {
             print_table(out, r)?;
@@ -372,6 +371,27 @@ fn read_text(path: &std::path::Path) -> Result<String, CliError> {
     Ok(model::read_text(path)?)
 }
 
+/// A path's file name, for tables and metadata.
+fn file_name(p: &std::path::Path) -> String {
+    p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// The model, and the first `tokens` token ids of a text.
+fn model_and_tokens(
+    model_path: &std::path::Path,
+    text: &std::path::Path,
+    tokens: usize,
+) -> Result<(model::llama::Llama, Vec<u32>), CliError> {
+    let (llama, tok) = load_model(model_path)?;
+    let mut ids = tok.encode(&read_text(text)?);
+    if ids.len() < tokens {
+        let why = format!("{} has {} tokens, {tokens} asked", text.display(), ids.len());
+        return Err(CliError::Lib(rotkv::Error::Shape(why)));
+    }
+    ids.truncate(tokens);
+    Ok((llama, ids))
+}
+
 fn load_model(path: &std::path::Path) -> Result<(model::llama::Llama, model::tokenizer::Tokenizer), CliError> {
     let started = Instant::now();
     let m = model::load(path)?;
@@ -393,16 +413,10 @@ fn ppl(
 ) -> Result<(), CliError> {
     let backend = Backend::parse(backend)?;
     let calibration = calib.map(model::calibrate::Calibration::load).transpose()?;
-    let (llama, tok) = load_model(model_path)?;
-    let ids = tok.encode(&read_text(text)?);
-    if ctx < 2 || windows == 0 || ids.len() < ctx * windows {
-        return Err(CliError::Lib(rotkv::Error::Shape(format!(
-            "{} tokens in {}: {windows} windows of {ctx} need {}",
-            ids.len(),
-            text.display(),
-            ctx * windows
-        ))));
+    if ctx < 2 || windows == 0 {
+        return Err(CliError::Lib(rotkv::Error::Shape(format!("{windows} windows of {ctx} tokens"))));
     }
+    let (llama, ids) = model_and_tokens(model_path, text, ctx * windows)?;
     let wins: Vec<Vec<u32>> = ids.chunks_exact(ctx).take(windows).map(<[u32]>::to_vec).collect();
     let methods =
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
@@ -412,8 +426,6 @@ fn ppl(
     let results = model::perplexity(&llama, &wins, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
     bar.finish_and_clear();
     let base = results.iter().find(|r| !r.method.quantized).map(|r| r.ppl);
-    let name =
-        |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into());
     if json {
         let rows: Vec<serde_json::Value> = results
             .iter()
@@ -426,8 +438,8 @@ fn ppl(
             })
             .collect();
         let doc = serde_json::json!({
-            "model": name(model_path), "text": name(text), "ctx": ctx, "windows": windows,
-            "backend": backend.name(), "calib": calib.map(name), "results": rows,
+            "model": file_name(model_path), "text": file_name(text), "ctx": ctx, "windows": windows,
+            "backend": backend.name(), "calib": calib.map(file_name), "results": rows,
         });
         writeln!(out, "{doc}")?;
         return Ok(());
@@ -435,8 +447,8 @@ fn ppl(
     writeln!(
         out,
         "{} on {}: {windows} x {ctx} tokens ({} scored), backend {}, {:.0} s",
-        name(model_path),
-        name(text),
+        file_name(model_path),
+        file_name(text),
         results[0].tokens,
         backend.name(),
         started.elapsed().as_secs_f64()
@@ -465,24 +477,13 @@ fn capture(
     layers: &[usize],
     path: &std::path::Path,
 ) -> Result<(), CliError> {
-    let (llama, tok) = load_model(model_path)?;
-    let mut ids = tok.encode(&read_text(text)?);
-    if ids.len() < tokens {
-        return Err(CliError::Lib(rotkv::Error::Shape(format!(
-            "{} has {} tokens, {tokens} asked",
-            text.display(),
-            ids.len()
-        ))));
-    }
-    ids.truncate(tokens);
+    let (llama, ids) = model_and_tokens(model_path, text, tokens)?;
     let started = Instant::now();
     let cap = model::capture(&llama, &ids, layers)?;
     let c = &llama.config;
-    let name =
-        |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into());
     let meta: std::collections::BTreeMap<String, String> = [
-        ("model", name(model_path)),
-        ("text_file", name(text)),
+        ("model", file_name(model_path)),
+        ("text_file", file_name(text)),
         ("tokens", tokens.to_string()),
         ("token_ids", format!("{ids:?}")),
         ("layers", format!("{layers:?}")),
@@ -550,24 +551,13 @@ fn calibrate(
             }
         }
     }
-    let (llama, tok) = load_model(model_path)?;
-    let mut ids = tok.encode(&read_text(text)?);
-    if ids.len() < tokens {
-        return Err(CliError::Lib(rotkv::Error::Shape(format!(
-            "{} has {} tokens, {tokens} asked",
-            text.display(),
-            ids.len()
-        ))));
-    }
-    ids.truncate(tokens);
+    let (llama, ids) = model_and_tokens(model_path, text, tokens)?;
     let started = Instant::now();
     let mut cal = model::calibrate::calibrate(&llama, &ids)?;
     cal.layers = (0..cal.layers.len()).map(|l| cal.layer(l, what)).collect();
-    let name =
-        |p: &std::path::Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into());
     cal.metadata = [
-        ("model", name(model_path)),
-        ("text_file", name(text)),
+        ("model", file_name(model_path)),
+        ("text_file", file_name(text)),
         ("tokens", tokens.to_string()),
         ("methods", methods.join(",")),
         ("skipped_positions", model::calibrate::SKIP_POSITIONS.to_string()),
@@ -585,7 +575,7 @@ fn calibrate(
         cal.layers.len(),
         cal.kv_heads,
         methods.join(", "),
-        name(text),
+        file_name(text),
         started.elapsed().as_secs_f64()
     )?;
     Ok(())
