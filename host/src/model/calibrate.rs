@@ -11,6 +11,28 @@
 //!   calibration tokens, and sort the channels by it (ascending), so a group of g
 //!   consecutive stored channels holds channels of similar range. One permutation serves
 //!   every group size.
+//!
+//! # Example: a calibration file into a cache
+//!
+//! ```
+//! use rotkv::model::calibrate::{Calibration, Use};
+//! use rotkv::{Backend, CacheConfig, CacheShape, KvCache, LayerCalibration};
+//!
+//! // (A file from `rotkv calibrate` would be read with `Calibration::load(path)?`.)
+//! let mut layer = LayerCalibration::identity(3, 64);
+//! layer.key_mean[5] = 0.75;
+//! let bytes = Calibration { layers: vec![layer; 2], kv_heads: 3, head_dim: 64, metadata: Default::default() }
+//!     .to_safetensors()?;
+//! let cal = Calibration::from_safetensors(&bytes)?;
+//!
+//! let shape = CacheShape { layers: 2, num_kv_heads: 3, num_q_heads: 9, max_seqs: 1, max_tokens: 512, num_blocks: None };
+//! let mut cache = KvCache::new(CacheConfig::k2v2(64), shape, Backend::Cpu)?;
+//! for l in 0..2 {
+//!     // Before any token of the layer is appended.
+//!     cache.set_calibration(l, cal.layer(l, Use { center: true, reorder: false }))?;
+//! }
+//! # Ok::<(), rotkv::Error>(())
+//! ```
 
 use super::llama::{ExactAttention, LayerActivations, Llama, Row};
 use crate::config::LayerCalibration;
