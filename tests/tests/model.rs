@@ -556,3 +556,21 @@ fn per_sequence_key_means() {
         assert!(ob.iter().all(|x| x.is_finite()));
     }
 }
+
+#[test]
+fn unknown_pre_tokenizers_are_refused_by_name() {
+    let (vocab, merges) = byte_vocab();
+    for (pre, ok) in [("smollm", true), ("gpt-2", true), ("qwen2", false), ("llama-bpe", false)] {
+        let meta = [
+            ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
+            ("tokenizer.ggml.pre", Meta::Str(pre.into())),
+            ("tokenizer.ggml.tokens", Meta::Strs(vocab.clone())),
+            ("tokenizer.ggml.merges", Meta::Strs(merges.clone())),
+        ];
+        let g = Gguf::parse(gguf_bytes(&meta, &[])).unwrap();
+        match Tokenizer::from_gguf(&g) {
+            Ok(_) => assert!(ok, "{pre}"),
+            Err(e) => assert!(!ok && e.to_string().contains(pre), "{pre}: {e}"),
+        }
+    }
+}

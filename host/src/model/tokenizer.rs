@@ -1,13 +1,14 @@
-//! The byte-level BPE tokenizer of GGUF files with `tokenizer.ggml.model = gpt2` (GPT-2,
-//! SmolLM, Qwen2, Llama 3 style vocabularies), built from the file's vocabulary and
-//! merges.
+//! The byte-level BPE tokenizer of GGUF files with `tokenizer.ggml.model = gpt2`, built
+//! from the file's vocabulary and merges.
 //!
 //! Pre-tokenization follows the file's `tokenizer.ggml.pre`: every numeric character is
-//! its own piece for `smollm` (and the other pre-tokenizers that isolate digits), runs of
-//! up to three digits for `qwen2` and `llama-bpe`, then the GPT-2 pattern
-//! `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`. Text is
-//! encoded as plain text: control tokens such as `<|im_start|>` written in the text are
-//! not recognized (the perplexity and capture harnesses feed plain files).
+//! its own piece for `smollm` (and the other pre-tokenizers llama.cpp runs that way:
+//! `starcoder`, `refact`, `command-r`, ...), then the GPT-2 pattern
+//! `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`, which `gpt-2`
+//! uses alone. Other pre-tokenizers (`qwen2`, `llama-bpe`: different patterns) are
+//! [`Error::Unsupported`]. Text is encoded as plain text: control tokens such as
+//! `<|im_start|>` written in the text are not recognized (the perplexity and capture
+//! harnesses feed plain files).
 
 use super::gguf::Gguf;
 use crate::error::{Error, Result};
@@ -18,8 +19,6 @@ use std::collections::HashMap;
 pub enum Digits {
     /// Every numeric character is a piece of its own.
     Single,
-    /// Runs of at most three numeric characters.
-    Triples,
     /// Digits are left to the GPT-2 pattern.
     Pattern,
 }
@@ -65,10 +64,16 @@ impl Tokenizer {
             return Err(Error::Unsupported(format!("tokenizer model {model:?} (byte-level BPE, gpt2, is read)")));
         }
         let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        // The pre-tokenizers llama.cpp runs as the GPT-2 pattern, with or without every
+        // digit split off first. Others (qwen2, llama-bpe, ...) use other patterns.
         let digits = match pre {
-            "qwen2" | "llama-bpe" | "llama3" => Digits::Triples,
-            "gpt2" | "default" => Digits::Pattern,
-            _ => Digits::Single,
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => Digits::Single,
+            "gpt-2" | "gpt2" | "default" | "phi-2" => Digits::Pattern,
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "pre-tokenizer {other:?} (supported: the GPT-2 pattern, alone or after single digits: gpt-2, smollm, starcoder, ...)"
+                )));
+            }
         };
         let tokens: Vec<String> = g.get_strings("tokenizer.ggml.tokens")?.into_iter().map(String::from).collect();
         let merges = g.get_strings("tokenizer.ggml.merges")?;
@@ -177,12 +182,8 @@ impl Tokenizer {
         let mut i = 0;
         while i < idx.len() {
             let (at, c) = idx[i];
-            if self.digits != Digits::Pattern && c.is_numeric() {
-                let limit = if self.digits == Digits::Single { 1 } else { 3 };
-                let mut j = i;
-                while j < idx.len() && j - i < limit && idx[j].1.is_numeric() {
-                    j += 1;
-                }
+            if self.digits == Digits::Single && c.is_numeric() {
+                let j = i + 1;
                 gpt2_split(&text[rest_start..at], &mut out);
                 let end = idx.get(j).map_or(text.len(), |x| x.0);
                 out.push(&text[at..end]);
