@@ -355,7 +355,9 @@ impl Attention for ExactAttention {
 /// exactly that one row in the batch is decode: its key and value are appended to the
 /// cache and its query decoded from the cache. Several rows of one sequence are a
 /// prefill of an empty sequence: they attend to each other exactly (unquantized, as a
-/// prefill kernel does) and are then appended.
+/// prefill kernel does) and are then appended. Rows must continue their sequence
+/// (positions `len, len + 1, ..` in batch order); every row is checked before anything
+/// is appended.
 ///
 /// Sequence index `s` of a [`Row`] is sequence `slots[s].1` of cache `slots[s].0`.
 #[derive(Debug)]
