@@ -1,13 +1,12 @@
 //! The GGUF reader's dequantization of every ggml block type it reads, against the
 //! values gguf-py (llama.cpp's Python package, an independent implementation) gives for
-//! the same random blocks (`tests/testdata/ggml_blocks.json`, made by
-//! `tests/testdata/make_ggml_blocks.py`).
+//! the same random blocks (`data/ggml_blocks.json`, made by `data/make_ggml_blocks.py`).
 
 use rotkv::model::gguf::{dequantize, type_name};
 
 #[test]
 fn dequantization_matches_gguf_py() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/ggml_blocks.json");
+    let path = rotkv_tests::repo_data().join("ggml_blocks.json");
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let cases = doc.as_object().unwrap();
     assert_eq!(cases.len(), 7, "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K");

@@ -1,7 +1,7 @@
 //! A reader for GGUF files (versions 2 and 3): metadata, tensor directory, and
 //! dequantization to f32 of the tensor types llama-family files use (F32, F16, BF16,
 //! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), checked against gguf-py's dequantization
-//! (`tests/testdata/ggml_blocks.json`). Other types are reported as
+//! (`data/ggml_blocks.json`). Other types are reported as
 //! [`Error::Unsupported`] when a tensor of that type is read.
 
 use crate::error::{Error, Result};

@@ -3,7 +3,7 @@ with the f32 values gguf-py (llama.cpp's own Python package, an independent
 implementation) dequantizes them to. The test `tests/tests/ggml_blocks.rs` checks
 `rotkv::model::gguf::dequantize` against them.
 
-Usage: pip install gguf==0.19.0 numpy && python3 tests/testdata/make_ggml_blocks.py
+Usage: pip install gguf==0.19.0 numpy && python3 data/make_ggml_blocks.py
 """
 import json, os
 import numpy as np
