@@ -24,7 +24,7 @@
 //! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
 //!   calibrate` on each text (first 2048 tokens), then `rotkv ppl --json` on the other
 //!   text (4 x 1024 tokens, [`QUALITY_METHODS`], calibration from the text not evaluated),
-//!   results in `target/quality/`, and the markdown table printed last (about 25 minutes
+//!   results in `target/quality/`, and the markdown table printed last (17 minutes
 //!   on two cores). `--table-only` prints the table from the results already there.
 //! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
