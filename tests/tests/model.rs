@@ -483,10 +483,12 @@ fn smollm2_perplexity_2x256() {
     assert_eq!(r[0].tokens, 2 * 255);
     let (f16, k4v2, k2v2) = (r[0].ppl, r[1].ppl, r[2].ppl);
     assert!(f16 > 5.0 && f16 < 100.0, "f16 perplexity {f16}");
-    // 256-token windows keep 132 tokens in f16 (4 sinks, a 128-token window), so the
-    // quantized caches stay close; bounds from the measured values with room.
-    assert!((k4v2 / f16 - 1.0).abs() < 0.05, "k4v2 {k4v2} vs f16 {f16}");
-    assert!(k2v2 / f16 - 1.0 < 0.25 && k2v2 >= k4v2 * 0.98, "k2v2 {k2v2} vs {k4v2} / {f16}");
+    // 256-token windows keep 132 to 191 tokens in f16 (4 sinks, the window), so the
+    // quantized caches stay close. Measured: f16 68.18, k4v2 68.42 (+0.35%), k2v2 69.30
+    // (+1.6%); the bounds leave room for other CPUs' f32 rounding, not for a regression
+    // of the quantizer (unclipped k2v2 measured +8.7%).
+    assert!((k4v2 / f16 - 1.0).abs() < 0.01, "k4v2 {k4v2} vs f16 {f16}");
+    assert!(k2v2 / f16 - 1.0 < 0.04 && k2v2 >= k4v2 * 0.99, "k2v2 {k2v2} vs {k4v2} / {f16}");
 }
 
 #[test]
