@@ -137,26 +137,16 @@ fn ci() -> Result<(), String> {
     // The real model: fetch it (SKIPPED when offline), then the slow perplexity test the
     // suite leaves out (`#[ignore]`), with its output shown.
     println!("\n==> real model: cargo xtask fetch");
-    match fetch() {
-        Ok(()) => {
-            let mut c = cargo();
-            c.args(["test", "-p", "rotkv-tests", "--test", "model", "--", "--ignored", "--nocapture"]);
-            println!("\n==> real-model perplexity (slow test): {c:?}");
-            let (ok, more) = run_tests(c)?;
-            if !ok {
-                failed.push("real model");
-            }
-            // The tests that ran here were counted as ignored by the suite above.
-            counts = (counts.0 + more.0, counts.1 + more.1, (counts.2 + more.2).saturating_sub(more.0 + more.1));
+    if tally("real model", fetch(), &mut failed, &mut skipped) {
+        let mut c = cargo();
+        c.args(["test", "-p", "rotkv-tests", "--test", "model", "--", "--ignored", "--nocapture"]);
+        println!("\n==> real-model perplexity (slow test): {c:?}");
+        let (ok, more) = run_tests(c)?;
+        if !ok {
+            failed.push("real model");
         }
-        Err(Step::Skipped(why)) => {
-            println!("SKIPPED: real model: {why}");
-            skipped.push("real model");
-        }
-        Err(Step::Failed(why)) => {
-            println!("FAILED: fetch: {why}");
-            failed.push("fetch");
-        }
+        // The tests that ran here were counted as ignored by the suite above.
+        counts = (counts.0 + more.0, counts.1 + more.1, (counts.2 + more.2).saturating_sub(more.0 + more.1));
     }
     // The GPU test once more with its output shown: it says SKIPPED without a driver.
     let mut c = cargo();
@@ -165,29 +155,9 @@ fn ci() -> Result<(), String> {
         failed.push("cuda");
     }
     println!("\n==> PTX freshness: cargo xtask ptx --check");
-    match ptx(true) {
-        Ok(()) => {}
-        Err(Step::Skipped(why)) => {
-            println!("SKIPPED: PTX freshness: {why}");
-            skipped.push("ptx");
-        }
-        Err(Step::Failed(why)) => {
-            println!("FAILED: {why}");
-            failed.push("ptx");
-        }
-    }
+    tally("ptx", ptx(true), &mut failed, &mut skipped);
     println!("\n==> ptxas: cargo xtask ptxas");
-    match ptxas() {
-        Ok(()) => {}
-        Err(Step::Skipped(why)) => {
-            println!("SKIPPED: ptxas: {why}");
-            skipped.push("ptxas");
-        }
-        Err(Step::Failed(why)) => {
-            println!("FAILED: {why}");
-            failed.push("ptxas");
-        }
-    }
+    tally("ptxas", ptxas(), &mut failed, &mut skipped);
 
     println!();
     if !skipped.is_empty() {
@@ -199,6 +169,28 @@ fn ci() -> Result<(), String> {
     // The summed test counts of every test binary, as the closing line.
     println!("tests: {} passed, {} failed, {} skipped", counts.0, counts.1, counts.2);
     if failed.is_empty() { Ok(()) } else { Err(verdict) }
+}
+
+/// Records how a step that needs an external tool ended: prints `SKIPPED: <step>: <why>`
+/// or `FAILED: <why>` and lists it; true when it succeeded.
+fn tally(
+    step: &'static str,
+    result: Result<(), Step>,
+    failed: &mut Vec<&'static str>,
+    skipped: &mut Vec<&'static str>,
+) -> bool {
+    match result {
+        Ok(()) => return true,
+        Err(Step::Skipped(why)) => {
+            println!("SKIPPED: {step}: {why}");
+            skipped.push(step);
+        }
+        Err(Step::Failed(why)) => {
+            println!("FAILED: {step}: {why}");
+            failed.push(step);
+        }
+    }
+    false
 }
 
 /// Runs `cargo test`, echoing its output, and sums the `test result:` lines:
