@@ -123,12 +123,13 @@ impl KvCache {
         Ok(())
     }
 
-    /// Sets a layer's calibration (key means and channel permutations). Only allowed
+    /// Sets a layer's calibration (key means, learned rotations, channel permutations;
+    /// checked with [`LayerCalibration::check_orthogonal`]). Only allowed
     /// while no sequence holds tokens of that layer, since stored tokens were rotated
     /// with the old one.
     pub fn set_calibration(&mut self, layer: usize, calib: LayerCalibration) -> Result<()> {
         self.check_layer(layer)?;
-        calib.validate(self.shape.num_kv_heads, self.config.head_dim)?;
+        calib.check_orthogonal(self.shape.num_kv_heads, self.config.head_dim)?;
         if self.seqs.iter().flatten().any(|s| s.lens[layer] > 0) {
             return Err(Error::Calibration(format!("layer {layer} holds tokens; set calibration before appending")));
         }

@@ -165,11 +165,40 @@ pub fn quantized_bits_per_element(key_bits: u32, value_bits: u32, group: usize) 
     (key_bits + value_bits) as f64 / 2.0 + 32.0 / group as f64
 }
 
+/// The rotation of one KV head's keys or values, before its channel permutation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HeadRotation<'a> {
+    /// No rotation.
+    None,
+    /// The orthonormal Sylvester Hadamard transform (FWHT).
+    Hadamard,
+    /// A dense orthogonal `D x D` matrix `R`, row-major: the rotated row is `x R`, the
+    /// inverse `y R^T` (a learned rotation, see [`LayerCalibration::key_rotation`]).
+    Dense(&'a [f32]),
+}
+
+impl From<Rotation> for HeadRotation<'static> {
+    /// The rotation a configured [`Rotation`] stands for.
+    fn from(r: Rotation) -> Self {
+        match r {
+            Rotation::None => HeadRotation::None,
+            Rotation::Hadamard => HeadRotation::Hadamard,
+        }
+    }
+}
+
+/// Largest `|R R^T - I|` entry a dense rotation may have (f32 storage of an orthogonal
+/// matrix computed in f64 is within 1e-6; the bound leaves room for matrices computed in
+/// f32 elsewhere).
+pub const ORTHOGONALITY_TOL: f64 = 1e-4;
+
 /// Calibration data of one layer: per KV head, a key mean subtracted before the
-/// rotation and channel permutations applied after it.
+/// rotation, optional learned rotations replacing the Hadamard transform, and channel
+/// permutations applied after the rotation.
 ///
 /// Stored channel `j` of a rotated key is rotated channel `key_perm[j]` (likewise for
-/// values). The identity permutations and a zero mean (the default) change nothing.
+/// values). The identity permutations, a zero mean and no learned rotations (the
+/// default) change nothing.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerCalibration {
     /// `[num_kv_heads][head_dim]` key means.
@@ -178,16 +207,30 @@ pub struct LayerCalibration {
     pub key_perm: Vec<u16>,
     /// `[num_kv_heads][head_dim]` value channel permutations.
     pub value_perm: Vec<u16>,
+    /// `[num_kv_heads][head_dim][head_dim]` orthogonal key rotations (row-major `R`, the
+    /// rotated key is `(k - mean) R`), used instead of the configured key rotation: the
+    /// OptR learned rotations of `rotkv calibrate --methods optr`. `None`: the
+    /// configured rotation ([`CacheConfig::key_rotation`]).
+    pub key_rotation: Option<Vec<f32>>,
+    /// The same for values.
+    pub value_rotation: Option<Vec<f32>>,
 }
 
 impl LayerCalibration {
-    /// Zero means and identity permutations.
+    /// Zero means, identity permutations, the configured rotations.
     pub fn identity(num_kv_heads: usize, head_dim: usize) -> Self {
         let perm: Vec<u16> = (0..num_kv_heads).flat_map(|_| 0..head_dim as u16).collect();
-        Self { key_mean: vec![0.0; num_kv_heads * head_dim], key_perm: perm.clone(), value_perm: perm }
+        Self {
+            key_mean: vec![0.0; num_kv_heads * head_dim],
+            key_perm: perm.clone(),
+            value_perm: perm,
+            key_rotation: None,
+            value_rotation: None,
+        }
     }
 
-    /// Checks sizes, finiteness of the means and that every permutation is one.
+    /// Checks sizes, finiteness of the means, that every permutation is one and that
+    /// every learned rotation is orthogonal (within [`ORTHOGONALITY_TOL`]).
     pub fn validate(&self, num_kv_heads: usize, head_dim: usize) -> Result<()> {
         let n = num_kv_heads * head_dim;
         for (what, len) in [
@@ -218,7 +261,81 @@ impl LayerCalibration {
                 }
             }
         }
+        for (what, rot) in [("key_rotation", &self.key_rotation), ("value_rotation", &self.value_rotation)] {
+            if let Some(r) = rot
+                && r.len() != n * head_dim
+            {
+                return Err(Error::Calibration(format!(
+                    "{what} has {} entries, expected {num_kv_heads} heads x {head_dim} x {head_dim} = {}",
+                    r.len(),
+                    n * head_dim
+                )));
+            }
+        }
+        for (what, m, h) in self.rotations(head_dim) {
+            // Unit rows and columns: the cheap part of orthogonality, and what keeps every
+            // rotated channel within the row's norm (so the f16 range check of the inputs
+            // still holds). The full check is `check_orthogonal`.
+            for i in 0..head_dim {
+                let row: f64 = (0..head_dim).map(|c| (m[i * head_dim + c] as f64).powi(2)).sum();
+                let col: f64 = (0..head_dim).map(|c| (m[c * head_dim + i] as f64).powi(2)).sum();
+                // (NaN compares false: a non-finite matrix is refused too.)
+                if !((row - 1.0).abs() <= ORTHOGONALITY_TOL && (col - 1.0).abs() <= ORTHOGONALITY_TOL) {
+                    return Err(Error::Calibration(format!(
+                        "{what} of KV head {h}: row or column {i} does not have unit norm ({row:.6}, {col:.6})"
+                    )));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// [`LayerCalibration::validate`], and that every learned rotation is orthogonal:
+    /// `|R R^T - I|` below [`ORTHOGONALITY_TOL`] everywhere (`O(D^3)` per head, so it
+    /// runs when a calibration is set or loaded, not on every call).
+    pub fn check_orthogonal(&self, num_kv_heads: usize, head_dim: usize) -> Result<()> {
+        self.validate(num_kv_heads, head_dim)?;
+        for (what, m, h) in self.rotations(head_dim) {
+            let err = orthogonality_error(m, head_dim);
+            if err.is_nan() || err > ORTHOGONALITY_TOL {
+                return Err(Error::Calibration(format!(
+                    "{what} of KV head {h} is not orthogonal (largest |R R^T - I| entry {err:.2e})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every learned rotation matrix: `(name, matrix, kv_head)`.
+    fn rotations(&self, head_dim: usize) -> impl Iterator<Item = (&'static str, &[f32], usize)> {
+        let dd = (head_dim * head_dim).max(1);
+        [("key_rotation", &self.key_rotation), ("value_rotation", &self.value_rotation)].into_iter().flat_map(
+            move |(what, r)| r.iter().flat_map(move |r| r.chunks_exact(dd).enumerate()).map(move |(h, m)| (what, m, h)),
+        )
+    }
+
+    /// `FLAG_DENSE_*` bits of the kernel parameter blocks for the learned rotations this
+    /// calibration holds.
+    pub fn flags(&self) -> u32 {
+        use rotkv_kernels::params::{FLAG_DENSE_KEYS, FLAG_DENSE_VALUES};
+        (if self.key_rotation.is_some() { FLAG_DENSE_KEYS } else { 0 })
+            | (if self.value_rotation.is_some() { FLAG_DENSE_VALUES } else { 0 })
+    }
+
+    /// The rotation of the keys (`value == false`) or values of `kv_head`: its learned
+    /// matrix if this calibration has one, else the Hadamard transform where `flags` (the
+    /// kernel flags) ask for it, else none.
+    pub fn rotation(&self, value: bool, kv_head: usize, head_dim: usize, flags: u32) -> HeadRotation<'_> {
+        let (learned, hadamard) = if value {
+            (&self.value_rotation, flags & FLAG_ROTATE_VALUES != 0)
+        } else {
+            (&self.key_rotation, flags & FLAG_ROTATE_KEYS != 0)
+        };
+        match learned {
+            Some(r) => HeadRotation::Dense(&r[kv_head * head_dim * head_dim..(kv_head + 1) * head_dim * head_dim]),
+            None if hadamard => HeadRotation::Hadamard,
+            None => HeadRotation::None,
+        }
     }
 
     /// The inverse value permutations, `[kv_head][head_dim]`: rotated channel `c` is
@@ -238,4 +355,20 @@ impl LayerCalibration {
         let r = kv_head * head_dim..(kv_head + 1) * head_dim;
         (&self.key_mean[r.clone()], &self.key_perm[r.clone()], &self.value_perm[r])
     }
+}
+
+/// Largest entry of `|R R^T - I|` for a row-major `d x d` matrix, in f64.
+pub fn orthogonality_error(r: &[f32], d: usize) -> f64 {
+    let mut worst = 0f64;
+    for i in 0..d {
+        for j in 0..d {
+            let dot: f64 = (0..d).map(|c| r[i * d + c] as f64 * r[j * d + c] as f64).sum();
+            let e = (dot - if i == j { 1.0 } else { 0.0 }).abs();
+            if e.is_nan() {
+                return f64::NAN;
+            }
+            worst = worst.max(e);
+        }
+    }
+    worst
 }

@@ -8,7 +8,7 @@
 //! `q'.khat = s * (q'.codes) + z * sum(q')`, and `sum(q')` per group is computed once
 //! per query.
 
-use crate::config::LayerCalibration;
+use crate::config::{HeadRotation, LayerCalibration};
 use crate::reference;
 use crate::reference::SeqRef;
 use half::f16;
@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use rotkv_kernels::layout::{Format, NO_CLIP, Place, clip_range};
 pub use rotkv_kernels::math::exp_neg;
 use rotkv_kernels::math::f64_to_f16;
-use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+use rotkv_kernels::params::{AppendParams, DecodeParams};
 
 /// Tokens scored per softmax step (one max and one rescale per chunk).
 const CHUNK: usize = 64;
@@ -81,13 +81,48 @@ pub fn fwht(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= s);
 }
 
-/// Rotates `x` (in place) into stored order in `out`: `out[j] = (x H)[perm[j]]`.
-fn rotate_into(x: &mut [f32], hadamard: bool, perm: &[u16], out: &mut [f32]) {
-    if hadamard {
-        fwht(x);
+/// `out = x R` for a row-major `d x d` matrix (row by row, so the inner loop is a
+/// vectorizable axpy).
+fn dense_rotate(x: &[f32], r: &[f32], out: &mut [f32]) {
+    let d = x.len();
+    out.fill(0.0);
+    for (&xi, row) in x.iter().zip(r.chunks_exact(d)) {
+        out.iter_mut().zip(row).for_each(|(o, &m)| *o += xi * m);
+    }
+}
+
+/// Rotates `x` (in place) into stored order in `out`: `out[j] = (x R)[perm[j]]`.
+fn rotate_into(x: &mut [f32], rot: HeadRotation<'_>, perm: &[u16], out: &mut [f32]) {
+    match rot {
+        HeadRotation::None => {}
+        HeadRotation::Hadamard => fwht(x),
+        HeadRotation::Dense(r) => {
+            dense_rotate(x, r, out);
+            x.copy_from_slice(out);
+        }
     }
     for (o, &p) in out.iter_mut().zip(perm) {
         *o = x[p as usize];
+    }
+}
+
+/// Inverse of [`rotate_into`]: `out = unpermute(y) R^T`; `t` is scratch of the row's
+/// length.
+fn unrotate_into(y: &[f32], rot: HeadRotation<'_>, perm: &[u16], t: &mut [f32], out: &mut [f32]) {
+    for (&yj, &pj) in y.iter().zip(perm) {
+        t[pj as usize] = yj;
+    }
+    match rot {
+        HeadRotation::None => out.copy_from_slice(t),
+        HeadRotation::Hadamard => {
+            out.copy_from_slice(t);
+            fwht(out);
+        }
+        HeadRotation::Dense(r) => {
+            for (o, row) in out.iter_mut().zip(r.chunks_exact(t.len())) {
+                *o = dot(row, t);
+            }
+        }
     }
 }
 
@@ -97,7 +132,7 @@ fn rotate_into(x: &mut [f32], hadamard: bool, perm: &[u16], out: &mut [f32]) {
 fn stage_row(
     src: &[f32],
     mean: Option<&[f32]>,
-    hadamard: bool,
+    rot: HeadRotation<'_>,
     perm: &[u16],
     x: &mut [f32],
     y: &mut [f32],
@@ -107,16 +142,16 @@ fn stage_row(
         Some(m) => x.iter_mut().zip(src.iter().zip(m)).for_each(|(x, (a, m))| *x = a - m),
         None => x.copy_from_slice(src),
     }
-    rotate_into(x, hadamard, perm, y);
+    rotate_into(x, rot, perm, y);
     dst.convert_from_f32_slice(y);
 }
 
 /// The f16 row the CPU backend stores for an input row (the f32 twin of
 /// [`crate::reference::stored_key`] / [`crate::reference::stored_value`]).
-pub fn stored_row(src: &[f32], mean: Option<&[f32]>, hadamard: bool, perm: &[u16]) -> Vec<f16> {
+pub fn stored_row(src: &[f32], mean: Option<&[f32]>, rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
     let n = src.len();
     let mut out = vec![f16::ZERO; n];
-    stage_row(src, mean, hadamard, perm, &mut vec![0.0; n], &mut vec![0.0; n], &mut out);
+    stage_row(src, mean, rot, perm, &mut vec![0.0; n], &mut vec![0.0; n], &mut out);
     out
 }
 
@@ -178,8 +213,8 @@ pub fn append(
             let (mean, kperm, vperm) = calib.head(h, d);
             let src = (i / hkv) * p.token_stride as usize + h * p.head_stride as usize;
             let (dk, dv) = dst.split_at_mut(d);
-            stage_row(&k[src..src + d], Some(mean), flags & FLAG_ROTATE_KEYS != 0, kperm, x, y, dk);
-            stage_row(&v[src..src + d], None, flags & FLAG_ROTATE_VALUES != 0, vperm, x, y, dv);
+            stage_row(&k[src..src + d], Some(mean), calib.rotation(false, h, d, flags), kperm, x, y, dk);
+            stage_row(&v[src..src + d], None, calib.rotation(true, h, d, flags), vperm, x, y, dv);
         },
     );
     let new_len = (len + n) as u32;
@@ -1076,7 +1111,7 @@ fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usi
     for (i, o) in out.chunks_exact_mut(d).enumerate() {
         let at = seq * p.q_seq_stride as usize + (kv_head * g + i) * d;
         x.iter_mut().zip(&q[at..at + d]).for_each(|(x, q)| *x = q * p.sm_scale);
-        rotate_into(&mut x, p.flags & FLAG_ROTATE_KEYS != 0, kperm, o);
+        rotate_into(&mut x, calib.rotation(false, kv_head, d, p.flags), kperm, o);
     }
     out
 }
@@ -1113,18 +1148,13 @@ pub fn decode(
         .collect();
     out.par_chunks_mut(p.q_seq_stride as usize).zip(partials.par_chunks(hkv * ns)).enumerate().for_each(
         |(_, (out, parts))| {
-            let mut x = vec![0f32; d];
+            let (mut x, mut t) = (vec![0f32; d], vec![0f32; d]);
             for qh in 0..p.num_q_heads as usize {
                 let (h, i) = (qh / g, qh % g);
                 merge_into(&parts[h * ns..(h + 1) * ns], i, d, &mut x);
                 let (_, _, vperm) = calib.head(h, d);
                 let o = &mut out[qh * d..(qh + 1) * d];
-                for (j, &pj) in vperm.iter().enumerate() {
-                    o[pj as usize] = x[j];
-                }
-                if p.flags & FLAG_ROTATE_VALUES != 0 {
-                    fwht(o);
-                }
+                unrotate_into(&x, calib.rotation(true, h, d, p.flags), vperm, &mut t, o);
             }
         },
     );

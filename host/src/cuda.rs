@@ -12,7 +12,9 @@ use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
 use crate::launch::{self, BLOCK, DecodeInputs};
 use crate::reference::SeqRef;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use half::f16;
 use rotkv_kernels::layout::Format;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
@@ -99,6 +101,13 @@ fn merge_entry(d: u32) -> Result<&'static str> {
     Err(Error::Unsupported(format!("head_dim {d}")))
 }
 
+/// A layer's learned rotations on the device, or a one-element placeholder without them
+/// (the kernels read the matrices only when the paged layer set the matching
+/// `FLAG_DENSE_*` bit from the same calibration).
+fn rotation_d(s: &Arc<CudaStream>, r: &Option<Vec<f32>>) -> Result<CudaSlice<f32>> {
+    s.clone_htod(r.as_deref().unwrap_or(&[0.0])).map_err(err("upload"))
+}
+
 /// The append entry points `(tokens, flush)` for a head dimension.
 fn append_entries(d: u32) -> Result<(&'static str, &'static str)> {
     macro_rules! names {
@@ -136,6 +145,7 @@ pub fn decode_cuda(
         s.clone_htod(&calib.key_perm).map_err(&up)?,
         s.clone_htod(&inputs.vperm_inv).map_err(&up)?,
     );
+    let (krot_d, vrot_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
     let (nm, no) = inputs.partial_lens();
     let alloc = err("alloc");
     let mut m_d = s.alloc_zeros::<f32>(nm).map_err(&alloc)?;
@@ -145,7 +155,7 @@ pub fn decode_cuda(
     let split = function(g, decode_entry(&inputs.params.format)?)?;
     let params = Arg(inputs.params);
     let mut b = s.launch_builder(&split);
-    b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d);
+    b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d).arg(&krot_d);
     b.arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
     // SAFETY: the arguments match `decode_split`'s entry point in order and type; the
     // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
@@ -155,7 +165,7 @@ pub fn decode_cuda(
     let merge = function(g, merge_entry(mp.head_dim)?)?;
     let mp = Arg(mp);
     let mut b = s.launch_builder(&merge);
-    b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&mut out_d);
+    b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&vrot_d).arg(&mut out_d);
     // SAFETY: as above, for `decode_merge`.
     unsafe { b.launch(launch_config(grid, 0)) }.map_err(err("decode_merge"))?;
     let host = s.clone_dtoh(&out_d).map_err(err("download"))?;
@@ -200,11 +210,12 @@ pub fn append_cuda(
         let (k_d, v_d, mean_d) =
             (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
         let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
+        let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
         let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table)).map_err(&up)?;
         let f = function(g, tok)?;
         let params = Arg(*p);
         let mut b = s.launch_builder(&f);
-        b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&slots_d);
+        b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&kr_d).arg(&vr_d).arg(&slots_d);
         b.arg(&mut pool_d).arg(&mut side_d);
         // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
         // paged layer checked the inputs' sizes and the block table.
@@ -302,6 +313,8 @@ pub fn time_decode(
     );
     let (perm_d, inv_d) =
         (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm_inverse(d)).map_err(&up)?);
+    // (No learned rotations here: the flags select the FWHT, these are never read.)
+    let (krot_d, vrot_d) = (rotation_d(s, &None)?, rotation_d(s, &None)?);
     let parts = batch * num_q_heads * p.num_splits as usize;
     let alloc = err("alloc");
     let (mut m_d, mut l_d) =
@@ -327,12 +340,12 @@ pub fn time_decode(
     let mut step = || -> Result<f64> {
         let t = std::time::Instant::now();
         let mut b = s.launch_builder(&split);
-        b.arg(&pa).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d);
+        b.arg(&pa).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d).arg(&krot_d);
         b.arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
         // SAFETY: `decode_split`'s arguments in order; buffers sized for batch x context.
         unsafe { b.launch(split_cfg) }.map_err(err("decode_split"))?;
         let mut b = s.launch_builder(&merge);
-        b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&mut out_d);
+        b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&vrot_d).arg(&mut out_d);
         // SAFETY: `decode_merge`'s arguments in order.
         unsafe { b.launch(merge_cfg) }.map_err(err("decode_merge"))?;
         s.synchronize().map_err(err("synchronize"))?;

@@ -17,7 +17,7 @@
 //! every one of the last 128 queries decoded by [`crate::paged::decode`] after its own
 //! token was appended, so sinks and window are exactly what decode sees at that step.
 
-use crate::config::{CacheConfig, LayerCalibration, Rotation};
+use crate::config::{CacheConfig, HeadRotation, LayerCalibration, Rotation};
 use crate::error::{Error, Result};
 use crate::paged::{self, DecodeOptions, LayerShape};
 use crate::reference::{self, SeqRef};
@@ -204,15 +204,15 @@ fn rel_err(a: &[f64], b: &[f32]) -> f64 {
 /// dequantized, unrotated rows in f64.
 fn quantize_all(x: &[f32], d: usize, bits: u32, group: usize, hadamard: bool) -> Vec<f64> {
     let perm: Vec<u16> = (0..d as u16).collect();
-    let flags = if hadamard { rotkv_kernels::params::FLAG_ROTATE_VALUES } else { 0 };
+    let rot = if hadamard { HeadRotation::Hadamard } else { HeadRotation::None };
     x.par_chunks(d)
         .flat_map_iter(|row| {
-            let stored: Vec<f64> = reference::stored_value(row, flags, &perm).iter().map(|v| v.to_f64()).collect();
+            let stored: Vec<f64> = reference::stored_value(row, rot, &perm).iter().map(|v| v.to_f64()).collect();
             let mut codes = vec![0u8; d * bits as usize / 8];
             let mut params = vec![0u8; d / group * 4];
             reference::quantize_row(&stored, bits, group, rotkv_kernels::layout::NO_CLIP, &mut codes, &mut params);
             let deq = reference::dequantize_row(&codes, &params, bits, group, d);
-            reference::unrotate(&deq, hadamard, &perm)
+            reference::unrotate(&deq, rot, &perm)
         })
         .collect()
 }
@@ -303,7 +303,7 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
             .flat_map(|pos| {
                 (0..hkv).flat_map(move |h| {
                     let r = reference::read_row(&fmt, hkv, pool, &seq, h, pos, value);
-                    reference::unrotate(&r, rot == Rotation::Hadamard, ident)
+                    reference::unrotate(&r, rot.into(), ident)
                 })
             })
             .collect()

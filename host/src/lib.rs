@@ -60,7 +60,7 @@ pub mod reference;
 pub mod sim;
 
 pub use cache::{CacheShape, KvCache, SeqId};
-pub use config::{CacheConfig, LayerCalibration, Rotation};
+pub use config::{CacheConfig, HeadRotation, LayerCalibration, Rotation};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use rotkv_kernels::layout::Format;

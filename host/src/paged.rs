@@ -186,7 +186,7 @@ pub fn append<T: KvElement>(
         num_kv_heads: hkv as u32,
         start: len as u32,
         count: tokens as u32,
-        flags: config.flags(),
+        flags: config.flags() | calib.flags(),
         token_stride: (hkv * d) as u32,
         head_stride: d as u32,
         input_dtype: rotkv_kernels::params::DTYPE_F32,
@@ -292,7 +292,7 @@ pub fn decode<T: KvElement>(
         num_kv_heads: hkv as u32,
         num_splits,
         block_table_stride: seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0) as u32,
-        flags: config.flags(),
+        flags: config.flags() | calib.flags(),
         sm_scale,
         q_seq_stride: (hq * d) as u32,
     };

@@ -8,11 +8,11 @@
 //! The functions here trust their arguments: shapes, block tables and values are
 //! checked once by [`crate::paged`] before any backend runs.
 
-use crate::config::LayerCalibration;
+use crate::config::{HeadRotation, LayerCalibration};
 use half::f16;
 use rotkv_kernels::layout::{Format, NO_CLIP, Place, clip_range};
 use rotkv_kernels::math::f64_to_f16;
-use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+use rotkv_kernels::params::{AppendParams, DecodeParams};
 
 /// In-place orthonormal fast Walsh-Hadamard transform: `x -> x H_n`, with `H_n` the
 /// Sylvester Hadamard matrix in natural order divided by `sqrt(n)`. `n` must be a power
@@ -35,26 +35,41 @@ pub fn fwht(x: &mut [f64]) {
     x.iter_mut().for_each(|v| *v *= s);
 }
 
-/// Forward rotation into the stored channel order: `y[j] = (x H)[perm[j]]` (no `H` when
-/// `hadamard` is false).
-pub fn rotate(x: &[f64], hadamard: bool, perm: &[u16]) -> Vec<f64> {
-    let mut t = x.to_vec();
-    if hadamard {
-        fwht(&mut t);
-    }
+/// Forward rotation into the stored channel order: `y[j] = (x R)[perm[j]]` with `R` the
+/// Hadamard matrix, a dense learned rotation, or the identity.
+pub fn rotate(x: &[f64], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f64> {
+    let t = match rot {
+        HeadRotation::None => x.to_vec(),
+        HeadRotation::Hadamard => {
+            let mut t = x.to_vec();
+            fwht(&mut t);
+            t
+        }
+        HeadRotation::Dense(r) => {
+            let d = x.len();
+            (0..d).map(|j| (0..d).map(|i| x[i] * r[i * d + j] as f64).sum()).collect()
+        }
+    };
     perm.iter().map(|&p| t[p as usize]).collect()
 }
 
-/// Inverse of [`rotate`].
-pub fn unrotate(y: &[f64], hadamard: bool, perm: &[u16]) -> Vec<f64> {
+/// Inverse of [`rotate`]: un-permute, then `y R^T` (the FWHT is its own inverse).
+pub fn unrotate(y: &[f64], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f64> {
     let mut t = vec![0.0; y.len()];
     for (j, &p) in perm.iter().enumerate() {
         t[p as usize] = y[j];
     }
-    if hadamard {
-        fwht(&mut t);
+    match rot {
+        HeadRotation::None => t,
+        HeadRotation::Hadamard => {
+            fwht(&mut t);
+            t
+        }
+        HeadRotation::Dense(r) => {
+            let d = t.len();
+            (0..d).map(|i| (0..d).map(|j| t[j] * r[i * d + j] as f64).sum()).collect()
+        }
     }
-    t
 }
 
 /// One quantized group: f16 scale and zero and one code per channel.
@@ -146,15 +161,15 @@ pub fn dequantize_row(codes: &[u8], params: &[u8], bits: u32, group: usize, n: u
 
 /// The rotated, centered key row of one token and head as the format stores it in f16
 /// (sinks, window) and as the quantizer sees it.
-pub fn stored_key(k: &[f32], mean: &[f32], flags: u32, perm: &[u16]) -> Vec<f16> {
+pub fn stored_key(k: &[f32], mean: &[f32], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
     let x: Vec<f64> = k.iter().zip(mean).map(|(&a, &m)| a as f64 - m as f64).collect();
-    rotate(&x, flags & FLAG_ROTATE_KEYS != 0, perm).into_iter().map(f16::from_f64).collect()
+    rotate(&x, rot, perm).into_iter().map(f16::from_f64).collect()
 }
 
 /// The rotated value row of one token and head as the format stores it in f16.
-pub fn stored_value(v: &[f32], flags: u32, perm: &[u16]) -> Vec<f16> {
+pub fn stored_value(v: &[f32], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
     let x: Vec<f64> = v.iter().map(|&a| a as f64).collect();
-    rotate(&x, flags & FLAG_ROTATE_VALUES != 0, perm).into_iter().map(f16::from_f64).collect()
+    rotate(&x, rot, perm).into_iter().map(f16::from_f64).collect()
 }
 
 /// Appends `p.count` tokens (`k[t * p.token_stride + h * p.head_stride + c]`, likewise
@@ -178,7 +193,10 @@ pub fn append(
         for h in 0..hkv {
             let (mean, kperm, vperm) = calib.head(h, d);
             let x = i * p.token_stride as usize + h * p.head_stride as usize;
-            let rows = [stored_key(&k[x..x + d], mean, p.flags, kperm), stored_value(&v[x..x + d], p.flags, vperm)];
+            let rows = [
+                stored_key(&k[x..x + d], mean, calib.rotation(false, h, d, p.flags), kperm),
+                stored_value(&v[x..x + d], calib.rotation(true, h, d, p.flags), vperm),
+            ];
             // A new token enters the sinks or the window (and may be flushed just below).
             let row = if pos < fmt.sinks { pos } else { fmt.window_row(pos) };
             for (which, r) in rows.iter().enumerate() {
@@ -294,10 +312,10 @@ pub struct Partial {
     pub o: Vec<f64>,
 }
 
-/// The query of one head rotated into the key's stored order: `(q H)[key_perm]`.
-pub fn rotate_query(q: &[f32], flags: u32, key_perm: &[u16]) -> Vec<f64> {
+/// The query of one head rotated into the key's stored order: `(q R)[key_perm]`.
+pub fn rotate_query(q: &[f32], rot: HeadRotation<'_>, key_perm: &[u16]) -> Vec<f64> {
     let x: Vec<f64> = q.iter().map(|&a| a as f64).collect();
-    rotate(&x, flags & FLAG_ROTATE_KEYS != 0, key_perm)
+    rotate(&x, rot, key_perm)
 }
 
 /// Split-K partials for every `(sequence, query head, split)`, in that order.
@@ -319,7 +337,7 @@ pub fn decode_partials(
             let kvh = qh / group;
             let (_, kperm, _) = calib.head(kvh, d);
             let qo = s * p.q_seq_stride as usize + qh * d;
-            let qr = rotate_query(&q[qo..qo + d], p.flags, kperm);
+            let qr = rotate_query(&q[qo..qo + d], calib.rotation(false, kvh, d, p.flags), kperm);
             for split in 0..p.num_splits {
                 let (b, e) = p.split_range(split, seq.len as u32);
                 let mut part = Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; d] };
@@ -377,8 +395,9 @@ pub fn decode(
     let parts = decode_partials(p, calib, pool, seqs, q);
     for (i, chunk) in parts.chunks_exact(ns).enumerate() {
         let qh = i % hq;
-        let (_, _, vperm) = calib.head(qh / (hq / hkv), d);
-        let o = unrotate(&merge(chunk), p.flags & FLAG_ROTATE_VALUES != 0, vperm);
+        let kvh = qh / (hq / hkv);
+        let (_, _, vperm) = calib.head(kvh, d);
+        let o = unrotate(&merge(chunk), calib.rotation(true, kvh, d, p.flags), vperm);
         let at = (i / hq) * p.q_seq_stride as usize + qh * d;
         out[at..at + d].iter_mut().zip(o).for_each(|(a, b)| *a = b as f32);
     }

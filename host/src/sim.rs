@@ -10,7 +10,7 @@ use half::f16;
 use rotkv_kernels::append::{append_flush, append_tokens};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::merge::decode_merge;
-use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_OUTPUT_F16, MergeParams};
+use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
 
 /// Multiprocessors of the emulated device (drives the split count only).
@@ -28,7 +28,7 @@ pub fn decode_sim(
     let inputs = DecodeInputs::new(p, calib, pool, seqs, q)?;
     let (m, l, o) = decode_split_launch(&inputs, calib, pool, q)?;
     let (mp, _) = inputs.merge();
-    decode_merge_sim(&mp, &m, &l, &o, &inputs.vperm_inv, out)
+    decode_merge_sim(&mp, &m, &l, &o, &inputs.vperm_inv, calib.value_rotation.as_deref(), out)
 }
 
 /// Element types `decode_merge` can write: f32 and f16.
@@ -61,14 +61,17 @@ impl<T> Shared<T> {
 }
 
 /// Runs the `decode_merge` kernel: partials `m`, `l` (`[seq][q_head][split]`), `o`
-/// (`[seq][q_head][split][head_dim]`, stored value order) and the inverse value
-/// permutations `vperm_inv` (`[kv_head][head_dim]`) into `out` (`[seq][q_head][head_dim]`).
+/// (`[seq][q_head][split][head_dim]`, stored value order), the inverse value
+/// permutations `vperm_inv` (`[kv_head][head_dim]`) and, when `p.flags` has
+/// `FLAG_DENSE_VALUES`, the learned value rotations `value_rot`
+/// (`[kv_head][head_dim][head_dim]`) into `out` (`[seq][q_head][head_dim]`).
 pub fn decode_merge_sim<O: MergeOutput>(
     p: &MergeParams,
     m: &[f32],
     l: &[f32],
     o: &[f32],
     vperm_inv: &[u16],
+    value_rot: Option<&[f32]>,
     out: &mut [O],
 ) -> Result<()> {
     let (s, h, n, d) = (p.num_seqs as usize, p.num_q_heads as usize, p.num_splits as usize, p.head_dim as usize);
@@ -92,11 +95,23 @@ pub fn decode_merge_sim<O: MergeOutput>(
             p.num_kv_heads as usize * d
         )));
     }
-    let (mp, lp, op, vp, outp) = (
+    let dense = p.flags & FLAG_DENSE_VALUES != 0;
+    let rot = match value_rot {
+        Some(r) if dense && r.len() == p.num_kv_heads as usize * d * d => r.as_ptr(),
+        None if !dense => std::ptr::null(),
+        _ => {
+            return Err(Error::Calibration(format!(
+                "value_rot must hold {} entries exactly when FLAG_DENSE_VALUES is set",
+                p.num_kv_heads as usize * d * d
+            )));
+        }
+    };
+    let (mp, lp, op, vp, rp, outp) = (
         Shared(m.as_ptr().cast_mut()),
         Shared(l.as_ptr().cast_mut()),
         Shared(o.as_ptr().cast_mut()),
         Shared(vperm_inv.as_ptr().cast_mut()),
+        Shared(rot.cast_mut()),
         Shared(out.as_mut_ptr().cast::<u8>()),
     );
     let p = MergeParams { flags: (p.flags & !FLAG_OUTPUT_F16) | if O::F16 { FLAG_OUTPUT_F16 } else { 0 }, ..*p };
@@ -105,7 +120,9 @@ pub fn decode_merge_sim<O: MergeOutput>(
             sim::launch([h as u32, s as u32, 1], 32, 0, |c: &SimCtx<'_>| {
                 // SAFETY: sizes checked above; grid (H, S, 1) of 32-thread blocks, as
                 // `decode_merge` requires; each block writes its own output row.
-                unsafe { decode_merge::<_, $d, $v>(c, &p, mp.ptr(), lp.ptr(), op.ptr(), vp.ptr(), outp.ptr()) }
+                unsafe {
+                    decode_merge::<_, $d, $v>(c, &p, mp.ptr(), lp.ptr(), op.ptr(), vp.ptr(), rp.ptr(), outp.ptr())
+                }
             })
             .map_err(|e| Error::Backend(format!("sim decode_merge: {e}")))
         };
@@ -116,6 +133,13 @@ pub fn decode_merge_sim<O: MergeOutput>(
         256 => launch!(256, 8),
         other => Err(Error::Unsupported(format!("head_dim {other}"))),
     }
+}
+
+/// The kernels' pointer to a layer's learned rotations (null without them; the paged
+/// layer set the matching `FLAG_DENSE_*` bits from the same calibration and checked its
+/// size).
+fn rotation_ptr(r: &Option<Vec<f32>>) -> *mut f32 {
+    r.as_ref().map_or(std::ptr::null_mut(), |r| r.as_ptr().cast_mut())
 }
 
 /// Split-K partials from the emulated `decode_split` kernel: `(m, l, o)` with `m`, `l`
@@ -141,13 +165,14 @@ fn decode_split_launch(
     let fmt = p.format;
     let (nm, no) = inputs.partial_lens();
     let (mut m, mut l, mut o) = (vec![0f32; nm], vec![0f32; nm], vec![0f32; no]);
-    let (qp, pp, tp, lp, sp, kp) = (
+    let (qp, pp, tp, lp, sp, kp, kr) = (
         Shared(q.as_ptr().cast_mut()),
         Shared(pool.as_ptr().cast_mut()),
         Shared(inputs.tables.as_ptr().cast_mut()),
         Shared(inputs.lens.as_ptr().cast_mut()),
         Shared(inputs.sides().as_ptr().cast_mut()),
         Shared(calib.key_perm.as_ptr().cast_mut()),
+        Shared(rotation_ptr(&calib.key_rotation)),
     );
     let (mp, lsp, op) = (Shared(m.as_mut_ptr()), Shared(l.as_mut_ptr()), Shared(o.as_mut_ptr()));
     let (grid, shared) = (inputs.split_grid(), inputs.split_shared_bytes() as usize);
@@ -166,6 +191,7 @@ fn decode_split_launch(
                         lp.ptr(),
                         sp.ptr(),
                         kp.ptr(),
+                        kr.ptr(),
                         mp.ptr(),
                         lsp.ptr(),
                         op.ptr(),
@@ -208,12 +234,14 @@ pub fn append_sim(
     let side: &mut [u16] = bytemuck::cast_slice_mut(side);
     let (pp, sp, jp, tp) =
         (Shared(pool.as_mut_ptr()), Shared(side.as_mut_ptr()), Shared(jobs.as_mut_ptr()), Shared(slots.as_mut_ptr()));
-    let (kp, vp, mp, kq, vq) = (
+    let (kp, vp, mp, kq, vq, kr, vr) = (
         Shared(k.as_ptr().cast_mut()),
         Shared(v.as_ptr().cast_mut()),
         Shared(calib.key_mean.as_ptr().cast_mut()),
         Shared(calib.key_perm.as_ptr().cast_mut()),
         Shared(calib.value_perm.as_ptr().cast_mut()),
+        Shared(rotation_ptr(&calib.key_rotation)),
+        Shared(rotation_ptr(&calib.value_rotation)),
     );
     let njobs = (jobs.len() / 4) as u32;
     macro_rules! run {
@@ -236,7 +264,18 @@ pub fn append_sim(
                             // block table; `slots` has one entry per new token.
                             unsafe {
                                 append_tokens::<_, $d, $v>(
-                                    c, p, kp.ptr(), vp.ptr(), mp.ptr(), kq.ptr(), vq.ptr(), tp.ptr(), pp.ptr(), sp.ptr(),
+                                    c,
+                                    p,
+                                    kp.ptr(),
+                                    vp.ptr(),
+                                    mp.ptr(),
+                                    kq.ptr(),
+                                    vq.ptr(),
+                                    kr.ptr(),
+                                    vr.ptr(),
+                                    tp.ptr(),
+                                    pp.ptr(),
+                                    sp.ptr(),
                                 )
                             }
                         })

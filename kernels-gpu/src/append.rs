@@ -1,6 +1,7 @@
 //! Append. `append_tokens` is the fused pass over new tokens (as vLLM's
 //! reshape-and-cache): per token and KV head it loads K and V (f32, f16 or bf16),
-//! subtracts the key mean, runs the FWHT in registers and shuffles, applies the channel
+//! subtracts the key mean, runs the FWHT in registers and shuffles (or the dense learned
+//! rotation of the layer, when it has one), applies the channel
 //! permutation and rounds to f16 (the stored row); then, as the token's slot mapping says,
 //! either stores that row in the f16 side store (sinks and recent window) or quantizes it
 //! into its page slot (group min/max by shuffles, f16 scale and zero, codes, packing).
@@ -9,10 +10,12 @@
 //! which may overwrite those ring rows.
 
 use crate::ctx::Ctx;
-use crate::fwht::{fwht_warp, permute_warp};
+use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
-use crate::params::{AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES};
+use crate::params::{
+    AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES,
+};
 
 /// Bit of a slot-mapping entry that marks an f16 side-store row (the other bits are the
 /// row, as `Format::side_row_at` numbers them); without it the entry is the pool slot
@@ -24,7 +27,9 @@ pub const SLOT_SIDE: u32 = 1 << 31;
 /// # Safety
 /// `k` and `v` valid at element `t * p.token_stride + h * p.head_stride + c` for `t < p.count`,
 /// `h < p.num_kv_heads`, `c < D`; `key_mean` for `Hkv * D` reads; `key_perm` and
-/// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `slot_mapping` for
+/// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `key_rot` (with
+/// `FLAG_DENSE_KEYS`) and `value_rot` (with `FLAG_DENSE_VALUES`) for `Hkv * D * D`
+/// (unused, and may be null, without the flag); `slot_mapping` for
 /// `p.count` entries, each a side row below `p.format.side_rows()` or a pool slot whose
 /// block is inside `pool`; `pool` a 16-byte aligned pool of `p.format`'s head-pages
 /// with `p.num_kv_heads` heads per block; `side` a side store of
@@ -37,7 +42,8 @@ pub const SLOT_SIDE: u32 = 1 << 31;
 ///
 /// # Thread mapping
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
-/// loads them, subtracts the key mean, runs the warp FWHT, gathers the permutation with
+/// loads them, subtracts the key mean, runs the warp FWHT (or the dense rotation: `D`
+/// shuffles and `D * V` multiply-adds per lane), gathers the permutation with
 /// indexed shuffles and rounds to f16; then it stores its channels of the side row, or
 /// quantizes them with the group's lanes (`quantize_lanes`: the group's min and max by
 /// shuffles, f16 scale and zero, packed codes). Keys first, then values.
@@ -51,6 +57,8 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     key_mean: *const f32,
     key_perm: *const u16,
     value_perm: *const u16,
+    key_rot: *const f32,
+    value_rot: *const f32,
     slot_mapping: *const u32,
     pool: *mut u8,
     side: *mut u16,
@@ -85,8 +93,15 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
                 load(k, p.input_dtype, src + c) - *key_mean.add(h as usize * D + lane * V + c)
             }
         });
-        let flag = if value { FLAG_ROTATE_VALUES } else { FLAG_ROTATE_KEYS };
-        if p.flags & flag != 0 {
+        let (dense, hadamard, rot) = if value {
+            (FLAG_DENSE_VALUES, FLAG_ROTATE_VALUES, value_rot)
+        } else {
+            (FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS, key_rot)
+        };
+        if p.flags & dense != 0 {
+            // SAFETY: the head's D x D matrix (contract, with the flag set).
+            x = unsafe { dense_warp::<C, V, false>(ctx, &x, rot.add(h as usize * D * D)) };
+        } else if p.flags & hadamard != 0 {
             fwht_warp(ctx, &mut x);
         }
         let perm = if value { value_perm } else { key_perm };
@@ -269,13 +284,17 @@ mod entry {
                 key_mean: *const f32,
                 key_perm: *const u16,
                 value_perm: *const u16,
+                key_rot: *const f32,
+                value_rot: *const f32,
                 slot_mapping: *const u32,
                 pool: *mut u8,
                 side: *mut u16,
             ) {
                 // SAFETY: forwarded contract.
                 unsafe {
-                    append_tokens::<_, $d, $v>(&Nvptx, &p, k, v, key_mean, key_perm, value_perm, slot_mapping, pool, side)
+                    append_tokens::<_, $d, $v>(
+                        &Nvptx, &p, k, v, key_mean, key_perm, value_perm, key_rot, value_rot, slot_mapping, pool, side,
+                    )
                 }
             }
 

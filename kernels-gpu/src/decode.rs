@@ -6,10 +6,10 @@
 //! softmax or the merge.
 
 use crate::ctx::Ctx;
-use crate::fwht::{fwht_warp, permute_warp};
+use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, Place};
 use crate::math::{exp_neg, f16_to_f32};
-use crate::params::{DecodeParams, FLAG_ROTATE_KEYS};
+use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS};
 
 /// Largest GQA group (query heads per KV head) the kernel holds in registers.
 pub const MAX_GROUP: usize = 8;
@@ -183,7 +183,8 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// `S` rows of `p.q_seq_stride` f32 (`Hq * D` used); `block_tables` for
 /// `S * p.block_table_stride` entries, each used entry a block of `pool`; `seq_lens` for
 /// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits, 16-byte aligned;
-/// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `part_m`,
+/// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `key_rot`
+/// for `Hkv * D * D` when `p.flags` has `FLAG_DENSE_KEYS` (else unused); `part_m`,
 /// `part_l` for `S * Hq * N` writes and `part_o` for `S * Hq * N * D`.
 /// `D == 32 * V == p.format.head_dim`, `KB`/`VB` the key/value bits,
 /// `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N)`, 32 threads, [`decode_shared_bytes`] of
@@ -197,7 +198,7 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// # Thread mapping
 /// Block `(x, y, z)` = (KV head, sequence, split), one warp for the whole GQA group.
 /// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: FWHT across the
-/// warp, key permutation by shuffles, softmax scale folded in, written to shared memory
+/// warp (or the dense learned rotation), key permutation by shuffles, softmax scale folded in, written to shared memory
 /// with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
 /// token per lane, whole keys read with 16-byte loads (codes, or f16 rows for sinks and
 /// window) against the shared queries; a warp max and sum per query head update the
@@ -214,6 +215,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     seq_lens: *const u32,
     sides: *const u16,
     key_perm: *const u16,
+    key_rot: *const f32,
     part_m: *mut f32,
     part_l: *mut f32,
     part_o: *mut f32,
@@ -238,7 +240,9 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         }
         let row = unsafe { q.add(seq as usize * p.q_seq_stride as usize + (kvh as usize * g + h) * D) };
         let mut x: [f32; V] = core::array::from_fn(|v| unsafe { *row.add(lane as usize * V + v) } * p.sm_scale);
-        if p.flags & FLAG_ROTATE_KEYS != 0 {
+        if p.flags & FLAG_DENSE_KEYS != 0 {
+            x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
+        } else if p.flags & FLAG_ROTATE_KEYS != 0 {
             fwht_warp(ctx, &mut x);
         }
         // Stored channel j takes rotated channel key_perm[j].
@@ -381,6 +385,7 @@ mod entry {
                 seq_lens: *const u32,
                 sides: *const u16,
                 key_perm: *const u16,
+                key_rot: *const f32,
                 part_m: *mut f32,
                 part_l: *mut f32,
                 part_o: *mut f32,
@@ -388,7 +393,7 @@ mod entry {
                 // SAFETY: forwarded contract of `decode_split`.
                 unsafe {
                     decode_split::<_, $d, $v, $kb, $vb>(
-                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, key_perm, part_m, part_l, part_o,
+                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, key_perm, key_rot, part_m, part_l, part_o,
                     )
                 }
             }

@@ -1,4 +1,5 @@
-//! The fast Walsh-Hadamard transform of one head held by one warp.
+//! The rotations of one head held by one warp: the fast Walsh-Hadamard transform, a
+//! dense (learned) rotation matrix, and channel permutations.
 
 use crate::ctx::{Ctx, WARP};
 use crate::math::inv_sqrt_head_dim;
@@ -38,6 +39,43 @@ pub fn fwht_warp<C: Ctx, const V: usize>(ctx: &C, x: &mut [f32; V]) {
     }
     let s = inv_sqrt_head_dim(WARP * V as u32);
     x.iter_mut().for_each(|v| *v *= s);
+}
+
+/// Dense rotation of a `32 * V`-channel row spread over a warp (lane `i` holds channels
+/// `[i * V, (i + 1) * V)` of `x` and of the result): returns `x M`, or `x M^T` when
+/// `TRANSPOSE`, for the row-major `D x D` matrix `m` (`D = 32 * V`). Accumulated in
+/// f32 over input channels in ascending order.
+///
+/// # Safety
+/// `m` must be valid for `D * D` reads.
+///
+/// # Thread mapping
+/// Every lane of the warp must call it (`D` indexed shuffles broadcast each input
+/// channel). For input channel `i`, lane `l` reads `M[i][l * V .. (l + 1) * V]`: the warp
+/// reads one contiguous row of `M` per channel (coalesced); `TRANSPOSE` reads columns
+/// (strided; used once per query head, by the merge).
+#[inline(always)]
+pub unsafe fn dense_warp<C: Ctx, const V: usize, const TRANSPOSE: bool>(
+    ctx: &C,
+    x: &[f32; V],
+    m: *const f32,
+) -> [f32; V] {
+    let d = WARP as usize * V;
+    let lane = ctx.lane() as usize;
+    let mut y = [0f32; V];
+    for src in 0..WARP {
+        for (s, &xs) in x.iter().enumerate() {
+            let xi = ctx.shfl_idx(xs, src);
+            let i = src as usize * V + s;
+            for (v, yv) in y.iter_mut().enumerate() {
+                let j = lane * V + v;
+                let at = if TRANSPOSE { j * d + i } else { i * d + j };
+                // SAFETY: i, j < D, so at < D * D (contract).
+                *yv += xi * unsafe { *m.add(at) };
+            }
+        }
+    }
+    y
 }
 
 /// Gathers a permutation across the warp: returns, for the lane's stored channels
@@ -118,5 +156,43 @@ mod tests {
         check::<2>();
         check::<4>();
         check::<8>();
+    }
+
+    fn check_dense<const V: usize>() {
+        let n = 32 * V;
+        let input: Vec<f32> = (0..n).map(|i| ((i * 7919 % 113) as f32 - 56.0) / 17.0).collect();
+        let m: Vec<f32> = (0..n * n).map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 500.0).collect();
+        for transpose in [false, true] {
+            let out: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+            launch([1, 1, 1], 32, 0, |c| {
+                let lane = c.lane() as usize;
+                let x: [f32; V] = core::array::from_fn(|v| input[lane * V + v]);
+                // SAFETY: m holds n * n entries.
+                let y = unsafe {
+                    if transpose {
+                        dense_warp::<_, V, true>(c, &x, m.as_ptr())
+                    } else {
+                        dense_warp::<_, V, false>(c, &x, m.as_ptr())
+                    }
+                };
+                for (v, yv) in y.iter().enumerate() {
+                    out[lane * V + v].store(yv.to_bits(), Ordering::SeqCst);
+                }
+            })
+            .unwrap();
+            for (j, o) in out.iter().enumerate() {
+                let want: f64 =
+                    (0..n).map(|i| input[i] as f64 * if transpose { m[j * n + i] } else { m[i * n + j] } as f64).sum();
+                let g = f32::from_bits(o.load(Ordering::SeqCst)) as f64;
+                assert!((g - want).abs() < 1e-4 * (1.0 + want.abs()), "transpose {transpose} ch {j}: {g} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn warp_dense_rotation_matches_the_matrix_product() {
+        check_dense::<2>();
+        check_dense::<4>();
+        check_dense::<8>();
     }
 }

@@ -1,10 +1,11 @@
 //! `decode_merge`: the log-sum-exp combine of split-K partials, the inverse value
-//! permutation and the inverse Hadamard rotation, one warp per (query head, sequence).
+//! permutation and the inverse rotation (Hadamard, or the transpose of a learned dense
+//! rotation), one warp per (query head, sequence).
 
 use crate::ctx::Ctx;
-use crate::fwht::fwht_warp;
+use crate::fwht::{dense_warp, fwht_warp};
 use crate::math::{exp_neg, f32_to_f16};
-use crate::params::{FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
+use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
 
 /// Merges the partials of one `(query head, sequence)` and writes its attention output
 /// in the original value channels.
@@ -12,7 +13,9 @@ use crate::params::{FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
 /// # Safety
 /// With `S = p.num_seqs`, `H = p.num_q_heads`, `N = p.num_splits`: `m` and `l` must be
 /// valid for `S * H * N` reads, `o` for `S * H * N * D`, `vperm_inv` for
-/// `p.num_kv_heads * D` (each row a permutation of `0..D`), `out` for `S * H * D` writes (4 or 2 bytes each)
+/// `p.num_kv_heads * D` (each row a permutation of `0..D`), `value_rot` for
+/// `p.num_kv_heads * D * D` when `p.flags` has `FLAG_DENSE_VALUES` (else unused), `out`
+/// for `S * H * D` writes (4 or 2 bytes each)
 /// not aliased by the inputs; `D == p.head_dim`, `V * 32 == D`. The grid must be
 /// `(H, S, 1)` with 32 threads per block.
 ///
@@ -23,14 +26,18 @@ use crate::params::{FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
 ///   value order;
 /// - `vperm_inv`: `[kv_head][D]` inverse value permutation: rotated channel `c` is stored
 ///   channel `vperm_inv[c]`;
+/// - `value_rot`: `[kv_head][D][D]` learned value rotations `R` (the output is
+///   `unpermute(o') R^T`);
 /// - `out`: `[seq][q_head][D]`, f32, or f16 when `p.flags` has `FLAG_OUTPUT_F16`.
 ///
 /// # Thread mapping
 /// Block `(x, y)` = (query head, sequence), one warp. Lane `i` owns channels
 /// `[i * V, (i + 1) * V)`: it merges them over the splits, fetches the stored channels it
-/// needs with `V` indexed shuffles, then runs the FWHT: butterflies inside the lane for
-/// strides below `V`, `shfl.bfly` across lanes for the rest.
+/// needs with `V` indexed shuffles, then runs the FWHT (butterflies inside the lane for
+/// strides below `V`, `shfl.bfly` across lanes for the rest) or the transposed dense
+/// rotation (`D` shuffles).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     ctx: &C,
     p: &MergeParams,
@@ -38,6 +45,7 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     l: *const f32,
     o: *const f32,
     vperm_inv: *const u16,
+    value_rot: *const f32,
     out: *mut u8,
 ) {
     let [qh, seq, _] = ctx.block_idx();
@@ -83,7 +91,10 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
             }
         }
     }
-    if p.flags & FLAG_ROTATE_VALUES != 0 {
+    if p.flags & FLAG_DENSE_VALUES != 0 {
+        // SAFETY: the KV head's D x D matrix (contract, with the flag set).
+        x = unsafe { dense_warp::<C, V, true>(ctx, &x, value_rot.add(kvh * D * D)) };
+    } else if p.flags & FLAG_ROTATE_VALUES != 0 {
         fwht_warp(ctx, &mut x);
     }
     let at = row * D + lane * V;
@@ -125,10 +136,11 @@ mod entry {
                 l: *const f32,
                 o: *const f32,
                 vperm_inv: *const u16,
+                value_rot: *const f32,
                 out: *mut u8,
             ) {
                 // SAFETY: forwarded contract of `decode_merge`.
-                unsafe { decode_merge::<_, $d, $v>(&Nvptx, &p, m, l, o, vperm_inv, out) }
+                unsafe { decode_merge::<_, $d, $v>(&Nvptx, &p, m, l, o, vperm_inv, value_rot, out) }
             }
         };
     }

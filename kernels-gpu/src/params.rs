@@ -12,6 +12,11 @@ pub const FLAG_ROTATE_KEYS: u32 = 1 << 0;
 pub const FLAG_ROTATE_VALUES: u32 = 1 << 1;
 /// `decode_merge` writes f16 outputs (else f32).
 pub const FLAG_OUTPUT_F16: u32 = 1 << 2;
+/// Keys are rotated by a dense per-head `D x D` matrix (a learned rotation) instead of
+/// the Hadamard transform; the kernels get the matrices as `[kv_head][D][D]` f32.
+pub const FLAG_DENSE_KEYS: u32 = 1 << 3;
+/// Values are rotated by a dense per-head matrix (see [`FLAG_DENSE_KEYS`]).
+pub const FLAG_DENSE_VALUES: u32 = 1 << 4;
 
 /// Element type of the K/V inputs of `append_tokens`: f32.
 pub const DTYPE_F32: u32 = 0;
@@ -82,8 +87,9 @@ pub struct MergeParams {
     pub head_dim: u32,
     /// Splits per sequence.
     pub num_splits: u32,
-    /// `FLAG_*` bits: `FLAG_ROTATE_VALUES` (the output is rotated back) and
-    /// `FLAG_OUTPUT_F16` (the output is f16, else f32).
+    /// `FLAG_*` bits: `FLAG_ROTATE_VALUES` or `FLAG_DENSE_VALUES` (the output is rotated
+    /// back by the FWHT or the transposed learned rotation) and `FLAG_OUTPUT_F16` (the
+    /// output is f16, else f32).
     pub flags: u32,
 }
 

@@ -199,6 +199,36 @@ pub fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
     c
 }
 
+/// A random orthogonal `d x d` matrix (row-major, f32): Gram-Schmidt in f64 on a seeded
+/// normal matrix, orthogonal to f32 rounding.
+pub fn random_rotation(d: usize, seed: u64) -> Vec<f32> {
+    let mut r = Rng::new(seed);
+    let mut rows: Vec<Vec<f64>> = Vec::with_capacity(d);
+    while rows.len() < d {
+        let mut v: Vec<f64> = (0..d).map(|_| r.normal() as f64).collect();
+        for _ in 0..2 {
+            for u in &rows {
+                let p: f64 = v.iter().zip(u).map(|(a, b)| a * b).sum();
+                v.iter_mut().zip(u).for_each(|(a, b)| *a -= p * b);
+            }
+        }
+        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        if n > 1e-6 {
+            rows.push(v.into_iter().map(|a| a / n).collect());
+        }
+    }
+    rows.into_iter().flatten().map(|a| a as f32).collect()
+}
+
+/// [`random_calibration`] plus random orthogonal key and value rotations per KV head
+/// (the shape of OptR's learned rotations).
+pub fn learned_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
+    let mut c = random_calibration(hkv, d, seed);
+    c.key_rotation = Some((0..hkv).flat_map(|h| random_rotation(d, seed * 31 + h as u64)).collect());
+    c.value_rotation = Some((0..hkv).flat_map(|h| random_rotation(d, seed * 37 + 1000 + h as u64)).collect());
+    c
+}
+
 /// The backends this build has that can run here; prints `SKIPPED: <backend> (...)` for
 /// each one that cannot (the cuda backend without a driver or a device), so a GPU test
 /// never passes silently.

@@ -494,7 +494,7 @@ fn smollm2_perplexity_2x256() {
 #[test]
 fn calibration_feeds_the_perplexity_harness() {
     let m = random_model(10, false);
-    let cal = model::calibrate::calibrate(&m, &tokens(64, 11)).unwrap();
+    let cal = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
     assert_eq!((cal.layers.len(), cal.kv_heads, cal.head_dim), (2, 2, 64));
     let back = model::calibrate::Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
     assert_eq!(back.layers, cal.layers);

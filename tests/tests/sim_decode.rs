@@ -7,7 +7,7 @@ use rotkv::paged::{self, LayerShape};
 use rotkv::reference::{self, SeqRef};
 use rotkv::{Backend, CacheConfig, Rotation, f16};
 use rotkv_kernels::params::{DecodeParams, MergeParams};
-use rotkv_tests::{Data, Rng, random_calibration, rel_err, rows};
+use rotkv_tests::{Data, Rng, learned_calibration, random_calibration, rel_err, rows};
 
 #[test]
 fn sim_decode_split_and_merge_match_the_reference() {
@@ -47,7 +47,9 @@ fn sim_decode_split_and_merge_match_the_reference() {
         let tables = [order[..need[0]].to_vec(), order[need[0]..need[0] + need[1]].to_vec()];
         let mut pool = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, total).unwrap());
         let mut sides = vec![vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()]; 2];
-        let calib = random_calibration(hkv, d, i as u64);
+        // Every other case with learned (dense) rotations.
+        let calib =
+            if i % 2 == 1 { learned_calibration(hkv, d, i as u64) } else { random_calibration(hkv, d, i as u64) };
         for (si, &n) in lens.iter().enumerate() {
             let k = rows(Data::Keys, n * hkv, d, 10 + i as u64 + si as u64);
             let v = rows(Data::Normal, n * hkv, d, 20 + i as u64 + si as u64);
@@ -65,7 +67,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             num_kv_heads: hkv as u32,
             num_splits: splits,
             block_table_stride: 0,
-            flags: config.flags(),
+            flags: config.flags() | calib.flags(),
             sm_scale: 1.0 / (d as f32).sqrt(),
             q_seq_stride: (hq * d) as u32,
         };
@@ -94,10 +96,10 @@ fn sim_decode_split_and_merge_match_the_reference() {
             num_kv_heads: hkv as u32,
             head_dim: d as u32,
             num_splits: splits,
-            flags: config.flags(),
+            flags: config.flags() | calib.flags(),
         };
         let mut out = vec![0f32; 2 * hq * d];
-        rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, &mut out).unwrap();
+        rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, calib.value_rotation.as_deref(), &mut out).unwrap();
         let mut expect = vec![0f32; 2 * hq * d];
         reference::decode(&p, &calib, pool.bytes(), &seqs, &q, &mut expect);
         assert!(rel_err(&out, &expect) <= 2e-5, "case {i}: merged {:.2e}", rel_err(&out, &expect));

@@ -52,14 +52,15 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         windows: usize,
         /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4, each with optional
-        /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>, and -c
-        /// (key centering) -r (reordering) from --calib (e.g. k2v2-c-g32-x80).
+        /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>
+        /// -o<N> (online key mean), and -c (key centering) -r (reordering) -l (learned
+        /// rotations) from --calib (e.g. k2v2-c-g32-x80, k2v2-c-l).
         #[arg(long, value_delimiter = ',', default_value = "f16,naive2,k2v2,k4v2")]
         kv: Vec<String>,
         /// cpu, sim, cuda, reference or auto.
         #[arg(long, default_value = "auto")]
         backend: String,
-        /// A calibration file from `rotkv calibrate`, for the methods with -c or -r.
+        /// A calibration file from `rotkv calibrate`, for the methods with -c, -r or -l.
         #[arg(long)]
         calib: Option<PathBuf>,
         /// Print one JSON object instead of a table.
@@ -77,9 +78,17 @@ enum Command {
         /// Tokens from the start of the text.
         #[arg(long, default_value_t = 2048)]
         tokens: usize,
-        /// What to calibrate: center (key means), reorder (channel permutations).
+        /// What to calibrate: center (key means), reorder (channel permutations), optr
+        /// (learned key and value rotations, trained on the centered keys).
         #[arg(long, value_delimiter = ',', default_value = "center,reorder")]
         methods: Vec<String>,
+        /// The KV method (as for `ppl`) whose quantizer the optr rotations are trained
+        /// for: its bits, group size, clip ratios, sinks and window.
+        #[arg(long, default_value = "k2v2")]
+        optr_for: String,
+        /// Adam steps per optr rotation.
+        #[arg(long, default_value_t = 64)]
+        optr_steps: usize,
         /// Output file (safetensors).
         #[arg(long)]
         out: PathBuf,
@@ -153,8 +162,8 @@ fn main() -> ExitCode {
         Command::Ppl { model, text, ctx, windows, kv, backend, calib, json } => {
             ppl(&mut out, &model, &text, ctx, windows, &kv, &backend, calib.as_deref(), json)
         }
-        Command::Calibrate { model, text, tokens, methods, out: path } => {
-            calibrate(&mut out, &model, &text, tokens, &methods, &path)
+        Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, out: path } => {
+            calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps), &path)
         }
         Command::Capture { model, text, tokens, layers, out: path } => {
             capture(&mut out, &model, &text, tokens, &layers, &path)
@@ -537,6 +546,7 @@ fn calibrate(
     text: &std::path::Path,
     tokens: usize,
     methods: &[String],
+    (optr_for, optr_steps): (&str, usize),
     path: &std::path::Path,
 ) -> Result<(), CliError> {
     let mut what = model::calibrate::Use::default();
@@ -544,27 +554,41 @@ fn calibrate(
         match m.as_str() {
             "center" => what.center = true,
             "reorder" => what.reorder = true,
+            "optr" => what.learned = true,
             other => {
                 return Err(CliError::Lib(rotkv::Error::Unsupported(format!(
-                    "calibration method {other:?} (this build calibrates: center, reorder)"
+                    "calibration method {other:?} (this build calibrates: center, reorder, optr)"
                 ))));
             }
         }
     }
     let (llama, ids) = model_and_tokens(model_path, text, tokens)?;
+    let optr = if what.learned {
+        let method = model::KvMethod::parse(optr_for, llama.config.head_dim, tokens)?;
+        if !method.quantized {
+            return Err(CliError::Lib(rotkv::Error::Value(format!("--optr-for {optr_for}: not a quantized method"))));
+        }
+        Some(model::optr::OptrOptions { steps: optr_steps, ..model::optr::OptrOptions::for_config(&method.config) })
+    } else {
+        None
+    };
     let started = Instant::now();
-    let mut cal = model::calibrate::calibrate(&llama, &ids)?;
+    let bar = progress(if optr.is_some() { llama.config.layers } else { 0 }, "optr rotations (layers)");
+    let mut cal = model::calibrate::calibrate(&llama, &ids, optr.as_ref(), &mut |_| bar.inc(1))?;
+    bar.finish_and_clear();
     cal.layers = (0..cal.layers.len()).map(|l| cal.layer(l, what)).collect();
-    cal.metadata = [
+    let mut facts = vec![
         ("model", file_name(model_path)),
         ("text_file", file_name(text)),
         ("tokens", tokens.to_string()),
         ("methods", methods.join(",")),
         ("skipped_positions", model::calibrate::SKIP_POSITIONS.to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    ];
+    if let Some(o) = &optr {
+        facts.push(("optr_for", optr_for.to_string()));
+        facts.push(("optr_options", format!("{o:?}")));
+    }
+    cal.metadata.extend(facts.into_iter().map(|(k, v)| (k.to_string(), v)));
     let bytes = cal.to_safetensors()?;
     std::fs::write(path, &bytes)
         .map_err(|e| CliError::Lib(rotkv::Error::Input(format!("writing {}: {e}", path.display()))))?;
@@ -578,5 +602,8 @@ fn calibrate(
         file_name(text),
         started.elapsed().as_secs_f64()
     )?;
+    if let Some(r) = cal.metadata.get("optr.mean_loss_ratio") {
+        writeln!(out, "optr: {r}")?;
+    }
     Ok(())
 }

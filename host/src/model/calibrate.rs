@@ -29,12 +29,13 @@
 //! let mut cache = KvCache::new(CacheConfig::k2v2(64), shape, Backend::Cpu)?;
 //! for l in 0..2 {
 //!     // Before any token of the layer is appended.
-//!     cache.set_calibration(l, cal.layer(l, Use { center: true, reorder: false }))?;
+//!     cache.set_calibration(l, cal.layer(l, Use { center: true, ..Use::default() }))?;
 //! }
 //! # Ok::<(), rotkv::Error>(())
 //! ```
 
 use super::llama::{ExactAttention, LayerActivations, Llama, Row};
+use super::optr::{self, OptrOptions};
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -62,6 +63,8 @@ pub struct Use {
     pub center: bool,
     /// Apply the calibrated key and value permutations.
     pub reorder: bool,
+    /// Rotate by the learned (OptR) rotations instead of the Hadamard transform.
+    pub learned: bool,
 }
 
 impl Calibration {
@@ -73,24 +76,41 @@ impl Calibration {
             key_mean: if what.center { full.key_mean.clone() } else { id.key_mean },
             key_perm: if what.reorder { full.key_perm.clone() } else { id.key_perm.clone() },
             value_perm: if what.reorder { full.value_perm.clone() } else { id.value_perm },
+            key_rotation: if what.learned { full.key_rotation.clone() } else { None },
+            value_rotation: if what.learned { full.value_rotation.clone() } else { None },
         }
     }
 
+    /// Whether every layer holds a learned key or value rotation.
+    pub fn has_learned_rotations(&self) -> bool {
+        self.layers.iter().all(|l| l.key_rotation.is_some() || l.value_rotation.is_some())
+    }
+
     /// Serializes to safetensors: `layer{L}.key_mean` (F32 `[kv_heads, head_dim]`),
-    /// `layer{L}.key_perm` and `layer{L}.value_perm` (U16), metadata `format =
-    /// rotkv-calibration-1` plus [`Calibration::metadata`].
+    /// `layer{L}.key_perm` and `layer{L}.value_perm` (U16), where present
+    /// `layer{L}.key_rotation` and `layer{L}.value_rotation` (F32 `[kv_heads, head_dim,
+    /// head_dim]`, row-major `R`), metadata `format = rotkv-calibration-1` plus
+    /// [`Calibration::metadata`].
     pub fn to_safetensors(&self) -> Result<Vec<u8>> {
         use safetensors::tensor::{Dtype, TensorView};
-        let shape = vec![self.kv_heads, self.head_dim];
-        let mut blobs: Vec<(String, Dtype, Vec<u8>)> = Vec::new();
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         for (l, c) in self.layers.iter().enumerate() {
-            blobs.push((format!("layer{l}.key_mean"), Dtype::F32, bytemuck::cast_slice(&c.key_mean).to_vec()));
-            blobs.push((format!("layer{l}.key_perm"), Dtype::U16, bytemuck::cast_slice(&c.key_perm).to_vec()));
-            blobs.push((format!("layer{l}.value_perm"), Dtype::U16, bytemuck::cast_slice(&c.value_perm).to_vec()));
+            let mut push = |name: &str, dt, shape: Vec<usize>, b: &[u8]| {
+                blobs.push((format!("layer{l}.{name}"), dt, shape, b.to_vec()));
+            };
+            push("key_mean", Dtype::F32, vec![h, d], bytemuck::cast_slice(&c.key_mean));
+            push("key_perm", Dtype::U16, vec![h, d], bytemuck::cast_slice(&c.key_perm));
+            push("value_perm", Dtype::U16, vec![h, d], bytemuck::cast_slice(&c.value_perm));
+            for (name, r) in [("key_rotation", &c.key_rotation), ("value_rotation", &c.value_rotation)] {
+                if let Some(r) = r {
+                    push(name, Dtype::F32, vec![h, d, d], bytemuck::cast_slice(r));
+                }
+            }
         }
         let views = blobs
             .iter()
-            .map(|(k, dt, b)| {
+            .map(|(k, dt, shape, b)| {
                 TensorView::new(*dt, shape.clone(), b).map(|v| (k.clone(), v)).map_err(|e| Error::Input(e.to_string()))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -115,26 +135,38 @@ impl Calibration {
         };
         let (kv_heads, head_dim) = (*kv_heads, *head_dim);
         let mut layers = Vec::new();
+        let f32s = |b: Vec<u8>| -> Vec<f32> {
+            b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
+        };
         while let Ok(mean) = st.tensor(&format!("layer{}.key_mean", layers.len())) {
             let l = layers.len();
-            let get = |name: &str, dtype: safetensors::Dtype| -> Result<Vec<u8>> {
+            let get_shaped = |name: &str, dtype: safetensors::Dtype, shape: &[usize]| -> Result<Vec<u8>> {
                 let t = st.tensor(&format!("layer{l}.{name}")).map_err(|e| bad(format!("layer{l}.{name}: {e}")))?;
-                if t.dtype() != dtype || t.shape() != [kv_heads, head_dim] {
+                if t.dtype() != dtype || t.shape() != shape {
                     return Err(bad(format!("layer{l}.{name} is {:?} {:?}", t.dtype(), t.shape())));
                 }
                 Ok(t.data().to_vec())
             };
+            let get = |name: &str, dtype| get_shaped(name, dtype, &[kv_heads, head_dim]);
+            let rotation = |name: &str| -> Result<Option<Vec<f32>>> {
+                if st.tensor(&format!("layer{l}.{name}")).is_err() {
+                    return Ok(None);
+                }
+                let b = get_shaped(name, safetensors::Dtype::F32, &[kv_heads, head_dim, head_dim])?;
+                Ok(Some(f32s(b)))
+            };
             if mean.dtype() != safetensors::Dtype::F32 {
                 return Err(bad(format!("layer{l}.key_mean is {:?}", mean.dtype())));
             }
-            let f32s = |b: Vec<u8>| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
             let u16s = |b: Vec<u8>| b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
             let c = LayerCalibration {
                 key_mean: f32s(get("key_mean", safetensors::Dtype::F32)?),
                 key_perm: u16s(get("key_perm", safetensors::Dtype::U16)?),
                 value_perm: u16s(get("value_perm", safetensors::Dtype::U16)?),
+                key_rotation: rotation("key_rotation")?,
+                value_rotation: rotation("value_rotation")?,
             };
-            c.validate(kv_heads, head_dim).map_err(|e| bad(format!("layer {l}: {e}")))?;
+            c.check_orthogonal(kv_heads, head_dim).map_err(|e| bad(format!("layer {l}: {e}")))?;
             layers.push(c);
         }
         Ok(Self { layers, kv_heads, head_dim, metadata })
@@ -194,18 +226,64 @@ pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -
     Ok(out)
 }
 
-/// Runs `tokens` through the model (exact attention) and calibrates every layer.
-pub fn calibrate(model: &Llama, tokens: &[u32]) -> Result<Calibration> {
+/// Runs `tokens` through the model (exact attention) and calibrates every layer: key
+/// means and permutations, and with `optr` the learned key and value rotations too
+/// (trained on the centered keys; see [`super::optr`]). `progress(layer)` is called as
+/// each layer's rotations are done.
+pub fn calibrate(
+    model: &Llama,
+    tokens: &[u32],
+    optr: Option<&OptrOptions>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Calibration> {
     let c = &model.config;
-    let mut keys: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); c.layers];
+    let mut acts: Vec<[Vec<f32>; 3]> = vec![Default::default(); c.layers];
     let mut keep = |a: &LayerActivations<'_>| {
-        keys[a.layer].0.extend_from_slice(a.k);
-        keys[a.layer].1.extend_from_slice(a.v);
+        let [q, k, v] = &mut acts[a.layer];
+        k.extend_from_slice(a.k);
+        v.extend_from_slice(a.v);
+        if optr.is_some() {
+            q.extend_from_slice(a.q);
+        }
     };
     let rows: Vec<Row> = (0..tokens.len()).map(|p| Row { seq: 0, pos: p }).collect();
     model.forward(tokens, &rows, &mut ExactAttention::new(c), Some(&mut keep), c.layers)?;
-    let layers = keys.iter().map(|(k, v)| calibrate_layer(k, v, c.kv_heads, c.head_dim)).collect::<Result<Vec<_>>>()?;
-    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata: BTreeMap::new() })
+    let mut layers = Vec::with_capacity(c.layers);
+    let mut metadata = BTreeMap::new();
+    let mut gains = Vec::new();
+    for (l, [q, k, v]) in acts.iter().enumerate() {
+        let mut cal = calibrate_layer(k, v, c.kv_heads, c.head_dim)?;
+        if let Some(o) = optr {
+            let data =
+                optr::layer_data(q, k, v, &cal.key_mean, &model.layers[l].wo, c.heads, c.kv_heads, c.head_dim, o)?;
+            let rot = optr::learn_layer(&data, o);
+            for (h, (kr, vr)) in rot.reports.iter().enumerate() {
+                metadata.insert(
+                    format!("optr.layer{l}.head{h}"),
+                    format!(
+                        "key loss {:.5} -> {:.5}, value loss {:.5} -> {:.5}",
+                        kr.hadamard, kr.learned, vr.hadamard, vr.learned
+                    ),
+                );
+                gains.push((kr.learned / kr.hadamard, vr.learned / vr.hadamard));
+            }
+            (cal.key_rotation, cal.value_rotation) = (Some(rot.key), Some(rot.value));
+            progress(l);
+        }
+        layers.push(cal);
+    }
+    if !gains.is_empty() {
+        let n = gains.len() as f64;
+        metadata.insert(
+            "optr.mean_loss_ratio".into(),
+            format!(
+                "keys {:.4}, values {:.4} (learned / Hadamard, training loss)",
+                gains.iter().map(|g| g.0).sum::<f64>() / n,
+                gains.iter().map(|g| g.1).sum::<f64>() / n
+            ),
+        );
+    }
+    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata })
 }
 
 #[cfg(test)]
@@ -253,11 +331,43 @@ mod tests {
         let bytes = cal.to_safetensors().unwrap();
         let back = Calibration::from_safetensors(&bytes).unwrap();
         assert_eq!(back.layers, cal.layers);
-        assert_eq!(back.layer(1, Use { center: false, reorder: true }).key_mean, vec![0.0; 192]);
+        assert_eq!(back.layer(1, Use { center: false, reorder: true, learned: false }).key_mean, vec![0.0; 192]);
         assert!(Calibration::from_safetensors(b"not a file").is_err());
         // A permutation that is not one is refused.
         let mut broken = cal.clone();
         broken.layers[1].value_perm[3] = 4;
         assert!(Calibration::from_safetensors(&broken.to_safetensors().unwrap()).is_err());
+        // Learned rotations round trip; a matrix that is not orthogonal is refused, also
+        // one whose rows and columns all have unit norm (blocks of [[s, s], [s, s]]).
+        let (h, d) = (3, 64);
+        let had = super::optr::hadamard_matrix(d);
+        let mut learned = cal.clone();
+        for l in &mut learned.layers {
+            l.key_rotation = Some((0..h).flat_map(|_| had.iter().map(|&x| x as f32)).collect());
+        }
+        let back = Calibration::from_safetensors(&learned.to_safetensors().unwrap()).unwrap();
+        assert_eq!(back.layers, learned.layers);
+        assert!(back.has_learned_rotations() && !cal.has_learned_rotations());
+        assert_eq!(back.layer(0, Use { learned: true, ..Use::default() }).key_rotation, learned.layers[0].key_rotation);
+        assert_eq!(back.layer(0, Use::default()).key_rotation, None);
+        let s = std::f32::consts::FRAC_1_SQRT_2;
+        let mut unit_not_orthogonal = vec![0f32; h * d * d];
+        for hh in 0..h {
+            for i in 0..d {
+                let pair = i & !1;
+                for j in [pair, pair + 1] {
+                    unit_not_orthogonal[hh * d * d + i * d + j] = s;
+                }
+            }
+        }
+        let mut bad = learned.clone();
+        bad.layers[1].value_rotation = Some(unit_not_orthogonal);
+        bad.layers[1].validate(h, d).unwrap();
+        assert!(bad.layers[1].check_orthogonal(h, d).is_err());
+        assert!(Calibration::from_safetensors(&bad.to_safetensors().unwrap()).is_err());
+        bad.layers[1].value_rotation = Some(vec![0.5; h * d * d]);
+        assert!(bad.layers[1].validate(h, d).is_err());
+        bad.layers[1].value_rotation = Some(vec![0.5; 10]);
+        assert!(bad.layers[1].validate(h, d).is_err());
     }
 }

@@ -6,6 +6,7 @@ pub mod calibrate;
 pub mod gguf;
 pub mod llama;
 pub mod math;
+pub mod optr;
 pub mod tokenizer;
 
 use crate::config::{CacheConfig, Rotation};
@@ -61,7 +62,7 @@ pub struct KvMethod {
     /// Whether tokens are quantized at all.
     pub quantized: bool,
     /// Which parts of a calibration file the method uses (`-c`: key centering, `-r`:
-    /// channel reordering).
+    /// channel reordering, `-l`: learned rotations).
     pub calib: calibrate::Use,
     /// Online key centering (`-o<N>`): each sequence's key mean from its own first N
     /// tokens (see [`perplexity`]).
@@ -76,8 +77,9 @@ impl KvMethod {
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
     /// [`CacheConfig::key_clip`]), `-o<N>` (online key centering: each sequence's mean
     /// from its own first N tokens), and `-c` (subtract the
-    /// calibrated key means), `-r` (apply the calibrated channel permutations). `ctx`
-    /// sizes the window of `f16`.
+    /// calibrated key means), `-r` (apply the calibrated channel permutations), `-l`
+    /// (rotate by the calibrated OptR rotations instead of the Hadamard transform; not
+    /// with `-r`). `ctx` sizes the window of `f16`.
     pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
         let mut parts = name.split('-');
         let base = parts.next().unwrap_or("");
@@ -117,6 +119,10 @@ impl KvMethod {
                     calib.reorder = true;
                     continue;
                 }
+                "l" if quantized => {
+                    calib.learned = true;
+                    continue;
+                }
                 _ => {}
             }
             let (key, num) = m.split_at(m.chars().next().map_or(0, char::len_utf8));
@@ -135,6 +141,11 @@ impl KvMethod {
         config.format()?;
         if online.is_some() && calib.center {
             return Err(Error::Value(format!("{name}: -c and -o both set a key mean")));
+        }
+        if calib.learned && calib.reorder {
+            // The calibrated permutations sort Hadamard-rotated channels; a learned rotation
+            // already chooses which directions share a group.
+            return Err(Error::Value(format!("{name}: -l (learned rotations) and -r (reordering) do not combine")));
         }
         Ok(Self { name: name.to_string(), config, quantized, calib, online })
     }
@@ -156,7 +167,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -o<N> -c -r"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -o<N> -c -r -l"
     ))
 }
 
@@ -234,6 +245,12 @@ pub fn perplexity(
                     c.layers,
                     c.kv_heads,
                     c.head_dim
+                )));
+            }
+            if method.calib.learned && !cal.has_learned_rotations() {
+                return Err(Error::Calibration(format!(
+                    "method {} uses learned rotations; the calibration has none (rotkv calibrate --methods optr)",
+                    method.name
                 )));
             }
             for l in 0..c.layers {
