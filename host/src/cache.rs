@@ -37,6 +37,8 @@ struct Seq {
     /// Per layer: this sequence's own key mean `[kv_heads][head_dim]`, replacing the
     /// layer calibration's at append.
     key_means: Vec<Option<Vec<f32>>>,
+    /// Per layer: the protected positions (ascending).
+    protected: Vec<Vec<u32>>,
 }
 
 /// A paged, quantized KV cache for `layers` layers and up to `max_seqs` sequences.
@@ -160,6 +162,31 @@ impl KvCache {
         Ok(())
     }
 
+    /// Protects `positions` of `seq` in `layer` (detected attention sinks beyond the
+    /// configured leading sinks): their f16 rows are kept, and decode reads them instead
+    /// of the quantized page once they leave the window. `positions` must ascend, come
+    /// after any already protected, not be among the leading sinks, and not be quantized
+    /// yet (still in the window, or not yet appended); at most
+    /// [`CacheConfig::protected`] per sequence and layer in all.
+    pub fn protect(&mut self, layer: usize, seq: SeqId, positions: &[u32]) -> Result<()> {
+        self.check_layer(layer)?;
+        let shape = self.layer_shape();
+        let s = self.seqs.get(seq).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq))?;
+        let old = &s.protected[layer];
+        let new: Vec<u32> = old.iter().chain(positions).copied().collect();
+        let se = self.format.side_elems(self.shape.num_kv_heads as u32);
+        let side = &mut self.sides[layer][seq * se..(seq + 1) * se];
+        paged::protect(&self.config, &shape, side, s.lens[layer], old, &new)?;
+        self.seqs[seq].as_mut().expect("checked above").protected[layer] = new;
+        Ok(())
+    }
+
+    /// The protected positions of `seq` in `layer`.
+    pub fn protected(&self, layer: usize, seq: SeqId) -> Result<&[u32]> {
+        self.check_layer(layer)?;
+        Ok(&self.seq(seq)?.protected[layer])
+    }
+
     /// Starts a new, empty sequence.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
         let id = self
@@ -171,6 +198,7 @@ impl KvCache {
             block_table: Vec::new(),
             lens: vec![0; self.shape.layers],
             key_means: vec![None; self.shape.layers],
+            protected: vec![Vec::new(); self.shape.layers],
         });
         Ok(id)
     }
@@ -225,6 +253,7 @@ impl KvCache {
             }
             None => &self.calib[layer],
         };
+        let protected = &self.seqs[seq].as_ref().expect("checked above").protected[layer];
         let result = paged::append(
             self.backend,
             &self.config,
@@ -233,6 +262,7 @@ impl KvCache {
             self.pools[layer].bytes_mut(),
             &table,
             &mut self.sides[layer][seq * se..(seq + 1) * se],
+            protected,
             len,
             tokens,
             k,
@@ -280,6 +310,7 @@ impl KvCache {
                     block_table: &s.block_table,
                     side: &self.sides[layer][id * se..(id + 1) * se],
                     len: s.lens[layer],
+                    protected: &s.protected[layer],
                 })
             })
             .collect::<Result<Vec<_>>>()?;

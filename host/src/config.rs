@@ -41,6 +41,12 @@ pub struct CacheConfig {
     pub key_clip: f32,
     /// The same for values.
     pub value_clip: f32,
+    /// Room for protected positions per sequence and layer (0 to 32): detected attention
+    /// sinks beyond the leading `sinks`, whose f16 rows are kept beside the window and
+    /// read by decode instead of their quantized page slot. A sequence's positions are set
+    /// with [`crate::KvCache::protect`] (or passed to [`crate::paged`]); each costs
+    /// `4 * head_dim` bytes per KV head of the side store.
+    pub protected: usize,
 }
 
 impl CacheConfig {
@@ -63,6 +69,7 @@ impl CacheConfig {
             value_rotation: Rotation::Hadamard,
             key_clip: 0.8,
             value_clip: 1.0,
+            protected: 0,
         }
     }
     /// 4-bit keys, 2-bit values (keys dominate the error); whole ranges (4-bit keys
@@ -114,6 +121,13 @@ impl CacheConfig {
                 self.sinks, self.window
             )));
         }
+        if self.protected > rotkv_kernels::MAX_PROTECTED as usize {
+            return Err(Error::Unsupported(format!(
+                "protected {} (at most {} protected positions per sequence)",
+                self.protected,
+                rotkv_kernels::MAX_PROTECTED
+            )));
+        }
         let clip = |what: &str, c: f32| -> Result<u32> {
             if !(0.5..=1.0).contains(&c) {
                 return Err(Error::Value(format!("{what} {c} (a fraction from 0.5 to 1.0)")));
@@ -132,6 +146,7 @@ impl CacheConfig {
             window: self.window as u32,
             key_clip,
             value_clip,
+            protected: self.protected as u32,
         })
     }
 

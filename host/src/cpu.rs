@@ -188,14 +188,16 @@ fn quantize_row(row: &[f16], bits: u32, group: usize, clip_q16: u32, codes: &mut
 
 /// Appends `p.count` new tokens (f32, strides in `p`) to a sequence of `p.start` tokens:
 /// rotates every row once, quantizes the pages that fill (from old window rows or new
-/// rows), then writes the new sink and window rows. Produces the bytes of
+/// rows), then writes the new sink, window and protected rows. Produces the bytes of
 /// [`crate::reference::append`].
+#[allow(clippy::too_many_arguments)]
 pub fn append(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
+    protected: &[u32],
     k: &[f32],
     v: &[f32],
 ) {
@@ -255,7 +257,7 @@ pub fn append(
         pool[at..at + pb].copy_from_slice(&bytes);
     }
     // New tokens that stay in f16.
-    crate::launch::store_f16_rows(p, side, bytemuck::cast_slice(&staged));
+    crate::launch::store_f16_rows(p, side, bytemuck::cast_slice(&staged), protected);
 }
 
 /// The split count the CPU backend uses when the caller does not choose: enough
@@ -1059,8 +1061,9 @@ fn run_chunks_best<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<I
 }
 
 /// The chunks of positions `[begin, end)` of a sequence, in position order: sink rows,
-/// then page slots, then window rows, none crossing a page, the end of the sinks or
-/// the wrap of the window ring, none longer than 64 tokens.
+/// then page slots (a protected position as a one-row f16 chunk of its protected row),
+/// then window rows, none crossing a page, a protected position, the end of the sinks
+/// or the wrap of the window ring, none longer than 64 tokens.
 fn chunks<'a>(
     fmt: &Format,
     num_kv_heads: usize,
@@ -1082,7 +1085,7 @@ fn chunks<'a>(
         let h = kv_head as u32;
         let (chunk, n) = match fmt.place(pos, len) {
             Place::Sink { index: row } | Place::Window { slot: row } => {
-                let limit = if pos < fmt.sinks { fmt.sinks } else { fmt.side_rows() };
+                let limit = if pos < fmt.sinks { fmt.sinks } else { fmt.sinks + fmt.window_capacity() };
                 let n = (end - pos).min(limit - row).min(CHUNK as u32);
                 let k = fmt.side_row_at(h, false, row);
                 let v = fmt.side_row_at(h, true, row);
@@ -1090,10 +1093,23 @@ fn chunks<'a>(
                 (Chunk::F16 { k: &seq.side[k..k + c], v: &seq.side[v..v + c] }, n)
             }
             Place::Page { page, slot } => {
-                let n = (end - pos).min(fmt.page_size - slot).min(CHUNK as u32);
-                let at = fmt.page_offset(seq.block_table[page as usize], h, num_kv_heads as u32);
-                let page = &pool[at..at + fmt.page_bytes() as usize];
-                (Chunk::Quant { page, slot, n }, n)
+                // A protected position is read from its f16 row; a page chunk stops before
+                // the next one.
+                let next = seq.protected.partition_point(|&x| x < pos);
+                match seq.protected.get(next) {
+                    Some(&p) if p == pos => {
+                        let row = fmt.protected_row(next as u32);
+                        let (k, v) = (fmt.side_row_at(h, false, row), fmt.side_row_at(h, true, row));
+                        (Chunk::F16 { k: &seq.side[k..k + d], v: &seq.side[v..v + d] }, 1)
+                    }
+                    upcoming => {
+                        let stop = upcoming.map_or(end, |&p| p.min(end));
+                        let n = (stop - pos).min(fmt.page_size - slot).min(CHUNK as u32);
+                        let at = fmt.page_offset(seq.block_table[page as usize], h, num_kv_heads as u32);
+                        let page = &pool[at..at + fmt.page_bytes() as usize];
+                        (Chunk::Quant { page, slot, n }, n)
+                    }
+                }
             }
         };
         pos += n;
@@ -1205,6 +1221,7 @@ pub fn decode_f16_baseline(
         window: 0,
         key_clip: NO_CLIP,
         value_clip: NO_CLIP,
+        protected: 0,
     };
     let per = len.div_ceil(splits);
     let tasks: Vec<(usize, usize, usize)> =
@@ -1301,6 +1318,7 @@ mod tests {
                     window: 0,
                     key_clip: NO_CLIP,
                     value_clip: NO_CLIP,
+                    protected: 0,
                 };
                 for g in [1, 3, 7, 8] {
                     let (m0, l0, o0) = run_both(Portable, &fmt, g);

@@ -146,6 +146,7 @@ pub fn decode_cuda(
         s.clone_htod(&inputs.vperm_inv).map_err(&up)?,
     );
     let (krot_d, vrot_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
+    let prot_d = s.clone_htod(&inputs.protected).map_err(&up)?;
     let (nm, no) = inputs.partial_lens();
     let alloc = err("alloc");
     let mut m_d = s.alloc_zeros::<f32>(nm).map_err(&alloc)?;
@@ -155,8 +156,8 @@ pub fn decode_cuda(
     let split = function(g, decode_entry(&inputs.params.format)?)?;
     let params = Arg(inputs.params);
     let mut b = s.launch_builder(&split);
-    b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d).arg(&krot_d);
-    b.arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
+    b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&prot_d);
+    b.arg(&perm_d).arg(&krot_d).arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
     // SAFETY: the arguments match `decode_split`'s entry point in order and type; the
     // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
     unsafe { b.launch(launch_config(inputs.split_grid(), inputs.split_shared_bytes())) }
@@ -178,12 +179,14 @@ pub fn decode_cuda(
 /// are host buffers here: they are uploaded, updated on the device and copied back.
 /// `k` and `v` are the raw inputs, of the element type `p.input_dtype` names (the
 /// kernel converts f16 and bf16 itself).
+#[allow(clippy::too_many_arguments)]
 pub fn append_cuda(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
+    protected: &[u32],
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
@@ -211,7 +214,7 @@ pub fn append_cuda(
             (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
         let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
         let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
-        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table)).map_err(&up)?;
+        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table, protected)).map_err(&up)?;
         let f = function(g, tok)?;
         let params = Arg(*p);
         let mut b = s.launch_builder(&f);
@@ -276,6 +279,7 @@ pub fn time_decode(
         pool.bytes_mut(),
         &table,
         &mut side,
+        &[],
         0,
         context,
         &rows,
@@ -313,8 +317,9 @@ pub fn time_decode(
     );
     let (perm_d, inv_d) =
         (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm_inverse(d)).map_err(&up)?);
-    // (No learned rotations here: the flags select the FWHT, these are never read.)
+    // (No learned rotations or protected positions here: these are never read.)
     let (krot_d, vrot_d) = (rotation_d(s, &None)?, rotation_d(s, &None)?);
+    let prot_d = s.clone_htod(&[u32::MAX]).map_err(&up)?;
     let parts = batch * num_q_heads * p.num_splits as usize;
     let alloc = err("alloc");
     let (mut m_d, mut l_d) =
@@ -340,8 +345,8 @@ pub fn time_decode(
     let mut step = || -> Result<f64> {
         let t = std::time::Instant::now();
         let mut b = s.launch_builder(&split);
-        b.arg(&pa).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&perm_d).arg(&krot_d);
-        b.arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
+        b.arg(&pa).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&prot_d);
+        b.arg(&perm_d).arg(&krot_d).arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
         // SAFETY: `decode_split`'s arguments in order; buffers sized for batch x context.
         unsafe { b.launch(split_cfg) }.map_err(err("decode_split"))?;
         let mut b = s.launch_builder(&merge);

@@ -270,6 +270,7 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
         pool.bytes_mut(),
         &table,
         &mut side,
+        &[],
         0,
         prefill,
         &tile.k[..prefill * row],
@@ -279,8 +280,8 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
     let opts = DecodeOptions { sm_scale: Some(scale as f32), num_splits: None };
     for (i, pos) in (prefill..t).enumerate() {
         let (kr, vr) = (&tile.k[pos * row..(pos + 1) * row], &tile.v[pos * row..(pos + 1) * row]);
-        paged::append(backend, config, &calib, &shape, pool.bytes_mut(), &table, &mut side, pos, 1, kr, vr)?;
-        let seq = SeqRef { block_table: &table, side: &side, len: pos + 1 };
+        paged::append(backend, config, &calib, &shape, pool.bytes_mut(), &table, &mut side, &[], pos, 1, kr, vr)?;
+        let seq = SeqRef { block_table: &table, side: &side, len: pos + 1, protected: &[] };
         let q = &tile.q[pos * hq * d..(pos + 1) * hq * d];
         paged::decode(
             backend,
@@ -295,7 +296,7 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
         )?;
     }
     let fmt = config.format()?;
-    let seq = SeqRef { block_table: &table, side: &side, len: t };
+    let seq = SeqRef { block_table: &table, side: &side, len: t, protected: &[] };
     let ident: Vec<u16> = (0..d as u16).collect();
     let (pool, ident) = (pool.bytes(), &ident);
     let read = |value: bool, rot: Rotation| -> Vec<f64> {

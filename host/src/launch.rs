@@ -5,9 +5,9 @@
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
-use crate::reference::SeqRef;
+use crate::reference::{self, SeqRef};
 use half::f16;
-use rotkv_kernels::append::SLOT_SIDE;
+use rotkv_kernels::append::{SLOT_NONE, SLOT_SIDE};
 use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
 use rotkv_kernels::layout::Place;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
@@ -26,6 +26,9 @@ pub struct DecodeInputs {
     /// Side stores back to back, f16 bits, 16-byte aligned storage.
     sides: Vec<u128>,
     side_len: usize,
+    /// Protected positions, `[seq][format.protected]` padded with `u32::MAX` (one
+    /// padding entry when the format has none, so no buffer is empty).
+    pub protected: Vec<u32>,
     /// Inverse value permutations for `decode_merge`.
     pub vperm_inv: Vec<u16>,
 }
@@ -68,12 +71,21 @@ impl DecodeInputs {
             }
             bits[i * side_elems..(i + 1) * side_elems].iter_mut().zip(x.side).for_each(|(o, v)| *o = v.to_bits());
         }
+        let np = fmt.protected as usize;
+        let mut protected = vec![u32::MAX; (s * np).max(1)];
+        for (i, x) in seqs.iter().enumerate() {
+            if x.protected.len() > np {
+                return Err(Error::Capacity(format!("sequence {i} has {} protected positions", x.protected.len())));
+            }
+            protected[i * np..i * np + x.protected.len()].copy_from_slice(x.protected);
+        }
         Ok(Self {
             params: DecodeParams { block_table_stride: stride as u32, ..*p },
             tables,
             lens: seqs.iter().map(|x| x.len as u32).collect(),
             sides,
             side_len: s * side_elems,
+            protected,
             vperm_inv: calib.value_perm_inverse(d),
         })
     }
@@ -120,18 +132,24 @@ pub fn tokens_grid(p: &AppendParams) -> [u32; 3] {
     [p.num_kv_heads, p.count, 1]
 }
 
-/// `append_tokens`'s slot mapping: for each new token, its f16 side row
+/// `append_tokens`'s slot mapping, two entries per new token: its f16 side row
 /// ([`SLOT_SIDE`] set) or its pool slot `block * page_size + slot`, as it lives once the
-/// sequence has `p.start + p.count` tokens. `block_table` covers every page of that length
-/// (the paged layer checked it).
-pub fn slot_mapping(p: &AppendParams, block_table: &[u32]) -> Vec<u32> {
+/// sequence has `p.start + p.count` tokens; then its protected row ([`SLOT_SIDE`] set)
+/// when its position is in `protected`, else [`SLOT_NONE`]. `block_table` covers every
+/// page of that length (the paged layer checked it).
+pub fn slot_mapping(p: &AppendParams, block_table: &[u32], protected: &[u32]) -> Vec<u32> {
     let fmt = p.format;
     let new_len = p.start + p.count;
     (p.start..new_len)
-        .map(|pos| match fmt.place(pos, new_len) {
-            Place::Sink { index } => SLOT_SIDE | index,
-            Place::Window { slot } => SLOT_SIDE | slot,
-            Place::Page { page, slot } => block_table[page as usize] * fmt.page_size + slot,
+        .flat_map(|pos| {
+            let dest = match fmt.place(pos, new_len) {
+                Place::Sink { index } => SLOT_SIDE | index,
+                Place::Window { slot } => SLOT_SIDE | slot,
+                Place::Page { page, slot } => block_table[page as usize] * fmt.page_size + slot,
+            };
+            let copy =
+                reference::protected_index(protected, pos).map_or(SLOT_NONE, |i| SLOT_SIDE | fmt.protected_row(i));
+            [dest, copy]
         })
         .collect()
 }
@@ -153,24 +171,28 @@ pub fn flush_jobs(p: &AppendParams, block_table: &[u32]) -> Vec<u32> {
     jobs
 }
 
-/// Copies the staged rows of new tokens that stay in f16 (sinks and window) into the side
-/// store. Runs after the quantize jobs have read the old window.
-pub fn store_f16_rows(p: &AppendParams, side: &mut [f16], staged: &[u16]) {
+/// Copies the staged rows of new tokens that stay in f16 (sinks and window, and the
+/// protected copies of positions in `protected`) into the side store. Runs after the
+/// quantize jobs have read the old window.
+pub fn store_f16_rows(p: &AppendParams, side: &mut [f16], staged: &[u16], protected: &[u32]) {
     let fmt = p.format;
     let d = fmt.head_dim as usize;
     let hkv = p.num_kv_heads as usize;
     let new_len = p.start + p.count;
     for pos in p.start..new_len {
         let row = match fmt.place(pos, new_len) {
-            Place::Sink { index } => index,
-            Place::Window { slot } => slot,
-            Place::Page { .. } => continue,
+            Place::Sink { index } => Some(index),
+            Place::Window { slot } => Some(slot),
+            Place::Page { .. } => None,
         };
-        for h in 0..hkv as u32 {
-            for value in [false, true] {
-                let at = fmt.side_row_at(h, value, row);
-                let src = ((pos - p.start) as usize * hkv + h as usize) * 2 * d + value as usize * d;
-                side[at..at + d].iter_mut().zip(&staged[src..src + d]).for_each(|(o, &b)| *o = f16::from_bits(b));
+        let copy = reference::protected_index(protected, pos).map(|i| fmt.protected_row(i));
+        for row in row.into_iter().chain(copy) {
+            for h in 0..hkv as u32 {
+                for value in [false, true] {
+                    let at = fmt.side_row_at(h, value, row);
+                    let src = ((pos - p.start) as usize * hkv + h as usize) * 2 * d + value as usize * d;
+                    side[at..at + d].iter_mut().zip(&staged[src..src + d]).for_each(|(o, &b)| *o = f16::from_bits(b));
+                }
             }
         }
     }

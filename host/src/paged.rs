@@ -1,10 +1,15 @@
 //! The low-level API over caller-owned buffers, for serving stacks that manage their own
 //! memory: a layer's page pool (`[block][kv_head][page_bytes]` bytes), and per sequence
-//! a block table and an f16 side store (`[kv_head][K|V][sinks + window + page_size]
-//! [head_dim]`). [`crate::KvCache`] is built on these two functions.
+//! a block table, an f16 side store (`[kv_head][K|V][sinks + window + page_size +
+//! protected][head_dim]`) and its list of protected positions (ascending; see
+//! [`protect`]). [`crate::KvCache`] is built on [`append`], [`decode`] and [`protect`].
 //!
-//! Both check everything (shapes, values, block tables) before any backend touches a
-//! byte: a call that returns an error has written nothing.
+//! Each checks everything (shapes, values, block tables, protected lists) before any
+//! backend touches a byte: a call that returns an error has written nothing. Learned
+//! rotations are checked for size, finiteness and unit rows and columns per call (which
+//! keeps every stored channel in f16 range); their full orthogonality is checked by
+//! [`LayerCalibration::check_orthogonal`], which [`crate::KvCache::set_calibration`]
+//! runs once.
 
 use crate::config::{CacheConfig, LayerCalibration};
 use crate::error::{Error, Result};
@@ -97,6 +102,76 @@ fn check_block_table(table: &[u32], needed: usize, num_blocks: usize) -> Result<
     Ok(())
 }
 
+/// Checks a sequence's list of protected positions: strictly ascending, none among the
+/// leading sinks, at most `config.protected` of them.
+fn check_protected(fmt: &Format, protected: &[u32]) -> Result<()> {
+    if protected.len() > fmt.protected as usize {
+        return Err(Error::Capacity(format!(
+            "{} protected positions; the configuration has room for {}",
+            protected.len(),
+            fmt.protected
+        )));
+    }
+    if let Some(w) = protected.windows(2).find(|w| w[0] >= w[1]) {
+        return Err(Error::Value(format!("protected positions must ascend: {} then {}", w[0], w[1])));
+    }
+    if let Some(&p) = protected.iter().find(|&&p| p < fmt.sinks) {
+        return Err(Error::Value(format!(
+            "protected position {p} is a sink (the first {} are kept anyway)",
+            fmt.sinks
+        )));
+    }
+    Ok(())
+}
+
+/// Extends a sequence's protected positions from `old` to `new` (which must start with
+/// `old`, see [`check_protected`]) for a sequence of `len` tokens: each added position
+/// must not be quantized yet (a token still in the window, or not yet appended). Those
+/// already appended have their f16 window rows copied into their protected rows now;
+/// later ones are copied by [`append`] when they arrive, given `new`.
+///
+/// Detected attention sinks are usually found at prefill (from attention mass, key or
+/// hidden-state norms) and protected before the prompt is appended.
+pub fn protect(
+    config: &CacheConfig,
+    shape: &LayerShape,
+    side: &mut [f16],
+    len: usize,
+    old: &[u32],
+    new: &[u32],
+) -> Result<()> {
+    let fmt = config.format()?;
+    shape.check()?;
+    let hkv = shape.num_kv_heads as u32;
+    if side.len() != fmt.side_elems(hkv) {
+        return Err(Error::Shape(format!("side store has {} elements, expected {}", side.len(), fmt.side_elems(hkv))));
+    }
+    if len > u32::MAX as usize / 2 {
+        return Err(Error::Capacity(format!("sequence of {len} tokens")));
+    }
+    check_protected(&fmt, new)?;
+    if !new.starts_with(old) {
+        return Err(Error::Value("the new protected positions must extend the old list".into()));
+    }
+    let first_open = fmt.sinks + fmt.quantized_len(len as u32);
+    if let Some(&p) = new[old.len()..].iter().find(|&&p| p < first_open) {
+        return Err(Error::Value(format!(
+            "position {p} is already quantized (positions below {first_open} are); protect it before it leaves the window"
+        )));
+    }
+    let d = fmt.head_dim as usize;
+    for (i, &pos) in new.iter().enumerate().skip(old.len()).filter(|&(_, &p)| (p as usize) < len) {
+        for h in 0..hkv {
+            for value in [false, true] {
+                let from = fmt.side_row_at(h, value, fmt.window_row(pos));
+                let to = fmt.side_row_at(h, value, fmt.protected_row(i as u32));
+                side.copy_within(from..from + d, to);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Converts a `[tokens][heads][head_dim]` input to f32, checking its size and values.
 /// `norm_limit` bounds each row's L2 norm (after `mean` is subtracted, where given) so
 /// that no rotated channel can overflow f16.
@@ -145,7 +220,9 @@ pub(crate) fn to_f32_rows<T: KvElement>(
 ///
 /// `k` and `v` are `[tokens][num_kv_heads][head_dim]`. `len` is the sequence's length
 /// before the call; `block_table` must hold valid blocks for
-/// [`blocks_for`]`(len + tokens)` pages; `side` is the sequence's side store.
+/// [`blocks_for`]`(len + tokens)` pages; `side` is the sequence's side store;
+/// `protected` its protected positions (as last accepted by [`protect`]; empty for
+/// none): the new tokens among them get their protected rows.
 #[allow(clippy::too_many_arguments)]
 pub fn append<T: KvElement>(
     backend: Backend,
@@ -155,6 +232,7 @@ pub fn append<T: KvElement>(
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
+    protected: &[u32],
     len: usize,
     tokens: usize,
     k: &[T],
@@ -178,6 +256,7 @@ pub fn append<T: KvElement>(
     }
     let blocks = num_blocks(&fmt, shape, pool)?;
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
+    check_protected(&fmt, protected)?;
     let (k_in, v_in) = (k, v);
     let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
     let v = to_f32_rows("v", v, tokens, hkv, d, None)?;
@@ -201,12 +280,12 @@ pub fn append<T: KvElement>(
     #[cfg(not(any(feature = "sim", feature = "cuda")))]
     let _ = (k_in, v_in);
     match backend {
-        Backend::Reference => reference::append(&params, calib, pool, block_table, side, &k, &v),
-        Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, &k, &v),
+        Backend::Reference => reference::append(&params, calib, pool, block_table, side, protected, &k, &v),
+        Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, protected, &k, &v),
         #[cfg(feature = "sim")]
-        Backend::Sim => crate::sim::append_sim(&raw, calib, pool, block_table, side, raw_k, raw_v)?,
+        Backend::Sim => crate::sim::append_sim(&raw, calib, pool, block_table, side, protected, raw_k, raw_v)?,
         #[cfg(feature = "cuda")]
-        Backend::Cuda => crate::cuda::append_cuda(&raw, calib, pool, block_table, side, raw_k, raw_v)?,
+        Backend::Cuda => crate::cuda::append_cuda(&raw, calib, pool, block_table, side, protected, raw_k, raw_v)?,
     }
     Ok(new_len)
 }
@@ -257,6 +336,7 @@ pub fn decode<T: KvElement>(
             )));
         }
         check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, blocks)?;
+        check_protected(&fmt, s.protected)?;
     }
     if out.len() != seqs.len() * hq * d {
         return Err(Error::Shape(format!(

@@ -174,14 +174,17 @@ pub fn stored_value(v: &[f32], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> 
 
 /// Appends `p.count` tokens (`k[t * p.token_stride + h * p.head_stride + c]`, likewise
 /// `v`) to a sequence of `p.start` tokens, one token at a time: each goes to a sink row
-/// or the window ring; when the window reaches `window + page_size` tokens its oldest
-/// page is quantized into the page `block_table[page]`.
+/// or the window ring (and, when its position is in `protected`, to its protected row
+/// too); when the window reaches `window + page_size` tokens its oldest page is
+/// quantized into the page `block_table[page]`.
+#[allow(clippy::too_many_arguments)]
 pub fn append(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
+    protected: &[u32],
     k: &[f32],
     v: &[f32],
 ) {
@@ -197,11 +200,15 @@ pub fn append(
                 stored_key(&k[x..x + d], mean, calib.rotation(false, h, d, p.flags), kperm),
                 stored_value(&v[x..x + d], calib.rotation(true, h, d, p.flags), vperm),
             ];
-            // A new token enters the sinks or the window (and may be flushed just below).
+            // A new token enters the sinks or the window (and may be flushed just below);
+            // a protected one is copied to its protected row as well.
             let row = if pos < fmt.sinks { pos } else { fmt.window_row(pos) };
-            for (which, r) in rows.iter().enumerate() {
-                let at = fmt.side_row_at(h as u32, which == 1, row);
-                side[at..at + d].copy_from_slice(r);
+            let copy = protected_index(protected, pos).map(|i| fmt.protected_row(i));
+            for dest in std::iter::once(row).chain(copy) {
+                for (which, r) in rows.iter().enumerate() {
+                    let at = fmt.side_row_at(h as u32, which == 1, dest);
+                    side[at..at + d].copy_from_slice(r);
+                }
             }
         }
         if fmt.quantized_len(pos + 1) > fmt.quantized_len(pos) {
@@ -259,19 +266,43 @@ fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &
     }
 }
 
-/// One sequence as decode sees it: its block table, its side store and its length.
+/// One sequence as decode sees it: its block table, its side store, its length and its
+/// protected positions.
 #[derive(Clone, Copy, Debug)]
 pub struct SeqRef<'a> {
     /// Logical page -> physical block.
     pub block_table: &'a [u32],
-    /// The sequence's f16 side store for this layer (sinks and window).
+    /// The sequence's f16 side store for this layer (sinks, window, protected rows).
     pub side: &'a [f16],
     /// Tokens in the sequence.
     pub len: usize,
+    /// The sequence's protected positions (detected attention sinks), ascending: position
+    /// `protected[i]` keeps its f16 rows in protected row `i` of the side store
+    /// ([`Format::protected_row`]). Empty for none.
+    pub protected: &'a [u32],
+}
+
+/// Index of `pos` in an ascending list of protected positions.
+#[inline]
+pub fn protected_index(protected: &[u32], pos: u32) -> Option<u32> {
+    protected.binary_search(&pos).ok().map(|i| i as u32)
+}
+
+/// Where decode reads position `pos` of `seq`: [`Format::place`], except that a
+/// protected position whose place is a page is read from its protected row.
+pub fn decode_place(fmt: &Format, seq: &SeqRef<'_>, pos: u32) -> Place {
+    let place = fmt.place(pos, seq.len as u32);
+    if let Place::Page { .. } = place
+        && let Some(i) = protected_index(seq.protected, pos)
+    {
+        return Place::Sink { index: fmt.protected_row(i) };
+    }
+    place
 }
 
 /// The stored-order key (`value == false`) or value row of position `pos`, as decode
-/// reads it: the f16 row for sinks and window, the dequantized row for pages.
+/// reads it: the f16 row for sinks, window and protected positions, the dequantized row
+/// for pages.
 pub fn read_row(
     fmt: &Format,
     num_kv_heads: usize,
@@ -283,7 +314,7 @@ pub fn read_row(
 ) -> Vec<f64> {
     let d = fmt.head_dim as usize;
     let h = kv_head as u32;
-    match fmt.place(pos as u32, seq.len as u32) {
+    match decode_place(fmt, seq, pos as u32) {
         Place::Sink { index: row } | Place::Window { slot: row } => {
             let at = fmt.side_row_at(h, value, row);
             seq.side[at..at + d].iter().map(|x| x.to_f64()).collect()

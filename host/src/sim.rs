@@ -165,12 +165,13 @@ fn decode_split_launch(
     let fmt = p.format;
     let (nm, no) = inputs.partial_lens();
     let (mut m, mut l, mut o) = (vec![0f32; nm], vec![0f32; nm], vec![0f32; no]);
-    let (qp, pp, tp, lp, sp, kp, kr) = (
+    let (qp, pp, tp, lp, sp, prp, kp, kr) = (
         Shared(q.as_ptr().cast_mut()),
         Shared(pool.as_ptr().cast_mut()),
         Shared(inputs.tables.as_ptr().cast_mut()),
         Shared(inputs.lens.as_ptr().cast_mut()),
         Shared(inputs.sides().as_ptr().cast_mut()),
+        Shared(inputs.protected.as_ptr().cast_mut()),
         Shared(calib.key_perm.as_ptr().cast_mut()),
         Shared(rotation_ptr(&calib.key_rotation)),
     );
@@ -190,6 +191,7 @@ fn decode_split_launch(
                         tp.ptr(),
                         lp.ptr(),
                         sp.ptr(),
+                        prp.ptr(),
                         kp.ptr(),
                         kr.ptr(),
                         mp.ptr(),
@@ -217,12 +219,14 @@ fn decode_split_launch(
 /// fills) and `append_tokens` (the new tokens, fused) kernels: the same bytes as
 /// [`crate::reference::append`] (up to f16 rounding ties of the f32 rotation).
 /// `k` and `v` are the raw inputs, of the element type `p.input_dtype` names.
+#[allow(clippy::too_many_arguments)]
 pub fn append_sim(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
     block_table: &[u32],
     side: &mut [f16],
+    protected: &[u32],
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
@@ -230,7 +234,7 @@ pub fn append_sim(
     let d = fmt.head_dim as usize;
     let err = |what: &str, e: sim::SimError| Error::Backend(format!("sim {what}: {e}"));
     let mut jobs = launch::flush_jobs(p, block_table);
-    let mut slots = launch::slot_mapping(p, block_table);
+    let mut slots = launch::slot_mapping(p, block_table, protected);
     let side: &mut [u16] = bytemuck::cast_slice_mut(side);
     let (pp, sp, jp, tp) =
         (Shared(pool.as_mut_ptr()), Shared(side.as_mut_ptr()), Shared(jobs.as_mut_ptr()), Shared(slots.as_mut_ptr()));

@@ -21,6 +21,8 @@ use crate::params::{
 /// row, as `Format::side_row_at` numbers them); without it the entry is the pool slot
 /// `block * page_size + slot`.
 pub const SLOT_SIDE: u32 = 1 << 31;
+/// The second entry of a token's slot mapping when it needs no protected copy.
+pub const SLOT_NONE: u32 = u32::MAX;
 
 /// Fused append of new tokens: stored f16 rows, then f16 side rows or page slots.
 ///
@@ -30,15 +32,17 @@ pub const SLOT_SIDE: u32 = 1 << 31;
 /// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `key_rot` (with
 /// `FLAG_DENSE_KEYS`) and `value_rot` (with `FLAG_DENSE_VALUES`) for `Hkv * D * D`
 /// (unused, and may be null, without the flag); `slot_mapping` for
-/// `p.count` entries, each a side row below `p.format.side_rows()` or a pool slot whose
-/// block is inside `pool`; `pool` a 16-byte aligned pool of `p.format`'s head-pages
+/// `2 * p.count` entries: per token a side row below `p.format.side_rows()` or a pool
+/// slot whose block is inside `pool`, then [`SLOT_NONE`] or a side row; `pool` a 16-byte aligned pool of `p.format`'s head-pages
 /// with `p.num_kv_heads` heads per block; `side` a side store of
 /// `p.format.side_elems(p.num_kv_heads)` f16 entries. `D == 32 * V == p.format.head_dim`.
 /// Grid `(Hkv, count, 1)`, 32 threads.
 ///
 /// # Parameters
-/// Token `t` (position `p.start + t`) goes where `slot_mapping[t]` says: [`SLOT_SIDE`]
-/// plus a side row, or a pool slot. Keys and values both.
+/// Token `t` (position `p.start + t`) goes where `slot_mapping[2t]` says: [`SLOT_SIDE`]
+/// plus a side row, or a pool slot; a protected position's f16 rows are also copied to
+/// the side row `slot_mapping[2t + 1]` (with [`SLOT_SIDE`]; [`SLOT_NONE`] for none). Keys
+/// and values both.
 ///
 /// # Thread mapping
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
@@ -82,8 +86,8 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     let [h, t, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
     let src = t as usize * p.token_stride as usize + h as usize * p.head_stride as usize + lane * V;
-    // SAFETY: t < p.count entries.
-    let dest = unsafe { *slot_mapping.add(t as usize) };
+    // SAFETY: t < p.count entries of two.
+    let (dest, copy) = unsafe { (*slot_mapping.add(2 * t as usize), *slot_mapping.add(2 * t as usize + 1)) };
     for value in [false, true] {
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
@@ -107,13 +111,16 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
         let perm = if value { value_perm } else { key_perm };
         let y = unsafe { permute_warp(ctx, &x, perm.add(h as usize * D)) };
         let stored: [u16; V] = core::array::from_fn(|c| f32_to_f16(y[c]));
-        if dest & SLOT_SIDE != 0 {
-            let at = fmt.side_row_at(h, value, dest & !SLOT_SIDE) + lane * V;
-            for (c, &s) in stored.iter().enumerate() {
-                // SAFETY: the row is a side row (contract); lane * V + c < D.
-                unsafe { *side.add(at + c) = s };
+        for row in [dest, copy] {
+            if row != SLOT_NONE && row & SLOT_SIDE != 0 {
+                let at = fmt.side_row_at(h, value, row & !SLOT_SIDE) + lane * V;
+                for (c, &s) in stored.iter().enumerate() {
+                    // SAFETY: the row is a side row (contract); lane * V + c < D.
+                    unsafe { *side.add(at + c) = s };
+                }
             }
-        } else {
+        }
+        if dest & SLOT_SIDE == 0 {
             let (block, slot) = (div(dest, fmt.page_size), dest & (fmt.page_size - 1));
             // SAFETY: the slot's block is inside the pool (contract).
             unsafe { quantize_lanes::<C, V>(ctx, fmt, p.num_kv_heads, value, &stored, pool, block, slot, h) };

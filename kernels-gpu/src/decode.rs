@@ -86,6 +86,9 @@ unsafe fn value_row<const V: usize, const VB: u32>(
 /// Tokens scored per step: one per lane.
 pub const TILE: u32 = 32;
 
+/// "Not a protected position" in the score loop's per-lane index.
+const NONE: u32 = u32::MAX;
+
 /// Dynamic shared memory of `decode_split` for a GQA group of `group` query heads: the
 /// rotated queries `[group][D]` and their per-quantization-group sums
 /// `[group][D / g]`, f32.
@@ -183,6 +186,8 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// `S` rows of `p.q_seq_stride` f32 (`Hq * D` used); `block_tables` for
 /// `S * p.block_table_stride` entries, each used entry a block of `pool`; `seq_lens` for
 /// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits, 16-byte aligned;
+/// `protected` for `S * p.format.protected` positions (each sequence's ascending list,
+/// padded with `u32::MAX`; unused when `p.format.protected` is 0);
 /// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `key_rot`
 /// for `Hkv * D * D` when `p.flags` has `FLAG_DENSE_KEYS` (else unused); `part_m`,
 /// `part_l` for `S * Hq * N` writes and `part_o` for `S * Hq * N * D`.
@@ -200,8 +205,9 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: FWHT across the
 /// warp (or the dense learned rotation), key permutation by shuffles, softmax scale folded in, written to shared memory
 /// with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
-/// token per lane, whole keys read with 16-byte loads (codes, or f16 rows for sinks and
-/// window) against the shared queries; a warp max and sum per query head update the
+/// token per lane, whole keys read with 16-byte loads (codes, or f16 rows for sinks,
+/// window and protected positions, which each lane looks up in the sequence's list)
+/// against the shared queries; a warp max and sum per query head update the
 /// online softmax; then back to channels per lane for the values: each lane reads its
 /// 32-bit word of value codes per token and takes the token's weights by shuffles.
 #[inline(always)]
@@ -214,6 +220,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     block_tables: *const u32,
     seq_lens: *const u32,
     sides: *const u16,
+    protected: *const u32,
     key_perm: *const u16,
     key_rot: *const f32,
     part_m: *mut f32,
@@ -230,6 +237,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     let len = unsafe { *seq_lens.add(seq as usize) };
     let table = unsafe { block_tables.add(seq as usize * p.block_table_stride as usize) };
     let side = unsafe { sides.add(seq as usize * fmt.side_elems(p.num_kv_heads)) };
+    let prot = unsafe { protected.add(seq as usize * fmt.protected as usize) };
     let qs = ctx.shared().cast::<f32>();
     let qsum = unsafe { qs.add(MAX_GROUP * D) };
 
@@ -272,9 +280,21 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         let n = (end - t0).min(TILE);
         // Scores: one token per lane.
         let mut s = [f32::NEG_INFINITY; MAX_GROUP];
+        // The lane's token is protected position `index` of the list (NONE if not).
+        let mut index = NONE;
         if lane < n {
             let pos = t0 + lane;
-            let (row, page, slot) = match fmt.place(pos, len) {
+            let mut place = fmt.place(pos, len);
+            if let Place::Page { .. } = place {
+                for j in 0..fmt.protected {
+                    // SAFETY: j < the list's length (contract).
+                    if unsafe { *prot.add(j as usize) } == pos {
+                        index = j;
+                        place = Place::Sink { index: fmt.protected_row(j) };
+                    }
+                }
+            }
+            let (row, page, slot) = match place {
                 Place::Sink { index: r } | Place::Window { slot: r } => {
                     (unsafe { side.add(fmt.side_row_at(kvh, false, r)) }.cast::<u8>(), core::ptr::null(), 0)
                 }
@@ -309,9 +329,16 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             m[h] = mn;
             o[h].iter_mut().for_each(|x| *x *= c);
         }
-        // Values: channels per lane, each token's weights by shuffles.
+        // Values: channels per lane, each token's weights (and protected index) by
+        // shuffles.
         for t in 0..n {
-            let place = fmt.place(t0 + t, len);
+            let mut place = fmt.place(t0 + t, len);
+            if fmt.protected > 0 {
+                let j = ctx.shfl_idx(f32::from_bits(index), t).to_bits();
+                if j != NONE {
+                    place = Place::Sink { index: fmt.protected_row(j) };
+                }
+            }
             let val = unsafe { value_row::<V, VB>(p, place, table, side, pool, kvh, lane) };
             for h in 0..MAX_GROUP {
                 if h < g {
@@ -384,6 +411,7 @@ mod entry {
                 block_tables: *const u32,
                 seq_lens: *const u32,
                 sides: *const u16,
+                protected: *const u32,
                 key_perm: *const u16,
                 key_rot: *const f32,
                 part_m: *mut f32,
@@ -393,7 +421,19 @@ mod entry {
                 // SAFETY: forwarded contract of `decode_split`.
                 unsafe {
                     decode_split::<_, $d, $v, $kb, $vb>(
-                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, key_perm, key_rot, part_m, part_l, part_o,
+                        &Nvptx,
+                        &p,
+                        q,
+                        pool,
+                        block_tables,
+                        seq_lens,
+                        sides,
+                        protected,
+                        key_perm,
+                        key_rot,
+                        part_m,
+                        part_l,
+                        part_o,
                     )
                 }
             }

@@ -27,7 +27,9 @@ pub const fn rem(a: u32, b: u32) -> u32 {
 /// Where a token of a sequence lives, by its position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Place {
-    /// An attention sink: f16 row `index` of the sink part of the side store.
+    /// An f16 row of the side store: row `index` of the sink part for the leading
+    /// positions, and (as decode resolves protected positions, see
+    /// [`Format::protected_row`]) a protected row.
     Sink { index: u32 },
     /// A quantized token: slot `slot` of logical page `page` (through the block table).
     Page { page: u32, slot: u32 },
@@ -59,6 +61,11 @@ pub struct Format {
     pub key_clip: u32,
     /// The same for values.
     pub value_clip: u32,
+    /// Protected positions a sequence may hold (detected attention sinks beyond the
+    /// leading `sinks`): each keeps a copy of its f16 rows in the side store, and decode
+    /// reads that copy instead of the page once the position is quantized. 0 to
+    /// [`crate::MAX_PROTECTED`].
+    pub protected: u32,
 }
 
 /// [`Format::key_clip`] that keeps the whole range (the DESIGN.md quantizer).
@@ -167,10 +174,17 @@ impl Format {
     pub const fn window_capacity(&self) -> u32 {
         self.window + self.page_size
     }
-    /// f16 rows per head in the side store: sinks then the window ring.
+    /// f16 rows per head in the side store: sinks, the window ring, then the protected
+    /// rows.
     #[inline]
     pub const fn side_rows(&self) -> u32 {
-        self.sinks + self.window_capacity()
+        self.sinks + self.window_capacity() + self.protected
+    }
+    /// The side row holding the copy of a sequence's protected position number `index`
+    /// (its place in the sequence's ascending list of protected positions).
+    #[inline]
+    pub const fn protected_row(&self, index: u32) -> u32 {
+        self.sinks + self.window_capacity() + index
     }
     /// f16 elements of one sequence's side store for one layer:
     /// `[kv_head][K|V][side_rows][head_dim]`.
@@ -238,6 +252,7 @@ mod tests {
         window: 128,
         key_clip: NO_CLIP,
         value_clip: NO_CLIP,
+        protected: 0,
     };
 
     #[test]
@@ -285,11 +300,15 @@ mod tests {
                 Place::Sink { index } => assert_eq!(index, pos),
                 Place::Page { page, slot } => assert_eq!(page * 64 + slot + 4, pos),
                 Place::Window { slot } => {
-                    assert!(slot >= F.sinks && slot < F.side_rows());
+                    assert!(slot >= F.sinks && slot < F.protected_row(0));
                     assert!(!seen_window[slot as usize]);
                     seen_window[slot as usize] = true;
                 }
             }
         }
+        // Protected rows come after the ring.
+        let f = Format { protected: 3, ..F };
+        assert_eq!(f.side_rows(), F.side_rows() + 3);
+        assert_eq!(f.protected_row(2), f.side_rows() - 1);
     }
 }

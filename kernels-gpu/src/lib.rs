@@ -49,6 +49,8 @@ pub const GROUP_SIZES: [u32; 4] = [32, 64, 128, 256];
 pub const MIN_PAGE_SIZE: u32 = 16;
 /// Largest page size in tokens.
 pub const MAX_PAGE_SIZE: u32 = 256;
+/// Most protected positions (detected attention sinks) a sequence may hold per layer.
+pub const MAX_PROTECTED: u32 = 32;
 /// Bytes of side information per quantization group: an f16 scale and an f16 zero.
 pub const GROUP_PARAM_BYTES: u32 = 4;
 

@@ -97,6 +97,8 @@ pub struct Store {
     pub side: Vec<f16>,
     /// Block table.
     pub table: Vec<u32>,
+    /// Protected positions (ascending).
+    pub protected: Vec<u32>,
     /// Tokens held.
     pub len: usize,
 }
@@ -123,8 +125,17 @@ impl Store {
             shape,
             calib,
             table,
+            protected: Vec::new(),
             len: 0,
         }
+    }
+
+    /// Extends the protected positions by `more` ([`paged::protect`]).
+    pub fn protect(&mut self, more: &[u32]) -> Result<()> {
+        let new: Vec<u32> = self.protected.iter().chain(more).copied().collect();
+        paged::protect(&self.config, &self.shape, &mut self.side, self.len, &self.protected, &new)?;
+        self.protected = new;
+        Ok(())
     }
 
     /// Appends `k`, `v` (`[tokens][kv_heads][d]`).
@@ -138,6 +149,7 @@ impl Store {
             self.pool.bytes_mut(),
             &self.table,
             &mut self.side,
+            &self.protected,
             self.len,
             tokens,
             k,
@@ -148,7 +160,7 @@ impl Store {
 
     /// The sequence as decode sees it.
     pub fn seq(&self) -> SeqRef<'_> {
-        SeqRef { block_table: &self.table, side: &self.side, len: self.len }
+        SeqRef { block_table: &self.table, side: &self.side, len: self.len, protected: &self.protected }
     }
 
     /// Decodes one query (`[q_heads][d]`).

@@ -167,6 +167,15 @@ fn every_error_is_reported_and_changes_nothing() {
             c.key_mean[1] = f32::NAN;
             cache.set_calibration(1, c)
         }));
+        cases.push(("rotation not orthogonal", {
+            // Unit rows and columns, but [[s, s], [s, s]] blocks are not orthogonal.
+            let mut c = LayerCalibration::identity(2, 64);
+            let s = std::f32::consts::FRAC_1_SQRT_2;
+            c.key_rotation =
+                Some((0..2 * 64 * 64).map(|ij| if (ij / 64) / 2 == (ij % 64) / 2 { s } else { 0.0 }).collect());
+            cache.set_calibration(1, c)
+        }));
+        cases.push(("protect without room", cache.protect(0, s, &[90])));
         cases.push(("softmax scale", cache.set_softmax_scale(-1.0)));
         let q = rows(Data::Normal, 6, 64, 3);
         let mut out = vec![0f32; 6 * 64];
@@ -195,6 +204,40 @@ fn every_error_is_reported_and_changes_nothing() {
         assert!(cache.free_sequence(t).is_ok());
         assert!(matches!(cache.free_sequence(t), Err(Error::UnknownSequence(_))));
     }
+}
+
+#[test]
+fn protected_positions_through_the_cache() {
+    let config = CacheConfig { window: 16, page_size: 16, protected: 2, ..CacheConfig::k2v2(64) };
+    let shape =
+        CacheShape { layers: 2, num_kv_heads: 2, num_q_heads: 6, max_seqs: 1, max_tokens: 200, num_blocks: None };
+    let k = rows(Data::Keys, 150 * 2, 64, 4);
+    let v = rows(Data::Normal, 150 * 2, 64, 5);
+    let q = rows(Data::Normal, 6, 64, 6);
+    let mut outs = Vec::new();
+    for protect in [false, true] {
+        let mut cache = KvCache::new(config, shape, Backend::Cpu).unwrap();
+        let s = cache.add_sequence().unwrap();
+        if protect {
+            // Layer 1 only: before the tokens arrive, then one more while in the window.
+            cache.protect(1, s, &[10]).unwrap();
+        }
+        cache.append(1, s, 120, &k[..120 * 128], &v[..120 * 128]).unwrap();
+        if protect {
+            assert!(cache.protect(1, s, &[30]).is_err(), "30 is quantized by now");
+            assert!(cache.protect(1, s, &[5]).is_err(), "the list only grows at its end");
+            cache.protect(1, s, &[110]).unwrap();
+            assert!(matches!(cache.protect(1, s, &[115]), Err(Error::Capacity(_))));
+            assert_eq!(cache.protected(1, s).unwrap(), [10, 110]);
+            assert!(cache.protected(0, s).unwrap().is_empty());
+        }
+        cache.append(1, s, 30, &k[120 * 128..], &v[120 * 128..]).unwrap();
+        let mut out = vec![0f32; 6 * 64];
+        cache.decode(1, &[s], &q, &mut out).unwrap();
+        outs.push(out);
+    }
+    // Position 10 is read in f16 now (110 too: quantized by the last append).
+    assert!(rel_err(&outs[0], &outs[1]) > 1e-4);
 }
 
 #[test]
@@ -241,21 +284,22 @@ fn low_level_api_checks_block_tables_and_buffers() {
     let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
     for backend in backends() {
         let misaligned = &mut buf.bytes_mut()[1..size + 1];
-        let r = paged::append(backend, &config, &calib, &shape, misaligned, &[0, 1], &mut side, 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, misaligned, &[0, 1], &mut side, &[], 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
         let pool = &mut buf.bytes_mut()[..size];
         let (pool0, side0) = (pool.to_vec(), side.clone());
         let bad_table = [1u32, 4, 2];
-        let r = paged::append(backend, &config, &calib, &shape, pool, &bad_table, &mut side, 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, pool, &bad_table, &mut side, &[], 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::BlockTable { index: 1, block: 4, num_blocks: 4 })), "{r:?}");
-        let r = paged::append(backend, &config, &calib, &shape, pool, &[0], &mut side, 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, pool, &[0], &mut side, &[], 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Capacity(_))), "{r:?}");
-        let r = paged::append(backend, &config, &calib, &shape, &mut pool[..100], &[0, 1], &mut side, 0, 60, &k, &v);
+        let r =
+            paged::append(backend, &config, &calib, &shape, &mut pool[..100], &[0, 1], &mut side, &[], 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
-        let r = paged::append(backend, &config, &calib, &shape, pool, &[0, 1], &mut side[..10], 0, 60, &k, &v);
+        let r = paged::append(backend, &config, &calib, &shape, pool, &[0, 1], &mut side[..10], &[], 0, 60, &k, &v);
         assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
         assert_eq!((&pool[..], &side), (&pool0[..], &side0), "a failed append wrote");
-        let n = paged::append(backend, &config, &calib, &shape, pool, &[2, 0], &mut side, 0, 60, &k, &v).unwrap();
+        let n = paged::append(backend, &config, &calib, &shape, pool, &[2, 0], &mut side, &[], 0, 60, &k, &v).unwrap();
         assert_eq!(n, 60);
         let q = rows(Data::Normal, 2, 64, 3);
         let mut out = vec![0f32; 128];
@@ -303,5 +347,5 @@ fn low_level_api_checks_block_tables_and_buffers() {
 
 /// A 60-token sequence over `table` and `side`.
 fn seq<'a>(table: &'a [u32], side: &'a [f16]) -> SeqRef<'a> {
-    SeqRef { block_table: table, side, len: 60 }
+    SeqRef { block_table: table, side, len: 60, protected: &[] }
 }

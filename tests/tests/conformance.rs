@@ -518,3 +518,134 @@ fn scores_need_no_dequantized_keys() {
         assert!(reference::unrotate(&b, rot, &perm).iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
     }
 }
+
+/// Protected positions (detected attention sinks): set before they arrive and while they
+/// are in the window, across chunked appends and page flushes. Every backend writes the
+/// reference's bytes (pages and side store, protected rows included: no rotation and no
+/// mean, so the stored rows are the inputs rounded to f16 on every backend), quantized
+/// protected positions read back as their exact f16 rows, and decode matches the
+/// reference.
+#[test]
+fn protected_positions_stay_f16_on_every_backend() {
+    let config = CacheConfig {
+        key_rotation: Rotation::None,
+        value_rotation: Rotation::None,
+        protected: 6,
+        ..small_config(64, 2, 2, 32)
+    };
+    let fmt = config.format().unwrap();
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 6 };
+    let n = 120;
+    let k = rows(Data::Keys, n * 2, 64, 41);
+    let v = rows(Data::Normal, n * 2, 64, 42);
+    let row = 2 * 64;
+    // (chunk of tokens, then positions protected after it): 4 and 9 before they arrive,
+    // 20 while in the window, 50 and 101 later; 36 is a page boundary's neighbour.
+    let steps: [(usize, &[u32]); 4] = [(0, &[4, 9]), (25, &[20, 36]), (40, &[50]), (55, &[101])];
+    for backend in backends() {
+        let mut st = Store::new(config, shape, n, Some(7));
+        let mut at = 0;
+        for &(chunk, more) in &steps {
+            st.append(backend, &k[at * row..(at + chunk) * row], &v[at * row..(at + chunk) * row]).unwrap();
+            at += chunk;
+            st.protect(more).unwrap();
+        }
+        assert_eq!(at, n);
+        if backend == Backend::Reference {
+            // Quantized protected positions read back exactly (their f16 rows).
+            let seq = st.seq();
+            let quantized: Vec<u32> = st
+                .protected
+                .iter()
+                .copied()
+                .filter(|&p| matches!(fmt.place(p, n as u32), Place::Page { .. }))
+                .collect();
+            assert_eq!(quantized, [4, 9, 20, 36, 50], "(101 is still in the window)");
+            for &pos in &quantized {
+                for h in 0..2 {
+                    for value in [false, true] {
+                        let src = if value { &v } else { &k };
+                        let x = &src[(pos as usize * 2 + h) * 64..][..64];
+                        let want: Vec<f64> = x.iter().map(|&a| f16::from_f32(a).to_f64()).collect();
+                        let got = reference::read_row(&fmt, 2, st.pool.bytes(), &seq, h, pos as usize, value);
+                        assert_eq!(got, want, "pos {pos} head {h} value {value}");
+                    }
+                }
+            }
+        }
+        let mut refs = Store::new(config, shape, n, Some(7));
+        let mut at = 0;
+        for &(chunk, more) in &steps {
+            refs.append(Backend::Reference, &k[at * row..(at + chunk) * row], &v[at * row..(at + chunk) * row])
+                .unwrap();
+            at += chunk;
+            refs.protect(more).unwrap();
+        }
+        assert_eq!(st.pool, refs.pool, "{backend:?}: pages");
+        // The live side rows: sinks, window and protected rows (ring rows of tokens that
+        // went straight to a page hold whatever a backend left there).
+        let mut live: Vec<u32> = (0..n as u32)
+            .filter_map(|pos| match fmt.place(pos, n as u32) {
+                Place::Sink { index: r } | Place::Window { slot: r } => Some(r),
+                Place::Page { .. } => None,
+            })
+            .collect();
+        live.extend((0..st.protected.len() as u32).map(|i| fmt.protected_row(i)));
+        for h in 0..2 {
+            for value in [false, true] {
+                for &r in &live {
+                    let at = fmt.side_row_at(h, value, r);
+                    assert_eq!(st.side[at..at + 64], refs.side[at..at + 64], "{backend:?}: side row {r}");
+                }
+            }
+        }
+    }
+    // Decode with rotations, a random calibration and splits on every backend.
+    let config = CacheConfig { protected: 5, ..small_config(128, 4, 2, 64) };
+    let mut st = Store::new(config, shape, n, Some(3));
+    st.calib = random_calibration(2, 128, 3);
+    st.protect(&[3, 17, 18, 60, 90]).unwrap();
+    let k = rows(Data::Keys, n * 2, 128, 43);
+    let v = rows(Data::Normal, n * 2, 128, 44);
+    st.append(Backend::Reference, &k, &v).unwrap();
+    let q = rows(Data::Normal, 6, 128, 45);
+    let want = st.decode(Backend::Reference, &q, Some(1)).unwrap();
+    let mut plain = st.clone();
+    plain.protected.clear();
+    let unprotected = plain.decode(Backend::Reference, &q, Some(1)).unwrap();
+    assert!(rel_err(&unprotected, &want) > 1e-4, "protection should change the result");
+    for backend in fast_backends() {
+        for splits in [None, Some(1), Some(4)] {
+            let got = st.decode(backend, &q, splits).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(e <= DECODE_TOL, "{backend:?} splits {splits:?}: {e:.2e}");
+        }
+    }
+}
+
+#[test]
+fn protecting_checks_its_positions_and_changes_nothing_on_error() {
+    let config = CacheConfig { protected: 3, ..small_config(64, 2, 2, 32) };
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 2 };
+    let mut st = Store::new(config, shape, 200, None);
+    let k = rows(Data::Keys, 100 * 2, 64, 1);
+    st.append(Backend::Cpu, &k, &k).unwrap();
+    // 3 sinks, 16-token pages, a 32-token window: 100 tokens leave 64 quantized.
+    let before = st.clone();
+    for bad in [&[60u32][..], &[1], &[90, 80], &[80, 90, 95, 99], &[80, 80]] {
+        assert!(st.protect(bad).is_err(), "{bad:?}");
+        assert_eq!(st, before, "{bad:?} changed the store");
+    }
+    st.protect(&[80]).unwrap();
+    // The list only grows at its end.
+    assert!(st.protect(&[70]).is_err());
+    st.protect(&[150, 160]).unwrap();
+    assert!(st.protect(&[170]).is_err());
+    // A list that does not fit the configuration is refused by append and decode too.
+    st.protected = vec![80, 150, 160, 170];
+    assert!(st.append(Backend::Cpu, &k[..128], &k[..128]).is_err());
+    assert!(st.decode(Backend::Cpu, &rows(Data::Normal, 2, 64, 2), None).is_err());
+    // Without room in the configuration nothing can be protected.
+    let mut none = Store::new(small_config(64, 2, 2, 32), shape, 200, None);
+    assert!(none.protect(&[10]).is_err());
+}

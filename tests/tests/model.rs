@@ -494,15 +494,29 @@ fn smollm2_perplexity_2x256() {
 #[test]
 fn calibration_feeds_the_perplexity_harness() {
     let m = random_model(10, false);
-    let cal = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
+    // Means, permutations and (a few Adam steps of) learned rotations for the methods'
+    // quantizer.
+    let base = KvMethod::parse("k2v2-s2-w16-p16", 64, 64).unwrap().config;
+    let optr = model::optr::OptrOptions { steps: 3, queries: 6, ..model::optr::OptrOptions::for_config(&base) };
+    let mut layers_done = Vec::new();
+    let cal = model::calibrate::calibrate(&m, &tokens(64, 11), Some(&optr), &mut |l| layers_done.push(l)).unwrap();
+    assert_eq!(layers_done, [0, 1]);
     assert_eq!((cal.layers.len(), cal.kv_heads, cal.head_dim), (2, 2, 64));
+    assert!(cal.has_learned_rotations() && cal.metadata.contains_key("optr.mean_loss_ratio"));
     let back = model::calibrate::Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
     assert_eq!(back.layers, cal.layers);
     let windows = vec![tokens(48, 12), tokens(48, 13)];
-    let methods: Vec<KvMethod> = ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-c-r-g32-x80", "k2v2-s2-w16-p16-o20"]
-        .iter()
-        .map(|n| KvMethod::parse(n, 64, 48).unwrap())
-        .collect();
+    let methods: Vec<KvMethod> = [
+        "f16",
+        "k2v2-s2-w16-p16",
+        "k2v2-s2-w16-p16-c-r-g32-x80",
+        "k2v2-s2-w16-p16-o20",
+        "k2v2-s2-w16-p16-c-l",
+        "k2v2-s2-w16-p16-dh3",
+    ]
+    .iter()
+    .map(|n| KvMethod::parse(n, 64, 48).unwrap())
+    .collect();
     // A method that asks for calibration without one is an error, not a silent identity.
     let none = PplOptions { backend: Backend::Cpu, calibration: None };
     let err = model::perplexity(&m, &windows, &methods, &none, &mut |_, _| {}).unwrap_err();
@@ -518,8 +532,46 @@ fn calibration_feeds_the_perplexity_harness() {
         assert!(a.ppl.is_finite() && a.ppl > 1.0, "{}: {}", a.method.name, a.ppl);
         assert!((a.ppl / b.ppl - 1.0).abs() < 1e-3, "{}: cpu {} sim {}", a.method.name, a.ppl, b.ppl);
     }
-    // The calibration changes what the quantized cache holds, so the perplexity moves.
+    // The calibration changes what the quantized cache holds, so the perplexity moves;
+    // so do learned rotations and protected sinks.
     assert_ne!(results[0][1].ppl, results[0][2].ppl);
+    assert_ne!(results[0][1].ppl, results[0][4].ppl);
+    assert_ne!(results[0][1].ppl, results[0][5].ppl);
+    // -l with -r does not combine; -l without rotations in the file is an error.
+    assert!(KvMethod::parse("k2v2-c-r-l", 64, 48).is_err());
+    let plain = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
+    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(plain) };
+    assert!(model::perplexity(&m, &windows, &methods[4..5], &opts, &mut |_, _| {}).is_err());
+}
+
+#[test]
+fn sink_detectors_pick_positions_after_the_prefix() {
+    use model::sinks::{Detector, detect};
+    let m = random_model(14, false);
+    let t = tokens(40, 15);
+    for how in [Detector::Attention, Detector::KeyNorm, Detector::Hidden] {
+        let found = detect(&m, &t, 3, 4, how).unwrap();
+        assert_eq!(found.len(), 2, "{how:?}: one list per layer");
+        for p in &found {
+            assert_eq!(p.len(), 3);
+            assert!(p.windows(2).all(|w| w[0] < w[1]) && p[0] >= 4, "{how:?}: {p:?}");
+            let last = if how == Detector::Attention { 40 - model::sinks::ATTENTION_LAG } else { 40 };
+            assert!((p[2] as usize) < last, "{how:?}: {p:?}");
+        }
+        // The hidden state of layer 0 is the embedding: its norms decide alone.
+        if how == Detector::Hidden {
+            let norms: Vec<f64> = t
+                .iter()
+                .map(|&id| m.embed.row(id as usize).iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+                .collect();
+            let mut order: Vec<usize> = (4..40).collect();
+            order.sort_by(|&a, &b| norms[b].total_cmp(&norms[a]).then(a.cmp(&b)));
+            let mut want: Vec<u32> = order[..3].iter().map(|&i| i as u32).collect();
+            want.sort_unstable();
+            assert_eq!(found[0], want);
+        }
+        assert!(detect(&m, &t[..20], 30, 4, how).is_err(), "{how:?}: too few positions");
+    }
 }
 
 #[test]

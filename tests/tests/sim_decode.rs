@@ -32,6 +32,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             value_rotation: Rotation::Hadamard,
             key_clip: 1.0,
             value_clip: 1.0,
+            protected: 3,
         };
         let hkv = 2;
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
@@ -50,12 +51,28 @@ fn sim_decode_split_and_merge_match_the_reference() {
         // Every other case with learned (dense) rotations.
         let calib =
             if i % 2 == 1 { learned_calibration(hkv, d, i as u64) } else { random_calibration(hkv, d, i as u64) };
+        // Protected positions (some quantized by the end, some not, some past the end).
+        let protected = [vec![3u32, 9, 40], vec![5u32, 30]];
         for (si, &n) in lens.iter().enumerate() {
             let k = rows(Data::Keys, n * hkv, d, 10 + i as u64 + si as u64);
             let v = rows(Data::Normal, n * hkv, d, 20 + i as u64 + si as u64);
             let (table, side) = (&tables[si], &mut sides[si]);
-            paged::append(Backend::Reference, &config, &calib, &shape, pool.bytes_mut(), table, side, 0, n, &k, &v)
-                .unwrap();
+            let prot = &protected[si];
+            paged::append(
+                Backend::Reference,
+                &config,
+                &calib,
+                &shape,
+                pool.bytes_mut(),
+                table,
+                side,
+                prot,
+                0,
+                n,
+                &k,
+                &v,
+            )
+            .unwrap();
         }
         let q = rows(Data::Normal, 2 * hkv * gqa, d, 30 + i as u64);
         let fmt = config.format().unwrap();
@@ -71,8 +88,9 @@ fn sim_decode_split_and_merge_match_the_reference() {
             sm_scale: 1.0 / (d as f32).sqrt(),
             q_seq_stride: (hq * d) as u32,
         };
-        let seqs: Vec<SeqRef<'_>> =
-            (0..2).map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si] }).collect();
+        let seqs: Vec<SeqRef<'_>> = (0..2)
+            .map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si], protected: &protected[si] })
+            .collect();
         let want = reference::decode_partials(&p, &calib, pool.bytes(), &seqs, &q);
         let (m, l, o) = rotkv::sim::decode_split_sim(&p, &calib, pool.bytes(), &seqs, &q).unwrap();
         for (j, w) in want.iter().enumerate() {

@@ -89,6 +89,9 @@ enum Command {
         /// Adam steps per optr rotation.
         #[arg(long, default_value_t = 64)]
         optr_steps: usize,
+        /// Query positions per query head in the optr loss.
+        #[arg(long, default_value_t = 48)]
+        optr_queries: usize,
         /// Output file (safetensors).
         #[arg(long)]
         out: PathBuf,
@@ -162,8 +165,8 @@ fn main() -> ExitCode {
         Command::Ppl { model, text, ctx, windows, kv, backend, calib, json } => {
             ppl(&mut out, &model, &text, ctx, windows, &kv, &backend, calib.as_deref(), json)
         }
-        Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, out: path } => {
-            calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps), &path)
+        Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, optr_queries, out: path } => {
+            calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps, optr_queries), &path)
         }
         Command::Capture { model, text, tokens, layers, out: path } => {
             capture(&mut out, &model, &text, tokens, &layers, &path)
@@ -546,7 +549,7 @@ fn calibrate(
     text: &std::path::Path,
     tokens: usize,
     methods: &[String],
-    (optr_for, optr_steps): (&str, usize),
+    (optr_for, optr_steps, optr_queries): (&str, usize, usize),
     path: &std::path::Path,
 ) -> Result<(), CliError> {
     let mut what = model::calibrate::Use::default();
@@ -568,7 +571,8 @@ fn calibrate(
         if !method.quantized {
             return Err(CliError::Lib(rotkv::Error::Value(format!("--optr-for {optr_for}: not a quantized method"))));
         }
-        Some(model::optr::OptrOptions { steps: optr_steps, ..model::optr::OptrOptions::for_config(&method.config) })
+        let base = model::optr::OptrOptions::for_config(&method.config);
+        Some(model::optr::OptrOptions { steps: optr_steps, queries: optr_queries, ..base })
     } else {
         None
     };

@@ -261,8 +261,8 @@ pub fn calibrate(
                 metadata.insert(
                     format!("optr.layer{l}.head{h}"),
                     format!(
-                        "key loss {:.5} -> {:.5}, value loss {:.5} -> {:.5}",
-                        kr.hadamard, kr.learned, vr.hadamard, vr.learned
+                        "held-out key loss {:.5} -> {:.5} (step {}), value loss {:.5} -> {:.5} (step {})",
+                        kr.hadamard, kr.learned, kr.step, vr.hadamard, vr.learned, vr.step
                     ),
                 );
                 gains.push((kr.learned / kr.hadamard, vr.learned / vr.hadamard));
@@ -277,7 +277,7 @@ pub fn calibrate(
         metadata.insert(
             "optr.mean_loss_ratio".into(),
             format!(
-                "keys {:.4}, values {:.4} (learned / Hadamard, training loss)",
+                "keys {:.4}, values {:.4} (learned / Hadamard, held-out loss)",
                 gains.iter().map(|g| g.0).sum::<f64>() / n,
                 gains.iter().map(|g| g.1).sum::<f64>() / n
             ),

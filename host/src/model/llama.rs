@@ -96,14 +96,17 @@ pub trait Attention {
     fn attend(&mut self, layer: usize, rows: &[Row], q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()>;
 }
 
-/// What a layer computed for a batch, shown to an observer (capture): `q` post-RoPE,
-/// `k_pre` before RoPE, `k` post-RoPE, `v`; shapes as in [`Attention::attend`].
+/// What a layer computed for a batch, shown to an observer (capture): the layer's input
+/// `hidden`, `q` post-RoPE, `k_pre` before RoPE, `k` post-RoPE, `v`; shapes as in
+/// [`Attention::attend`].
 #[derive(Debug)]
 pub struct LayerActivations<'a> {
     /// The layer.
     pub layer: usize,
     /// The batch's rows.
     pub rows: &'a [Row],
+    /// The residual stream entering the layer, `[rows][dim]` (before its RMSNorm).
+    pub hidden: &'a [f32],
     /// Queries after RoPE.
     pub q: &'a [f32],
     /// Keys before RoPE.
@@ -245,7 +248,7 @@ impl Llama {
                 k[r * kvd..(r + 1) * kvd].chunks_exact_mut(d).for_each(|hd| rope(hd, cos, sin));
             }
             if let Some(f) = observe.as_mut() {
-                f(&LayerActivations { layer: l, rows, q: &q, k_pre: &k_pre, k: &k, v: &v });
+                f(&LayerActivations { layer: l, rows, hidden: &x, q: &q, k_pre: &k_pre, k: &k, v: &v });
             }
             attn.attend(l, rows, &q, &k, &v, &mut att)?;
             matmul(&w.wo, &att, n, &mut h);

@@ -7,6 +7,7 @@ pub mod gguf;
 pub mod llama;
 pub mod math;
 pub mod optr;
+pub mod sinks;
 pub mod tokenizer;
 
 use crate::config::{CacheConfig, Rotation};
@@ -67,7 +68,15 @@ pub struct KvMethod {
     /// Online key centering (`-o<N>`): each sequence's key mean from its own first N
     /// tokens (see [`perplexity`]).
     pub online: Option<usize>,
+    /// Detected sinks (`-da<k>`, `-dk<k>`, `-dh<k>`): per layer, the `k` positions of each
+    /// window's first [`DETECT_PREFILL`] tokens that the detector ranks highest are
+    /// protected (kept in f16) before the window is fed.
+    pub detect: Option<(sinks::Detector, usize)>,
 }
+
+/// Tokens of the exact prefill that sink detection looks at (each window's first ones,
+/// a prompt; all of a shorter window).
+pub const DETECT_PREFILL: usize = 128;
 
 impl KvMethod {
     /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (the presets of
@@ -76,7 +85,9 @@ impl KvMethod {
     /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
     /// [`CacheConfig::key_clip`]), `-o<N>` (online key centering: each sequence's mean
-    /// from its own first N tokens), and `-c` (subtract the
+    /// from its own first N tokens), `-da<k>`, `-dk<k>`, `-dh<k>` (protect `k` detected
+    /// sinks per layer, ranked by attention mass, key norm or hidden-state norm over the
+    /// first [`DETECT_PREFILL`] tokens, see [`sinks`]), and `-c` (subtract the
     /// calibrated key means), `-r` (apply the calibrated channel permutations), `-l`
     /// (rotate by the calibrated OptR rotations instead of the Hadamard transform; not
     /// with `-r`). `ctx` sizes the window of `f16`.
@@ -109,7 +120,20 @@ impl KvMethod {
         };
         let mut calib = calibrate::Use::default();
         let mut online = None;
+        let mut detect = None;
         for m in parts {
+            if let Some(rest) = m.strip_prefix('d').filter(|_| quantized) {
+                let how = match rest.chars().next() {
+                    Some('a') => sinks::Detector::Attention,
+                    Some('k') => sinks::Detector::KeyNorm,
+                    Some('h') => sinks::Detector::Hidden,
+                    _ => return Err(unknown(name)),
+                };
+                let k: usize = rest[1..].parse().map_err(|_| unknown(name))?;
+                config.protected = k;
+                detect = Some((how, k));
+                continue;
+            }
             match m {
                 "c" if quantized => {
                     calib.center = true;
@@ -147,7 +171,7 @@ impl KvMethod {
             // already chooses which directions share a group.
             return Err(Error::Value(format!("{name}: -l (learned rotations) and -r (reordering) do not combine")));
         }
-        Ok(Self { name: name.to_string(), config, quantized, calib, online })
+        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect })
     }
 
     /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
@@ -156,18 +180,20 @@ impl KvMethod {
     }
 
     /// KV bytes one sequence of `len` tokens holds over `layers` layers of `kv_heads`
-    /// heads: quantized tokens at the format's bytes per token, sinks and window in f16.
+    /// heads: quantized tokens at the format's bytes per token, sinks and window in f16,
+    /// and the f16 copies of detected sinks.
     pub fn kv_bytes(&self, len: usize, layers: usize, kv_heads: usize) -> Result<usize> {
         let d = self.config.head_dim;
         let q = if self.quantized { self.config.format()?.quantized_len(len as u32) as usize } else { 0 };
-        let per_head = q * self.config.bytes_per_token()? + (len - q) * 4 * d;
+        let copies = self.detect.map_or(0, |(_, k)| k.min(q));
+        let per_head = q * self.config.bytes_per_token()? + (len - q + copies) * 4 * d;
         Ok(per_head * layers * kv_heads)
     }
 }
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -o<N> -c -r -l"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -o<N> -da<k> -dk<k> -dh<k> -c -r -l"
     ))
 }
 
@@ -273,6 +299,18 @@ pub fn perplexity(
             let means = online_key_means(model, &window[..n])?;
             for (l, mean) in means.iter().enumerate() {
                 caches[m].set_sequence_key_mean(l, slots[m * windows.len() + w].1, mean)?;
+            }
+        }
+    }
+    // Detected sinks: each window's per-layer positions from an exact prefill of its first
+    // tokens, protected before any append.
+    for (m, method) in methods.iter().enumerate() {
+        let Some((how, k)) = method.detect else { continue };
+        for (w, window) in windows.iter().enumerate() {
+            let prefill = &window[..DETECT_PREFILL.min(ctx)];
+            let found = sinks::detect(model, prefill, k, method.config.sinks, how)?;
+            for (l, positions) in found.iter().enumerate() {
+                caches[m].protect(l, slots[m * windows.len() + w].1, positions)?;
             }
         }
     }

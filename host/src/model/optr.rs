@@ -15,8 +15,9 @@
 //! the group's min and max, keep their true derivatives; clamped channels pass nothing
 //! but through scale and zero). `A` starts at zero (`R = H`, the plain Hadamard rotation)
 //! and is trained with Adam; the gradient of `exp` is its exact Frechet adjoint (the
-//! block-triangular exponential). The rotation with the lowest training loss is kept, so
-//! it is never worse than `H` on the calibration data.
+//! block-triangular exponential). The query positions are split in two interleaved sets:
+//! one is trained on, the other (held out) picks the step whose rotation is kept, so the
+//! kept rotation is never worse than `H` on held-out queries of the calibration text.
 //!
 //! Everything here is f64 and runs on the CPU; the result is stored as f32 in the
 //! calibration file ([`crate::LayerCalibration::key_rotation`]).
@@ -50,8 +51,9 @@ pub struct OptrOptions {
     pub steps: usize,
     /// Adam learning rate (on `A`).
     pub lr: f64,
-    /// Query positions per query head, spread evenly over the calibration tokens after
-    /// `window` (each attends causally to every position up to itself).
+    /// Query positions per query head trained on, spread evenly over the calibration
+    /// tokens after `window` (each attends causally to every position up to itself); as
+    /// many positions between them are held out.
     pub queries: usize,
     /// Weight of the key loss's output-error term against its KL term.
     pub output_weight: f64,
@@ -82,13 +84,15 @@ impl OptrOptions {
     }
 }
 
-/// Training losses of one rotation: with `R = H` (the start) and with the kept `R`.
+/// Held-out losses of one rotation: with `R = H` (the start) and with the kept `R`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TrainReport {
-    /// Loss with the plain Hadamard rotation.
+    /// Held-out loss with the plain Hadamard rotation.
     pub hadamard: f64,
-    /// Loss with the learned rotation (at most `hadamard`).
+    /// Held-out loss with the learned rotation (at most `hadamard`).
     pub learned: f64,
+    /// The Adam step whose rotation was kept (0: the Hadamard itself).
+    pub step: usize,
 }
 
 /// One query row of the training data: its position, which query head of the group
@@ -112,8 +116,10 @@ pub struct HeadData {
     pub keys: Vec<f64>,
     /// Values `[T][D]`.
     pub values: Vec<f64>,
-    /// Query rows.
+    /// Query rows trained on.
     pub queries: Vec<Query>,
+    /// Held-out query rows (they choose the step whose rotation is kept).
+    pub holdout: Vec<Query>,
     /// Per query head of the group, `M = W^T W` (`[D][D]`) of its slice `W` (`dim x D`)
     /// of the output projection: `|o W^T|^2 = o M o^T`.
     pub out_metric: Vec<Vec<f64>>,
@@ -358,10 +364,17 @@ fn quantized_for(i: usize, t: usize, o: &OptrOptions) -> bool {
     i >= o.sinks && i + o.window <= t
 }
 
-/// `(exact attention probabilities, exact outputs)` of every query row.
-fn exact_attention(data: &HeadData) -> Vec<(Vec<f64>, Vec<f64>)> {
+/// Query rows with their exact attention.
+struct Batch<'a> {
+    queries: &'a [Query],
+    /// Per row: exact attention probabilities and exact output.
+    exact: Vec<(Vec<f64>, Vec<f64>)>,
+}
+
+/// The exact attention of every row of `queries`.
+fn batch<'a>(data: &HeadData, queries: &'a [Query]) -> Batch<'a> {
     let d = data.d;
-    data.queries
+    let exact = queries
         .iter()
         .map(|q| {
             let mut p: Vec<f64> = (0..=q.pos).map(|i| dot(&q.q, &data.keys[i * d..(i + 1) * d])).collect();
@@ -372,7 +385,8 @@ fn exact_attention(data: &HeadData) -> Vec<(Vec<f64>, Vec<f64>)> {
             }
             (p, o)
         })
-        .collect()
+        .collect();
+    Batch { queries, exact }
 }
 
 /// `o M o^T`.
@@ -382,18 +396,19 @@ fn metric(o: &[f64], m: &[f64]) -> f64 {
 }
 
 /// The key loss of rotation `r` and its gradient with respect to `r`.
-fn key_loss(data: &HeadData, exact: &[(Vec<f64>, Vec<f64>)], o: &OptrOptions, r: &[f64]) -> (f64, Vec<f64>) {
+fn key_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f64, Vec<f64>) {
+    let (queries, exact) = (b.queries, &b.exact);
     let (d, t) = (data.d, data.tokens());
     let clip = OptrOptions::clip_q16(o.key_clip);
     let y = matmul(&data.keys, r, t, d, d);
     let quant: Vec<QuantRow> = y.chunks_exact(d).map(|row| quantize(row, o.key_bits, o.group, clip)).collect();
-    let norm: f64 = data.queries.iter().zip(exact).map(|(q, (_, oe))| metric(oe, &data.out_metric[q.head])).sum();
-    let nq = data.queries.len() as f64;
+    let norm: f64 = queries.iter().zip(exact).map(|(q, (_, oe))| metric(oe, &data.out_metric[q.head])).sum();
+    let nq = queries.len() as f64;
     let mut loss = 0.0;
     // Gradients with respect to the quantized rows, the exact rows, and q R.
     let (mut g_yhat, mut g_y) = (vec![0.0; t * d], vec![0.0; t * d]);
     let mut g_r = vec![0.0; d * d];
-    for (q, (pe, _)) in data.queries.iter().zip(exact) {
+    for (q, (pe, _)) in queries.iter().zip(exact) {
         let qr = matmul(&q.q, r, 1, d, d);
         let row = |i: usize| if quantized_for(i, q.pos, o) { &quant[i].xhat[..] } else { &y[i * d..(i + 1) * d] };
         let mut p: Vec<f64> = (0..=q.pos).map(|i| dot(&qr, row(i))).collect();
@@ -438,7 +453,8 @@ fn key_loss(data: &HeadData, exact: &[(Vec<f64>, Vec<f64>)], o: &OptrOptions, r:
 }
 
 /// The value loss of rotation `r` and its gradient with respect to `r`.
-fn value_loss(data: &HeadData, exact: &[(Vec<f64>, Vec<f64>)], o: &OptrOptions, r: &[f64]) -> (f64, Vec<f64>) {
+fn value_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f64, Vec<f64>) {
+    let (queries, exact) = (b.queries, &b.exact);
     let (d, t) = (data.d, data.tokens());
     let clip = OptrOptions::clip_q16(o.value_clip);
     let y = matmul(&data.values, r, t, d, d);
@@ -448,10 +464,10 @@ fn value_loss(data: &HeadData, exact: &[(Vec<f64>, Vec<f64>)], o: &OptrOptions, 
     let rt = transpose(r, d);
     let vhat = matmul(&yhat, &rt, t, d, d);
     let err: Vec<f64> = vhat.iter().zip(&data.values).map(|(a, b)| a - b).collect();
-    let norm: f64 = data.queries.iter().zip(exact).map(|(q, (_, oe))| metric(oe, &data.out_metric[q.head])).sum();
+    let norm: f64 = queries.iter().zip(exact).map(|(q, (_, oe))| metric(oe, &data.out_metric[q.head])).sum();
     let mut loss = 0.0;
     let mut g_vhat = vec![0.0; t * d];
-    for (q, (pe, _)) in data.queries.iter().zip(exact) {
+    for (q, (pe, _)) in queries.iter().zip(exact) {
         let mut dout = vec![0.0; d];
         for (i, &pi) in pe.iter().enumerate() {
             if quantized_for(i, q.pos, o) {
@@ -481,24 +497,34 @@ fn value_loss(data: &HeadData, exact: &[(Vec<f64>, Vec<f64>)], o: &OptrOptions, 
     (loss, g_r)
 }
 
-/// Adam on `A` from zero; returns the rotation of lowest loss and the report.
-fn train(d: usize, o: &OptrOptions, loss: impl Fn(&[f64]) -> (f64, Vec<f64>)) -> (Vec<f64>, TrainReport) {
+/// Adam on `A` from zero on the training loss; returns the rotation of lowest held-out
+/// loss and the report.
+fn train(
+    d: usize,
+    o: &OptrOptions,
+    loss: impl Fn(&[f64]) -> (f64, Vec<f64>),
+    holdout: impl Fn(&[f64]) -> f64,
+) -> (Vec<f64>, TrainReport) {
     let h = hadamard_matrix(d);
     let (b1, b2, eps) = (0.9, 0.999, 1e-12);
     let mut a = vec![0.0; d * d];
     let (mut m, mut v) = (vec![0.0; d * d], vec![0.0; d * d]);
-    let (mut best_r, mut best) = (h.clone(), f64::INFINITY);
+    let mut best = (h.clone(), f64::INFINITY, 0);
     let mut first = f64::NAN;
     for step in 0..=o.steps {
         let r = rotation_of(&a, &h, d);
-        let (l, g_r) = loss(&r);
+        let held = holdout(&r);
         if step == 0 {
-            first = l;
+            first = held;
         }
-        if l < best {
-            (best, best_r) = (l, r);
+        if held < best.1 {
+            best = (r.clone(), held, step);
         }
-        if step == o.steps || !l.is_finite() {
+        if step == o.steps || !held.is_finite() {
+            break;
+        }
+        let (l, g_r) = loss(&r);
+        if !l.is_finite() {
             break;
         }
         let g = grad_a(&a, &h, &g_r, d);
@@ -510,19 +536,20 @@ fn train(d: usize, o: &OptrOptions, loss: impl Fn(&[f64]) -> (f64, Vec<f64>)) ->
             a[i] -= o.lr * mh / (vh.sqrt() + eps);
         }
     }
-    (best_r, TrainReport { hadamard: first, learned: best })
+    let (r, learned, step) = best;
+    (r, TrainReport { hadamard: first, learned, step })
 }
 
 /// Learns the key rotation of one KV head.
 pub fn train_key_rotation(data: &HeadData, o: &OptrOptions) -> (Vec<f64>, TrainReport) {
-    let exact = exact_attention(data);
-    train(data.d, o, |r| key_loss(data, &exact, o, r))
+    let (tr, ho) = (batch(data, &data.queries), batch(data, &data.holdout));
+    train(data.d, o, |r| key_loss(data, &tr, o, r), |r| key_loss(data, &ho, o, r).0)
 }
 
 /// Learns the value rotation of one KV head.
 pub fn train_value_rotation(data: &HeadData, o: &OptrOptions) -> (Vec<f64>, TrainReport) {
-    let exact = exact_attention(data);
-    train(data.d, o, |r| value_loss(data, &exact, o, r))
+    let (tr, ho) = (batch(data, &data.queries), batch(data, &data.holdout));
+    train(data.d, o, |r| value_loss(data, &tr, o, r), |r| value_loss(data, &ho, o, r).0)
 }
 
 /// The learned rotations of one layer and their training reports (per KV head: keys,
@@ -563,9 +590,9 @@ pub fn layer_data(
     }
     let g = heads / kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
-    // Query positions spread evenly over (window, t).
-    let positions: Vec<usize> =
-        (0..o.queries).map(|i| o.window + 1 + (i * (t - o.window - 1)) / o.queries).collect::<Vec<_>>();
+    // Query positions spread evenly over (window, t), alternately trained on and held out.
+    let n = 2 * o.queries;
+    let positions: Vec<usize> = (0..n).map(|i| o.window + 1 + (i * (t - o.window - 1)) / n).collect();
     Ok((0..kv_heads)
         .map(|h| {
             let head = |x: &[f32], n: usize, hh: usize, p: usize| -> Vec<f64> {
@@ -577,11 +604,12 @@ pub fn layer_data(
                 })
                 .collect();
             let values: Vec<f64> = (0..t).flat_map(|p| head(v, kv_heads, h, p)).collect();
-            let mut queries = Vec::new();
-            for &pos in &positions {
+            let (mut queries, mut holdout) = (Vec::new(), Vec::new());
+            for (j, &pos) in positions.iter().enumerate() {
                 for i in 0..g {
                     let qv = head(q, heads, h * g + i, pos).into_iter().map(|x| x * scale).collect();
-                    queries.push(Query { pos, head: i, q: qv });
+                    let set = if j % 2 == 0 { &mut queries } else { &mut holdout };
+                    set.push(Query { pos, head: i, q: qv });
                 }
             }
             let out_metric = (0..g)
@@ -598,7 +626,7 @@ pub fn layer_data(
                     m
                 })
                 .collect();
-            HeadData { d, keys, values, queries, out_metric }
+            HeadData { d, keys, values, queries, holdout, out_metric }
         })
         .collect())
 }
@@ -745,16 +773,17 @@ mod tests {
         let keys: Vec<f64> = (0..t * d).map(|i| r() * scale[i % d]).collect();
         let values: Vec<f64> = (0..t * d).map(|_| r()).collect();
         let dir: Vec<f64> = (0..d).map(|_| r()).collect();
-        let queries = (0..12)
-            .map(|i| Query { pos: 20 + i * 3, head: i % 2, q: (0..d).map(|c| 0.4 * dir[c] + 0.2 * r()).collect() })
-            .collect();
+        let mut query =
+            |i: usize| Query { pos: 20 + i * 3, head: i % 2, q: (0..d).map(|c| 0.4 * dir[c] + 0.2 * r()).collect() };
+        let queries = (0..12).map(&mut query).collect();
+        let holdout = (0..12).map(&mut query).collect();
         let out_metric = (0..2)
             .map(|_| {
                 let w: Vec<f64> = (0..d * d).map(|_| r()).collect();
                 matmul_tn(&w, &w, d, d, d)
             })
             .collect();
-        HeadData { d, keys, values, queries, out_metric }
+        HeadData { d, keys, values, queries, holdout, out_metric }
     }
 
     #[test]
