@@ -1,5 +1,5 @@
 //! CPU benchmarks: decode (k2v2 against an f16 baseline and a memcpy of the f16 cache's
-//! size, all in one run), append, FWHT.
+//! size, all in one run), append (Hadamard and learned dense rotations), FWHT.
 //!
 //! `cargo bench -p rotkv-benches --bench cpu` (all) or with a filter, e.g.
 //! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
@@ -99,17 +99,37 @@ fn append(c: &mut Criterion) {
         let k = synthetic_rows(tokens * hkv, d, 5);
         let v = synthetic_rows(tokens * hkv, d, 6);
         group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * 4) as u64));
-        group.bench_function(BenchmarkId::new("f32_input", name), |b| {
-            b.iter_batched(
-                || KvCache::new(config, shape, Backend::Cpu).expect("cache"),
-                |mut cache| {
-                    let s = cache.add_sequence().expect("slot");
-                    cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
-                    cache
-                },
-                criterion::BatchSize::LargeInput,
-            )
-        });
+        // "learned": the same append with dense D x D rotations (OptR's form; the Hadamard
+        // matrix itself serves as the orthogonal matrix, the cost does not depend on it).
+        let dense: Vec<f32> = (0..hkv)
+            .flat_map(|_| {
+                (0..d * d).map(move |ij| {
+                    let s = 1.0 / (d as f32).sqrt();
+                    if ((ij / d) & (ij % d)).count_ones().is_multiple_of(2) { s } else { -s }
+                })
+            })
+            .collect();
+        let mut learned = rotkv::LayerCalibration::identity(hkv, d);
+        (learned.key_rotation, learned.value_rotation) = (Some(dense.clone()), Some(dense));
+        for (variant, calib) in [("f32_input", None), ("f32_input_learned", Some(&learned))] {
+            group.bench_function(BenchmarkId::new(variant, name), |b| {
+                b.iter_batched(
+                    || {
+                        let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
+                        if let Some(c) = calib {
+                            cache.set_calibration(0, c.clone()).expect("calibration");
+                        }
+                        cache
+                    },
+                    |mut cache| {
+                        let s = cache.add_sequence().expect("slot");
+                        cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
+                        cache
+                    },
+                    criterion::BatchSize::LargeInput,
+                )
+            });
+        }
     }
     group.finish();
 }

@@ -47,6 +47,12 @@ pub struct CacheConfig {
     /// with [`crate::KvCache::protect`] (or passed to [`crate::paged`]); each costs
     /// `4 * head_dim` bytes per KV head of the side store.
     pub protected: usize,
+    /// KVarN variance normalization: 0 for none, else 1 to 8 Sinkhorn iterations
+    /// (alternating channel and token RMS normalization of each page's rows) that give
+    /// every head-page f16 channel scales for keys and values; channels are divided by
+    /// them before quantization and multiplied back when read (`4 * head_dim` bytes per
+    /// head-page). Reference and CPU backends only: the device kernels refuse it.
+    pub channel_norm: u32,
 }
 
 impl CacheConfig {
@@ -70,6 +76,7 @@ impl CacheConfig {
             key_clip: 0.8,
             value_clip: 1.0,
             protected: 0,
+            channel_norm: 0,
         }
     }
     /// 4-bit keys, 2-bit values (keys dominate the error); whole ranges (4-bit keys
@@ -128,6 +135,9 @@ impl CacheConfig {
                 rotkv_kernels::MAX_PROTECTED
             )));
         }
+        if self.channel_norm > 8 {
+            return Err(Error::Unsupported(format!("channel_norm {} (0 to 8 iterations)", self.channel_norm)));
+        }
         let clip = |what: &str, c: f32| -> Result<u32> {
             if !(0.5..=1.0).contains(&c) {
                 return Err(Error::Value(format!("{what} {c} (a fraction from 0.5 to 1.0)")));
@@ -147,6 +157,7 @@ impl CacheConfig {
             key_clip,
             value_clip,
             protected: self.protected as u32,
+            channel_norm: self.channel_norm,
         })
     }
 
@@ -168,9 +179,10 @@ impl CacheConfig {
     }
 
     /// Storage bits per cached element, averaged over keys and values, scales and zeros
-    /// included (the f16 sinks and window are not counted).
+    /// (and channel scales) included (the f16 sinks and window are not counted).
     pub fn bits_per_element(&self) -> f64 {
-        quantized_bits_per_element(self.key_bits, self.value_bits, self.group_size)
+        let channel = if self.channel_norm > 0 { 16.0 / self.page_size as f64 } else { 0.0 };
+        quantized_bits_per_element(self.key_bits, self.value_bits, self.group_size) + channel
     }
 }
 

@@ -239,13 +239,23 @@ pub fn append(
         .par_bridge()
         .map(|(page, h)| {
             let mut bytes = vec![0u8; pb];
+            let pos = |slot: u32| fmt.sinks + page * fmt.page_size + slot;
+            if fmt.channel_norm > 0 {
+                // Variance normalization needs the whole page's rows at once (f64, as the
+                // reference quantizes them: the same function, so the same bytes).
+                for value in [false, true] {
+                    let rows: Vec<f64> =
+                        (0..fmt.page_size).flat_map(|s| row_of(pos(s), h, value).iter().map(|x| x.to_f64())).collect();
+                    reference::quantize_page(fmt, &rows, value, &mut bytes);
+                }
+                return (page, h, bytes);
+            }
             let mut params = vec![0u8; fmt.param_bytes() as usize];
             for slot in 0..fmt.page_size {
-                let pos = fmt.sinks + page * fmt.page_size + slot;
                 for value in [false, true] {
                     let c = fmt.codes_at(value, slot) as usize;
                     let codes = &mut bytes[c..c + fmt.code_bytes(value) as usize];
-                    quantize_row(row_of(pos, h, value), fmt.bits(value), g, fmt.clip(value), codes, &mut params);
+                    quantize_row(row_of(pos(slot), h, value), fmt.bits(value), g, fmt.clip(value), codes, &mut params);
                     reference::set_page_params(fmt, &mut bytes, value, slot, &params);
                 }
             }
@@ -821,6 +831,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// state is rescaled (lazy rescaling: weights up to `e^20` stay far from f32 overflow).
 const RESCALE_THRESHOLD: f32 = 20.0;
 
+/// Scratch of [`HeadState`] for variance-normalized pages.
+struct NormScratch {
+    key_scales: Vec<f32>,
+    value_scales: Vec<f32>,
+    qk: Vec<f32>,
+    qsum: Vec<f32>,
+    ov: Vec<f32>,
+    zsum: Vec<f32>,
+}
+
 /// Running online-softmax state of one KV head's query group, and its scratch.
 ///
 /// Weights are `exp(logit - m)` against a reference max `m` that only moves when a
@@ -849,6 +869,11 @@ pub(crate) struct HeadState {
     ov: Vec<f32>,
     /// Code bits of keys and values (for the unpack orders).
     bits: (u32, u32),
+    /// Variance-normalized pages (empty without): the page's key and value channel
+    /// scales `[d]`, the queries times the key scales in unpack order `[g][d]` with their
+    /// group sums `[g][groups]`, and one chunk's weighted value codes `[g][d]` and zero
+    /// sums `[g][groups]` before the value scales are applied.
+    norm: Option<NormScratch>,
     s: Vec<f32>,
     w: Vec<f32>,
     tmp: Vec<f32>,
@@ -881,6 +906,14 @@ impl HeadState {
             o: vec![0.0; g * d],
             ov: vec![0.0; g * d],
             bits: (fmt.key_bits, fmt.value_bits),
+            norm: (fmt.channel_norm > 0).then(|| NormScratch {
+                key_scales: vec![0.0; d],
+                value_scales: vec![0.0; d],
+                qk: vec![0.0; g * d],
+                qsum: vec![0.0; g * groups],
+                ov: vec![0.0; g * d],
+                zsum: vec![0.0; g * groups],
+            }),
             s: vec![0.0; g * CHUNK],
             w: vec![0.0; g * CHUNK],
             tmp: vec![0.0; g * CHUNK],
@@ -967,16 +1000,37 @@ impl HeadState {
                 let n = n as usize;
                 let gs = fmt.group_size as usize;
                 let groups = d / gs;
+                // A variance-normalized page: the queries times its key channel scales.
+                if let Some(nm) = self.norm.as_mut() {
+                    for value in [false, true] {
+                        let at = fmt.channel_scale_at(value, 0) as usize;
+                        let src = bytemuck::cast_slice::<u8, f16>(&page[at..at + 2 * d]);
+                        kern.to_f32(src, if value { &mut nm.value_scales } else { &mut nm.key_scales });
+                    }
+                    for h in 0..g {
+                        for c in 0..d {
+                            nm.qk[h * d + unpack_position(c, fmt.key_bits)] = self.q[h * d + c] * nm.key_scales[c];
+                        }
+                        for j in 0..groups {
+                            nm.qsum[h * groups + j] =
+                                (j * gs..(j + 1) * gs).map(|c| self.q[h * d + c] * nm.key_scales[c]).sum();
+                        }
+                    }
+                }
+                self.load_params(kern, fmt, page, false, slot, n);
+                let (qk, qsum) = match &self.norm {
+                    Some(nm) => (&nm.qk, &nm.qsum),
+                    None => (&self.qk, &self.qsum),
+                };
                 let kc = fmt.key_codes_at(slot) as usize;
                 let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
-                self.load_params(kern, fmt, page, false, slot, n);
                 for j in 0..groups {
                     let (c0, c1) = (j * gs, (j + 1) * gs);
-                    kern.dots_codes(&self.qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows);
+                    kern.dots_codes(qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows);
                     let (scales, zeros) =
                         (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
                     for h in 0..g {
-                        let qs = self.qsum[h * groups + j];
+                        let qs = qsum[h * groups + j];
                         let (s, tmp) = (&mut self.s[h * CHUNK..h * CHUNK + n], &self.tmp[h * CHUNK..h * CHUNK + n]);
                         if j == 0 {
                             for t in 0..n {
@@ -993,6 +1047,15 @@ impl HeadState {
                 let vc = fmt.value_codes_at(slot) as usize;
                 let vcodes = &page[vc..vc + n * fmt.value_code_bytes() as usize];
                 self.load_params(kern, fmt, page, true, slot, n);
+                // Normalized pages accumulate the chunk apart, then apply the value scales.
+                let (ov, zsum) = match self.norm.as_mut() {
+                    Some(nm) => {
+                        nm.ov.fill(0.0);
+                        nm.zsum.fill(0.0);
+                        (&mut nm.ov, &mut nm.zsum)
+                    }
+                    None => (&mut self.ov, &mut self.zsum),
+                };
                 for j in 0..groups {
                     let (scales, zeros) =
                         (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
@@ -1001,21 +1064,18 @@ impl HeadState {
                         for t in 0..n {
                             w[t] = p[t] * scales[t];
                         }
-                        self.zsum[h * groups + j] += dot(p, zeros);
+                        zsum[h * groups + j] += dot(p, zeros);
                     }
                     let (c0, c1) = (j * gs, (j + 1) * gs);
-                    kern.accumulate_codes(
-                        &mut self.ov,
-                        &self.w,
-                        g,
-                        d,
-                        vcodes,
-                        fmt.value_bits,
-                        n,
-                        c0,
-                        c1,
-                        &mut self.rows,
-                    );
+                    kern.accumulate_codes(ov, &self.w, g, d, vcodes, fmt.value_bits, n, c0, c1, &mut self.rows);
+                }
+                if let Some(nm) = &self.norm {
+                    for h in 0..g {
+                        for c in 0..d {
+                            let x = nm.ov[h * d + unpack_position(c, fmt.value_bits)] + nm.zsum[h * groups + c / gs];
+                            self.o[h * d + c] += nm.value_scales[c] * x;
+                        }
+                    }
                 }
             }
         }
@@ -1222,6 +1282,7 @@ pub fn decode_f16_baseline(
         key_clip: NO_CLIP,
         value_clip: NO_CLIP,
         protected: 0,
+        channel_norm: 0,
     };
     let per = len.div_ceil(splits);
     let tasks: Vec<(usize, usize, usize)> =
@@ -1319,6 +1380,7 @@ mod tests {
                     key_clip: NO_CLIP,
                     value_clip: NO_CLIP,
                     protected: 0,
+                    channel_norm: 0,
                 };
                 for g in [1, 3, 7, 8] {
                     let (m0, l0, o0) = run_both(Portable, &fmt, g);

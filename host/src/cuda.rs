@@ -190,9 +190,10 @@ pub fn append_cuda(
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
+    let fmt = p.format;
+    launch::check_format(&fmt)?;
     let g = gpu()?;
     let s = &g.stream;
-    let fmt = p.format;
     let (tok, flush) = append_entries(fmt.head_dim)?;
     let up = err("upload");
     let side_bits: &mut [u16] = bytemuck::cast_slice_mut(side);

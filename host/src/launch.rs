@@ -9,11 +9,22 @@ use crate::reference::{self, SeqRef};
 use half::f16;
 use rotkv_kernels::append::{SLOT_NONE, SLOT_SIDE};
 use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
-use rotkv_kernels::layout::Place;
+use rotkv_kernels::layout::{Format, Place};
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 
 /// Threads per block of every kernel (one warp).
 pub const BLOCK: u32 = 32;
+
+/// Refuses what the device kernels do not implement: variance normalization (KVarN
+/// channel scales) runs on the reference and cpu backends only.
+pub fn check_format(fmt: &Format) -> Result<()> {
+    if fmt.channel_norm > 0 {
+        return Err(Error::Unsupported(
+            "variance normalization (channel_norm) on the device kernels: use the cpu or reference backend".into(),
+        ));
+    }
+    Ok(())
+}
 
 /// Everything `decode_split` reads besides the pool and the queries.
 pub struct DecodeInputs {
@@ -44,6 +55,7 @@ impl DecodeInputs {
         q: &[f32],
     ) -> Result<Self> {
         let fmt = p.format;
+        check_format(&fmt)?;
         let d = fmt.head_dim as usize;
         let (s, hq, hkv) = (seqs.len(), p.num_q_heads as usize, p.num_kv_heads as usize);
         if hkv == 0 || hq / hkv > MAX_GROUP {

@@ -244,26 +244,90 @@ pub fn set_page_params(fmt: &Format, page: &mut [u8], value: bool, slot: u32, pa
 /// window rows.
 fn flush_page(fmt: &Format, num_kv_heads: usize, pool: &mut [u8], block_table: &[u32], side: &[f16], len: u32) {
     let d = fmt.head_dim as usize;
-    let g = fmt.group_size as usize;
     let page = fmt.pages_for(len) - 1;
     let block = block_table[page as usize];
     for h in 0..num_kv_heads as u32 {
         let base = fmt.page_offset(block, h, num_kv_heads as u32);
         let head_page = &mut pool[base..base + fmt.page_bytes() as usize];
-        for slot in 0..fmt.page_size {
-            let pos = fmt.sinks + page * fmt.page_size + slot;
-            let row = fmt.window_row(pos);
-            for value in [false, true] {
-                let at = fmt.side_row_at(h, value, row);
-                let x: Vec<f64> = side[at..at + d].iter().map(|v| v.to_f64()).collect();
-                let c = fmt.codes_at(value, slot) as usize;
-                let mut params = vec![0u8; fmt.param_bytes() as usize];
-                let codes = &mut head_page[c..c + fmt.code_bytes(value) as usize];
-                quantize_row(&x, fmt.bits(value), g, fmt.clip(value), codes, &mut params);
-                set_page_params(fmt, head_page, value, slot, &params);
-            }
+        for value in [false, true] {
+            let rows: Vec<f64> = (0..fmt.page_size)
+                .flat_map(|slot| {
+                    let at = fmt.side_row_at(h, value, fmt.window_row(fmt.sinks + page * fmt.page_size + slot));
+                    side[at..at + d].iter().map(|v| v.to_f64())
+                })
+                .collect();
+            quantize_page(fmt, &rows, value, head_page);
         }
     }
+}
+
+/// Quantizes the `page_size` stored rows `rows` (`[slot][head_dim]`) of one head-page's
+/// keys (`value == false`) or values into it: with variance normalization
+/// ([`Format::channel_norm`]) its channel scales first ([`channel_scales`]), each row
+/// divided by them, then [`quantize_row`] per slot.
+pub fn quantize_page(fmt: &Format, rows: &[f64], value: bool, head_page: &mut [u8]) {
+    let d = fmt.head_dim as usize;
+    let scales = (fmt.channel_norm > 0).then(|| channel_scales(rows, d, fmt.channel_norm));
+    if let Some(sc) = &scales {
+        for (c, s) in sc.iter().enumerate() {
+            let at = fmt.channel_scale_at(value, c as u32) as usize;
+            head_page[at..at + 2].copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    let mut params = vec![0u8; fmt.param_bytes() as usize];
+    for (slot, row) in rows.chunks_exact(d).enumerate() {
+        let slot = slot as u32;
+        let x: Vec<f64> = match &scales {
+            Some(sc) => row.iter().zip(sc).map(|(x, s)| x / s.to_f64()).collect(),
+            None => row.to_vec(),
+        };
+        let c = fmt.codes_at(value, slot) as usize;
+        let codes = &mut head_page[c..c + fmt.code_bytes(value) as usize];
+        quantize_row(&x, fmt.bits(value), fmt.group_size as usize, fmt.clip(value), codes, &mut params);
+        set_page_params(fmt, head_page, value, slot, &params);
+    }
+}
+
+/// KVarN channel scales of a page's rows `[tokens][d]`: `iters` Sinkhorn iterations,
+/// each setting every channel's scale to its RMS over the tokens (with tokens divided by
+/// their scales) and then every token's scale to its RMS over the channels (divided by
+/// the channel scales); all-zero channels and tokens get scale 1. The channel scales are
+/// normalized to an RMS of 1 (the per-token scale and zero of the quantizer carry the
+/// token scales, which are not stored), floored so that no row value divided by them
+/// exceeds 32768 in magnitude (and at the smallest normal f16), and rounded to f16.
+pub fn channel_scales(rows: &[f64], d: usize, iters: u32) -> Vec<f16> {
+    let n = rows.len() / d;
+    let rms = |it: &mut dyn Iterator<Item = f64>, count: usize| -> f64 {
+        let r = (it.map(|v| v * v).sum::<f64>() / count as f64).sqrt();
+        if r > 0.0 { r } else { 1.0 }
+    };
+    let (mut tok, mut ch) = (vec![1f64; n], vec![1f64; d]);
+    for _ in 0..iters {
+        for (c, s) in ch.iter_mut().enumerate() {
+            *s = rms(&mut (0..n).map(|t| rows[t * d + c] / tok[t]), n);
+        }
+        for (t, s) in tok.iter_mut().enumerate() {
+            *s = rms(&mut (0..d).map(|c| rows[t * d + c] / ch[c]), d);
+        }
+    }
+    let norm = rms(&mut ch.iter().copied(), d);
+    (0..d)
+        .map(|c| {
+            let peak = (0..n).map(|t| rows[t * d + c].abs()).fold(0.0, f64::max);
+            let floor = (peak / 32768.0).max(f16::MIN_POSITIVE.to_f64());
+            f16::from_bits(f64_to_f16((ch[c] / norm).max(floor)))
+        })
+        .collect()
+}
+
+/// The channel scales of a head-page's keys or values as f64 (variance normalization).
+pub fn page_channel_scales(fmt: &Format, head_page: &[u8], value: bool) -> Vec<f64> {
+    (0..fmt.head_dim)
+        .map(|c| {
+            let at = fmt.channel_scale_at(value, c) as usize;
+            f16::from_le_bytes([head_page[at], head_page[at + 1]]).to_f64()
+        })
+        .collect()
 }
 
 /// One sequence as decode sees it: its block table, its side store, its length and its
@@ -325,7 +389,11 @@ pub fn read_row(
             let c = fmt.codes_at(value, slot) as usize;
             let params = page_params(fmt, head_page, value, slot);
             let codes = &head_page[c..c + fmt.code_bytes(value) as usize];
-            dequantize_row(codes, &params, fmt.bits(value), fmt.group_size as usize, d)
+            let row = dequantize_row(codes, &params, fmt.bits(value), fmt.group_size as usize, d);
+            if fmt.channel_norm == 0 {
+                return row;
+            }
+            row.iter().zip(page_channel_scales(fmt, head_page, value)).map(|(x, s)| x * s).collect()
         }
     }
 }

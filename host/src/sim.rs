@@ -231,6 +231,7 @@ pub fn append_sim(
     v: &[u8],
 ) -> Result<()> {
     let fmt = p.format;
+    launch::check_format(&fmt)?;
     let d = fmt.head_dim as usize;
     let err = |what: &str, e: sim::SimError| Error::Backend(format!("sim {what}: {e}"));
     let mut jobs = launch::flush_jobs(p, block_table);

@@ -66,6 +66,11 @@ pub struct Format {
     /// reads that copy instead of the page once the position is quantized. 0 to
     /// [`crate::MAX_PROTECTED`].
     pub protected: u32,
+    /// Variance normalization (KVarN): 0 for none, else the Sinkhorn iterations that
+    /// compute each head-page's f16 channel scales for keys and for values (stored after
+    /// the zeros, see [`Format::channel_scale_at`]); channels are divided by them before
+    /// quantization and multiplied back when read.
+    pub channel_norm: u32,
 }
 
 /// [`Format::key_clip`] that keeps the whole range (the DESIGN.md quantizer).
@@ -111,10 +116,23 @@ impl Format {
     pub const fn bytes_per_token(&self) -> u32 {
         self.key_code_bytes() + self.value_code_bytes() + 2 * self.param_bytes()
     }
-    /// Bytes of one head-page (`page_size` tokens of one KV head).
+    /// Bytes of the channel scales of a head-page: `head_dim` f16 for keys and as many
+    /// for values with variance normalization, else none.
+    #[inline]
+    pub const fn channel_scale_bytes(&self) -> u32 {
+        if self.channel_norm > 0 { 4 * self.head_dim } else { 0 }
+    }
+    /// Bytes of one head-page (`page_size` tokens of one KV head, and its channel scales).
     #[inline]
     pub const fn page_bytes(&self) -> u32 {
-        self.page_size * self.bytes_per_token()
+        self.page_size * self.bytes_per_token() + self.channel_scale_bytes()
+    }
+    /// Offset of the f16 channel scale of channel `c` of the keys (`value == false`) or
+    /// values inside a head-page (only with [`Format::channel_norm`]): after the value
+    /// zeros, keys then values.
+    #[inline]
+    pub const fn channel_scale_at(&self, value: bool, c: u32) -> u32 {
+        self.page_size * self.bytes_per_token() + 2 * (if value { self.head_dim } else { 0 } + c)
     }
     /// Offset of the key codes of `slot` inside a head-page.
     #[inline]
@@ -253,6 +271,7 @@ mod tests {
         key_clip: NO_CLIP,
         value_clip: NO_CLIP,
         protected: 0,
+        channel_norm: 0,
     };
 
     #[test]
@@ -271,6 +290,11 @@ mod tests {
             assert_eq!(f.scale_at(false, groups - 1, p), f.zero_at(false, 0, 0));
             assert_eq!(f.zero_at(false, groups - 1, p), f.scale_at(true, 0, 0));
             assert_eq!(f.zero_at(true, groups - 1, p), f.page_bytes());
+            // Channel scales follow the zeros, 16-byte aligned.
+            let n = Format { channel_norm: 2, ..f };
+            assert_eq!(n.channel_scale_at(false, 0), f.page_bytes());
+            assert_eq!(n.channel_scale_at(true, n.head_dim), n.page_bytes());
+            assert_eq!(n.channel_scale_at(false, 0) % 16, 0);
             assert_eq!(f.value_codes_at(0) % 16, 0);
             assert_eq!(f.scale_at(false, 0, 0) % 16, 0);
             assert_eq!(f.scale_at(true, 0, 0) % 16, 0);

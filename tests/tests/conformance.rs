@@ -649,3 +649,99 @@ fn protecting_checks_its_positions_and_changes_nothing_on_error() {
     let mut none = Store::new(small_config(64, 2, 2, 32), shape, 200, None);
     assert!(none.protect(&[10]).is_err());
 }
+
+/// KVarN variance normalization: per head-page f16 channel scales from a few Sinkhorn
+/// iterations, channels divided by them before quantization. The cpu backend writes the
+/// reference's bytes (no rotation or mean here, so the stored rows are the same f16
+/// values on both) and decodes within `DECODE_TOL`; degenerate pages stay finite; the
+/// device kernels refuse it.
+#[test]
+fn variance_normalization_on_reference_and_cpu() {
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 6 };
+    let n = 150;
+    for (i, (d, kb, vb, g, iters)) in [(64, 2, 2, 32, 3), (128, 4, 2, 64, 1), (256, 2, 4, 256, 2)].into_iter().enumerate() {
+        let config = CacheConfig {
+            key_rotation: Rotation::None,
+            value_rotation: Rotation::None,
+            channel_norm: iters,
+            ..small_config(d, kb, vb, g)
+        };
+        let fmt = config.format().unwrap();
+        let row = 2 * d as usize;
+        for data in [Data::Keys, Data::AllEqual, Data::ConstantGroups, Data::HugeOutliers] {
+            let k = rows(data, n * 2, d as usize, 60 + i as u64);
+            let v = rows(if data == Data::Keys { Data::Normal } else { data }, n * 2, d as usize, 70 + i as u64);
+            let mut a = Store::new(config, shape, n, Some(i as u64));
+            let mut b = a.clone();
+            for (at, chunk) in [(0, 1), (1, 70), (71, 1), (72, 78)] {
+                let r = at * row..(at + chunk) * row;
+                a.append(Backend::Reference, &k[r.clone()], &v[r.clone()]).unwrap();
+                b.append(Backend::Cpu, &k[r.clone()], &v[r]).unwrap();
+            }
+            assert_eq!(a.pool, b.pool, "d {d} {data:?}: pages");
+            // Channel scales: positive f16 with an RMS near 1 (exactly 1 before rounding
+            // and flooring).
+            let at = fmt.page_offset(a.table[0], 0, 2);
+            let page = &a.pool.bytes()[at..at + fmt.page_bytes() as usize];
+            for value in [false, true] {
+                let sc = reference::page_channel_scales(&fmt, page, value);
+                assert!(sc.iter().all(|&s| s > 0.0 && s.is_finite()), "{data:?}: {sc:?}");
+                let rms = (sc.iter().map(|s| s * s).sum::<f64>() / sc.len() as f64).sqrt();
+                assert!((0.99..1.01).contains(&rms) || data == Data::AllEqual, "{data:?}: rms {rms}");
+            }
+            let q = rows(Data::Normal, 6, d as usize, 80 + i as u64);
+            let want = a.decode(Backend::Reference, &q, Some(1)).unwrap();
+            assert!(want.iter().all(|x| x.is_finite()), "d {d} {data:?}");
+            for splits in [None, Some(3)] {
+                let got = a.decode(Backend::Cpu, &q, splits).unwrap();
+                let e = rel_err(&got, &want);
+                assert!(e <= DECODE_TOL, "d {d} {data:?} splits {splits:?}: {e:.2e}");
+            }
+        }
+    }
+    // With rotations, a random calibration and protected positions too.
+    let config = CacheConfig { channel_norm: 2, protected: 2, ..small_config(128, 2, 2, 32) };
+    let mut st = Store::new(config, shape, n, Some(9));
+    st.calib = random_calibration(2, 128, 9);
+    st.protect(&[10, 40]).unwrap();
+    st.append(Backend::Reference, &rows(Data::Keys, n * 2, 128, 90), &rows(Data::Normal, n * 2, 128, 91)).unwrap();
+    let q = rows(Data::Normal, 6, 128, 92);
+    let want = st.decode(Backend::Reference, &q, Some(1)).unwrap();
+    let e = rel_err(&st.decode(Backend::Cpu, &q, None).unwrap(), &want);
+    assert!(e <= DECODE_TOL, "rotated: {e:.2e}");
+    // The device kernels refuse it, before writing anything.
+    for backend in fast_backends().filter(|&b| b != Backend::Cpu) {
+        let before = st.clone();
+        let err = st.append(backend, &rows(Data::Keys, 2, 128, 93), &rows(Data::Normal, 2, 128, 94)).unwrap_err();
+        assert!(matches!(err, rotkv::Error::Unsupported(_)), "{backend:?}: {err}");
+        assert_eq!(st, before);
+        assert!(matches!(st.decode(backend, &q, None), Err(rotkv::Error::Unsupported(_))));
+    }
+}
+
+/// What variance normalization buys: a page whose channels have very different ranges
+/// (after no rotation) is quantized with a much smaller error in its small channels.
+#[test]
+fn variance_normalization_equalizes_channel_ranges() {
+    let d = 64;
+    let mut r = Rng::new(12);
+    let scale: Vec<f64> = (0..d).map(|c| if c % 8 == 0 { 20.0 } else { 0.5 }).collect();
+    let rows: Vec<f64> =
+        (0..16 * d).map(|i| f16::from_f64(r.normal() as f64 * scale[i % d]).to_f64()).collect();
+    let mut err = [0.0; 2];
+    for (e, iters) in err.iter_mut().zip([0, 3]) {
+        let fmt = CacheConfig { channel_norm: iters, ..small_config(64, 2, 2, 64) }.format().unwrap();
+        let mut page = vec![0u8; fmt.page_bytes() as usize];
+        reference::quantize_page(&fmt, &rows, false, &mut page);
+        let sc = if iters > 0 { reference::page_channel_scales(&fmt, &page, false) } else { vec![1.0; d] };
+        for slot in 0..16 {
+            let c = fmt.codes_at(false, slot) as usize;
+            let params = reference::page_params(&fmt, &page, false, slot);
+            let x = reference::dequantize_row(&page[c..c + 16], &params, 2, 64, d);
+            for ch in (0..d).filter(|c| c % 8 != 0) {
+                *e += (x[ch] * sc[ch] - rows[slot as usize * d + ch]).powi(2);
+            }
+        }
+    }
+    assert!(err[1] < 0.2 * err[0], "small channels: normalized {} vs plain {}", err[1], err[0]);
+}

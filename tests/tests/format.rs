@@ -19,6 +19,7 @@ fn worked_example_of_format_md() {
         key_clip: 1.0,
         value_clip: 1.0,
         protected: 0,
+        channel_norm: 0,
     };
     let fmt = config.format().unwrap();
     assert_eq!(fmt.page_bytes(), 768);

@@ -389,7 +389,15 @@ fn kv_methods_parse_and_size() {
     assert_eq!(KvMethod::parse("f16", 64, 1024).unwrap().bits_per_element(), 16.0);
     assert_eq!(KvMethod::parse("k2v2-o64-x80", 64, 1024).unwrap().online, Some(64));
     assert_eq!(KvMethod::parse("k2v2-o64-x80", 64, 1024).unwrap().config.key_clip, 0.8);
-    for bad in ["k3v2", "k2v2-q5", "k2v2-g48", "f16-w8", "k2v2-gx", "k2v2-c-o64", "k2v2-o2", "k2v2-x40", "f16-c"] {
+    let m = KvMethod::parse("k2v2-c-l-dh8-v3", 64, 1024).unwrap();
+    assert!(m.calib.center && m.calib.learned && !m.calib.reorder);
+    assert_eq!((m.detect, m.config.protected, m.config.channel_norm), (Some((model::sinks::Detector::Hidden, 8)), 8, 3));
+    assert_eq!(KvMethod::parse("k2v2-da4", 64, 1024).unwrap().detect, Some((model::sinks::Detector::Attention, 4)));
+    assert_eq!(KvMethod::parse("k2v2-dk2", 64, 1024).unwrap().detect, Some((model::sinks::Detector::KeyNorm, 2)));
+    for bad in [
+        "k3v2", "k2v2-q5", "k2v2-g48", "f16-w8", "k2v2-gx", "k2v2-c-o64", "k2v2-o2", "k2v2-x40", "f16-c", "k2v2-c-r-l",
+        "k2v2-dx4", "k2v2-dh", "k2v2-dh40", "k2v2-v9", "f16-dh4", "f16-l",
+    ] {
         assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
     }
     // k2v2, d64, g64: a quantized token is 2 x (16 B codes + 4 B scale and zero); an f16
@@ -397,6 +405,11 @@ fn kv_methods_parse_and_size() {
     let k = KvMethod::parse("k2v2", 64, 1024).unwrap();
     let q = k.config.format().unwrap().quantized_len(1024) as usize;
     assert_eq!(k.kv_bytes(1024, 1, 1).unwrap(), q * 40 + (1024 - q) * 256);
+    // Detected sinks add their f16 copies; variance normalization 2 x 64 f16 channel
+    // scales per 64-token page.
+    let k = KvMethod::parse("k2v2-dh8-v2", 64, 1024).unwrap();
+    assert_eq!(k.kv_bytes(1024, 1, 1).unwrap(), q * 40 + q / 64 * 256 + (1024 - q + 8) * 256);
+    assert_eq!(k.bits_per_element(), 2.5 + 0.25);
 }
 
 // ---- SmolLM2-135M (after `cargo xtask fetch`) ----------------------------------------

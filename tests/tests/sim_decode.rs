@@ -33,6 +33,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             key_clip: 1.0,
             value_clip: 1.0,
             protected: 3,
+            channel_norm: 0,
         };
         let hkv = 2;
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };

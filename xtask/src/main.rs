@@ -272,8 +272,9 @@ fn bench_table() -> Result<(), String> {
 }
 
 /// The KV methods of the README's quality table (see `rotkv ppl --help` for the names).
-const QUALITY_METHODS: &str = "f16,naive2,k2v2-x100,k2v2-x100-c,k2v2-x100-c-r-g32,k2v2,k2v2-o128,k2v2-c,k2v2-c-g32,\
-k2v2-c-r-g32,k2v2-c-w256,k4v2,k4v2-c,k4v2-c-r-g32";
+const QUALITY_METHODS: &str = "f16,naive2,k2v2-x100,k2v2-x100-c,k2v2-x100-c-r-g32,k2v2-x100-c-v3,k2v2,k2v2-o128,\
+k2v2-o128-dh8,k2v2-c,k2v2-c-v3,k2v2-c-l,k2v2-c-dh8,k2v2-c-l-dh8,k2v2-c-g32,k2v2-c-r-g32,k2v2-c-w256,k4v2,k4v2-c,k4v2-c-dh8,\
+k4v2-c-r-g32";
 
 /// `cargo xtask quality`: see the module docs.
 fn quality(table_only: bool) -> Result<(), String> {
@@ -309,6 +310,8 @@ fn quality(table_only: bool) -> Result<(), String> {
                     t.as_os_str(),
                     "--tokens".as_ref(),
                     "2048".as_ref(),
+                    "--methods".as_ref(),
+                    "center,reorder,optr".as_ref(),
                     "--out".as_ref(),
                     calib.as_os_str(),
                 ],

@@ -53,8 +53,9 @@ enum Command {
         windows: usize,
         /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4, each with optional
         /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>
-        /// -o<N> (online key mean), and -c (key centering) -r (reordering) -l (learned
-        /// rotations) from --calib (e.g. k2v2-c-g32-x80, k2v2-c-l).
+        /// -v<iterations> (KVarN) -o<N> (online key mean) -da<k> -dk<k> -dh<k> (detected
+        /// sinks), and -c (key centering) -r (reordering) -l (learned rotations) from
+        /// --calib (e.g. k2v2-c-g32-x80, k2v2-c-l-dh8).
         #[arg(long, value_delimiter = ',', default_value = "f16,naive2,k2v2,k4v2")]
         kv: Vec<String>,
         /// cpu, sim, cuda, reference or auto.

@@ -84,7 +84,8 @@ impl KvMethod {
     /// whole ranges), then optional modifiers
     /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
-    /// [`CacheConfig::key_clip`]), `-o<N>` (online key centering: each sequence's mean
+    /// [`CacheConfig::key_clip`]), `-v<iterations>` (KVarN variance normalization,
+    /// [`CacheConfig::channel_norm`]), `-o<N>` (online key centering: each sequence's mean
     /// from its own first N tokens), `-da<k>`, `-dk<k>`, `-dh<k>` (protect `k` detected
     /// sinks per layer, ranked by attention mass, key norm or hidden-state norm over the
     /// first [`DETECT_PREFILL`] tokens, see [`sinks`]), and `-c` (subtract the
@@ -159,6 +160,7 @@ impl KvMethod {
                 "o" if quantized && n > calibrate::SKIP_POSITIONS => online = Some(n),
                 "x" if quantized => config.key_clip = n as f32 / 100.0,
                 "y" if quantized => config.value_clip = n as f32 / 100.0,
+                "v" if quantized => config.channel_norm = n as u32,
                 _ => return Err(unknown(name)),
             }
         }
@@ -180,20 +182,22 @@ impl KvMethod {
     }
 
     /// KV bytes one sequence of `len` tokens holds over `layers` layers of `kv_heads`
-    /// heads: quantized tokens at the format's bytes per token, sinks and window in f16,
-    /// and the f16 copies of detected sinks.
+    /// heads: quantized tokens at the format's bytes per token (and pages' channel
+    /// scales), sinks and window in f16, and the f16 copies of detected sinks.
     pub fn kv_bytes(&self, len: usize, layers: usize, kv_heads: usize) -> Result<usize> {
         let d = self.config.head_dim;
         let q = if self.quantized { self.config.format()?.quantized_len(len as u32) as usize } else { 0 };
         let copies = self.detect.map_or(0, |(_, k)| k.min(q));
-        let per_head = q * self.config.bytes_per_token()? + (len - q + copies) * 4 * d;
+        let fmt = self.config.format()?;
+        let channel_scales = q / fmt.page_size as usize * fmt.channel_scale_bytes() as usize;
+        let per_head = q * self.config.bytes_per_token()? + channel_scales + (len - q + copies) * 4 * d;
         Ok(per_head * layers * kv_heads)
     }
 }
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -o<N> -da<k> -dk<k> -dh<k> -c -r -l"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l"
     ))
 }
 
