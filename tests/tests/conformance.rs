@@ -659,7 +659,9 @@ fn protecting_checks_its_positions_and_changes_nothing_on_error() {
 fn variance_normalization_on_reference_and_cpu() {
     let shape = LayerShape { num_kv_heads: 2, num_q_heads: 6 };
     let n = 150;
-    for (i, (d, kb, vb, g, iters)) in [(64, 2, 2, 32, 3), (128, 4, 2, 64, 1), (256, 2, 4, 256, 2)].into_iter().enumerate() {
+    for (i, (d, kb, vb, g, iters)) in
+        [(64, 2, 2, 32, 3), (128, 4, 2, 64, 1), (256, 2, 4, 256, 2)].into_iter().enumerate()
+    {
         let config = CacheConfig {
             key_rotation: Rotation::None,
             value_rotation: Rotation::None,
@@ -726,8 +728,7 @@ fn variance_normalization_equalizes_channel_ranges() {
     let d = 64;
     let mut r = Rng::new(12);
     let scale: Vec<f64> = (0..d).map(|c| if c % 8 == 0 { 20.0 } else { 0.5 }).collect();
-    let rows: Vec<f64> =
-        (0..16 * d).map(|i| f16::from_f64(r.normal() as f64 * scale[i % d]).to_f64()).collect();
+    let rows: Vec<f64> = (0..16 * d).map(|i| f16::from_f64(r.normal() as f64 * scale[i % d]).to_f64()).collect();
     let mut err = [0.0; 2];
     for (e, iters) in err.iter_mut().zip([0, 3]) {
         let fmt = CacheConfig { channel_norm: iters, ..small_config(64, 2, 2, 64) }.format().unwrap();

@@ -391,12 +391,29 @@ fn kv_methods_parse_and_size() {
     assert_eq!(KvMethod::parse("k2v2-o64-x80", 64, 1024).unwrap().config.key_clip, 0.8);
     let m = KvMethod::parse("k2v2-c-l-dh8-v3", 64, 1024).unwrap();
     assert!(m.calib.center && m.calib.learned && !m.calib.reorder);
-    assert_eq!((m.detect, m.config.protected, m.config.channel_norm), (Some((model::sinks::Detector::Hidden, 8)), 8, 3));
+    assert_eq!(
+        (m.detect, m.config.protected, m.config.channel_norm),
+        (Some((model::sinks::Detector::Hidden, 8)), 8, 3)
+    );
     assert_eq!(KvMethod::parse("k2v2-da4", 64, 1024).unwrap().detect, Some((model::sinks::Detector::Attention, 4)));
     assert_eq!(KvMethod::parse("k2v2-dk2", 64, 1024).unwrap().detect, Some((model::sinks::Detector::KeyNorm, 2)));
     for bad in [
-        "k3v2", "k2v2-q5", "k2v2-g48", "f16-w8", "k2v2-gx", "k2v2-c-o64", "k2v2-o2", "k2v2-x40", "f16-c", "k2v2-c-r-l",
-        "k2v2-dx4", "k2v2-dh", "k2v2-dh40", "k2v2-v9", "f16-dh4", "f16-l",
+        "k3v2",
+        "k2v2-q5",
+        "k2v2-g48",
+        "f16-w8",
+        "k2v2-gx",
+        "k2v2-c-o64",
+        "k2v2-o2",
+        "k2v2-x40",
+        "f16-c",
+        "k2v2-c-r-l",
+        "k2v2-dx4",
+        "k2v2-dh",
+        "k2v2-dh40",
+        "k2v2-v9",
+        "f16-dh4",
+        "f16-l",
     ] {
         assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
     }
