@@ -257,7 +257,9 @@ impl LayerCalibration {
     }
 
     /// Checks sizes, finiteness of the means, that every permutation is one and that
-    /// every learned rotation is orthogonal (within [`ORTHOGONALITY_TOL`]).
+    /// every learned rotation has rows and columns of unit norm (within
+    /// [`ORTHOGONALITY_TOL`]; `O(D^2)` per head, run on every append and decode). Full
+    /// orthogonality is [`LayerCalibration::check_orthogonal`].
     pub fn validate(&self, num_kv_heads: usize, head_dim: usize) -> Result<()> {
         let n = num_kv_heads * head_dim;
         for (what, len) in [

@@ -125,7 +125,8 @@ fn check_protected(fmt: &Format, protected: &[u32]) -> Result<()> {
 }
 
 /// Extends a sequence's protected positions from `old` to `new` (which must start with
-/// `old`, see [`check_protected`]) for a sequence of `len` tokens: each added position
+/// `old`, ascend strictly, leave out the leading sinks and fit `config.protected`) for a
+/// sequence of `len` tokens: each added position
 /// must not be quantized yet (a token still in the window, or not yet appended). Those
 /// already appended have their f16 window rows copied into their protected rows now;
 /// later ones are copied by [`append`] when they arrive, given `new`.

@@ -66,6 +66,7 @@ fn bad_arguments_fail_with_a_message() {
         &["calibrate", "--model", &tile, "--text", "/dev/null", "--out", "/tmp/x", "--methods", "center,bogus"],
         "bogus",
     );
+    fail(&["calibrate", "--model", &tile, "--text", "/dev/null", "--out", "/tmp/x", "--methods", "sinks"], "prefill");
     fail(&["ppl", "--model", &tile, "--text", "/dev/null", "--calib", "/nonexistent.calib"], "nonexistent.calib");
 }
 

@@ -22,10 +22,11 @@
 //!   the Canterbury texts `alice29.txt` and `lcet10.txt` (from the sdist
 //!   `brotli==1.2.1`) under `text/`.
 //! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
-//!   calibrate` on each text (first 2048 tokens), then `rotkv ppl --json` on the other
-//!   text (4 x 1024 tokens, [`QUALITY_METHODS`], calibration from the text not evaluated),
-//!   results in `target/quality/`, and the markdown table printed last (17 minutes
-//!   on two cores). `--table-only` prints the table from the results already there.
+//!   calibrate --methods center,reorder,optr` on each text (first 2048 tokens), then
+//!   `rotkv ppl --json` on the other text (4 x 1024 tokens, [`QUALITY_METHODS`],
+//!   calibration from the text not evaluated), results in `target/quality/`, and the
+//!   markdown table printed last (45 minutes on two cores, 17 of them the OptR
+//!   trainings). `--table-only` prints the table from the results already there.
 //! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on

@@ -559,6 +559,13 @@ fn calibrate(
             "center" => what.center = true,
             "reorder" => what.reorder = true,
             "optr" => what.learned = true,
+            "sinks" => {
+                return Err(CliError::Lib(rotkv::Error::Unsupported(
+                    "calibration method \"sinks\": detected sinks are positions of each sequence, found at its prefill \
+                     (rotkv::model::sinks::detect, KvCache::protect; rotkv ppl -dh<k>), not a per-model calibration"
+                        .into(),
+                )));
+            }
             other => {
                 return Err(CliError::Lib(rotkv::Error::Unsupported(format!(
                     "calibration method {other:?} (this build calibrates: center, reorder, optr)"

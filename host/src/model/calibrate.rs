@@ -1,7 +1,7 @@
 //! Offline calibration from a model's own keys and values: per (layer, KV head) key
-//! means (centering) and channel permutations after the Hadamard rotation (RotateKV's
-//! outlier-aware reordering), stored in a safetensors file that `rotkv ppl --calib` and
-//! [`crate::KvCache::set_calibration`] take.
+//! means (centering), channel permutations after the Hadamard rotation (RotateKV's
+//! outlier-aware reordering) and learned rotations (OptR), stored in a safetensors file
+//! that `rotkv ppl --calib` and [`crate::KvCache::set_calibration`] take.
 //!
 //! - Key mean: the mean of the post-RoPE keys over the calibration tokens (positions
 //!   before [`SKIP_POSITIONS`] left out: they are the attention sinks, kept in f16, and
@@ -11,6 +11,10 @@
 //!   calibration tokens, and sort the channels by it (ascending), so a group of g
 //!   consecutive stored channels holds channels of similar range. One permutation serves
 //!   every group size.
+//! - Learned rotations (OptR, optional): per KV head, orthogonal key and value rotations
+//!   trained on the model's own queries, keys and values of the calibration text for one
+//!   cache configuration's quantizer ([`super::optr`]); they replace the Hadamard
+//!   transform where a cache uses them ([`Use::learned`]).
 //!
 //! # Example: a calibration file into a cache
 //!
