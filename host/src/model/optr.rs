@@ -395,13 +395,43 @@ fn metric(o: &[f64], m: &[f64]) -> f64 {
     (0..d).map(|i| o[i] * dot(&m[i * d..(i + 1) * d], o)).sum()
 }
 
+/// `y = x R` for rows `x` (`[t][d]`) and every row quantized as the cache does.
+fn rotate_and_quantize(x: &[f64], r: &[f64], d: usize, bits: u32, g: usize, clip: f64) -> (Vec<f64>, Vec<QuantRow>) {
+    let y = matmul(x, r, x.len() / d, d, d);
+    let q16 = OptrOptions::clip_q16(clip);
+    let quant = y.chunks_exact(d).map(|row| quantize(row, bits, g, q16)).collect();
+    (y, quant)
+}
+
+/// Back through the quantizer and `y = x R` ([`rotate_and_quantize`]): `g_y` (the
+/// gradient with respect to the rows where they are used unquantized) gets the
+/// straight-through gradient of `g_yhat` (with respect to the quantized rows), and
+/// `g_r` gets `x^T g_y`.
+#[allow(clippy::too_many_arguments)]
+fn back_through_quantizer(
+    x: &[f64],
+    quant: &[QuantRow],
+    g_yhat: &[f64],
+    mut g_y: Vec<f64>,
+    bits: u32,
+    g: usize,
+    clip: f64,
+    g_r: &mut [f64],
+) {
+    let d = quant.first().map_or(1, |q| q.xhat.len());
+    for (i, qrow) in quant.iter().enumerate() {
+        let r = i * d..(i + 1) * d;
+        quantize_backward(qrow, &g_yhat[r.clone()], bits, g, clip, &mut g_y[r]);
+    }
+    let gx = matmul_tn(x, &g_y, quant.len(), d, d);
+    g_r.iter_mut().zip(&gx).for_each(|(a, b)| *a += b);
+}
+
 /// The key loss of rotation `r` and its gradient with respect to `r`.
 fn key_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f64, Vec<f64>) {
     let (queries, exact) = (b.queries, &b.exact);
     let (d, t) = (data.d, data.tokens());
-    let clip = OptrOptions::clip_q16(o.key_clip);
-    let y = matmul(&data.keys, r, t, d, d);
-    let quant: Vec<QuantRow> = y.chunks_exact(d).map(|row| quantize(row, o.key_bits, o.group, clip)).collect();
+    let (y, quant) = rotate_and_quantize(&data.keys, r, d, o.key_bits, o.group, o.key_clip);
     let norm: f64 = queries.iter().zip(exact).map(|(q, (_, oe))| metric(oe, &data.out_metric[q.head])).sum();
     let nq = queries.len() as f64;
     let mut loss = 0.0;
@@ -442,13 +472,7 @@ fn key_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f64,
             g_r[a * d..(a + 1) * d].iter_mut().zip(&g_qr).for_each(|(x, &g)| *x += qa * g);
         }
     }
-    for (i, qrow) in quant.iter().enumerate() {
-        let r = i * d..(i + 1) * d;
-        quantize_backward(qrow, &g_yhat[r.clone()], o.key_bits, o.group, o.key_clip, &mut g_y[r]);
-    }
-    // y = K R: dL/dR += K^T dL/dy.
-    let gk = matmul_tn(&data.keys, &g_y, t, d, d);
-    g_r.iter_mut().zip(&gk).for_each(|(a, b)| *a += b);
+    back_through_quantizer(&data.keys, &quant, &g_yhat, g_y, o.key_bits, o.group, o.key_clip, &mut g_r);
     (loss, g_r)
 }
 
@@ -456,9 +480,7 @@ fn key_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f64,
 fn value_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f64, Vec<f64>) {
     let (queries, exact) = (b.queries, &b.exact);
     let (d, t) = (data.d, data.tokens());
-    let clip = OptrOptions::clip_q16(o.value_clip);
-    let y = matmul(&data.values, r, t, d, d);
-    let quant: Vec<QuantRow> = y.chunks_exact(d).map(|row| quantize(row, o.value_bits, o.group, clip)).collect();
+    let (_, quant) = rotate_and_quantize(&data.values, r, d, o.value_bits, o.group, o.value_clip);
     let yhat: Vec<f64> = quant.iter().flat_map(|q| q.xhat.iter().copied()).collect();
     // Dequantized values back in the original channels: vhat = yhat R^T; err = vhat - v.
     let rt = transpose(r, d);
@@ -486,14 +508,8 @@ fn value_loss(data: &HeadData, b: &Batch<'_>, o: &OptrOptions, r: &[f64]) -> (f6
     // vhat = yhat R^T: dL/dR += g_vhat^T yhat, dL/dyhat = g_vhat R.
     let mut g_r = matmul_tn(&g_vhat, &yhat, t, d, d);
     let g_yhat = matmul(&g_vhat, r, t, d, d);
-    let mut g_y = vec![0.0; t * d];
-    for (i, qrow) in quant.iter().enumerate() {
-        let rr = i * d..(i + 1) * d;
-        quantize_backward(qrow, &g_yhat[rr.clone()], o.value_bits, o.group, o.value_clip, &mut g_y[rr]);
-    }
-    // y = V R: dL/dR += V^T dL/dy.
-    let gv = matmul_tn(&data.values, &g_y, t, d, d);
-    g_r.iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
+    let g_y = vec![0.0; t * d];
+    back_through_quantizer(&data.values, &quant, &g_yhat, g_y, o.value_bits, o.group, o.value_clip, &mut g_r);
     (loss, g_r)
 }
 
