@@ -203,8 +203,8 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// # Thread mapping
 /// Block `(x, y, z)` = (KV head, sequence, split), one warp for the whole GQA group.
 /// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: FWHT across the
-/// warp (or the dense learned rotation), key permutation by shuffles, softmax scale folded in, written to shared memory
-/// with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
+/// warp (or the dense learned rotation), key permutation by shuffles, softmax scale
+/// folded in, written to shared memory with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
 /// token per lane, whole keys read with 16-byte loads (codes, or f16 rows for sinks,
 /// window and protected positions, which each lane looks up in the sequence's list)
 /// against the shared queries; a warp max and sum per query head update the
