@@ -301,19 +301,27 @@ impl LayerCalibration {
                 )));
             }
         }
+        let mut cols = vec![0f64; head_dim];
         for (what, m, h) in self.rotations(head_dim) {
             // Unit rows and columns: the cheap part of orthogonality, and what keeps every
             // rotated channel within the row's norm (so the f16 range check of the inputs
-            // still holds). The full check is `check_orthogonal`.
-            for i in 0..head_dim {
-                let row: f64 = (0..head_dim).map(|c| (m[i * head_dim + c] as f64).powi(2)).sum();
-                let col: f64 = (0..head_dim).map(|c| (m[c * head_dim + i] as f64).powi(2)).sum();
-                // (NaN compares false: a non-finite matrix is refused too.)
-                if !((row - 1.0).abs() <= ORTHOGONALITY_TOL && (col - 1.0).abs() <= ORTHOGONALITY_TOL) {
-                    return Err(Error::Calibration(format!(
-                        "{what} of KV head {h}: row or column {i} does not have unit norm ({row:.6}, {col:.6})"
-                    )));
+            // still holds). The full check is `check_orthogonal`. One pass in row order.
+            cols.fill(0.0);
+            let mut rows_ok = true;
+            for row in m.chunks_exact(head_dim) {
+                let mut norm = 0f64;
+                for (c, &x) in cols.iter_mut().zip(row) {
+                    let x2 = x as f64 * x as f64;
+                    norm += x2;
+                    *c += x2;
                 }
+                // (NaN compares false: a non-finite matrix is refused too.)
+                rows_ok &= (norm - 1.0).abs() <= ORTHOGONALITY_TOL;
+            }
+            if !rows_ok || !cols.iter().all(|&c| (c - 1.0).abs() <= ORTHOGONALITY_TOL) {
+                return Err(Error::Calibration(format!(
+                    "{what} of KV head {h}: its rows and columns must have unit norm (an orthogonal matrix)"
+                )));
             }
         }
         Ok(())
