@@ -309,6 +309,7 @@ pub fn time_decode(
         flags: config.flags(),
         sm_scale: 1.0 / (d as f32).sqrt(),
         q_seq_stride: (num_q_heads * d) as u32,
+        q_len: 1,
     };
     let (q_d, tables_d, lens_d, sides_d) = (
         s.clone_htod(&q).map_err(&up)?,

@@ -376,6 +376,7 @@ pub fn decode<T: KvElement>(
         flags: config.flags() | calib.flags(),
         sm_scale,
         q_seq_stride: (hq * d) as u32,
+        q_len: 1,
     };
     if seqs.is_empty() {
         return Ok(());

@@ -39,6 +39,59 @@ pub trait Ctx {
     fn lane(&self) -> u32 {
         self.thread_idx() % WARP
     }
+    /// `__shfl_sync(0xffffffff, v, src_lane)` of 32 raw bits: every lane of the warp must
+    /// take part.
+    fn shfl_idx_u32(&self, v: u32, src_lane: u32) -> u32 {
+        self.shfl_idx(f32::from_bits(v), src_lane).to_bits()
+    }
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`: `D = A * B + C` for one warp,
+    /// A 16 x 16 f16 (row-major), B 16 x 8 f16 (column-major), C and D 16 x 8 f32. Every
+    /// lane of the warp must take part.
+    ///
+    /// Fragments, with `g = lane / 4` and `t = lane % 4` (PTX ISA, "Matrix Fragments for
+    /// mma.m16n8k16 with floating point type"); each `u32` holds two f16, the lower index
+    /// in the low half:
+    /// - `a[0]` = A[g][2t], A[g][2t+1]; `a[1]` = A[g+8][2t], A[g+8][2t+1];
+    ///   `a[2]` = A[g][2t+8], A[g][2t+9]; `a[3]` = A[g+8][2t+8], A[g+8][2t+9];
+    /// - `b[0]` = B[2t][g], B[2t+1][g]; `b[1]` = B[2t+8][g], B[2t+9][g];
+    /// - `c`, result: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1].
+    ///
+    /// The default body computes it with indexed shuffles (correct on any context, slow);
+    /// the device uses the instruction.
+    fn mma_m16n8k16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        let lane = self.lane();
+        let (g, t) = (lane / 4, lane % 4);
+        let half = |w: u32, hi: bool| crate::math::f16_to_f32(if hi { (w >> 16) as u16 } else { w as u16 });
+        // Rows g and g + 8 of A: A[row][k] lives in lane 4 * row' + k' / 2 % 4, register
+        // (row >= 8) + 2 * (k >= 8), half k % 2.
+        let mut arow = [[0f32; 16]; 2];
+        for r in 0..4u32 {
+            for src_t in 0..4u32 {
+                let w = self.shfl_idx_u32(a[r as usize], 4 * g + src_t);
+                let row = (r & 1) as usize;
+                let k = (2 * src_t + 8 * (r >> 1)) as usize;
+                arow[row][k] = half(w, false);
+                arow[row][k + 1] = half(w, true);
+            }
+        }
+        // Columns 2t and 2t + 1 of B: B[k][n] lives in lane 4 * n + k % 8 / 2, register
+        // k >= 8, half k % 2.
+        let mut bcol = [[0f32; 16]; 2];
+        for col in 0..2u32 {
+            for r in 0..2u32 {
+                for src_t in 0..4u32 {
+                    let w = self.shfl_idx_u32(b[r as usize], 4 * (2 * t + col) + src_t);
+                    let k = (2 * src_t + 8 * r) as usize;
+                    bcol[col as usize][k] = half(w, false);
+                    bcol[col as usize][k + 1] = half(w, true);
+                }
+            }
+        }
+        core::array::from_fn(|i| {
+            let (row, col) = (i / 2, i % 2);
+            arow[row].iter().zip(&bcol[col]).fold(c[i], |acc, (x, y)| acc + x * y)
+        })
+    }
 }
 
 /// The real device: special registers and PTX instructions.

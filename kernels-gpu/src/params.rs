@@ -48,7 +48,11 @@ pub struct AppendParams {
     pub input_dtype: u32,
 }
 
-/// Parameters of the split-K decode of one query token per sequence.
+/// Parameters of the split-K decode of `q_len` query tokens per sequence.
+///
+/// The queries (and the output) are `[num_seqs][q_len][num_q_heads][head_dim]`: row `i`
+/// of a sequence of `len` tokens is the token at position `len - q_len + i` and attends
+/// causally, to positions `0 ..= len - q_len + i`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct DecodeParams {
@@ -69,8 +73,12 @@ pub struct DecodeParams {
     pub flags: u32,
     /// Softmax scale applied to `q . k`.
     pub sm_scale: f32,
-    /// Elements between consecutive sequences of the query (and of the output).
+    /// Elements between consecutive sequences of the query (and of the output):
+    /// `q_len * num_q_heads * head_dim` for a dense batch.
     pub q_seq_stride: u32,
+    /// Query tokens per sequence (1 for plain decode; more for speculative decoding's
+    /// verification rows). Every sequence of the batch holds at least `q_len` tokens.
+    pub q_len: u32,
 }
 
 /// Parameters of the log-sum-exp merge of split partials.
@@ -99,6 +107,12 @@ impl DecodeParams {
     pub const fn split_len(&self, len: u32) -> u32 {
         // (num_splits >= 1 on every launch; written without a trap path, see layout::div.)
         if self.num_splits == 0 { 0 } else { len.div_ceil(self.num_splits) }
+    }
+    /// Positions row `row` (`0 .. q_len`) of a sequence of `len` tokens attends to:
+    /// `0 .. len - q_len + row + 1`, i.e. the length its causal mask sees.
+    #[inline]
+    pub const fn row_len(&self, len: u32, row: u32) -> u32 {
+        (len + row + 1).saturating_sub(self.q_len)
     }
     /// Positions `[begin, end)` of split `split` of a sequence of `len` tokens (empty
     /// when the sequence is too short to reach it).

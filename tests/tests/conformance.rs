@@ -317,6 +317,7 @@ fn split_partials_merge_to_the_unsplit_result() {
             flags: config.flags(),
             sm_scale: 0.125,
             q_seq_stride: 6 * 64,
+            q_len: 1,
         };
         let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
         for splits in 1..=70u32 {

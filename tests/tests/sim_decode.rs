@@ -88,6 +88,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             flags: config.flags() | calib.flags(),
             sm_scale: 1.0 / (d as f32).sqrt(),
             q_seq_stride: (hq * d) as u32,
+            q_len: 1,
         };
         let seqs: Vec<SeqRef<'_>> = (0..2)
             .map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si], protected: &protected[si] })
