@@ -9,11 +9,49 @@ use crate::reference::{self, SeqRef};
 use half::f16;
 use rotkv_kernels::append::{SLOT_NONE, SLOT_SIDE};
 use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
+use rotkv_kernels::decode_mma::{self, mma_shared_bytes};
 use rotkv_kernels::layout::{Format, Place};
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 
-/// Threads per block of every kernel (one warp).
+/// Threads per block of the one-warp kernels (append, `decode_split`, merge).
 pub const BLOCK: u32 = 32;
+
+/// Largest grid y or z dimension a GPU launches.
+pub const MAX_GRID_YZ: u32 = 65_535;
+
+/// Which decode kernel runs a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// `decode_mma` (tensor cores) with this many quantization groups per head.
+    Mma {
+        /// Groups per head (`head_dim / group_size`).
+        groups: u32,
+    },
+    /// `decode_split` (CUDA cores).
+    Split,
+}
+
+/// Whether `decode_mma` has an instantiation for `(head_dim, key bits, value bits,
+/// groups per head)` (from `for_each_decode_mma!`).
+pub fn mma_instantiated(fmt: &Format) -> bool {
+    macro_rules! any {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal, $ng:literal, $nks:literal, $nvt:literal)),* $(,)?) => {
+            false $(|| (fmt.head_dim, fmt.key_bits, fmt.value_bits, fmt.groups()) == ($d, $kb, $vb, $ng))*
+        };
+    }
+    rotkv_kernels::for_each_decode_mma!(any)
+}
+
+/// The launch-planning rule: the tensor-core kernel wherever it is instantiated and the
+/// tile has at least 3 query rows (GQA heads x query tokens); with one or two rows the
+/// MMA would waste 14 or 15 of its 16 rows and the CUDA-core kernel does less work.
+pub fn decode_kernel(fmt: &Format, gqa: u32, q_len: u32) -> DecodeKernel {
+    if mma_instantiated(fmt) && gqa * q_len >= 3 {
+        DecodeKernel::Mma { groups: fmt.groups() }
+    } else {
+        DecodeKernel::Split
+    }
+}
 
 /// Refuses what the device kernels do not implement: variance normalization (KVarN
 /// channel scales) runs on the reference and cpu backends only.
@@ -42,6 +80,8 @@ pub struct DecodeInputs {
     pub protected: Vec<u32>,
     /// Inverse value permutations for `decode_merge`.
     pub vperm_inv: Vec<u16>,
+    /// The decode kernel the launch-planning rule chose.
+    pub kernel: DecodeKernel,
 }
 
 impl DecodeInputs {
@@ -63,8 +103,20 @@ impl DecodeInputs {
                 "{hq} query heads for {hkv} KV heads on the device kernels (at most {MAX_GROUP} per KV head)"
             )));
         }
-        if q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != hq * d {
-            return Err(Error::Shape(format!("q has {} elements for {s} sequences of {hq} x {d}", q.len())));
+        let q_len = p.q_len as usize;
+        if q_len == 0 || q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != q_len * hq * d {
+            return Err(Error::Shape(format!("q has {} elements for {s} sequences of {q_len} x {hq} x {d}", q.len())));
+        }
+        if let Some((i, x)) = seqs.iter().enumerate().find(|(_, x)| x.len < q_len) {
+            return Err(Error::Shape(format!("sequence {i} has {} tokens, fewer than q_len {q_len}", x.len)));
+        }
+        let kernel = decode_kernel(&fmt, (hq / hkv) as u32, p.q_len);
+        let z = p.num_splits as usize * Self::z_factor(kernel, hq / hkv, q_len);
+        if s > MAX_GRID_YZ as usize || z > MAX_GRID_YZ as usize || s * q_len > MAX_GRID_YZ as usize {
+            return Err(Error::Capacity(format!(
+                "{s} sequences x {q_len} query tokens x {} splits exceeds the GPU grid ({MAX_GRID_YZ} per dimension)",
+                p.num_splits
+            )));
         }
         if !(pool.as_ptr() as usize).is_multiple_of(16) {
             return Err(Error::Shape("the pool must start on a 16-byte boundary".into()));
@@ -99,7 +151,25 @@ impl DecodeInputs {
             side_len: s * side_elems,
             protected,
             vperm_inv: calib.value_perm_inverse(d),
+            kernel,
         })
+    }
+
+    /// Blocks per split in grid z: query tokens (`decode_split`) or row tiles of 16
+    /// (`decode_mma`).
+    fn z_factor(kernel: DecodeKernel, gqa: usize, q_len: usize) -> usize {
+        match kernel {
+            DecodeKernel::Split => q_len,
+            DecodeKernel::Mma { .. } => (gqa * q_len).div_ceil(decode_mma::ROWS as usize),
+        }
+    }
+
+    /// Threads per block of the decode kernel.
+    pub fn split_block(&self) -> u32 {
+        match self.kernel {
+            DecodeKernel::Split => BLOCK,
+            DecodeKernel::Mma { .. } => decode_mma::THREADS,
+        }
     }
 
     /// The side stores as f16 bits (16-byte aligned).
@@ -107,35 +177,44 @@ impl DecodeInputs {
         &bytemuck::cast_slice::<u128, u16>(&self.sides)[..self.side_len]
     }
 
-    /// `decode_split` grid: (KV heads, sequences, splits).
+    /// Decode kernel grid: (KV heads, sequences, splits x query tokens) for
+    /// `decode_split`, (KV heads, sequences, splits x row tiles) for `decode_mma`.
     pub fn split_grid(&self) -> [u32; 3] {
-        [self.params.num_kv_heads, self.params.num_seqs, self.params.num_splits]
+        let p = &self.params;
+        let gqa = (p.num_q_heads / p.num_kv_heads) as usize;
+        let z = p.num_splits as usize * Self::z_factor(self.kernel, gqa, p.q_len as usize);
+        [p.num_kv_heads, p.num_seqs, z as u32]
     }
 
-    /// `decode_split` dynamic shared memory.
+    /// Decode kernel dynamic shared memory.
     pub fn split_shared_bytes(&self) -> u32 {
-        decode_shared_bytes(&self.params.format, MAX_GROUP as u32)
+        match self.kernel {
+            DecodeKernel::Split => decode_shared_bytes(&self.params.format, MAX_GROUP as u32),
+            DecodeKernel::Mma { groups } => mma_shared_bytes(self.params.format.head_dim, groups),
+        }
     }
 
-    /// Elements of the partial outputs `(m and l, o)`.
+    /// Elements of the partial outputs `(m and l, o)`: `[seq][q_len][q_head][split]`.
     pub fn partial_lens(&self) -> (usize, usize) {
         let p = &self.params;
-        let n = p.num_seqs as usize * p.num_q_heads as usize * p.num_splits as usize;
+        let n = p.num_seqs as usize * p.q_len as usize * p.num_q_heads as usize * p.num_splits as usize;
         (n, n * p.format.head_dim as usize)
     }
 
-    /// `decode_merge` parameters and grid (query heads, sequences).
+    /// `decode_merge` parameters and grid (query heads, sequences x query tokens): each
+    /// query token's rows merge like a sequence of their own.
     pub fn merge(&self) -> (MergeParams, [u32; 3]) {
         let p = &self.params;
+        let rows = p.num_seqs * p.q_len;
         let mp = MergeParams {
-            num_seqs: p.num_seqs,
+            num_seqs: rows,
             num_q_heads: p.num_q_heads,
             num_kv_heads: p.num_kv_heads,
             head_dim: p.format.head_dim,
             num_splits: p.num_splits,
             flags: p.flags,
         };
-        (mp, [p.num_q_heads, p.num_seqs, 1])
+        (mp, [p.num_q_heads, rows, 1])
     }
 }
 

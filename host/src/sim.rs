@@ -4,11 +4,12 @@
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
-use crate::launch::{self, BLOCK, DecodeInputs};
+use crate::launch::{self, BLOCK, DecodeInputs, DecodeKernel};
 use crate::reference::SeqRef;
 use half::f16;
 use rotkv_kernels::append::{append_flush, append_tokens};
 use rotkv_kernels::decode::decode_split;
+use rotkv_kernels::decode_mma::decode_mma;
 use rotkv_kernels::merge::decode_merge;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
@@ -176,14 +177,15 @@ fn decode_split_launch(
         Shared(rotation_ptr(&calib.key_rotation)),
     );
     let (mp, lsp, op) = (Shared(m.as_mut_ptr()), Shared(l.as_mut_ptr()), Shared(o.as_mut_ptr()));
-    let (grid, shared) = (inputs.split_grid(), inputs.split_shared_bytes() as usize);
+    let (grid, block, shared) = (inputs.split_grid(), inputs.split_block(), inputs.split_shared_bytes() as usize);
     macro_rules! launch {
-        ($d:literal, $v:literal, $kb:literal, $vb:literal) => {
-            sim::launch(grid, BLOCK, shared, |c: &SimCtx<'_>| {
+        ($kernel:ident :: <$($g:literal),*>) => {
+            sim::launch(grid, block, shared, |c: &SimCtx<'_>| {
                 // SAFETY: the paged layer and `DecodeInputs::new` validated pool, tables,
-                // lengths, side stores and queries; the outputs have the partials' sizes.
+                // lengths, side stores and queries; the outputs have the partials' sizes;
+                // grid, block and shared memory are the kernel's (DecodeInputs).
                 unsafe {
-                    decode_split::<_, $d, $v, $kb, $vb>(
+                    $kernel::<_, $($g),*>(
                         c,
                         &p,
                         qp.ptr(),
@@ -200,18 +202,29 @@ fn decode_split_launch(
                     )
                 }
             })
-            .map_err(|e| Error::Backend(format!("sim decode_split: {e}")))
+            .map_err(|e| Error::Backend(format!("sim {}: {e}", stringify!($kernel))))
         };
     }
-    macro_rules! dispatch {
+    macro_rules! dispatch_split {
         ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal)),* $(,)?) => {
             match (fmt.head_dim, fmt.key_bits, fmt.value_bits) {
-                $(($d, $kb, $vb) => launch!($d, $v, $kb, $vb),)*
+                $(($d, $kb, $vb) => launch!(decode_split::<$d, $v, $kb, $vb>),)*
                 other => Err(Error::Unsupported(format!("(head_dim, key bits, value bits) {other:?}"))),
             }
         };
     }
-    rotkv_kernels::for_each_decode!(dispatch)?;
+    macro_rules! dispatch_mma {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal, $ng:literal, $nks:literal, $nvt:literal)),* $(,)?) => {
+            match (fmt.head_dim, fmt.key_bits, fmt.value_bits, fmt.groups()) {
+                $(($d, $kb, $vb, $ng) => launch!(decode_mma::<$d, $v, $kb, $vb, $ng, $nks, $nvt>),)*
+                other => Err(Error::Unsupported(format!("decode_mma for (head_dim, key bits, value bits, groups) {other:?}"))),
+            }
+        };
+    }
+    match inputs.kernel {
+        DecodeKernel::Split => rotkv_kernels::for_each_decode!(dispatch_split)?,
+        DecodeKernel::Mma { .. } => rotkv_kernels::for_each_decode_mma!(dispatch_mma)?,
+    }
     Ok((m, l, o))
 }
 

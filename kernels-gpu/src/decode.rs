@@ -1,5 +1,7 @@
-//! `decode_split`: split-K decode attention of one query token per sequence straight
-//! from the packed cache, one warp per (KV head, sequence, split).
+//! `decode_split`: split-K decode attention on CUDA cores straight from the packed cache,
+//! one warp per (KV head, sequence, split, query token). The tensor-core kernel
+//! (`crate::decode_mma`) is the fast path; this one serves the configurations it does not
+//! instantiate (head_dim 256, 2-bit codes in groups of 32) and single-row tiles.
 //!
 //! The score and value steps are small functions (`score_token`, `value_row`) so that
 //! a tensor-core path can replace them without touching the page walk, the online
@@ -190,18 +192,20 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// padded with `u32::MAX`; unused when `p.format.protected` is 0);
 /// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `key_rot`
 /// for `Hkv * D * D` when `p.flags` has `FLAG_DENSE_KEYS` (else unused); `part_m`,
-/// `part_l` for `S * Hq * N` writes and `part_o` for `S * Hq * N * D`.
+/// `part_l` for `S * q_len * Hq * N` writes and `part_o` for `S * q_len * Hq * N * D`;
+/// every sequence at least `p.q_len` tokens long.
 /// `D == 32 * V == p.format.head_dim`, `KB`/`VB` the key/value bits,
-/// `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N)`, 32 threads, [`decode_shared_bytes`] of
+/// `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N * q_len)`, 32 threads, [`decode_shared_bytes`] of
 /// dynamic shared memory for `MAX_GROUP` heads.
 ///
 /// # Parameters
-/// Outputs per `[seq][q_head][split]`: `part_m` the max logit (`-inf` for an empty
+/// Outputs per `[seq][q_len][q_head][split]`: `part_m` the max logit (`-inf` for an empty
 /// split), `part_l` the sum of `exp(logit - m)`, `part_o` (`[.. ][D]`) the sum of
 /// `exp(logit - m) * v'` in stored value order: the input of `decode_merge`.
 ///
 /// # Thread mapping
-/// Block `(x, y, z)` = (KV head, sequence, split), one warp for the whole GQA group.
+/// Block `(x, y, z)` = (KV head, sequence, split + N * query token), one warp for the
+/// whole GQA group; the query token's causal limit cuts the split's range.
 /// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: FWHT across the
 /// warp (or the dense learned rotation), key permutation by shuffles, softmax scale
 /// folded in, written to shared memory with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
@@ -227,7 +231,10 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     part_l: *mut f32,
     part_o: *mut f32,
 ) {
-    let [kvh, seq, split] = ctx.block_idx();
+    let [kvh, seq, z] = ctx.block_idx();
+    // Grid z enumerates (query token, split): one query token of the sequence per block.
+    let nsplit = p.num_splits.max(1);
+    let (split, qi) = (z % nsplit, z / nsplit);
     let lane = ctx.lane();
     let fmt = p.format;
     let hq = p.num_q_heads as usize;
@@ -246,7 +253,8 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         if h >= g {
             continue;
         }
-        let row = unsafe { q.add(seq as usize * p.q_seq_stride as usize + (kvh as usize * g + h) * D) };
+        let row =
+            unsafe { q.add(seq as usize * p.q_seq_stride as usize + (qi as usize * hq + kvh as usize * g + h) * D) };
         let mut x: [f32; V] = core::array::from_fn(|v| unsafe { *row.add(lane as usize * V + v) } * p.sm_scale);
         if p.flags & FLAG_DENSE_KEYS != 0 {
             x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
@@ -271,7 +279,10 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     }
     ctx.sync_threads();
 
+    // The split's positions, cut at the query token's causal limit.
     let (begin, end) = p.split_range(split, len);
+    let end = end.min(p.row_len(len, qi));
+    let begin = begin.min(end);
     let mut m = [f32::NEG_INFINITY; MAX_GROUP];
     let mut l = [0f32; MAX_GROUP];
     let mut o = [[0f32; V]; MAX_GROUP];
@@ -353,7 +364,8 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     }
     for h in 0..MAX_GROUP {
         if h < g {
-            let row = (seq as usize * hq + kvh as usize * g + h) * p.num_splits as usize + split as usize;
+            let row = ((seq as usize * p.q_len as usize + qi as usize) * hq + kvh as usize * g + h) * nsplit as usize
+                + split as usize;
             if lane == 0 {
                 unsafe {
                     *part_m.add(row) = m[h];

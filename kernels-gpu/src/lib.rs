@@ -18,6 +18,7 @@ extern crate std;
 pub mod append;
 pub mod ctx;
 pub mod decode;
+pub mod decode_mma;
 pub mod fwht;
 pub mod layout;
 pub mod math;

@@ -19,6 +19,63 @@ pub fn exp_neg(x: f32) -> f32 {
     if x <= -87.0 { 0.0 } else { y }
 }
 
+/// `2^x` for `x <= 0` (0 for `-inf`): `ex2.approx.ftz.f32` on the device (about 2 ulp),
+/// [`exp_neg`] elsewhere.
+#[inline(always)]
+pub fn exp2_neg(x: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r: f32;
+        // SAFETY: a pure arithmetic instruction.
+        unsafe {
+            core::arch::asm!("ex2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack))
+        };
+        r
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        exp_neg(x * core::f32::consts::LN_2)
+    }
+}
+
+/// Two f32 rounded to f16 (to nearest even) in one `u32`, `lo` in the low half: one
+/// `cvt.rn.f16x2.f32` on the device.
+#[inline(always)]
+pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r: u32;
+        // SAFETY: a pure conversion instruction (sm_80+); the first source goes to the
+        // upper half.
+        unsafe {
+            core::arch::asm!("cvt.rn.f16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack))
+        };
+        r
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        f32_to_f16(lo) as u32 | (f32_to_f16(hi) as u32) << 16
+    }
+}
+
+/// IEEE binary16 bits to f32: one `cvt.f32.f16` on the device, [`f16_to_f32`] elsewhere.
+#[inline(always)]
+pub fn h2f(h: u16) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r: f32;
+        // SAFETY: a pure conversion instruction.
+        unsafe {
+            core::arch::asm!("cvt.f32.f16 {r}, {h};", r = out(reg32) r, h = in(reg16) h, options(pure, nomem, nostack))
+        };
+        r
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        f16_to_f32(h)
+    }
+}
+
 /// `1 / sqrt(d)` for the supported head dimensions (the FWHT normalization).
 #[inline]
 pub const fn inv_sqrt_head_dim(d: u32) -> f32 {

@@ -93,6 +93,11 @@ fn sim_decode_split_and_merge_match_the_reference() {
         let seqs: Vec<SeqRef<'_>> = (0..2)
             .map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si], protected: &protected[si] })
             .collect();
+        // The tensor-core kernel rounds the rotated query and the softmax weights (times
+        // the value scales) to f16 (relative error up to 2^-11 each): its partials are
+        // compared at 3e-3, the CUDA-core kernel's (f32 throughout) at f32 precision.
+        let mma = matches!(rotkv::launch::decode_kernel(&fmt, gqa as u32, 1), rotkv::launch::DecodeKernel::Mma { .. });
+        let (tol_m, tol_o) = if mma { (3e-3, 3e-3) } else { (1e-5, 2e-5) };
         let want = reference::decode_partials(&p, &calib, pool.bytes(), &seqs, &q);
         let (m, l, o) = rotkv::sim::decode_split_sim(&p, &calib, pool.bytes(), &seqs, &q).unwrap();
         for (j, w) in want.iter().enumerate() {
@@ -101,12 +106,12 @@ fn sim_decode_split_and_merge_match_the_reference() {
                 continue;
             }
             // f32 against f64 over at most 110 tokens: a few ulps.
-            assert!((m[j] as f64 - w.m).abs() <= 1e-5 * (1.0 + w.m.abs()), "case {i} m[{j}]: {} vs {}", m[j], w.m);
-            assert!((l[j] as f64 - w.l).abs() <= 1e-5 * w.l, "case {i} l[{j}]: {} vs {}", l[j], w.l);
+            assert!((m[j] as f64 - w.m).abs() <= tol_m * (1.0 + w.m.abs()), "case {i} m[{j}]: {} vs {}", m[j], w.m);
+            assert!((l[j] as f64 - w.l).abs() <= tol_m * w.l, "case {i} l[{j}]: {} vs {}", l[j], w.l);
             let got = &o[j * d..(j + 1) * d];
             let wo: Vec<f32> = w.o.iter().map(|&x| x as f32).collect();
             let e = rel_err(got, &wo);
-            assert!(e <= 2e-5, "case {i} o[{j}]: {e:.2e}");
+            assert!(e <= tol_o, "case {i} o[{j}]: {e:.2e}");
         }
         // Merged by the emulated merge kernel: the reference decode.
         let inv = calib.value_perm_inverse(d);
@@ -122,6 +127,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
         rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, calib.value_rotation.as_deref(), &mut out).unwrap();
         let mut expect = vec![0f32; 2 * hq * d];
         reference::decode(&p, &calib, pool.bytes(), &seqs, &q, &mut expect);
-        assert!(rel_err(&out, &expect) <= 2e-5, "case {i}: merged {:.2e}", rel_err(&out, &expect));
+        let e = rel_err(&out, &expect);
+        eprintln!("case {i} ({}): merged rel err {e:.2e}", if mma { "decode_mma" } else { "decode_split" });
+        assert!(e <= tol_o, "case {i}: merged {e:.2e}");
     }
 }

@@ -1,0 +1,710 @@
+//! `decode_mma`: split-K decode attention on tensor cores, straight from the packed cache.
+//!
+//! One block of [`WARPS`] warps per (KV head, sequence, split x row tile). A row tile is
+//! up to 16 query rows of one KV head: GQA heads x query tokens (row `i * G + h` is query
+//! token `i`, head `h` of the group), padded to 16, in the M dimension of
+//! `mma.sync.m16n8k16` (f16 inputs, f32 accumulation). Each packed token is unpacked once
+//! for all of them.
+//!
+//! **Scores** `S = Q K^T`: key codes go straight into B fragments. A 32-bit word of codes
+//! holds a low and a high 16-bit half; one `and` with the mask `(2^b - 1) * 0x0001_0001`
+//! shifted by `b * j` takes code `j` of both halves into the two f16 lanes of a register,
+//! as the f16 bit patterns `code * 2^(b j) * 2^-24` (subnormals, exact). That works while
+//! the code stays inside the 10 mantissa bits (`j < 10 / b`); the remaining codes come from
+//! the word shifted right once. The power of two of each code position, and of the
+//! channel order this unpacking implies, is folded into the query fragments (prepared
+//! once per block in shared memory), so the tensor cores see `sum q_c * code_c` exactly as
+//! the CUDA-core kernel would, up to the f16 rounding of the query. Per token and group
+//! the score is `scale * acc + zero * sum(q over the group)`, applied on the accumulators.
+//!
+//! **Values** `O = P' V`: `P' = p * scale` per token and group (the A fragment, built from
+//! the score accumulators without leaving registers), value codes of two tokens joined
+//! into one register (`low half` of token a, `high half` of token b) and unpacked by the
+//! same masks into B; `sum p * zero` per group is accumulated beside and added at the end.
+//!
+//! **f16 rows** (sinks, the recent window, protected positions) run first through the
+//! same tiles with plain f16 fragments (the query in natural channel order), so the online
+//! softmax sees one stream. Tokens of a split are walked in tiles of 16 (two n-tiles of 8
+//! for the scores, one k-step for the values), tile `k` by warp `k mod WARPS`; the warps
+//! merge their `(m, l, o)` in shared memory at the end.
+//!
+//! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
+//! and the fragment counts are compile-time constants of each entry point
+//! ([`for_each_decode_mma!`]).
+
+use crate::ctx::{Ctx, WARP};
+use crate::fwht::{dense_warp, fwht_warp, permute_warp};
+use crate::math::{exp2_neg, h2f, pack_f16x2};
+use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS};
+
+/// Warps per block.
+pub const WARPS: u32 = 4;
+/// Threads per block.
+pub const THREADS: u32 = WARPS * WARP;
+/// Query rows per block (the M dimension of one MMA).
+pub const ROWS: u32 = 16;
+/// Tokens per tile.
+pub const TILE: u32 = 16;
+
+const LOG2E: f32 = core::f32::consts::LOG2_E;
+
+/// Codes of a 16-bit half that one mask takes straight into f16 mantissa bits.
+const fn direct(bits: u32) -> u32 {
+    10 / bits
+}
+
+/// Codes per 16-bit half.
+const fn per_half(bits: u32) -> u32 {
+    16 / bits
+}
+
+/// log2 of the power of two code `j` of a half carries after [`extract`].
+const fn factor_log2(bits: u32, j: u32) -> u32 {
+    if j < direct(bits) { bits * j } else { bits * (j - direct(bits)) }
+}
+
+/// `2^e` for a small integer exponent, exactly.
+#[inline(always)]
+fn pow2(e: i32) -> f32 {
+    f32::from_bits(((127 + e) as u32) << 23)
+}
+
+/// Code `j` of both 16-bit halves of `w` as two f16 bit patterns `code * 2^factor_log2`
+/// times `2^-24`; `x` is `w >> (bits * direct(bits))`.
+#[inline(always)]
+fn extract(bits: u32, w: u32, x: u32, j: u32) -> u32 {
+    let m = ((1u32 << bits) - 1) * 0x0001_0001;
+    if j < direct(bits) { w & (m << (bits * j)) } else { x & (m << (bits * (j - direct(bits)))) }
+}
+
+/// Token of a 16-token tile that score n-tile `nt` (0 or 1) column `n` holds: lane `t`'s
+/// accumulator columns `2t, 2t + 1` of both n-tiles are then tokens `4t .. 4t + 4`.
+#[inline(always)]
+const fn tile_token(nt: u32, n: u32) -> u32 {
+    2 * n - (n & 1) + 2 * nt
+}
+
+/// Dynamic shared memory of `decode_mma` for a head dimension and groups per head: the
+/// warps' merge area (which holds the rotated queries during setup), the two sets of
+/// query fragments and the per-group query sums.
+pub const fn mma_shared_bytes(head_dim: u32, groups: u32) -> u32 {
+    merge_bytes(head_dim) + 2 * frag_bytes(head_dim) + ROWS * groups * 4
+}
+
+const fn merge_bytes(head_dim: u32) -> u32 {
+    WARPS * ROWS * (head_dim + 2) * 4
+}
+
+const fn frag_bytes(head_dim: u32) -> u32 {
+    head_dim / 16 * WARP * 16
+}
+
+/// Where the lane's four score columns (tokens `4t .. 4t + 4` of a tile) live.
+#[derive(Clone, Copy)]
+struct Tok {
+    /// Positions (for the causal mask).
+    pos: [u32; 4],
+    /// Whether each counts (inside the split and its phase).
+    ok: [bool; 4],
+}
+
+/// Online-softmax state of the lane's two rows (`g` and `g + 8`), log2 domain.
+struct Soft {
+    m: [f32; 2],
+    l: [f32; 2],
+}
+
+/// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`) and
+/// updates the online softmax: the running max per row over the warp, the rescaling of
+/// `o` and `z` when it grows, and `s` replaced by `p = 2^(s - m)`.
+#[inline(always)]
+fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
+    ctx: &C,
+    st: &mut Soft,
+    s: &mut [[f32; 4]; 2],
+    tok: &Tok,
+    lim: [u32; 2],
+    o: &mut [[f32; 4]; NVT],
+    z: &mut [[f32; NG]; 2],
+) {
+    for nt in 0..2 {
+        for c in 0..4 {
+            let k = 2 * nt + (c & 1);
+            if !tok.ok[k] || tok.pos[k] >= lim[c / 2] {
+                s[nt][c] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    for r in 0..2 {
+        let mut mx = s[0][2 * r].max(s[0][2 * r + 1]).max(s[1][2 * r].max(s[1][2 * r + 1]));
+        mx = mx.max(ctx.shfl_xor(mx, 1));
+        mx = mx.max(ctx.shfl_xor(mx, 2));
+        let mn = st.m[r].max(mx);
+        if mn > st.m[r] {
+            let corr = exp2_neg(st.m[r] - mn);
+            st.l[r] *= corr;
+            for ot in o.iter_mut() {
+                ot[2 * r] *= corr;
+                ot[2 * r + 1] *= corr;
+            }
+            z[r].iter_mut().for_each(|x| *x *= corr);
+            st.m[r] = mn;
+        }
+        let base = if st.m[r] == f32::NEG_INFINITY { 0.0 } else { st.m[r] };
+        for sn in s.iter_mut() {
+            sn[2 * r] = exp2_neg(sn[2 * r] - base);
+            sn[2 * r + 1] = exp2_neg(sn[2 * r + 1] - base);
+            st.l[r] += sn[2 * r] + sn[2 * r + 1];
+        }
+    }
+}
+
+/// Split-K decode partials on tensor cores for one (KV head, sequence, split, row tile).
+///
+/// # Safety
+/// As `decode_split` (crate::decode), with the query and output rows of
+/// [`DecodeParams`] (`[seq][q_len][q_head][D]`, `p.q_seq_stride` between sequences);
+/// additionally `D == p.format.head_dim == 32 * V == 16 * NKS == 8 * NVT`, key and value
+/// bits `KB`, `VB`, `NG == D / p.format.group_size` groups with
+/// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
+/// a power of two `>= 16`, the pool, side stores and every head-page section 16-byte
+/// aligned (FORMAT.md). Grid `(Hkv, S, N * ceil(G * q_len / 16))` with `G` the GQA group,
+/// [`THREADS`] threads, [`mma_shared_bytes`]`(D, NG)` of dynamic shared memory.
+///
+/// # Parameters
+/// Outputs per `[seq][q_len][q_head][split]`: `part_m` the max logit (natural log units;
+/// `-inf` for an empty split), `part_l` the sum of `exp(logit - m)`, `part_o` (`[..][D]`)
+/// the sum of `exp(logit - m) * v'` in stored value order: the input of `decode_merge`
+/// (run with `num_seqs * q_len` sequences).
+///
+/// # Thread mapping
+/// Setup: warp `w` rotates query rows `w, w + 4, w + 8, w + 12` of the tile (lane `i`
+/// owns channels `[i * V, (i + 1) * V)`, as `decode_split`), then the block writes the
+/// two sets of A fragments to shared memory and each lane keeps the quantized set in
+/// registers. Main loop: warp `w` takes tiles `w, w + 4, ...` of the f16 rows, then of
+/// the quantized pages; lane `(g, t) = (lane / 4, lane % 4)` loads key codes of tokens
+/// `tile_token(0, g)` and `tile_token(1, g)` (32-bit words `t, t + 4, ...`), value codes,
+/// scales and zeros of tokens `4t .. 4t + 4`, and holds rows `g` and `g + 8` of the score
+/// and output accumulators. End: the warps' partials merge in shared memory; thread `i`
+/// writes channels `i, i + 128, ...` of each row.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn decode_mma<
+    C: Ctx,
+    const D: usize,
+    const V: usize,
+    const KB: u32,
+    const VB: u32,
+    const NG: usize,
+    const NKS: usize,
+    const NVT: usize,
+>(
+    ctx: &C,
+    p: &DecodeParams,
+    q: *const f32,
+    pool: *const u8,
+    block_tables: *const u32,
+    seq_lens: *const u32,
+    sides: *const u16,
+    protected: *const u32,
+    key_perm: *const u16,
+    key_rot: *const f32,
+    part_m: *mut f32,
+    part_l: *mut f32,
+    part_o: *mut f32,
+) {
+    let fmt = p.format;
+    let tid = ctx.thread_idx();
+    let (warp, lane) = (tid / WARP, tid % WARP);
+    let (g, t) = (lane / 4, lane % 4);
+    let [kvh, seq, z] = ctx.block_idx();
+    let nsplit = p.num_splits.max(1);
+    let (split, rt) = (z % nsplit, z / nsplit);
+    let hq = p.num_q_heads;
+    let gqa = (hq / p.num_kv_heads.max(1)).max(1);
+    let rows_total = gqa * p.q_len;
+    let r0 = rt * ROWS;
+    let gsize = D as u32 / NG as u32;
+    // SAFETY (every raw access below): inside the sizes of the `# Safety` contract.
+    let len = unsafe { *seq_lens.add(seq as usize) };
+    let table = unsafe { block_tables.add(seq as usize * p.block_table_stride as usize) };
+    let side = unsafe { sides.add(seq as usize * fmt.side_elems(p.num_kv_heads)) };
+    let prot = unsafe { protected.add(seq as usize * fmt.protected as usize) };
+
+    // Shared memory: merge area (rotated queries during setup), row maxima, fragments,
+    // query sums.
+    let sh = ctx.shared();
+    let qf = sh.cast::<f32>();
+    let rowmax = unsafe { qf.add(ROWS as usize * D) };
+    let aq_sh = unsafe { sh.add(merge_bytes(D as u32) as usize).cast::<u32>() };
+    let ah_sh = unsafe { aq_sh.add(NKS * WARP as usize * 4) };
+    let qsum_sh = unsafe { ah_sh.add(NKS * WARP as usize * 4).cast::<f32>() };
+
+    // 1. Rotated, permuted queries of the tile's rows, scaled by sm_scale * log2(e).
+    for rr in 0..(ROWS / WARPS) {
+        let r = warp + WARPS * rr;
+        let row = r0 + r;
+        let valid = row < rows_total;
+        let (i, h) = (row / gqa, row % gqa);
+        let src = seq as usize * p.q_seq_stride as usize + ((i * hq + kvh * gqa + h) as usize) * D;
+        let scale = p.sm_scale * LOG2E;
+        let mut x: [f32; V] =
+            core::array::from_fn(
+                |v| if valid { (unsafe { *q.add(src + lane as usize * V + v) }) * scale } else { 0.0 },
+            );
+        if p.flags & FLAG_DENSE_KEYS != 0 {
+            x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
+        } else if p.flags & FLAG_ROTATE_KEYS != 0 {
+            fwht_warp(ctx, &mut x);
+        }
+        let y = unsafe { permute_warp(ctx, &x, key_perm.add(kvh as usize * D)) };
+        let mut amax = 0f32;
+        let mut part = 0f32;
+        for (v, &yv) in y.iter().enumerate() {
+            unsafe { *qf.add(r as usize * D + lane as usize * V + v) = yv };
+            amax = amax.max(yv.abs());
+            part += yv;
+        }
+        let mut mask = 1;
+        while mask < WARP {
+            amax = amax.max(ctx.shfl_xor(amax, mask));
+            mask *= 2;
+        }
+        // Per-group sums (a lane's channels lie in one group: group_size >= 32 >= V).
+        let my_group = lane * V as u32 / gsize;
+        for gi in 0..NG {
+            let mut sum = if my_group == gi as u32 { part } else { 0.0 };
+            let mut mask = 1;
+            while mask < WARP {
+                sum += ctx.shfl_xor(sum, mask);
+                mask *= 2;
+            }
+            if lane == 0 {
+                unsafe { *qsum_sh.add(r as usize * NG + gi) = sum };
+            }
+        }
+        if lane == 0 {
+            unsafe { *rowmax.add(r as usize) = amax };
+        }
+    }
+    ctx.sync_threads();
+
+    // 2. One power of two for the whole tile keeps every f16 query in range:
+    //    |q| * 2^k < 2^15.
+    let mut mx = 0f32;
+    for r in 0..ROWS as usize {
+        mx = mx.max(unsafe { *rowmax.add(r) });
+    }
+    let k = (140 - ((mx.to_bits() >> 23) & 0xff) as i32).clamp(-90, 100);
+    let qscale = pow2(k);
+    // A fragments: quantized order (with each code position's power of two divided out)
+    // and natural order (f16 rows).
+    let ks_per_block = (per_half(KB) / 2) as usize;
+    let cpw = (32 / KB) as usize;
+    let mut e = tid as usize;
+    while e < NKS * WARP as usize * 4 {
+        let (ks, ln, r4) = (e / (WARP as usize * 4), e / 4 % WARP as usize, e % 4);
+        let (fg, ft) = (ln / 4, ln % 4);
+        let row = fg + 8 * (r4 & 1);
+        let hi_k = r4 >> 1;
+        // Quantized: k-step block b, step s; lane ft's word 4b + ft, extraction 2s + hi_k.
+        let (b, s) = (ks / ks_per_block, ks % ks_per_block);
+        let j = (2 * s + hi_k) as u32;
+        let wbase = (4 * b + ft) * cpw;
+        let f = pow2(k - factor_log2(KB, j) as i32);
+        let c_lo = wbase + j as usize;
+        let c_hi = wbase + per_half(KB) as usize + j as usize;
+        let (a, bq) = unsafe { (*qf.add(row * D + c_lo), *qf.add(row * D + c_hi)) };
+        unsafe { *aq_sh.add(e) = pack_f16x2(a * f, bq * f) };
+        // Natural order: k-step ks covers channels 16 ks .. 16 ks + 16.
+        let c = 16 * ks + 2 * ft + 8 * hi_k;
+        let (a, bn) = unsafe { (*qf.add(row * D + c), *qf.add(row * D + c + 1)) };
+        unsafe { *ah_sh.add(e) = pack_f16x2(a * qscale, bn * qscale) };
+        e += THREADS as usize;
+    }
+    ctx.sync_threads();
+    let aq: [[u32; 4]; NKS] = core::array::from_fn(|ks| {
+        core::array::from_fn(|r| unsafe { *aq_sh.add((ks * WARP as usize + lane as usize) * 4 + r) })
+    });
+    let qs: [[f32; NG]; 2] =
+        core::array::from_fn(|r| core::array::from_fn(|gi| unsafe { *qsum_sh.add((g as usize + 8 * r) * NG + gi) }));
+    // Causal limit of the lane's two rows: positions below it are visible.
+    let lim: [u32; 2] = core::array::from_fn(|r| {
+        let row = r0 + g + 8 * r as u32;
+        if row < rows_total { p.row_len(len, row / gqa) } else { len }
+    });
+    let unscale_h = pow2(-k);
+    let unscale_q = pow2(24 - k);
+
+    let (begin, end) = p.split_range(split, len);
+    let (sinks, nq) = (fmt.sinks, fmt.quantized_len(len));
+    let (qbeg, qend) = (fmt.sinks, fmt.sinks + nq);
+    // Protected positions inside this split's quantized range: list entries [p_lo, p_hi).
+    let (lo_pos, hi_pos) = (begin.max(qbeg), end.min(qend));
+    let (mut p_lo, mut p_hi) = (0u32, 0u32);
+    for jp in 0..fmt.protected {
+        let pp = unsafe { *prot.add(jp as usize) };
+        if pp < lo_pos {
+            p_lo = jp + 1;
+        }
+        if pp < hi_pos {
+            p_hi = jp + 1;
+        }
+    }
+    let p_hi = p_hi.max(p_lo);
+    let n_s = sinks.min(end).saturating_sub(begin);
+    let n_p = p_hi - p_lo;
+    let w_begin = begin.max(qend);
+    let n_w = end.saturating_sub(w_begin);
+    let n_f = n_s + n_p + n_w;
+
+    let mut st = Soft { m: [f32::NEG_INFINITY; 2], l: [0.0; 2] };
+    let mut o = [[0f32; 4]; NVT];
+    let mut zs = [[0f32; NG]; 2];
+    let cph_v = per_half(VB) as usize;
+
+    // 3. f16 rows: sinks, protected positions, window.
+    let f16_row = |f: u32| -> (u32, u32, bool) {
+        if f >= n_f {
+            (0, 0, false)
+        } else if f < n_s {
+            (begin + f, begin + f, true)
+        } else if f < n_s + n_p {
+            let jp = p_lo + f - n_s;
+            (unsafe { *prot.add(jp as usize) }, fmt.protected_row(jp), true)
+        } else {
+            let pos = w_begin + f - n_s - n_p;
+            (pos, fmt.window_row(pos), true)
+        }
+    };
+    let mut tile = warp;
+    while tile * TILE < n_f {
+        let f0 = tile * TILE;
+        let mut s = [[0f32; 4]; 2];
+        for (nt, sn) in s.iter_mut().enumerate() {
+            let (_, row, ok) = f16_row(f0 + tile_token(nt as u32, g));
+            let krow = unsafe { side.add(fmt.side_row_at(kvh, false, row)) };
+            for ks in 0..NKS {
+                let a: [u32; 4] =
+                    core::array::from_fn(|r| unsafe { *ah_sh.add((ks * WARP as usize + lane as usize) * 4 + r) });
+                let c = 16 * ks + 2 * t as usize;
+                let b =
+                    if ok { unsafe { [*krow.add(c).cast::<u32>(), *krow.add(c + 8).cast::<u32>()] } } else { [0, 0] };
+                *sn = ctx.mma_m16n8k16(a, b, *sn);
+            }
+            sn.iter_mut().for_each(|x| *x *= unscale_h);
+        }
+        let toks: [(u32, u32, bool); 4] = core::array::from_fn(|j| f16_row(f0 + 4 * t + j as u32));
+        let tok = Tok { pos: toks.map(|x| x.0), ok: toks.map(|x| x.2) };
+        softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, &mut o, &mut zs);
+        let a = [
+            pack_f16x2(s[0][0], s[0][1]),
+            pack_f16x2(s[0][2], s[0][3]),
+            pack_f16x2(s[1][0], s[1][1]),
+            pack_f16x2(s[1][2], s[1][3]),
+        ];
+        let vrows: [*const u16; 4] =
+            core::array::from_fn(|j| unsafe { side.add(fmt.side_row_at(kvh, true, toks[j].1)) });
+        for (n, on) in o.iter_mut().enumerate() {
+            let (h, ev) = (n / cph_v, n % cph_v);
+            let ch = (8 * h + g as usize) * cph_v + ev;
+            let val = |j: usize| if toks[j].2 { unsafe { *vrows[j].add(ch) as u32 } } else { 0 };
+            let b = [val(0) | val(1) << 16, val(2) | val(3) << 16];
+            *on = ctx.mma_m16n8k16(a, b, *on);
+        }
+        tile += WARPS;
+    }
+    // From here on the value accumulators hold code-scaled sums: convert what the f16
+    // rows left there into the same units (exact powers of two).
+    for (n, on) in o.iter_mut().enumerate() {
+        let f = pow2(factor_log2(VB, (n % cph_v) as u32) as i32 - 24);
+        on.iter_mut().for_each(|x| *x *= f);
+    }
+
+    // 4. Quantized pages, tiles of 16 tokens aligned to the first quantized position.
+    let page_shift = fmt.page_size.trailing_zeros();
+    let kcb = fmt.key_code_bytes() as usize;
+    let vcb = fmt.value_code_bytes() as usize;
+    if lo_pos < hi_pos {
+        let first = (lo_pos - qbeg) / TILE;
+        let last = (hi_pos - qbeg).div_ceil(TILE);
+        let mut pn = p_lo;
+        let mut tile = first + warp;
+        while tile < last {
+            let rel = tile * TILE;
+            let t0 = qbeg + rel;
+            let slot0 = rel & (fmt.page_size - 1);
+            let blk = unsafe { *table.add((rel >> page_shift) as usize) };
+            let base = unsafe { pool.add(fmt.page_offset(blk, kvh, p.num_kv_heads)) };
+            // Protected positions of this tile (read as f16 rows above).
+            while pn < p_hi && unsafe { *prot.add(pn as usize) } < t0 {
+                pn += 1;
+            }
+            let mut pmask = 0u32;
+            let mut jp = pn;
+            while jp < p_hi {
+                let pp = unsafe { *prot.add(jp as usize) };
+                if pp >= t0 + TILE {
+                    break;
+                }
+                pmask |= 1 << (pp - t0);
+                jp += 1;
+            }
+            // Scores.
+            let mut sg = [[[0f32; 4]; 2]; NG];
+            for nt in 0..2 {
+                let slot = slot0 + tile_token(nt, g);
+                let kp = unsafe { base.add(slot as usize * kcb).cast::<u32>() };
+                for b in 0..(D * KB as usize / 128) {
+                    let w = unsafe { *kp.add(4 * b + t as usize) };
+                    let x = w >> (KB * direct(KB));
+                    let gi = b * (128 / KB as usize) / gsize as usize;
+                    for s in 0..ks_per_block {
+                        let j = 2 * s as u32;
+                        let bf = [extract(KB, w, x, j), extract(KB, w, x, j + 1)];
+                        sg[gi][nt as usize] = ctx.mma_m16n8k16(aq[b * ks_per_block + s], bf, sg[gi][nt as usize]);
+                    }
+                }
+            }
+            let sl = slot0 + 4 * t;
+            let ld4 = |at: u32| -> [f32; 4] {
+                let pp = unsafe { base.add(at as usize).cast::<u32>() };
+                let (a, b) = unsafe { (*pp, *pp.add(1)) };
+                [h2f(a as u16), h2f((a >> 16) as u16), h2f(b as u16), h2f((b >> 16) as u16)]
+            };
+            let mut s = [[0f32; 4]; 2];
+            for gi in 0..NG {
+                let ksc = ld4(fmt.scale_at(false, gi as u32, sl));
+                let kz = ld4(fmt.zero_at(false, gi as u32, sl));
+                for nt in 0..2 {
+                    for c in 0..4 {
+                        let tk = 2 * nt + (c & 1);
+                        s[nt][c] += sg[gi][nt][c] * (ksc[tk] * unscale_q) + kz[tk] * qs[c / 2][gi];
+                    }
+                }
+            }
+            let tok = Tok {
+                pos: core::array::from_fn(|j| t0 + 4 * t + j as u32),
+                ok: core::array::from_fn(|j| {
+                    let pos = t0 + 4 * t + j as u32;
+                    pos >= lo_pos && pos < hi_pos && pmask & (1 << (4 * t + j as u32)) == 0
+                }),
+            };
+            softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, &mut o, &mut zs);
+            // Values: P' = p * scale per group; codes of tokens (4t, 4t+1) and (4t+2, 4t+3)
+            // joined per 16-bit half.
+            let mut a = [[0u32; 4]; NG];
+            for (gi, ag) in a.iter_mut().enumerate() {
+                let vsc = ld4(fmt.scale_at(true, gi as u32, sl));
+                let vz = ld4(fmt.zero_at(true, gi as u32, sl));
+                *ag = [
+                    pack_f16x2(s[0][0] * vsc[0], s[0][1] * vsc[1]),
+                    pack_f16x2(s[0][2] * vsc[0], s[0][3] * vsc[1]),
+                    pack_f16x2(s[1][0] * vsc[2], s[1][1] * vsc[3]),
+                    pack_f16x2(s[1][2] * vsc[2], s[1][3] * vsc[3]),
+                ];
+                for r in 0..2 {
+                    zs[r][gi] +=
+                        s[0][2 * r] * vz[0] + s[0][2 * r + 1] * vz[1] + s[1][2 * r] * vz[2] + s[1][2 * r + 1] * vz[3];
+                }
+            }
+            let vbase = unsafe { base.add(fmt.value_codes_at(sl) as usize) };
+            for h in 0..(D * VB as usize / 128) {
+                let hw = |j: usize| -> u32 {
+                    unsafe { *vbase.add(j * vcb + 2 * (8 * h + g as usize)).cast::<u16>() as u32 }
+                };
+                let wa = hw(0) | hw(1) << 16;
+                let wb = hw(2) | hw(3) << 16;
+                let (xa, xb) = (wa >> (VB * direct(VB)), wb >> (VB * direct(VB)));
+                let gi = h * (128 / VB as usize) / gsize as usize;
+                for ev in 0..cph_v {
+                    let bf = [extract(VB, wa, xa, ev as u32), extract(VB, wb, xb, ev as u32)];
+                    let n = h * cph_v + ev;
+                    o[n] = ctx.mma_m16n8k16(a[gi], bf, o[n]);
+                }
+            }
+            tile += WARPS;
+        }
+    }
+
+    // 5. The warp's partials: sums over the row's four lanes, values back to units.
+    for r in 0..2 {
+        st.l[r] += ctx.shfl_xor(st.l[r], 1);
+        st.l[r] += ctx.shfl_xor(st.l[r], 2);
+        for zg in zs[r].iter_mut() {
+            *zg += ctx.shfl_xor(*zg, 1);
+            *zg += ctx.shfl_xor(*zg, 2);
+        }
+    }
+    ctx.sync_threads(); // everyone is done with the query area
+    let mo = qf;
+    let mm = unsafe { mo.add(WARPS as usize * ROWS as usize * D) };
+    let ml = unsafe { mm.add(WARPS as usize * ROWS as usize) };
+    for (n, on) in o.iter().enumerate() {
+        let (h, ev) = (n / cph_v, n % cph_v);
+        let f = pow2(24 - factor_log2(VB, ev as u32) as i32);
+        let gi = h * (128 / VB as usize) / gsize as usize;
+        for (c, &x) in on.iter().enumerate() {
+            let row = g as usize + 8 * (c / 2);
+            let col = 2 * t as usize + (c & 1);
+            let ch = (8 * h + col) * cph_v + ev;
+            unsafe { *mo.add((warp as usize * ROWS as usize + row) * D + ch) = x * f + zs[c / 2][gi] };
+        }
+    }
+    if t == 0 {
+        for r in 0..2 {
+            let row = warp as usize * ROWS as usize + g as usize + 8 * r;
+            unsafe {
+                *mm.add(row) = st.m[r];
+                *ml.add(row) = st.l[r];
+            }
+        }
+    }
+    ctx.sync_threads();
+
+    // 6. Merge the warps and write the split's partials.
+    let mut e = tid as usize;
+    while e < ROWS as usize * D {
+        let (r, ch) = (e / D, e % D);
+        let row = r0 + r as u32;
+        if row < rows_total {
+            let mut m = f32::NEG_INFINITY;
+            for w in 0..WARPS as usize {
+                m = m.max(unsafe { *mm.add(w * ROWS as usize + r) });
+            }
+            let (mut l, mut acc) = (0f32, 0f32);
+            if m != f32::NEG_INFINITY {
+                for w in 0..WARPS as usize {
+                    let mw = unsafe { *mm.add(w * ROWS as usize + r) };
+                    if mw != f32::NEG_INFINITY {
+                        let c = exp2_neg(mw - m);
+                        l += c * unsafe { *ml.add(w * ROWS as usize + r) };
+                        acc += c * unsafe { *mo.add((w * ROWS as usize + r) * D + ch) };
+                    }
+                }
+            }
+            let (i, h) = (row / gqa, row % gqa);
+            let out_row = ((seq * p.q_len + i) * hq + kvh * gqa + h) as usize * nsplit as usize + split as usize;
+            unsafe { *part_o.add(out_row * D + ch) = acc };
+            if ch == 0 {
+                unsafe {
+                    *part_m.add(out_row) = m * core::f32::consts::LN_2;
+                    *part_l.add(out_row) = l;
+                }
+            }
+        }
+        e += THREADS as usize;
+    }
+}
+
+/// Calls `$m!` with every `decode_mma` instantiation: `(entry point, head_dim, channels
+/// per lane, key bits, value bits, groups per head, score k-steps, value n-tiles)`.
+/// Group sizes of at least 64 channels; other configurations run `decode_split`.
+#[macro_export]
+macro_rules! for_each_decode_mma {
+    ($m:ident) => {
+        $m! {
+            (rotkv_decode_mma_d64_k2v2_g64, 64, 2, 2, 2, 1, 4, 8),
+            (rotkv_decode_mma_d64_k2v4_g64, 64, 2, 2, 4, 1, 4, 8),
+            (rotkv_decode_mma_d64_k4v2_g64, 64, 2, 4, 2, 1, 4, 8),
+            (rotkv_decode_mma_d64_k4v4_g64, 64, 2, 4, 4, 1, 4, 8),
+            (rotkv_decode_mma_d128_k2v2_g128, 128, 4, 2, 2, 1, 8, 16),
+            (rotkv_decode_mma_d128_k2v4_g128, 128, 4, 2, 4, 1, 8, 16),
+            (rotkv_decode_mma_d128_k4v2_g128, 128, 4, 4, 2, 1, 8, 16),
+            (rotkv_decode_mma_d128_k4v4_g128, 128, 4, 4, 4, 1, 8, 16),
+            (rotkv_decode_mma_d128_k2v2_g64, 128, 4, 2, 2, 2, 8, 16),
+            (rotkv_decode_mma_d128_k2v4_g64, 128, 4, 2, 4, 2, 8, 16),
+            (rotkv_decode_mma_d128_k4v2_g64, 128, 4, 4, 2, 2, 8, 16),
+            (rotkv_decode_mma_d128_k4v4_g64, 128, 4, 4, 4, 2, 8, 16)
+        }
+    };
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod entry {
+    use super::decode_mma;
+    use crate::ctx::Nvptx;
+    use crate::params::DecodeParams;
+
+    macro_rules! mma_entries {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal, $ng:literal, $nks:literal, $nvt:literal)),* $(,)?) => {$(
+            /// PTX entry point of [`decode_mma`] for one (head_dim, key bits, value bits,
+            /// groups per head).
+            ///
+            /// # Safety
+            /// See [`decode_mma`].
+            #[unsafe(no_mangle)]
+            pub unsafe extern "ptx-kernel" fn $name(
+                p: DecodeParams,
+                q: *const f32,
+                pool: *const u8,
+                block_tables: *const u32,
+                seq_lens: *const u32,
+                sides: *const u16,
+                protected: *const u32,
+                key_perm: *const u16,
+                key_rot: *const f32,
+                part_m: *mut f32,
+                part_l: *mut f32,
+                part_o: *mut f32,
+            ) {
+                // SAFETY: forwarded contract of `decode_mma`.
+                unsafe {
+                    decode_mma::<_, $d, $v, $kb, $vb, $ng, $nks, $nvt>(
+                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, protected, key_perm, key_rot, part_m,
+                        part_l, part_o,
+                    )
+                }
+            }
+        )*};
+    }
+    crate::for_each_decode_mma!(mma_entries);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extraction_covers_every_code_once_with_its_power_of_two() {
+        for bits in [2u32, 4] {
+            let n = per_half(bits);
+            // A word whose code j of the low half is j % 2^b + 1 (clamped), high half
+            // reversed, so any mix-up shows.
+            let mask = (1u32 << bits) - 1;
+            let lo: [u32; 8] = core::array::from_fn(|j| (j as u32 * 7 + 1) & mask);
+            let hi: [u32; 8] = core::array::from_fn(|j| (j as u32 * 5 + 2) & mask);
+            let mut w = 0u32;
+            for j in 0..n {
+                w |= lo[j as usize] << (bits * j) | hi[j as usize] << (16 + bits * j);
+            }
+            let x = w >> (bits * direct(bits));
+            for j in 0..n {
+                let r = extract(bits, w, x, j);
+                let f = 1u32 << factor_log2(bits, j);
+                // As f16 bit patterns below 2^10: mantissa bits only, value code * f.
+                assert_eq!(r & 0xffff, lo[j as usize] * f, "bits {bits} j {j}");
+                assert_eq!(r >> 16, hi[j as usize] * f, "bits {bits} j {j}");
+                assert!((r & 0xffff) < 1024 && (r >> 16) < 1024);
+            }
+        }
+    }
+
+    #[test]
+    fn tile_tokens_are_a_permutation_and_lane_columns_are_contiguous() {
+        let mut seen = [false; 16];
+        for nt in 0..2 {
+            for n in 0..8 {
+                let tk = tile_token(nt, n) as usize;
+                assert!(!seen[tk]);
+                seen[tk] = true;
+            }
+        }
+        for t in 0..4 {
+            assert_eq!(
+                [tile_token(0, 2 * t), tile_token(0, 2 * t + 1), tile_token(1, 2 * t), tile_token(1, 2 * t + 1)],
+                [4 * t, 4 * t + 1, 4 * t + 2, 4 * t + 3]
+            );
+        }
+    }
+}
