@@ -72,20 +72,11 @@ fn function(g: &Gpu, name: &str) -> Result<CudaFunction> {
 }
 
 fn launch_config(grid: [u32; 3], shared: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (BLOCK, 1, 1), shared_mem_bytes: shared }
+    launch_config_block(grid, BLOCK, shared)
 }
 
-/// The `decode_split` entry point for a format, from the instantiation list.
-fn decode_entry(fmt: &Format) -> Result<&'static str> {
-    macro_rules! name {
-        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal)),* $(,)?) => {
-            match (fmt.head_dim, fmt.key_bits, fmt.value_bits) {
-                $(($d, $kb, $vb) => Ok(stringify!($name)),)*
-                other => Err(Error::Unsupported(format!("(head_dim, key bits, value bits) {other:?}"))),
-            }
-        };
-    }
-    rotkv_kernels::for_each_decode!(name)
+fn launch_config_block(grid: [u32; 3], block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (block, 1, 1), shared_mem_bytes: shared }
 }
 
 /// The `decode_merge` entry point for a head dimension.
@@ -153,15 +144,15 @@ pub fn decode_cuda(
     let mut l_d = s.alloc_zeros::<f32>(nm).map_err(&alloc)?;
     let mut o_d = s.alloc_zeros::<f32>(no).map_err(&alloc)?;
     let mut out_d = s.alloc_zeros::<f32>(out.len()).map_err(&alloc)?;
-    let split = function(g, decode_entry(&inputs.params.format)?)?;
+    let shape = launch::decode_launch(&inputs.params);
+    let split = function(g, launch::decode_entry(&inputs.params.format, shape.kernel)?)?;
     let params = Arg(inputs.params);
     let mut b = s.launch_builder(&split);
     b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&prot_d);
     b.arg(&perm_d).arg(&krot_d).arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
     // SAFETY: the arguments match `decode_split`'s entry point in order and type; the
     // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
-    unsafe { b.launch(launch_config(inputs.split_grid(), inputs.split_shared_bytes())) }
-        .map_err(err("decode_split"))?;
+    unsafe { b.launch(launch_config_block(shape.grid, shape.block, shape.shared)) }.map_err(err("decode"))?;
     let (mp, grid) = inputs.merge();
     let merge = function(g, merge_entry(mp.head_dim)?)?;
     let mp = Arg(mp);
@@ -328,7 +319,8 @@ pub fn time_decode(
         (s.alloc_zeros::<f32>(parts).map_err(&alloc)?, s.alloc_zeros::<f32>(parts).map_err(&alloc)?);
     let mut o_d = s.alloc_zeros::<f32>(parts * d).map_err(&alloc)?;
     let mut out_d = s.alloc_zeros::<f32>(batch * num_q_heads * d).map_err(&alloc)?;
-    let split = function(g, decode_entry(&fmt)?)?;
+    let shape = launch::decode_launch(&p);
+    let split = function(g, launch::decode_entry(&fmt, shape.kernel)?)?;
     let merge = function(g, merge_entry(fmt.head_dim)?)?;
     let mp = Arg(MergeParams {
         num_seqs: p.num_seqs,
@@ -339,10 +331,7 @@ pub fn time_decode(
         flags: p.flags,
     });
     let pa = Arg(p);
-    let split_cfg = launch_config(
-        [p.num_kv_heads, p.num_seqs, p.num_splits],
-        rotkv_kernels::decode::decode_shared_bytes(&fmt, rotkv_kernels::decode::MAX_GROUP as u32),
-    );
+    let split_cfg = launch_config_block(shape.grid, shape.block, shape.shared);
     let merge_cfg = launch_config([p.num_q_heads, p.num_seqs, 1], 0);
     let mut step = || -> Result<f64> {
         let t = std::time::Instant::now();

@@ -64,6 +64,66 @@ pub fn check_format(fmt: &Format) -> Result<()> {
     Ok(())
 }
 
+/// Blocks per split in grid z: query tokens (`decode_split`) or row tiles of 16
+/// (`decode_mma`).
+fn z_factor(kernel: DecodeKernel, gqa: usize, q_len: usize) -> usize {
+    match kernel {
+        DecodeKernel::Split => q_len,
+        DecodeKernel::Mma { .. } => (gqa * q_len).div_ceil(decode_mma::ROWS as usize),
+    }
+}
+
+/// The launch shape of a decode step: which kernel, its grid, block and dynamic shared
+/// memory. Every device backend launches exactly this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeLaunch {
+    /// The kernel the planning rule chose.
+    pub kernel: DecodeKernel,
+    /// Grid: (KV heads, sequences, splits x query tokens) for `decode_split`, (KV heads,
+    /// sequences, splits x row tiles of 16) for `decode_mma`.
+    pub grid: [u32; 3],
+    /// Threads per block.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub shared: u32,
+}
+
+/// The decode launch for validated parameters (`num_kv_heads > 0`).
+pub fn decode_launch(p: &DecodeParams) -> DecodeLaunch {
+    let gqa = p.num_q_heads / p.num_kv_heads.max(1);
+    let kernel = decode_kernel(&p.format, gqa, p.q_len);
+    let z = p.num_splits as usize * z_factor(kernel, gqa as usize, p.q_len as usize);
+    let (block, shared) = match kernel {
+        DecodeKernel::Split => (BLOCK, decode_shared_bytes(&p.format, MAX_GROUP as u32)),
+        DecodeKernel::Mma { groups } => (decode_mma::THREADS, mma_shared_bytes(p.format.head_dim, groups)),
+    };
+    DecodeLaunch { kernel, grid: [p.num_kv_heads, p.num_seqs, z as u32], block, shared }
+}
+
+/// The PTX entry point of a decode launch.
+pub fn decode_entry(fmt: &Format, kernel: DecodeKernel) -> Result<&'static str> {
+    macro_rules! split {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal)),* $(,)?) => {
+            match (fmt.head_dim, fmt.key_bits, fmt.value_bits) {
+                $(($d, $kb, $vb) => Ok(stringify!($name)),)*
+                other => Err(Error::Unsupported(format!("decode_split for (head_dim, key bits, value bits) {other:?}"))),
+            }
+        };
+    }
+    macro_rules! mma {
+        ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal, $ng:literal, $nks:literal, $nvt:literal)),* $(,)?) => {
+            match (fmt.head_dim, fmt.key_bits, fmt.value_bits, fmt.groups()) {
+                $(($d, $kb, $vb, $ng) => Ok(stringify!($name)),)*
+                other => Err(Error::Unsupported(format!("decode_mma for (head_dim, key bits, value bits, groups) {other:?}"))),
+            }
+        };
+    }
+    match kernel {
+        DecodeKernel::Split => rotkv_kernels::for_each_decode!(split),
+        DecodeKernel::Mma { .. } => rotkv_kernels::for_each_decode_mma!(mma),
+    }
+}
+
 /// Everything `decode_split` reads besides the pool and the queries.
 pub struct DecodeInputs {
     /// The launch parameters (with the block-table stride filled in).
@@ -111,7 +171,7 @@ impl DecodeInputs {
             return Err(Error::Shape(format!("sequence {i} has {} tokens, fewer than q_len {q_len}", x.len)));
         }
         let kernel = decode_kernel(&fmt, (hq / hkv) as u32, p.q_len);
-        let z = p.num_splits as usize * Self::z_factor(kernel, hq / hkv, q_len);
+        let z = p.num_splits as usize * z_factor(kernel, hq / hkv, q_len);
         if s > MAX_GRID_YZ as usize || z > MAX_GRID_YZ as usize || s * q_len > MAX_GRID_YZ as usize {
             return Err(Error::Capacity(format!(
                 "{s} sequences x {q_len} query tokens x {} splits exceeds the GPU grid ({MAX_GRID_YZ} per dimension)",
@@ -155,43 +215,25 @@ impl DecodeInputs {
         })
     }
 
-    /// Blocks per split in grid z: query tokens (`decode_split`) or row tiles of 16
-    /// (`decode_mma`).
-    fn z_factor(kernel: DecodeKernel, gqa: usize, q_len: usize) -> usize {
-        match kernel {
-            DecodeKernel::Split => q_len,
-            DecodeKernel::Mma { .. } => (gqa * q_len).div_ceil(decode_mma::ROWS as usize),
-        }
-    }
-
-    /// Threads per block of the decode kernel.
-    pub fn split_block(&self) -> u32 {
-        match self.kernel {
-            DecodeKernel::Split => BLOCK,
-            DecodeKernel::Mma { .. } => decode_mma::THREADS,
-        }
-    }
-
     /// The side stores as f16 bits (16-byte aligned).
     pub fn sides(&self) -> &[u16] {
         &bytemuck::cast_slice::<u128, u16>(&self.sides)[..self.side_len]
     }
 
+    /// Threads per block of the decode kernel.
+    pub fn split_block(&self) -> u32 {
+        decode_launch(&self.params).block
+    }
+
     /// Decode kernel grid: (KV heads, sequences, splits x query tokens) for
     /// `decode_split`, (KV heads, sequences, splits x row tiles) for `decode_mma`.
     pub fn split_grid(&self) -> [u32; 3] {
-        let p = &self.params;
-        let gqa = (p.num_q_heads / p.num_kv_heads) as usize;
-        let z = p.num_splits as usize * Self::z_factor(self.kernel, gqa, p.q_len as usize);
-        [p.num_kv_heads, p.num_seqs, z as u32]
+        decode_launch(&self.params).grid
     }
 
     /// Decode kernel dynamic shared memory.
     pub fn split_shared_bytes(&self) -> u32 {
-        match self.kernel {
-            DecodeKernel::Split => decode_shared_bytes(&self.params.format, MAX_GROUP as u32),
-            DecodeKernel::Mma { groups } => mma_shared_bytes(self.params.format.head_dim, groups),
-        }
+        decode_launch(&self.params).shared
     }
 
     /// Elements of the partial outputs `(m and l, o)`: `[seq][q_len][q_head][split]`.

@@ -63,6 +63,13 @@ const fn factor_log2(bits: u32, j: u32) -> u32 {
     if j < direct(bits) { bits * j } else { bits * (j - direct(bits)) }
 }
 
+/// `i`, or `n - 1` past the end: an index the compiler sees in bounds (no trap path in
+/// device code) that is `i` whenever the caller's arithmetic is right.
+#[inline(always)]
+const fn clamp_idx(i: usize, n: usize) -> usize {
+    if i < n { i } else { n - 1 }
+}
+
 /// `2^e` for a small integer exponent, exactly.
 #[inline(always)]
 fn pow2(e: i32) -> f32 {
@@ -458,11 +465,12 @@ pub unsafe fn decode_mma<
                 for b in 0..(D * KB as usize / 128) {
                     let w = unsafe { *kp.add(4 * b + t as usize) };
                     let x = w >> (KB * direct(KB));
-                    let gi = b * (128 / KB as usize) / gsize as usize;
+                    let gi = clamp_idx(b * (128 / KB as usize) / gsize as usize, NG);
                     for s in 0..ks_per_block {
                         let j = 2 * s as u32;
                         let bf = [extract(KB, w, x, j), extract(KB, w, x, j + 1)];
-                        sg[gi][nt as usize] = ctx.mma_m16n8k16(aq[b * ks_per_block + s], bf, sg[gi][nt as usize]);
+                        let (nt, ks) = (nt as usize & 1, clamp_idx(b * ks_per_block + s, NKS));
+                        sg[gi][nt] = ctx.mma_m16n8k16(aq[ks], bf, sg[gi][nt]);
                     }
                 }
             }
@@ -516,10 +524,10 @@ pub unsafe fn decode_mma<
                 let wa = hw(0) | hw(1) << 16;
                 let wb = hw(2) | hw(3) << 16;
                 let (xa, xb) = (wa >> (VB * direct(VB)), wb >> (VB * direct(VB)));
-                let gi = h * (128 / VB as usize) / gsize as usize;
+                let gi = clamp_idx(h * (128 / VB as usize) / gsize as usize, NG);
                 for ev in 0..cph_v {
                     let bf = [extract(VB, wa, xa, ev as u32), extract(VB, wb, xb, ev as u32)];
-                    let n = h * cph_v + ev;
+                    let n = clamp_idx(h * cph_v + ev, NVT);
                     o[n] = ctx.mma_m16n8k16(a[gi], bf, o[n]);
                 }
             }
@@ -543,7 +551,7 @@ pub unsafe fn decode_mma<
     for (n, on) in o.iter().enumerate() {
         let (h, ev) = (n / cph_v, n % cph_v);
         let f = pow2(24 - factor_log2(VB, ev as u32) as i32);
-        let gi = h * (128 / VB as usize) / gsize as usize;
+        let gi = clamp_idx(h * (128 / VB as usize) / gsize as usize, NG);
         for (c, &x) in on.iter().enumerate() {
             let row = g as usize + 8 * (c / 2);
             let col = 2 * t as usize + (c & 1);

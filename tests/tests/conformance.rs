@@ -29,6 +29,27 @@ const DECODE_TOL: f64 = 5e-5;
 /// 5.2e-5 (D 256, 4-bit keys, huge outliers); the bound leaves a 3x margin.
 const DECODE_TOL_DENSE: f64 = 1.5e-4;
 
+/// The tensor-core kernel (`decode_mma`, chosen by the launch planning for the device
+/// backends) feeds the tensor cores f16: the rotated query (relative rounding 2^-12, so a
+/// logit moves by up to about `2^-12 * |q| |k|`) and the softmax weights times the value
+/// scales (2^-12 each, averaging out over tokens). Largest error observed over this suite:
+/// 1.1e-3 (GQA 8, huge outliers); the bound leaves a 3x margin.
+const DECODE_TOL_MMA: f64 = 3e-3;
+
+/// The tolerance of a decode on `backend` against the f64 reference.
+fn decode_tol(backend: Backend, config: &CacheConfig, gqa: usize, q_len: usize, dense: bool) -> f64 {
+    let fmt = config.format().unwrap();
+    let mma =
+        matches!(rotkv::launch::decode_kernel(&fmt, gqa as u32, q_len as u32), rotkv::launch::DecodeKernel::Mma { .. });
+    if !matches!(backend, Backend::Reference | Backend::Cpu) && mma {
+        DECODE_TOL_MMA
+    } else if dense {
+        DECODE_TOL_DENSE
+    } else {
+        DECODE_TOL
+    }
+}
+
 fn fast_backends() -> impl Iterator<Item = Backend> {
     backends().into_iter().filter(|&b| b != Backend::Reference)
 }
@@ -261,7 +282,7 @@ fn decode_case(
         for &s in splits {
             let got = st.decode(backend, &q, s).unwrap();
             let e = rel_err(&got, &want);
-            let tol = if st.calib.key_rotation.is_some() { DECODE_TOL_DENSE } else { DECODE_TOL };
+            let tol = decode_tol(backend, &config, gqa, 1, st.calib.key_rotation.is_some());
             assert!(e <= tol, "{backend:?} {config:?} gqa {gqa} len {len} {data:?} splits {s:?}: rel err {e:.2e}");
         }
     }
