@@ -287,17 +287,74 @@ impl Drop for Leave<'_> {
     }
 }
 
+/// Dynamic shared memory a kernel may use without opting in: 48 KiB.
+pub const SHARED_DEFAULT_MAX: u32 = 48 << 10;
+/// The opt-in maximum of dynamic shared memory per block on sm_80 (A100): 163 KiB.
+pub const SHARED_OPTIN_MAX_SM80: u32 = 163 << 10;
+/// The opt-in maximum of dynamic shared memory per block on sm_90 (H100, H200): 227 KiB.
+pub const SHARED_OPTIN_MAX_SM90: u32 = 227 << 10;
+/// `gridDim.x` at most 2^31 - 1.
+pub const GRID_X_MAX: u32 = (1 << 31) - 1;
+/// `gridDim.y` and `gridDim.z` at most 65535.
+pub const GRID_YZ_MAX: u32 = 65535;
+
 /// Runs `kernel` on a `grid` of blocks of `block_dim` threads (a multiple of 32, at most
-/// 1024) with `shared_bytes` of dynamic shared memory per block. `block_dim` OS threads
-/// serve every block in turn (thread `t` of each block), so blocks overlap in time
-/// without sharing state; a panic in one block is reported, and its thread still visits
-/// the other blocks, so no barrier waits for it forever.
+/// 1024) with `shared_bytes` of dynamic shared memory per block, at most
+/// [`SHARED_DEFAULT_MAX`] (48 KiB; see [`launch_with`] to opt in to more). `block_dim`
+/// OS threads serve every block in turn (thread `t` of each block), so blocks overlap in
+/// time without sharing state; a panic in one block is reported, and its thread still
+/// visits the other blocks, so no barrier waits for it forever.
+///
+/// The device's launch limits are errors here too: a grid dimension of 0, `gridDim.x`
+/// above [`GRID_X_MAX`], `gridDim.y` or `.z` above [`GRID_YZ_MAX`].
 pub fn launch<F>(grid: [u32; 3], block_dim: u32, shared_bytes: usize, kernel: F) -> Result<(), SimError>
+where
+    F: Fn(&SimCtx<'_>) + Sync,
+{
+    launch_with(grid, block_dim, shared_bytes, SHARED_DEFAULT_MAX, kernel)
+}
+
+/// [`launch`] for a kernel that opts in to `max_dynamic_shared` bytes of dynamic shared
+/// memory (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`, which the CUDA backend must
+/// set to the same value): `shared_bytes` may be up to it, and it may be up to
+/// [`SHARED_OPTIN_MAX_SM90`] (227 KiB; an sm_80 GPU allows [`SHARED_OPTIN_MAX_SM80`],
+/// 163 KiB, so a kernel meant for both stays under that).
+pub fn launch_with<F>(
+    grid: [u32; 3],
+    block_dim: u32,
+    shared_bytes: usize,
+    max_dynamic_shared: u32,
+    kernel: F,
+) -> Result<(), SimError>
 where
     F: Fn(&SimCtx<'_>) + Sync,
 {
     if block_dim == 0 || !block_dim.is_multiple_of(WARP) || block_dim > 1024 {
         return Err(SimError(format!("block of {block_dim} threads (a multiple of 32, at most 1024)")));
+    }
+    let [x, y, z] = grid;
+    if x == 0 || y == 0 || z == 0 || x > GRID_X_MAX || y > GRID_YZ_MAX || z > GRID_YZ_MAX {
+        return Err(SimError(format!(
+            "grid ({x}, {y}, {z}): each dimension at least 1, x at most {GRID_X_MAX}, y and z at most {GRID_YZ_MAX}"
+        )));
+    }
+    if max_dynamic_shared > SHARED_OPTIN_MAX_SM90 {
+        return Err(SimError(format!(
+            "opt-in of {max_dynamic_shared} bytes of dynamic shared memory: no GPU allows more than \
+             {SHARED_OPTIN_MAX_SM90} (227 KiB on sm_90, 163 KiB on sm_80)"
+        )));
+    }
+    if shared_bytes > max_dynamic_shared as usize {
+        return Err(SimError(if max_dynamic_shared == SHARED_DEFAULT_MAX {
+            format!(
+                "{shared_bytes} bytes of dynamic shared memory: more than {SHARED_DEFAULT_MAX} (48 KiB) needs an \
+                 opt-in (launch_with)"
+            )
+        } else {
+            format!(
+                "{shared_bytes} bytes of dynamic shared memory: more than the kernel's opt-in of {max_dynamic_shared}"
+            )
+        }));
     }
     let indices: Vec<[u32; 3]> =
         (0..grid[2]).flat_map(|z| (0..grid[1]).flat_map(move |y| (0..grid[0]).map(move |x| [x, y, z]))).collect();
@@ -648,6 +705,67 @@ mod tests {
         });
         let e = r.unwrap_err().0;
         assert!(e.contains("divergent barrier") && e.contains("an mma") && e.contains("a shuffle"), "{e}");
+    }
+
+    #[test]
+    fn misaligned_load16_is_an_error() {
+        let data = [7u128; 3];
+        let base = data.as_ptr().cast::<u8>().addr();
+        let at = |off: usize| data.as_ptr().cast::<u8>().with_addr(base + off);
+        let got = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 0, |c| {
+            // SAFETY: 16-byte aligned, inside `data`, which nobody writes.
+            let v = unsafe { c.load16(at(16)) };
+            got.fetch_add(v[0], Ordering::SeqCst);
+        })
+        .unwrap();
+        assert_eq!(got.load(Ordering::SeqCst), 32 * 7);
+        for off in [4, 8, 20] {
+            let r = launch([1, 1, 1], 32, 0, |c| {
+                // SAFETY: inside `data` (the emulator panics before reading: misaligned).
+                unsafe { c.load16(at(off)) };
+            });
+            assert!(r.unwrap_err().0.contains("misaligned"), "offset {off}");
+        }
+    }
+
+    #[test]
+    fn grid_limits_are_enforced() {
+        let ran = AtomicU32::new(0);
+        let count = |_: &SimCtx<'_>| {
+            ran.fetch_add(1, Ordering::SeqCst);
+        };
+        // The largest y and z run (one block thread per block: cheap enough at 32
+        // threads, 65535 blocks).
+        launch([1, GRID_YZ_MAX, 1], 32, 0, count).unwrap();
+        assert_eq!(ran.load(Ordering::SeqCst), 32 * GRID_YZ_MAX);
+        for grid in [[1, 65536, 1], [1, 1, 65536], [1 << 31, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 0]] {
+            let e = launch(grid, 32, 0, count).unwrap_err();
+            assert!(e.0.contains("grid"), "{grid:?}: {e}");
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 32 * GRID_YZ_MAX, "a rejected launch ran");
+    }
+
+    #[test]
+    fn dynamic_shared_memory_above_48k_needs_an_opt_in() {
+        let last = |c: &SimCtx<'_>, bytes: usize| {
+            // SAFETY: the block has `bytes` of shared memory; each thread writes its own
+            // f32 at the end and reads it back.
+            unsafe {
+                let p = c.shared().add(bytes - 4 * (c.thread_idx() as usize + 1)).cast::<f32>();
+                *p = 1.5;
+                assert_eq!(*p, 1.5);
+            }
+        };
+        launch([1, 1, 1], 32, 48 << 10, |c| last(c, 48 << 10)).unwrap();
+        let e = launch([1, 1, 1], 32, 49 << 10, |c| last(c, 49 << 10)).unwrap_err();
+        assert!(e.0.contains("opt-in"), "{e}");
+        launch_with([1, 1, 1], 32, 49 << 10, 64 << 10, |c| last(c, 49 << 10)).unwrap();
+        let big = SHARED_OPTIN_MAX_SM90 as usize;
+        launch_with([1, 1, 1], 32, big, SHARED_OPTIN_MAX_SM90, |c| last(c, big)).unwrap();
+        assert!(launch_with([1, 1, 1], 32, 65 << 10, 64 << 10, |_| {}).is_err());
+        assert!(launch_with([1, 1, 1], 32, 0, SHARED_OPTIN_MAX_SM90 + 1, |_| {}).is_err());
+        assert_eq!(SHARED_OPTIN_MAX_SM80, 166_912);
     }
 
     #[test]
