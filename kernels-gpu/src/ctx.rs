@@ -1,7 +1,8 @@
 //! The device context kernel bodies are generic over.
 //!
-//! On `nvptx64` it is `Nvptx`: special registers, `bar.sync` and `shfl.sync` through
-//! `core::arch::nvptx` and `asm!`. On the host the SIMT emulator (`sim` feature,
+//! On `nvptx64` it is `Nvptx`: special registers and `bar.sync` through
+//! `core::arch::nvptx`, `shfl.sync` through LLVM's (convergent) NVVM intrinsics, loads and
+//! `mma.sync` through `asm!`. On the host the SIMT emulator (`sim` feature,
 //! `crate::sim`) implements it with one OS thread per GPU thread, so the same kernel body
 //! runs on both. Blocks are one-dimensional (`threadIdx.x` only); grids are 3-D.
 
@@ -48,9 +49,10 @@ pub trait Ctx {
     /// A 16 x 16 f16 (row-major), B 16 x 8 f16 (column-major), C and D 16 x 8 f32. Every
     /// lane of the warp must take part.
     ///
-    /// Fragments, with `g = lane / 4` and `t = lane % 4` (PTX ISA, "Matrix Fragments for
-    /// mma.m16n8k16 with floating point type"); each `u32` holds two f16, the lower index
-    /// in the low half:
+    /// Fragments, with `g = lane / 4` and `t = lane % 4` (PTX ISA 9.1, section 9.7.14.5.8
+    /// "Matrix Fragments for mma.m16n8k16 with floating point type": groupID =
+    /// `%laneid >> 2`, threadID_in_group = `%laneid % 4`, elements low to high); each
+    /// `u32` holds two f16, the lower index in the low half:
     /// - `a[0]` = A[g][2t], A[g][2t+1]; `a[1]` = A[g+8][2t], A[g+8][2t+1];
     ///   `a[2]` = A[g][2t+8], A[g][2t+9]; `a[3]` = A[g+8][2t+8], A[g+8][2t+9];
     /// - `b[0]` = B[2t][g], B[2t+1][g]; `b[1]` = B[2t+8][g], B[2t+9][g];
@@ -135,15 +137,8 @@ impl Ctx for Nvptx {
     }
     #[inline(always)]
     fn shfl_xor(&self, v: f32, mask: u32) -> f32 {
-        let r: f32;
         // SAFETY: a full-warp butterfly shuffle; kernels call it with all 32 lanes active.
-        unsafe {
-            core::arch::asm!(
-                "shfl.sync.bfly.b32 {r}, {v}, {m}, 0x1f, 0xffffffff;",
-                r = out(reg32) r, v = in(reg32) v, m = in(reg32) mask,
-            );
-        }
-        r
+        unsafe { intrinsics::shfl_sync_bfly_f32(FULL_MASK, v, mask, 0x1f) }
     }
     #[inline(always)]
     unsafe fn load16(&self, p: *const u8) -> [u32; 4] {
@@ -168,14 +163,48 @@ impl Ctx for Nvptx {
     }
     #[inline(always)]
     fn shfl_idx(&self, v: f32, src_lane: u32) -> f32 {
-        let r: f32;
         // SAFETY: a full-warp indexed shuffle; kernels call it with all 32 lanes active.
+        unsafe { intrinsics::shfl_sync_idx_f32(FULL_MASK, v, src_lane, 0x1f) }
+    }
+    #[inline(always)]
+    fn shfl_idx_u32(&self, v: u32, src_lane: u32) -> u32 {
+        // SAFETY: as above.
+        unsafe { intrinsics::shfl_sync_idx_i32(FULL_MASK, v, src_lane, 0x1f) }
+    }
+    #[inline(always)]
+    fn mma_m16n8k16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        let (d0, d1, d2, d3): (f32, f32, f32, f32);
+        // SAFETY: a warp-wide tensor-core instruction on registers only (sm_80+); kernels
+        // call it with all 32 lanes active, the contract the emulator checks.
         unsafe {
             core::arch::asm!(
-                "shfl.sync.idx.b32 {r}, {v}, {s}, 0x1f, 0xffffffff;",
-                r = out(reg32) r, v = in(reg32) v, s = in(reg32) src_lane,
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}};",
+                d0 = out(reg32) d0, d1 = out(reg32) d1, d2 = out(reg32) d2, d3 = out(reg32) d3,
+                a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+                c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
+                options(nomem, nostack),
             );
         }
-        r
+        [d0, d1, d2, d3]
+    }
+}
+
+/// All 32 lanes.
+#[cfg(target_arch = "nvptx64")]
+const FULL_MASK: u32 = 0xffff_ffff;
+
+/// LLVM's NVPTX intrinsics for warp shuffles. Unlike `asm!`, they are `convergent`, so
+/// LLVM never moves a shuffle into (or duplicates it across) divergent control flow.
+/// Arguments: member mask, value, lane (or xor mask), clamp (`0x1f`: the whole warp).
+#[cfg(target_arch = "nvptx64")]
+mod intrinsics {
+    unsafe extern "C" {
+        #[link_name = "llvm.nvvm.shfl.sync.bfly.f32"]
+        pub fn shfl_sync_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
+        #[link_name = "llvm.nvvm.shfl.sync.idx.f32"]
+        pub fn shfl_sync_idx_f32(mask: u32, v: f32, src_lane: u32, clamp: u32) -> f32;
+        #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+        pub fn shfl_sync_idx_i32(mask: u32, v: u32, src_lane: u32, clamp: u32) -> u32;
     }
 }

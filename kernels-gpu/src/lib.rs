@@ -10,7 +10,11 @@
 //! The byte format is specified in `FORMAT.md` at the repository root; the functions in
 //! [`layout`] are the single source of truth for every offset in it.
 #![no_std]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, link_llvm_intrinsics),
+    allow(internal_features)
+)]
 
 #[cfg(feature = "sim")]
 extern crate std;

@@ -7,8 +7,11 @@
 //!   barriers: a thread that finishes releases the barrier it would have held up (no
 //!   hang), and the launch then reports a divergent barrier (threads that passed
 //!   different numbers of barriers).
-//! - Shuffles exchange through a per-warp slot array between two warp barriers, so every
-//!   lane of the warp must take part (full-warp semantics).
+//! - Warp operations (shuffles, `mma_m16n8k16`) exchange through a per-warp slot array
+//!   at a warp barrier, so every lane of the warp must take part (full-warp semantics):
+//!   a lane that skips one, or runs a different one, is reported as a divergent barrier.
+//! - `mma_m16n8k16` is computed from the PTX ISA fragment layout in one exchange (f32
+//!   products and sums); `load16` of a misaligned address is a launch error.
 //! - Dynamic shared memory ([`SimCtx::shared`]) is filled with `0xFF` bytes (NaN as f32
 //!   and f16) before each block, so reading what no thread wrote shows up.
 
@@ -79,11 +82,24 @@ impl SimBarrier {
     }
 }
 
+/// Words one lane publishes for a warp operation: a tag (the operation's number and
+/// kind), then the payload (a shuffle uses one word, an mma the four A and two B words).
+const SLOT_WORDS: usize = 7;
+/// Operation kinds in a slot's tag.
+const OP_SHFL: u32 = 0;
+const OP_MMA: u32 = 1;
+
+/// One warp's exchange: its barrier and two slot arrays, one slot per lane, used
+/// alternately by successive warp operations (shuffles and mma).
+struct Warp {
+    barrier: SimBarrier,
+    slots: [[[AtomicU32; SLOT_WORDS]; WARP as usize]; 2],
+}
+
 /// State shared by the threads of one block.
 struct Block {
     barrier: SimBarrier,
-    /// Per warp: its barrier and two slot arrays used alternately by successive shuffles.
-    warps: Vec<(SimBarrier, [[AtomicU32; WARP as usize]; 2])>,
+    warps: Vec<Warp>,
     shared: Box<[UnsafeCell<u128>]>,
     /// Per thread: block barriers and warp barriers passed.
     passed: Vec<(AtomicU32, AtomicU32)>,
@@ -99,7 +115,12 @@ impl Block {
         Self {
             barrier: SimBarrier::new(threads),
             warps: (0..threads / WARP)
-                .map(|_| (SimBarrier::new(WARP), core::array::from_fn(|_| core::array::from_fn(|_| AtomicU32::new(0)))))
+                .map(|_| Warp {
+                    barrier: SimBarrier::new(WARP),
+                    slots: core::array::from_fn(|_| {
+                        core::array::from_fn(|_| core::array::from_fn(|_| AtomicU32::new(u32::MAX)))
+                    }),
+                })
                 .collect(),
             shared: (0..shared_bytes.div_ceil(16)).map(|_| UnsafeCell::new(u128::MAX)).collect(),
             passed: (0..threads).map(|_| (AtomicU32::new(0), AtomicU32::new(0))).collect(),
@@ -138,17 +159,62 @@ pub struct SimCtx<'a> {
     block: &'a Block,
 }
 
+type Slots = [[AtomicU32; SLOT_WORDS]; WARP as usize];
+
 impl SimCtx<'_> {
-    /// One barrier per shuffle: successive shuffles alternate between two slot arrays,
-    /// and a lane can only write an array again after every lane has passed the next
-    /// barrier, that is, after every lane has read it.
-    fn shuffle(&self, v: f32, src_lane: u32) -> f32 {
+    /// One warp operation: publishes `words` in the lane's slot, tagged with the lane's
+    /// operation number and `kind`, and waits at the warp barrier. Returns the slot array
+    /// every lane of the warp wrote for this operation and the tag each must carry.
+    ///
+    /// One barrier per operation: successive operations alternate between two slot
+    /// arrays, and a lane can only write an array again after every lane has passed the
+    /// next barrier, that is, after every lane has read it. Counts as warp participation
+    /// for the convergence check.
+    fn warp_exchange(&self, kind: u32, words: &[u32]) -> (&Slots, u32) {
         let n = self.block.passed[self.thread as usize].1.fetch_add(1, Ordering::SeqCst);
-        let (barrier, slots) = &self.block.warps[(self.thread / WARP) as usize];
-        let slots = &slots[(n % 2) as usize];
-        slots[self.lane() as usize].store(v.to_bits(), Ordering::SeqCst);
-        barrier.wait();
-        f32::from_bits(slots[(src_lane % WARP) as usize].load(Ordering::SeqCst))
+        let warp = &self.block.warps[(self.thread / WARP) as usize];
+        let slots = &warp.slots[(n % 2) as usize];
+        let mine = &slots[self.lane() as usize];
+        for (w, &v) in mine[1..].iter().zip(words) {
+            w.store(v, Ordering::SeqCst);
+        }
+        let tag = n.wrapping_shl(1) | kind;
+        mine[0].store(tag, Ordering::SeqCst);
+        warp.barrier.wait();
+        (slots, tag)
+    }
+
+    /// Panics (a launch error) unless lane `src` took part in the same warp operation.
+    fn check_lane(&self, slots: &Slots, src: u32, tag: u32) {
+        let got = slots[src as usize][0].load(Ordering::SeqCst);
+        if got != tag {
+            let what = |t: u32| if t & 1 == OP_MMA { "an mma" } else { "a shuffle" };
+            let warp_base = self.thread / WARP * WARP;
+            if got >> 1 == tag >> 1 {
+                panic!(
+                    "divergent barrier: in warp operation {} lane {} ran {} while thread {} ran {}",
+                    tag >> 1,
+                    warp_base + src,
+                    what(got),
+                    self.thread,
+                    what(tag)
+                );
+            }
+            panic!(
+                "divergent barrier: thread {} did not take part in warp operation {} ({}) of thread {}",
+                warp_base + src,
+                tag >> 1,
+                what(tag),
+                self.thread
+            );
+        }
+    }
+
+    fn shuffle(&self, v: u32, src_lane: u32) -> u32 {
+        let src = src_lane % WARP;
+        let (slots, tag) = self.warp_exchange(OP_SHFL, &[v]);
+        self.check_lane(slots, src, tag);
+        slots[src as usize][1].load(Ordering::SeqCst)
     }
 }
 
@@ -170,10 +236,40 @@ impl Ctx for SimCtx<'_> {
         self.block.barrier.wait();
     }
     fn shfl_xor(&self, v: f32, mask: u32) -> f32 {
-        self.shuffle(v, self.lane() ^ mask)
+        f32::from_bits(self.shuffle(v.to_bits(), self.lane() ^ mask))
     }
     fn shfl_idx(&self, v: f32, src_lane: u32) -> f32 {
+        f32::from_bits(self.shuffle(v.to_bits(), src_lane))
+    }
+    fn shfl_idx_u32(&self, v: u32, src_lane: u32) -> u32 {
         self.shuffle(v, src_lane)
+    }
+    /// From the PTX ISA fragment layout (see [`Ctx::mma_m16n8k16`]): every lane publishes
+    /// its A and B words, then computes its four outputs from the whole warp's. Products
+    /// and sums in f32, `k` ascending from `c` (the hardware's order and internal
+    /// precision are unspecified; tests use exactly representable sums).
+    fn mma_m16n8k16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        let (slots, tag) = self.warp_exchange(OP_MMA, &[a[0], a[1], a[2], a[3], b[0], b[1]]);
+        for src in 0..WARP {
+            self.check_lane(slots, src, tag);
+        }
+        let word = |lane: u32, w: usize| slots[lane as usize][1 + w].load(Ordering::SeqCst);
+        let half = |w: u32, k: u32| crate::math::f16_to_f32((w >> (16 * (k % 2))) as u16);
+        // A[row][k]: lane 4 * (row % 8) + k % 8 / 2, register (row >= 8) + 2 * (k >= 8).
+        let a_at = |row: u32, k: u32| half(word(4 * (row % 8) + k % 8 / 2, ((row / 8) + 2 * (k / 8)) as usize), k);
+        // B[k][col]: lane 4 * col + k % 8 / 2, register k >= 8 (after A's four).
+        let b_at = |k: u32, col: u32| half(word(4 * col + k % 8 / 2, 4 + (k / 8) as usize), k);
+        let (g, t) = (self.lane() / 4, self.lane() % 4);
+        core::array::from_fn(|i| {
+            let (row, col) = (g + 8 * (i as u32 / 2), 2 * t + i as u32 % 2);
+            (0..16).fold(c[i], |acc, k| acc + a_at(row, k) * b_at(k, col))
+        })
+    }
+    /// Panics (a launch error) unless `p` is 16-byte aligned, as the device would fault.
+    unsafe fn load16(&self, p: *const u8) -> [u32; 4] {
+        assert!(p.addr().is_multiple_of(16), "load16 of a misaligned address {p:p} (16-byte alignment required)");
+        // SAFETY: forwarded contract; alignment checked above.
+        unsafe { *p.cast::<[u32; 4]>() }
     }
     /// Filled with `0xFF` (NaN as f32 and f16) before the block starts.
     fn shared(&self) -> *mut u8 {
@@ -186,22 +282,79 @@ struct Leave<'a>(&'a Block, u32);
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        self.0.warps[(self.1 / WARP) as usize].0.leave();
+        self.0.warps[(self.1 / WARP) as usize].barrier.leave();
         self.0.barrier.leave();
     }
 }
 
+/// Dynamic shared memory a kernel may use without opting in: 48 KiB.
+pub const SHARED_DEFAULT_MAX: u32 = 48 << 10;
+/// The opt-in maximum of dynamic shared memory per block on sm_80 (A100): 163 KiB.
+pub const SHARED_OPTIN_MAX_SM80: u32 = 163 << 10;
+/// The opt-in maximum of dynamic shared memory per block on sm_90 (H100, H200): 227 KiB.
+pub const SHARED_OPTIN_MAX_SM90: u32 = 227 << 10;
+/// `gridDim.x` at most 2^31 - 1.
+pub const GRID_X_MAX: u32 = (1 << 31) - 1;
+/// `gridDim.y` and `gridDim.z` at most 65535.
+pub const GRID_YZ_MAX: u32 = 65535;
+
 /// Runs `kernel` on a `grid` of blocks of `block_dim` threads (a multiple of 32, at most
-/// 1024) with `shared_bytes` of dynamic shared memory per block. `block_dim` OS threads
-/// serve every block in turn (thread `t` of each block), so blocks overlap in time
-/// without sharing state; a panic in one block is reported, and its thread still visits
-/// the other blocks, so no barrier waits for it forever.
+/// 1024) with `shared_bytes` of dynamic shared memory per block, at most
+/// [`SHARED_DEFAULT_MAX`] (48 KiB; see [`launch_with`] to opt in to more). `block_dim`
+/// OS threads serve every block in turn (thread `t` of each block), so blocks overlap in
+/// time without sharing state; a panic in one block is reported, and its thread still
+/// visits the other blocks, so no barrier waits for it forever.
+///
+/// The device's launch limits are errors here too: a grid dimension of 0, `gridDim.x`
+/// above [`GRID_X_MAX`], `gridDim.y` or `.z` above [`GRID_YZ_MAX`].
 pub fn launch<F>(grid: [u32; 3], block_dim: u32, shared_bytes: usize, kernel: F) -> Result<(), SimError>
+where
+    F: Fn(&SimCtx<'_>) + Sync,
+{
+    launch_with(grid, block_dim, shared_bytes, SHARED_DEFAULT_MAX, kernel)
+}
+
+/// [`launch`] for a kernel that opts in to `max_dynamic_shared` bytes of dynamic shared
+/// memory (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`, which the CUDA backend must
+/// set to the same value): `shared_bytes` may be up to it, and it may be up to
+/// [`SHARED_OPTIN_MAX_SM90`] (227 KiB; an sm_80 GPU allows [`SHARED_OPTIN_MAX_SM80`],
+/// 163 KiB, so a kernel meant for both stays under that).
+pub fn launch_with<F>(
+    grid: [u32; 3],
+    block_dim: u32,
+    shared_bytes: usize,
+    max_dynamic_shared: u32,
+    kernel: F,
+) -> Result<(), SimError>
 where
     F: Fn(&SimCtx<'_>) + Sync,
 {
     if block_dim == 0 || !block_dim.is_multiple_of(WARP) || block_dim > 1024 {
         return Err(SimError(format!("block of {block_dim} threads (a multiple of 32, at most 1024)")));
+    }
+    let [x, y, z] = grid;
+    if x == 0 || y == 0 || z == 0 || x > GRID_X_MAX || y > GRID_YZ_MAX || z > GRID_YZ_MAX {
+        return Err(SimError(format!(
+            "grid ({x}, {y}, {z}): each dimension at least 1, x at most {GRID_X_MAX}, y and z at most {GRID_YZ_MAX}"
+        )));
+    }
+    if max_dynamic_shared > SHARED_OPTIN_MAX_SM90 {
+        return Err(SimError(format!(
+            "opt-in of {max_dynamic_shared} bytes of dynamic shared memory: no GPU allows more than \
+             {SHARED_OPTIN_MAX_SM90} (227 KiB on sm_90, 163 KiB on sm_80)"
+        )));
+    }
+    if shared_bytes > max_dynamic_shared as usize {
+        return Err(SimError(if max_dynamic_shared == SHARED_DEFAULT_MAX {
+            format!(
+                "{shared_bytes} bytes of dynamic shared memory: more than {SHARED_DEFAULT_MAX} (48 KiB) needs an \
+                 opt-in (launch_with)"
+            )
+        } else {
+            format!(
+                "{shared_bytes} bytes of dynamic shared memory: more than the kernel's opt-in of {max_dynamic_shared}"
+            )
+        }));
     }
     let indices: Vec<[u32; 3]> =
         (0..grid[2]).flat_map(|z| (0..grid[1]).flat_map(move |y| (0..grid[0]).map(move |x| [x, y, z]))).collect();
@@ -303,6 +456,316 @@ mod tests {
             }
         });
         assert!(r.unwrap_err().0.contains("divergent barrier"));
+    }
+
+    /// Deterministic xorshift64* generator.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        /// A random permutation of `lo..lo + n`.
+        fn perm(&mut self, lo: i64, n: usize) -> Vec<i64> {
+            let mut v: Vec<i64> = (lo..lo + n as i64).collect();
+            for i in (1..n).rev() {
+                v.swap(i, self.below(i as u64 + 1) as usize);
+            }
+            v
+        }
+        fn sign(&mut self) -> f64 {
+            if self.next() & 1 == 0 { 1.0 } else { -1.0 }
+        }
+    }
+
+    /// Bits of `x`, which must be exactly representable as f16.
+    fn f16_bits(x: f64) -> u16 {
+        let h = half::f16::from_f64(x);
+        assert_eq!(h.to_f64(), x, "test value not exact in f16");
+        h.to_bits()
+    }
+
+    /// One warp's mma operands as matrices (A 16 x 16, B 16 x 8, C 16 x 8).
+    #[derive(Clone)]
+    struct Mats {
+        a: Vec<[f64; 16]>,
+        b: Vec<[f64; 8]>,
+        c: Vec<[f64; 8]>,
+    }
+
+    impl Mats {
+        /// Every element distinct in magnitude (a permutation of small integers), random
+        /// signs and power-of-two scales: a swapped row, column, half or register changes
+        /// the result, and every f32 sum of the product is exact.
+        fn random(rng: &mut Rng) -> Self {
+            let pa = rng.perm(1, 256);
+            let pb = rng.perm(1, 128);
+            let pc = rng.perm(1, 128);
+            let mut a = std::vec![[0.0; 16]; 16];
+            let mut b = std::vec![[0.0; 8]; 16];
+            let mut c = std::vec![[0.0; 8]; 16];
+            for r in 0..16 {
+                for k in 0..16 {
+                    a[r][k] = rng.sign() * pa[r * 16 + k] as f64 * [0.5, 1.0][rng.below(2) as usize];
+                }
+            }
+            for k in 0..16 {
+                for n in 0..8 {
+                    b[k][n] = rng.sign() * pb[k * 8 + n] as f64 * [0.25, 0.5, 1.0][rng.below(3) as usize];
+                }
+            }
+            for r in 0..16 {
+                for n in 0..8 {
+                    c[r][n] = rng.sign() * pc[r * 8 + n] as f64 * 0.125;
+                }
+            }
+            Self { a, b, c }
+        }
+
+        /// D = A * B + C in f64, checked to be exact in f32.
+        fn product(&self) -> Vec<[f64; 8]> {
+            let mut d = self.c.clone();
+            for (r, row) in d.iter_mut().enumerate() {
+                for (n, v) in row.iter_mut().enumerate() {
+                    *v += (0..16).map(|k| self.a[r][k] * self.b[k][n]).sum::<f64>();
+                    assert_eq!(*v as f32 as f64, *v, "test sum not exact in f32");
+                }
+            }
+            d
+        }
+
+        /// Lane `lane`'s fragments, packed as documented on `Ctx::mma_m16n8k16`.
+        fn fragments(&self, lane: u32) -> ([u32; 4], [u32; 2], [f32; 4]) {
+            let (g, t) = ((lane / 4) as usize, (lane % 4) as usize);
+            let pair = |lo: f64, hi: f64| f16_bits(lo) as u32 | (f16_bits(hi) as u32) << 16;
+            let a = [
+                pair(self.a[g][2 * t], self.a[g][2 * t + 1]),
+                pair(self.a[g + 8][2 * t], self.a[g + 8][2 * t + 1]),
+                pair(self.a[g][2 * t + 8], self.a[g][2 * t + 9]),
+                pair(self.a[g + 8][2 * t + 8], self.a[g + 8][2 * t + 9]),
+            ];
+            let b = [pair(self.b[2 * t][g], self.b[2 * t + 1][g]), pair(self.b[2 * t + 8][g], self.b[2 * t + 9][g])];
+            let c = [self.c[g][2 * t], self.c[g][2 * t + 1], self.c[g + 8][2 * t], self.c[g + 8][2 * t + 1]];
+            (a, b, c.map(|v| v as f32))
+        }
+
+        /// Checks lane outputs (`[lane][4]`) against `d`, element by element, exactly.
+        fn check(d: &[[f64; 8]], out: &[[f32; 4]], what: &str) {
+            for (lane, o) in out.iter().enumerate() {
+                let (g, t) = (lane / 4, lane % 4);
+                let want = [d[g][2 * t], d[g][2 * t + 1], d[g + 8][2 * t], d[g + 8][2 * t + 1]];
+                for i in 0..4 {
+                    assert_eq!(o[i] as f64, want[i], "{what}: lane {lane} output {i}");
+                }
+            }
+        }
+    }
+
+    /// Forwards everything but `mma_m16n8k16`, so the trait's default body runs.
+    struct DefaultMma<'a, 'b>(&'a SimCtx<'b>);
+
+    impl Ctx for DefaultMma<'_, '_> {
+        fn thread_idx(&self) -> u32 {
+            self.0.thread_idx()
+        }
+        fn block_dim(&self) -> u32 {
+            self.0.block_dim()
+        }
+        fn block_idx(&self) -> [u32; 3] {
+            self.0.block_idx()
+        }
+        fn grid_dim(&self) -> [u32; 3] {
+            self.0.grid_dim()
+        }
+        fn sync_threads(&self) {
+            self.0.sync_threads()
+        }
+        fn shfl_xor(&self, v: f32, mask: u32) -> f32 {
+            self.0.shfl_xor(v, mask)
+        }
+        fn shfl_idx(&self, v: f32, src_lane: u32) -> f32 {
+            self.0.shfl_idx(v, src_lane)
+        }
+        fn shfl_idx_u32(&self, v: u32, src_lane: u32) -> u32 {
+            self.0.shfl_idx_u32(v, src_lane)
+        }
+        fn shared(&self) -> *mut u8 {
+            self.0.shared()
+        }
+    }
+
+    /// Runs, per warp `w` of a 2-block, 64-thread launch, `D = A2 * B2 + (A1 * B1 + C)`
+    /// with the emulator's mma and with the default body (a shuffle in between, so the
+    /// exchange slots are reused across operation kinds), and returns both as `[block *
+    /// 2 + w][lane][4]`.
+    fn run_mma(first: &[Mats], second: &[Mats]) -> (Vec<[f32; 4]>, Vec<[f32; 4]>) {
+        let n = first.len() * 32;
+        let fast: Vec<[AtomicU32; 4]> = (0..n).map(|_| core::array::from_fn(|_| AtomicU32::new(0))).collect();
+        let slow: Vec<[AtomicU32; 4]> = (0..n).map(|_| core::array::from_fn(|_| AtomicU32::new(0))).collect();
+        launch([2, 1, 1], 64, 0, |ctx| {
+            let w = (ctx.block_idx()[0] * 2 + ctx.thread_idx() / 32) as usize;
+            let lane = ctx.lane();
+            let (a1, b1, c) = first[w].fragments(lane);
+            let (a2, b2, _) = second[w].fragments(lane);
+            let d = ctx.mma_m16n8k16(a1, b1, c);
+            let x = ctx.shfl_xor(lane as f32, 5);
+            assert_eq!(x, (lane ^ 5) as f32);
+            let d = ctx.mma_m16n8k16(a2, b2, d);
+            let plain = DefaultMma(ctx);
+            let e = plain.mma_m16n8k16(a2, b2, plain.mma_m16n8k16(a1, b1, c));
+            for i in 0..4 {
+                fast[w * 32 + lane as usize][i].store(d[i].to_bits(), Ordering::SeqCst);
+                slow[w * 32 + lane as usize][i].store(e[i].to_bits(), Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        let read = |v: &[[AtomicU32; 4]]| {
+            v.iter().map(|o| o.each_ref().map(|x| f32::from_bits(x.load(Ordering::SeqCst)))).collect()
+        };
+        (read(&fast), read(&slow))
+    }
+
+    #[test]
+    fn mma_matches_a_plain_matrix_product_exactly() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let first: Vec<Mats> = (0..4).map(|_| Mats::random(&mut rng)).collect();
+        let second: Vec<Mats> = (0..4).map(|_| Mats::random(&mut rng)).collect();
+        let (fast, slow) = run_mma(&first, &second);
+        for w in 0..4 {
+            let mut chained = second[w].clone();
+            chained.c = first[w].product();
+            let d = chained.product();
+            Mats::check(&d, &fast[w * 32..(w + 1) * 32], &std::format!("SimCtx mma, warp {w}"));
+            Mats::check(&d, &slow[w * 32..(w + 1) * 32], &std::format!("default mma, warp {w}"));
+        }
+        assert_eq!(fast, slow);
+    }
+
+    #[test]
+    fn mma_with_subnormal_b_is_exact() {
+        let mut rng = Rng(12345);
+        let mk = |rng: &mut Rng| {
+            let mut m = Mats::random(rng);
+            let codes = rng.perm(1, 1023);
+            let pa = rng.perm(1, 256);
+            for r in 0..16 {
+                for k in 0..16 {
+                    m.a[r][k] = rng.sign() * pa[r * 16 + k] as f64;
+                }
+            }
+            for k in 0..16 {
+                for n in 0..8 {
+                    // f16 subnormals: code * 2^-24, code < 1024.
+                    m.b[k][n] = rng.sign() * codes[k * 8 + n] as f64 * 2f64.powi(-24);
+                    assert_eq!(f16_bits(m.b[k][n].abs()) >> 10, 0);
+                }
+            }
+            for r in 0..16 {
+                for n in 0..8 {
+                    m.c[r][n] = rng.sign() * rng.below(1000) as f64 * 2f64.powi(-24);
+                }
+            }
+            m
+        };
+        let first: Vec<Mats> = (0..4).map(|_| mk(&mut rng)).collect();
+        let second: Vec<Mats> = (0..4).map(|_| mk(&mut rng)).collect();
+        let (fast, slow) = run_mma(&first, &second);
+        for w in 0..4 {
+            let mut chained = second[w].clone();
+            chained.c = first[w].product();
+            let d = chained.product();
+            Mats::check(&d, &fast[w * 32..(w + 1) * 32], "SimCtx mma, subnormal B");
+            Mats::check(&d, &slow[w * 32..(w + 1) * 32], "default mma, subnormal B");
+        }
+    }
+
+    #[test]
+    fn divergent_mma_is_an_error_not_a_hang() {
+        // A lane that skips the mma.
+        let r = launch([1, 1, 1], 64, 0, |c| {
+            if c.thread_idx() != 37 {
+                c.mma_m16n8k16([0; 4], [0; 2], [0.0; 4]);
+            }
+        });
+        assert!(r.unwrap_err().0.contains("divergent barrier"));
+        // A lane that shuffles while the others run an mma (same number of warp
+        // operations, so only the operation kinds tell).
+        let r = launch([1, 1, 1], 32, 0, |c| {
+            if c.lane() == 3 {
+                c.shfl_xor(1.0, 1);
+            } else {
+                c.mma_m16n8k16([0; 4], [0; 2], [0.0; 4]);
+            }
+        });
+        let e = r.unwrap_err().0;
+        assert!(e.contains("divergent barrier") && e.contains("an mma") && e.contains("a shuffle"), "{e}");
+    }
+
+    #[test]
+    fn misaligned_load16_is_an_error() {
+        let data = [7u128; 3];
+        let base = data.as_ptr().cast::<u8>().addr();
+        let at = |off: usize| data.as_ptr().cast::<u8>().with_addr(base + off);
+        let got = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 0, |c| {
+            // SAFETY: 16-byte aligned, inside `data`, which nobody writes.
+            let v = unsafe { c.load16(at(16)) };
+            got.fetch_add(v[0], Ordering::SeqCst);
+        })
+        .unwrap();
+        assert_eq!(got.load(Ordering::SeqCst), 32 * 7);
+        for off in [4, 8, 20] {
+            let r = launch([1, 1, 1], 32, 0, |c| {
+                // SAFETY: inside `data` (the emulator panics before reading: misaligned).
+                unsafe { c.load16(at(off)) };
+            });
+            assert!(r.unwrap_err().0.contains("misaligned"), "offset {off}");
+        }
+    }
+
+    #[test]
+    fn grid_limits_are_enforced() {
+        let ran = AtomicU32::new(0);
+        let count = |_: &SimCtx<'_>| {
+            ran.fetch_add(1, Ordering::SeqCst);
+        };
+        // The largest y and z run (one block thread per block: cheap enough at 32
+        // threads, 65535 blocks).
+        launch([1, GRID_YZ_MAX, 1], 32, 0, count).unwrap();
+        assert_eq!(ran.load(Ordering::SeqCst), 32 * GRID_YZ_MAX);
+        for grid in [[1, 65536, 1], [1, 1, 65536], [1 << 31, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 0]] {
+            let e = launch(grid, 32, 0, count).unwrap_err();
+            assert!(e.0.contains("grid"), "{grid:?}: {e}");
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 32 * GRID_YZ_MAX, "a rejected launch ran");
+    }
+
+    #[test]
+    fn dynamic_shared_memory_above_48k_needs_an_opt_in() {
+        let last = |c: &SimCtx<'_>, bytes: usize| {
+            // SAFETY: the block has `bytes` of shared memory; each thread writes its own
+            // f32 at the end and reads it back.
+            unsafe {
+                let p = c.shared().add(bytes - 4 * (c.thread_idx() as usize + 1)).cast::<f32>();
+                *p = 1.5;
+                assert_eq!(*p, 1.5);
+            }
+        };
+        launch([1, 1, 1], 32, 48 << 10, |c| last(c, 48 << 10)).unwrap();
+        let e = launch([1, 1, 1], 32, 49 << 10, |c| last(c, 49 << 10)).unwrap_err();
+        assert!(e.0.contains("opt-in"), "{e}");
+        launch_with([1, 1, 1], 32, 49 << 10, 64 << 10, |c| last(c, 49 << 10)).unwrap();
+        let big = SHARED_OPTIN_MAX_SM90 as usize;
+        launch_with([1, 1, 1], 32, big, SHARED_OPTIN_MAX_SM90, |c| last(c, big)).unwrap();
+        assert!(launch_with([1, 1, 1], 32, 65 << 10, 64 << 10, |_| {}).is_err());
+        assert!(launch_with([1, 1, 1], 32, 0, SHARED_OPTIN_MAX_SM90 + 1, |_| {}).is_err());
+        assert_eq!(SHARED_OPTIN_MAX_SM80, 166_912);
     }
 
     #[test]
