@@ -650,26 +650,33 @@ fn fetch() -> Result<(), Step> {
 
 /// The ptxas of the pinned wheel, fetched into the cache folder once.
 fn ptxas_binary() -> Result<PathBuf, Step> {
-    let dir = cache_dir()?.join("nvcc-12.9.86");
-    let bin = dir.join("nvidia/cuda_nvcc/bin/ptxas");
+    wheel_tool(NVCC_WHEEL, "nvcc-12.9.86", "nvidia/cuda_nvcc/bin/ptxas")
+}
+
+/// A tool from a pinned PyPI wheel, fetched once into `<cache>/<dir>`: `pip download
+/// --no-deps` of `requirement`, then `member` extracted there and made executable.
+/// `Skipped` when pip or python cannot get it (offline).
+fn wheel_tool(requirement: &str, dir: &str, member: &str) -> Result<PathBuf, Step> {
+    let dir = cache_dir()?.join(dir);
+    let bin = dir.join(member);
     if bin.exists() {
         return Ok(bin);
     }
     std::fs::create_dir_all(&dir).map_err(|e| Step::Skipped(format!("{}: {e}", dir.display())))?;
-    println!("fetching {NVCC_WHEEL} from PyPI into {}", dir.display());
+    println!("fetching {requirement} from PyPI into {}", dir.display());
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", NVCC_WHEEL, "-d"])
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", requirement, "-d"])
         .arg(&dir)
         .status();
     if !matches!(status, Ok(s) if s.success()) {
-        return Err(Step::Skipped(format!("cannot download {NVCC_WHEEL} with pip")));
+        return Err(Step::Skipped(format!("cannot download {requirement} with pip")));
     }
     let script = "import sys, zipfile, glob, os\n\
-w = glob.glob(os.path.join(sys.argv[1], 'nvidia_cuda_nvcc_cu12-*.whl'))[0]\n\
-zipfile.ZipFile(w).extract('nvidia/cuda_nvcc/bin/ptxas', sys.argv[1])\n";
-    let status = Command::new("python3").args(["-c", script]).arg(&dir).status();
+w = sorted(glob.glob(os.path.join(sys.argv[1], '*.whl')))[-1]\n\
+zipfile.ZipFile(w).extract(sys.argv[2], sys.argv[1])\n";
+    let status = Command::new("python3").args(["-c", script]).arg(&dir).arg(member).status();
     if !matches!(status, Ok(s) if s.success()) || !bin.exists() {
-        return Err(Step::Skipped("cannot extract ptxas from the wheel".into()));
+        return Err(Step::Skipped(format!("cannot extract {member} from the {requirement} wheel")));
     }
     #[cfg(unix)]
     {
@@ -688,6 +695,8 @@ struct Usage {
     registers: u32,
     spill: u32,
     smem: u32,
+    /// Stack frame bytes (local memory the function reserves).
+    stack: u32,
 }
 
 fn parse_ptxas(log: &str) -> Vec<Usage> {
@@ -708,6 +717,7 @@ fn parse_ptxas(log: &str) -> Vec<Usage> {
             out.push(Usage { kernel, arch, ..Usage::default() });
         } else if let Some(u) = out.last_mut() {
             if line.contains("spill stores") {
+                u.stack = num_before(line, "bytes stack frame");
                 u.spill += num_before(line, "bytes spill stores") + num_before(line, "bytes spill loads");
             } else if line.contains("Used") && line.contains("registers") {
                 u.registers = line
