@@ -2,9 +2,9 @@
 //!
 //! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the whole test
 //!   suite, `fetch` and the slow real-model test (ignored by default), the GPU-presence
-//!   test, PTX freshness and ptxas. Every step runs; the command fails if any step failed.
-//!   A step whose tool cannot be installed or fetched prints `SKIPPED: <why>` and the
-//!   rest still runs.
+//!   test, PTX freshness, ptxas and the static SASS gate (`sass`). Every step runs; the
+//!   command fails if any step failed. A step whose tool cannot be installed or fetched
+//!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table`: the decode benchmark table (markdown) from criterion's results in
 //!   `target/criterion` (run `cargo bench -p rotkv-benches --bench cpu -- decode` first).
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
@@ -31,6 +31,16 @@
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
 //!   any error or spill.
+//! - `sass`: the static performance gate (a model, not a measurement; see `SASS.md`):
+//!   assembles the PTX for sm_80 and sm_90 with the CUDA 13.2 ptxas, disassembles it with
+//!   `nvdisasm -bbcfg` (both from PyPI wheels, into the cache folder), prints per entry
+//!   point registers, stack frame, LDL/STL, HMMA, FFMA, f16 conversions, instructions and
+//!   resident warps per SM, the decode loops and warp-instructions per (token, KV head),
+//!   and a modeled step time per `gpu_decode` case of `kernels-gpu/perf-gate.toml`; fails
+//!   on local memory in a decode entry point marked `no_local_memory` or a modeled
+//!   bandwidth fraction below an enforced floor.
+
+mod sass;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -42,12 +52,18 @@ fn main() -> ExitCode {
         Some("bench-table") => bench_table(),
         Some("ptx") => ptx(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
         Some("ptxas") => ptxas().map_err(|e| e.to_string()),
+        Some("sass") => match (args.get(1).map(String::as_str), args.get(2)) {
+            (None, _) => sass::sass(None),
+            (Some("--dump"), Some(entry)) => sass::sass(Some(entry)),
+            _ => Err(Step::Failed("usage: cargo xtask sass [--dump <entry point>]".into())),
+        }
+        .map_err(|e| e.to_string()),
         Some("gpu-bundle") => gpu_bundle(),
         Some("fetch") => fetch().map_err(|e| e.to_string()),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | gpu-bundle | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -159,6 +175,8 @@ fn ci() -> Result<(), String> {
     tally("ptx", ptx(true), &mut failed, &mut skipped);
     println!("\n==> ptxas: cargo xtask ptxas");
     tally("ptxas", ptxas(), &mut failed, &mut skipped);
+    println!("\n==> static SASS performance gate: cargo xtask sass");
+    tally("sass", sass::sass(None), &mut failed, &mut skipped);
 
     println!();
     if !skipped.is_empty() {
@@ -650,26 +668,33 @@ fn fetch() -> Result<(), Step> {
 
 /// The ptxas of the pinned wheel, fetched into the cache folder once.
 fn ptxas_binary() -> Result<PathBuf, Step> {
-    let dir = cache_dir()?.join("nvcc-12.9.86");
-    let bin = dir.join("nvidia/cuda_nvcc/bin/ptxas");
+    wheel_tool(NVCC_WHEEL, "nvcc-12.9.86", "nvidia/cuda_nvcc/bin/ptxas")
+}
+
+/// A tool from a pinned PyPI wheel, fetched once into `<cache>/<dir>`: `pip download
+/// --no-deps` of `requirement`, then `member` extracted there and made executable.
+/// `Skipped` when pip or python cannot get it (offline).
+fn wheel_tool(requirement: &str, dir: &str, member: &str) -> Result<PathBuf, Step> {
+    let dir = cache_dir()?.join(dir);
+    let bin = dir.join(member);
     if bin.exists() {
         return Ok(bin);
     }
     std::fs::create_dir_all(&dir).map_err(|e| Step::Skipped(format!("{}: {e}", dir.display())))?;
-    println!("fetching {NVCC_WHEEL} from PyPI into {}", dir.display());
+    println!("fetching {requirement} from PyPI into {}", dir.display());
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", NVCC_WHEEL, "-d"])
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", requirement, "-d"])
         .arg(&dir)
         .status();
     if !matches!(status, Ok(s) if s.success()) {
-        return Err(Step::Skipped(format!("cannot download {NVCC_WHEEL} with pip")));
+        return Err(Step::Skipped(format!("cannot download {requirement} with pip")));
     }
     let script = "import sys, zipfile, glob, os\n\
-w = glob.glob(os.path.join(sys.argv[1], 'nvidia_cuda_nvcc_cu12-*.whl'))[0]\n\
-zipfile.ZipFile(w).extract('nvidia/cuda_nvcc/bin/ptxas', sys.argv[1])\n";
-    let status = Command::new("python3").args(["-c", script]).arg(&dir).status();
+w = sorted(glob.glob(os.path.join(sys.argv[1], '*.whl')))[-1]\n\
+zipfile.ZipFile(w).extract(sys.argv[2], sys.argv[1])\n";
+    let status = Command::new("python3").args(["-c", script]).arg(&dir).arg(member).status();
     if !matches!(status, Ok(s) if s.success()) || !bin.exists() {
-        return Err(Step::Skipped("cannot extract ptxas from the wheel".into()));
+        return Err(Step::Skipped(format!("cannot extract {member} from the {requirement} wheel")));
     }
     #[cfg(unix)]
     {
@@ -688,6 +713,8 @@ struct Usage {
     registers: u32,
     spill: u32,
     smem: u32,
+    /// Stack frame bytes (local memory the function reserves).
+    stack: u32,
 }
 
 fn parse_ptxas(log: &str) -> Vec<Usage> {
@@ -708,6 +735,7 @@ fn parse_ptxas(log: &str) -> Vec<Usage> {
             out.push(Usage { kernel, arch, ..Usage::default() });
         } else if let Some(u) = out.last_mut() {
             if line.contains("spill stores") {
+                u.stack = num_before(line, "bytes stack frame");
                 u.spill += num_before(line, "bytes spill stores") + num_before(line, "bytes spill loads");
             } else if line.contains("Used") && line.contains("registers") {
                 u.registers = line

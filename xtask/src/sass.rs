@@ -1,0 +1,1539 @@
+//! `cargo xtask sass`: a static performance gate for a project with no GPU.
+//!
+//! Assembles the committed PTX for sm_80 and sm_90, disassembles the cubins with
+//! `nvdisasm -bbcfg` (the SASS control-flow graph, one node per basic block with its
+//! instructions), and prints per entry point the resources, the instruction mix and the
+//! resident warps per SM; for the decode entry points the steady-state warp-instructions
+//! per (token, KV head) read from the loops of the CFG; and for the `gpu_decode` cases of
+//! the gate file ([`GATE_FILE`]) a modeled step time. Everything is a model (a static
+//! SASS proxy), not a measurement: the GPU bundle measures the truth. The method and the
+//! constants are written down in `SASS.md`.
+//!
+//! The gate file drives everything that depends on how a kernel is written (block size,
+//! tokens per loop iteration, bytes in flight, the cases, the floors); the constants here
+//! describe the hardware, each with its source.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use crate::{Step, Usage, parse_ptxas, root, wheel_tool};
+
+/// The gate file, beside the kernels.
+pub const GATE_FILE: &str = "kernels-gpu/perf-gate.toml";
+
+/// nvdisasm ships on PyPI only as CUDA 13 wheels (`nvidia/cu13/bin/nvdisasm`).
+const NVDISASM_WHEEL: &str = "nvidia-cuda-nvdisasm==13.2.86";
+/// The ptxas of the same CUDA release: nvdisasm 13 cannot run its flow analysis (so prints
+/// no CFG) on a cubin from the CUDA 12 ptxas ("Disassembling Std Elf to Old format ...
+/// not supported"), so this step assembles with the matching CUDA 13.2 ptxas.
+const NVCC13_WHEEL: &str = "nvidia-cuda-nvcc==13.2.86";
+
+// ---------------------------------------------------------------------------------------
+// Hardware constants.
+
+/// Per-architecture occupancy limits, from the CUDA C++ Programming Guide, "Compute
+/// Capabilities", table "Technical Specifications per Compute Capability" (8.0 and 9.0).
+#[derive(Debug, Clone, Copy)]
+pub struct Arch {
+    pub name: &'static str,
+    /// Maximum resident warps per SM: 64 for 8.0 and 9.0.
+    pub max_warps: u32,
+    /// Maximum resident blocks per SM: 32 for 8.0 and 9.0.
+    pub max_blocks: u32,
+    /// 32-bit registers per SM: 64K for 8.0 and 9.0.
+    pub registers: u32,
+    /// Register allocation unit: 256 registers per warp (8 per thread).
+    pub reg_unit_per_warp: u32,
+    /// Shared memory per SM: 164 KiB (8.0), 228 KiB (9.0).
+    pub shared: u32,
+    /// Shared memory the driver reserves per block: 1 KiB (8.0 and later; Programming
+    /// Guide, "Shared Memory" in the 8.x and 9.0 sections).
+    pub shared_reserved_per_block: u32,
+}
+
+pub const SM80: Arch = Arch {
+    name: "sm_80",
+    max_warps: 64,
+    max_blocks: 32,
+    registers: 65536,
+    reg_unit_per_warp: 256,
+    shared: 164 * 1024,
+    shared_reserved_per_block: 1024,
+};
+pub const SM90: Arch = Arch {
+    name: "sm_90",
+    max_warps: 64,
+    max_blocks: 32,
+    registers: 65536,
+    reg_unit_per_warp: 256,
+    shared: 228 * 1024,
+    shared_reserved_per_block: 1024,
+};
+const ARCHS: [Arch; 2] = [SM80, SM90];
+
+/// A GPU of the model.
+#[derive(Debug, Clone, Copy)]
+pub struct Gpu {
+    pub name: &'static str,
+    pub arch: Arch,
+    /// SMs: 132 on H100 SXM5 and H200 SXM (the same GH100 configuration; NVIDIA H100
+    /// Tensor Core GPU Architecture whitepaper, H100 SXM5 column).
+    pub sms: f64,
+    /// SM clock: 1.98 GHz maximum boost (H100/H200 SXM; NVIDIA H100 datasheet, and the
+    /// max SM clock `nvidia-smi -q -d CLOCK` reports on both).
+    pub clock_hz: f64,
+    /// Warp schedulers per SM, each issuing one warp-instruction per clock: 4 (Hopper
+    /// whitepaper, "H100 SM architecture": four processing blocks, one warp scheduler and
+    /// dispatch unit each; Hopper tuning guide).
+    pub schedulers: f64,
+    /// Peak DRAM bandwidth, bytes/s: H200 4.8 TB/s HBM3e (NVIDIA H200 datasheet), H100
+    /// SXM5 3.35 TB/s HBM3 (NVIDIA H100 datasheet).
+    pub peak_bw: f64,
+    /// Achievable fraction of the peak: 0.90, an assumption (a streaming copy commonly
+    /// reaches ~90% of the datasheet figure; the GPU bundle's copy column measures it).
+    pub achievable: f64,
+    /// DRAM latency under load, seconds: ~700 ns, an assumption (microbenchmarks, e.g.
+    /// Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture",
+    /// arXiv:2402.13499, measure the unloaded global-memory latency in the hundreds of
+    /// cycles; queueing at full bandwidth raises it).
+    pub dram_latency_s: f64,
+}
+
+pub const H200: Gpu = Gpu {
+    name: "H200",
+    arch: SM90,
+    sms: 132.0,
+    clock_hz: 1.98e9,
+    schedulers: 4.0,
+    peak_bw: 4.8e12,
+    achievable: 0.90,
+    dram_latency_s: 700e-9,
+};
+pub const H100: Gpu = Gpu { name: "H100", peak_bw: 3.35e12, ..H200 };
+
+fn gpu_named(name: &str) -> Option<Gpu> {
+    [H200, H100].into_iter().find(|g| g.name.eq_ignore_ascii_case(name))
+}
+
+// ---------------------------------------------------------------------------------------
+// Occupancy.
+
+/// Resident blocks and warps per SM, and what limits them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Occupancy {
+    pub blocks: u32,
+    pub warps: u32,
+    pub limiter: &'static str,
+}
+
+/// The documented occupancy rules: registers per thread rounded up to the allocation unit
+/// (256 per warp, i.e. 8 per thread), whole warps per block from the register file, the
+/// warp and block limits, and shared memory (static + dynamic + the 1 KiB the driver
+/// reserves per block).
+pub fn occupancy(arch: &Arch, regs_per_thread: u32, warps_per_block: u32, shared_per_block: u32) -> Occupancy {
+    let wpb = warps_per_block.max(1);
+    let regs_per_warp = (regs_per_thread.max(1) * 32).div_ceil(arch.reg_unit_per_warp) * arch.reg_unit_per_warp;
+    let by_regs = (arch.registers / regs_per_warp) / wpb;
+    let by_warps = arch.max_warps / wpb;
+    let by_shared = arch.shared / (shared_per_block + arch.shared_reserved_per_block);
+    let mut best = (arch.max_blocks, "blocks");
+    for cand in [(by_warps, "warps"), (by_regs, "registers"), (by_shared, "shared memory")] {
+        if cand.0 < best.0 {
+            best = cand;
+        }
+    }
+    Occupancy { blocks: best.0, warps: best.0 * wpb, limiter: best.1 }
+}
+
+// ---------------------------------------------------------------------------------------
+// The gate file: a small TOML subset.
+
+/// A value of the gate file.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    Str(String),
+    Num(f64),
+    Bool(bool),
+    Array(Vec<Value>),
+}
+
+/// One `[[name]]` table (the keys before the first header form a table named "").
+#[derive(Debug)]
+pub struct Table {
+    pub name: String,
+    pub line: usize,
+    pub keys: BTreeMap<String, Value>,
+}
+
+/// Parses the TOML subset the gate file uses: `# comments`, `[[array-of-tables]]`
+/// headers, `key = value` with basic strings, numbers (`_` separators allowed), booleans
+/// and one-line arrays of those. Anything else is an error that names the line, never a
+/// silent misreading.
+pub fn parse_toml(text: &str) -> Result<Vec<Table>, String> {
+    let mut out = vec![Table { name: String::new(), line: 0, keys: BTreeMap::new() }];
+    for (i, raw) in text.lines().enumerate() {
+        let n = i + 1;
+        let line = strip_comment(raw).trim();
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix("[[").and_then(|l| l.strip_suffix("]]")) {
+            out.push(Table { name: name.trim().to_string(), line: n, keys: BTreeMap::new() });
+            continue;
+        }
+        if line.starts_with('[') {
+            return Err(format!("line {n}: only [[array]] table headers are supported: {line}"));
+        }
+        let (k, v) = line.split_once('=').ok_or_else(|| format!("line {n}: expected `key = value`: {line}"))?;
+        let k = k.trim();
+        if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            return Err(format!("line {n}: bad key {k:?}"));
+        }
+        let v = parse_value(v.trim()).map_err(|e| format!("line {n}: {e}"))?;
+        let t = out.last_mut().expect("a table");
+        if t.keys.insert(k.to_string(), v).is_some() {
+            return Err(format!("line {n}: key {k} given twice"));
+        }
+    }
+    Ok(out)
+}
+
+fn strip_comment(line: &str) -> &str {
+    let (mut in_str, mut escaped) = (false, false);
+    for (i, c) in line.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_str => escaped = true,
+            '"' => in_str = !in_str,
+            '#' if !in_str => return &line[..i],
+            _ => {}
+        }
+    }
+    line
+}
+
+fn parse_value(v: &str) -> Result<Value, String> {
+    if let Some(inner) = v.strip_prefix('[') {
+        let inner = inner.strip_suffix(']').ok_or_else(|| format!("unterminated array: {v}"))?;
+        let mut items = Vec::new();
+        let (mut start, mut in_str, mut escaped) = (0, false, false);
+        for (i, c) in inner.char_indices() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' if in_str => escaped = true,
+                '"' => in_str = !in_str,
+                '[' if !in_str => return Err("nested arrays are not supported".into()),
+                ',' if !in_str => {
+                    items.push(parse_value(inner[start..i].trim())?);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        let last = inner[start..].trim();
+        if !last.is_empty() {
+            items.push(parse_value(last)?);
+        }
+        return Ok(Value::Array(items));
+    }
+    if let Some(rest) = v.strip_prefix('"') {
+        let mut s = String::new();
+        let mut chars = rest.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '"' => {
+                    let tail: String = chars.collect();
+                    if !tail.trim().is_empty() {
+                        return Err(format!("text after a string: {tail:?}"));
+                    }
+                    return Ok(Value::Str(s));
+                }
+                '\\' => match chars.next() {
+                    Some('n') => s.push('\n'),
+                    Some('t') => s.push('\t'),
+                    Some(c @ ('"' | '\\')) => s.push(c),
+                    other => return Err(format!("unsupported escape \\{other:?}")),
+                },
+                c => s.push(c),
+            }
+        }
+        return Err(format!("unterminated string: {v}"));
+    }
+    match v {
+        "true" => return Ok(Value::Bool(true)),
+        "false" => return Ok(Value::Bool(false)),
+        _ => {}
+    }
+    let digits: String = v.chars().filter(|&c| c != '_').collect();
+    match digits.parse::<f64>() {
+        Ok(x) if x.is_finite() && !digits.is_empty() => Ok(Value::Num(x)),
+        _ => Err(format!("cannot read the value {v:?} (string, number, boolean or array)")),
+    }
+}
+
+/// Reads typed keys out of a table and complains about the ones left over (typos).
+struct Reader {
+    what: String,
+    keys: BTreeMap<String, Value>,
+}
+
+impl Reader {
+    fn new(t: Table) -> Self {
+        let what = format!("{GATE_FILE} line {} [[{}]]", t.line, t.name);
+        Reader { what, keys: t.keys }
+    }
+    fn err(&self, key: &str, want: &str) -> String {
+        format!("{}: `{key}` must be {want}", self.what)
+    }
+    fn opt_str(&mut self, key: &str) -> Result<Option<String>, String> {
+        match self.keys.remove(key) {
+            None => Ok(None),
+            Some(Value::Str(s)) => Ok(Some(s)),
+            Some(_) => Err(self.err(key, "a string")),
+        }
+    }
+    fn str(&mut self, key: &str) -> Result<String, String> {
+        self.opt_str(key)?.ok_or_else(|| format!("{}: `{key}` is missing", self.what))
+    }
+    fn opt_num(&mut self, key: &str) -> Result<Option<f64>, String> {
+        match self.keys.remove(key) {
+            None => Ok(None),
+            Some(Value::Num(x)) => Ok(Some(x)),
+            Some(_) => Err(self.err(key, "a number")),
+        }
+    }
+    fn num(&mut self, key: &str) -> Result<f64, String> {
+        self.opt_num(key)?.ok_or_else(|| format!("{}: `{key}` is missing", self.what))
+    }
+    fn opt_count(&mut self, key: &str) -> Result<Option<u64>, String> {
+        match self.opt_num(key)? {
+            None => Ok(None),
+            Some(x) if x >= 0.0 && x.fract() == 0.0 && x < 1e15 => Ok(Some(x as u64)),
+            Some(_) => Err(self.err(key, "a whole number >= 0")),
+        }
+    }
+    fn count(&mut self, key: &str) -> Result<u64, String> {
+        self.opt_count(key)?.ok_or_else(|| format!("{}: `{key}` is missing", self.what))
+    }
+    fn opt_bool(&mut self, key: &str) -> Result<Option<bool>, String> {
+        match self.keys.remove(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(_) => Err(self.err(key, "true or false")),
+        }
+    }
+    /// A positive number or an array of positive numbers.
+    fn opt_nums(&mut self, key: &str) -> Result<Option<Vec<f64>>, String> {
+        let v = match self.keys.remove(key) {
+            None => return Ok(None),
+            Some(Value::Num(x)) => vec![x],
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .map(|v| if let Value::Num(x) = v { Ok(x) } else { Err(()) })
+                .collect::<Result<_, _>>()
+                .map_err(|()| self.err(key, "a positive number or an array of them"))?,
+            Some(_) => return Err(self.err(key, "a positive number or an array of them")),
+        };
+        if v.is_empty() || v.iter().any(|&x| x <= 0.0) {
+            return Err(self.err(key, "a positive number or an array of them"));
+        }
+        Ok(Some(v))
+    }
+    /// `loop_tokens = ["1.2=0", "1.3=16"]`: tokens per iteration (>= 0) by loop path.
+    fn loop_tokens(&mut self) -> Result<Option<Vec<(String, f64)>>, String> {
+        let want = "an array of \"<loop path>=<tokens per iteration>\" strings, e.g. [\"1.2=0\", \"1.3=16\"]";
+        let items = match self.keys.remove("loop_tokens") {
+            None => return Ok(None),
+            Some(Value::Array(a)) => a,
+            Some(_) => return Err(self.err("loop_tokens", want)),
+        };
+        let mut out = Vec::new();
+        for v in items {
+            let Value::Str(s) = v else { return Err(self.err("loop_tokens", want)) };
+            let (path, t) = s.split_once('=').ok_or_else(|| self.err("loop_tokens", want))?;
+            let path = path.trim();
+            let ok_path = path.split('.').all(|p| p.parse::<u32>().is_ok_and(|n| n >= 1)) && path.starts_with("1");
+            match t.trim().parse::<f64>() {
+                Ok(t) if ok_path && t >= 0.0 && t.is_finite() => out.push((path.to_string(), t)),
+                _ => return Err(self.err("loop_tokens", want)),
+            }
+        }
+        Ok(Some(out))
+    }
+    fn finish(self) -> Result<(), String> {
+        match self.keys.keys().next() {
+            None => Ok(()),
+            Some(k) => Err(format!("{}: unknown key `{k}`", self.what)),
+        }
+    }
+}
+
+/// How many times the hot loop nest runs per KV head and token: once per KV head (the
+/// whole GQA group in one pass), once per query head, or once per query row (query head x
+/// query token).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LoopPer {
+    KvHead,
+    QueryHead,
+    QueryRow,
+}
+
+/// A kernel family: the entry points whose name matches `pattern` (`*` wildcards; the
+/// first matching family wins).
+#[derive(Debug, Clone)]
+pub struct Family {
+    pub pattern: String,
+    /// Decode entry points get the loop analysis, the model and the gate.
+    pub decode: bool,
+    pub warps_per_block: u32,
+    /// Dynamic shared memory per block, bytes (static shared memory comes from ptxas).
+    pub dynamic_shared_bytes: u32,
+    /// Tokens one iteration of each hot-nest loop covers per warp (`tokens_per_iteration`
+    /// by depth, `loop_tokens` by loop path).
+    pub tokens: Tokens,
+    pub loop_per: LoopPer,
+    /// Bytes of KV cache one warp has in flight (issued before the first use) per hot-loop
+    /// iteration.
+    pub bytes_in_flight_per_warp: f64,
+    /// Fail when the entry point has local memory (LDL/STL or a stack frame).
+    pub no_local_memory: bool,
+}
+
+/// A `gpu_decode` case to model.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub name: String,
+    pub entry: String,
+    pub gpu: Gpu,
+    pub head_dim: u64,
+    pub batch: u64,
+    pub kv_heads: u64,
+    pub gqa: u64,
+    pub q_len: u64,
+    pub context: u64,
+    pub bytes_per_token_head: f64,
+    /// Thread blocks the launch has (when it fills less than the device, fewer warps are
+    /// resident than occupancy allows); absent: a full wave at the occupancy limit.
+    pub grid_blocks: Option<u64>,
+    /// Overrides the family's dynamic shared memory.
+    pub dynamic_shared_bytes: Option<u32>,
+    /// Overrides of the family's `tokens_per_iteration` (replaced) and `loop_tokens`
+    /// (these paths win, the family's others stay), e.g. for an inner loop that runs once
+    /// per query head: 32 / heads tokens per iteration of a 32-token tile.
+    pub tokens_per_iteration: Option<Vec<f64>>,
+    pub loop_tokens: Option<Vec<(String, f64)>>,
+    /// Overrides the family's bytes in flight per warp.
+    pub bytes_in_flight_per_warp: Option<f64>,
+    /// The least modeled % of achievable bandwidth.
+    pub floor_pct: f64,
+    /// Fail below the floor (false: report only).
+    pub enforce: bool,
+}
+
+#[derive(Debug)]
+pub struct Gate {
+    pub families: Vec<Family>,
+    pub cases: Vec<Case>,
+}
+
+impl Gate {
+    pub fn family(&self, entry: &str) -> Option<&Family> {
+        self.families.iter().find(|f| glob(&f.pattern, entry))
+    }
+}
+
+pub fn parse_gate(text: &str) -> Result<Gate, String> {
+    let mut gate = Gate { families: Vec::new(), cases: Vec::new() };
+    for t in parse_toml(text)? {
+        let name = t.name.clone();
+        let mut r = Reader::new(t);
+        match name.as_str() {
+            "" => {}
+            "family" => {
+                let kind = r.opt_str("kind")?.unwrap_or_else(|| "other".into());
+                let decode = match kind.as_str() {
+                    "decode" => true,
+                    "other" => false,
+                    _ => return Err(r.err("kind", "\"decode\" or \"other\"")),
+                };
+                let loop_per = match r.opt_str("loop_per")?.as_deref() {
+                    None | Some("kv_head") => LoopPer::KvHead,
+                    Some("query_head") => LoopPer::QueryHead,
+                    Some("query_row") => LoopPer::QueryRow,
+                    Some(_) => return Err(r.err("loop_per", "\"kv_head\", \"query_head\" or \"query_row\"")),
+                };
+                let f = Family {
+                    pattern: r.str("pattern")?,
+                    decode,
+                    warps_per_block: r.count("warps_per_block")?.clamp(1, 32) as u32,
+                    dynamic_shared_bytes: r.opt_count("dynamic_shared_bytes")?.unwrap_or(0) as u32,
+                    tokens: Tokens {
+                        by_depth: r.opt_nums("tokens_per_iteration")?.unwrap_or_else(|| vec![1.0]),
+                        by_path: r.loop_tokens()?.unwrap_or_default(),
+                    },
+                    loop_per,
+                    bytes_in_flight_per_warp: r.opt_num("bytes_in_flight_per_warp")?.unwrap_or(0.0),
+                    no_local_memory: r.opt_bool("no_local_memory")?.unwrap_or(false),
+                };
+                r.finish()?;
+                gate.families.push(f);
+            }
+            "case" => {
+                let gpu_name = r.opt_str("gpu")?.unwrap_or_else(|| "H200".into());
+                let gpu = gpu_named(&gpu_name).ok_or_else(|| r.err("gpu", "\"H200\" or \"H100\""))?;
+                let c = Case {
+                    name: r.str("name")?,
+                    entry: r.str("entry")?,
+                    gpu,
+                    head_dim: r.count("head_dim")?,
+                    batch: r.count("batch")?,
+                    kv_heads: r.count("kv_heads")?,
+                    gqa: r.count("gqa")?,
+                    q_len: r.opt_count("q_len")?.unwrap_or(1),
+                    context: r.count("context")?,
+                    bytes_per_token_head: r.num("bytes_per_token_head")?,
+                    grid_blocks: r.opt_count("grid_blocks")?,
+                    dynamic_shared_bytes: r.opt_count("dynamic_shared_bytes")?.map(|x| x as u32),
+                    tokens_per_iteration: r.opt_nums("tokens_per_iteration")?,
+                    loop_tokens: r.loop_tokens()?,
+                    bytes_in_flight_per_warp: r.opt_num("bytes_in_flight_per_warp")?,
+                    floor_pct: r.num("floor_pct")?,
+                    enforce: r.opt_bool("enforce")?.unwrap_or(true),
+                };
+                r.finish()?;
+                gate.cases.push(c);
+            }
+            other => return Err(format!("{}: unknown table [[{other}]] (family or case)", r.what)),
+        }
+    }
+    Ok(gate)
+}
+
+/// `*` matches any run of characters; everything else matches itself.
+pub fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut pi, mut ni, mut star, mut mark) = (0, 0, None, 0);
+    while ni < n.len() {
+        if pi < p.len() && p[pi] != '*' && p[pi] == n[ni] {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ni;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ni = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+// ---------------------------------------------------------------------------------------
+// The SASS control-flow graph (`nvdisasm -bbcfg`, graphviz text).
+
+/// A basic block: its instructions (without the trailing `;`) and successors.
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub name: String,
+    /// Position in nvdisasm's listing (address order).
+    pub pos: usize,
+    pub instrs: Vec<String>,
+    pub succs: Vec<usize>,
+}
+
+/// A function of the cubin; `blocks[0]` is its entry.
+#[derive(Debug, Clone)]
+pub struct Function {
+    pub name: String,
+    pub blocks: Vec<Block>,
+}
+
+/// Reads `nvdisasm -bbcfg` output: `subgraph "cluster_<function>" {` per function, a node
+/// per basic block (`"<name>"` then `[label="{<entry>...\l...|<exit0>...}"]`, instructions
+/// separated by `\l`), and edges `"<from>":port -> "<to>":entry:n`.
+pub fn parse_cfg(dot: &str) -> Result<Vec<Function>, String> {
+    let mut funcs: Vec<Function> = Vec::new();
+    let mut index: BTreeMap<String, usize> = BTreeMap::new();
+    let mut pending: Option<usize> = None;
+    for (i, line) in dot.lines().enumerate() {
+        let t = line.trim_start();
+        if let Some(rest) = t.strip_prefix("subgraph \"cluster_") {
+            let name = rest.split('"').next().unwrap_or_default().to_string();
+            funcs.push(Function { name, blocks: Vec::new() });
+            index.clear();
+            pending = None;
+            continue;
+        }
+        let Some(f) = funcs.last_mut() else { continue };
+        let mut block_of = |name: &str, f: &mut Function| -> usize {
+            *index.entry(name.to_string()).or_insert_with(|| {
+                f.blocks.push(Block { name: name.to_string(), pos: usize::MAX, instrs: Vec::new(), succs: Vec::new() });
+                f.blocks.len() - 1
+            })
+        };
+        if let Some((from, to)) = t.split_once(" -> ") {
+            let (Some(a), Some(b)) = (quoted(from), quoted(to)) else {
+                return Err(format!("nvdisasm CFG line {}: cannot read the edge {t:?}", i + 1));
+            };
+            let (a, b) = (block_of(a, f), block_of(b, f));
+            if !f.blocks[a].succs.contains(&b) {
+                f.blocks[a].succs.push(b);
+            }
+        } else if t.starts_with('"') {
+            let name = quoted(t).ok_or_else(|| format!("nvdisasm CFG line {}: bad node {t:?}", i + 1))?;
+            let b = block_of(name, f);
+            f.blocks[b].pos = i;
+            pending = Some(b);
+            if let Some(label) = t.split_once("[label=\"").map(|x| x.1) {
+                f.blocks[b].instrs = label_instructions(label);
+                pending = None;
+            }
+        } else if let Some(label) = t.strip_prefix("[label=\"") {
+            let b = pending.take().ok_or_else(|| format!("nvdisasm CFG line {}: a label without a node", i + 1))?;
+            f.blocks[b].instrs = label_instructions(label);
+        }
+    }
+    Ok(funcs)
+}
+
+fn quoted(s: &str) -> Option<&str> {
+    let start = s.find('"')? + 1;
+    let len = s[start..].find('"')?;
+    Some(&s[start..start + len])
+}
+
+/// The instructions of a record label (text after `label="`): `\l` ends a line, `\x` is
+/// a literal x, unescaped `{ } |` are record syntax and `<port>` a port name; a line
+/// ending in `;` is an instruction, the rest (directives, labels) is dropped.
+fn label_instructions(label: &str) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    let mut chars = label.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some('l' | 'n' | 'r') => lines.push(String::new()),
+                Some(x) => lines.last_mut().expect("a line").push(x),
+                None => break,
+            },
+            '"' => break,
+            '{' | '}' | '|' => {}
+            '<' => {
+                for x in chars.by_ref() {
+                    if x == '>' {
+                        break;
+                    }
+                }
+            }
+            c => lines.last_mut().expect("a line").push(c),
+        }
+    }
+    lines.iter().filter_map(|l| l.trim().strip_suffix(';').map(|s| s.trim().to_string())).collect()
+}
+
+/// The opcode of an instruction with its modifiers (`LDG.E.128`), past a predicate.
+pub fn opcode(instr: &str) -> &str {
+    instr.split_whitespace().find(|t| !t.starts_with('@')).unwrap_or("")
+}
+
+/// Instruction mix of some instructions.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Mix {
+    /// All instructions but NOP.
+    pub total: u64,
+    pub ldl: u64,
+    pub stl: u64,
+    pub hmma: u64,
+    pub ffma: u64,
+    /// f16 <-> f32 conversions: F2F, F2FP (pack) and HADD2.F32 (ptxas's f16 -> f32
+    /// conversion on sm_80 and later).
+    pub cvt: u64,
+}
+
+impl Mix {
+    pub fn add(&mut self, instr: &str) {
+        let op = opcode(instr);
+        let base = op.split('.').next().unwrap_or("");
+        if base == "NOP" || base.is_empty() {
+            return;
+        }
+        self.total += 1;
+        match base {
+            "LDL" => self.ldl += 1,
+            "STL" => self.stl += 1,
+            "HMMA" => self.hmma += 1,
+            "FFMA" => self.ffma += 1,
+            "F2F" | "F2FP" => self.cvt += 1,
+            "HADD2" if op.starts_with("HADD2.F32") => self.cvt += 1,
+            _ => {}
+        }
+    }
+}
+
+pub fn block_mix(b: &Block) -> Mix {
+    let mut m = Mix::default();
+    for i in &b.instrs {
+        m.add(i);
+    }
+    m
+}
+
+// ---------------------------------------------------------------------------------------
+// Loops.
+
+/// A natural loop: its header, its blocks (sorted, header included), its nesting depth
+/// (1 = outermost) and the loop that contains it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loop {
+    pub header: usize,
+    pub body: Vec<usize>,
+    pub depth: usize,
+    pub parent: Option<usize>,
+}
+
+/// Natural loops of a function: dominators over the blocks reachable from the entry, a
+/// back edge `u -> h` wherever `h` dominates `u`, the loop of `h` the blocks that reach a
+/// back-edge source without passing `h` (loops that share a header are one loop), nested
+/// by containment. Returns the loops sorted by header and the number of retreating edges
+/// that are not back edges (irreducible flow, 0 for compiler output in practice).
+pub fn find_loops(f: &Function) -> (Vec<Loop>, usize) {
+    let n = f.blocks.len();
+    if n == 0 {
+        return (Vec::new(), 0);
+    }
+    // Reverse postorder of the reachable blocks (iterative DFS).
+    let mut order = Vec::with_capacity(n);
+    let mut seen = vec![false; n];
+    let mut stack = vec![(0usize, 0usize)];
+    seen[0] = true;
+    while let Some(&mut (b, ref mut k)) = stack.last_mut() {
+        if let Some(&s) = f.blocks[b].succs.get(*k) {
+            *k += 1;
+            if !seen[s] {
+                seen[s] = true;
+                stack.push((s, 0));
+            }
+        } else {
+            order.push(b);
+            stack.pop();
+        }
+    }
+    order.reverse();
+    let mut rpo = vec![usize::MAX; n];
+    for (i, &b) in order.iter().enumerate() {
+        rpo[b] = i;
+    }
+    let mut preds = vec![Vec::new(); n];
+    for &b in &order {
+        for &s in &f.blocks[b].succs {
+            preds[s].push(b);
+        }
+    }
+    // Immediate dominators (Cooper, Harvey and Kennedy, "A Simple, Fast Dominance
+    // Algorithm").
+    let mut idom = vec![usize::MAX; n];
+    idom[0] = 0;
+    let intersect = |idom: &[usize], mut a: usize, mut b: usize| {
+        while a != b {
+            while rpo[a] > rpo[b] {
+                a = idom[a];
+            }
+            while rpo[b] > rpo[a] {
+                b = idom[b];
+            }
+        }
+        a
+    };
+    let mut changed = true;
+    while changed {
+        changed = false;
+        for &b in order.iter().skip(1) {
+            let mut new = usize::MAX;
+            for &p in &preds[b] {
+                if idom[p] != usize::MAX {
+                    new = if new == usize::MAX { p } else { intersect(&idom, p, new) };
+                }
+            }
+            if new != idom[b] {
+                idom[b] = new;
+                changed = true;
+            }
+        }
+    }
+    let dominates = |h: usize, mut u: usize| loop {
+        if u == h {
+            return true;
+        }
+        if u == 0 {
+            return false;
+        }
+        u = idom[u];
+    };
+    let mut bodies: BTreeMap<usize, Vec<bool>> = BTreeMap::new();
+    let mut irreducible = 0;
+    for &u in &order {
+        for &h in &f.blocks[u].succs {
+            if rpo[h] > rpo[u] {
+                continue;
+            }
+            if !dominates(h, u) {
+                irreducible += 1;
+                continue;
+            }
+            let body = bodies.entry(h).or_insert_with(|| vec![false; n]);
+            body[h] = true;
+            let mut work = vec![u];
+            while let Some(b) = work.pop() {
+                if !body[b] {
+                    body[b] = true;
+                    work.extend(preds[b].iter().copied());
+                }
+            }
+        }
+    }
+    let mut loops: Vec<Loop> = bodies
+        .into_iter()
+        .map(|(header, body)| Loop { header, body: (0..n).filter(|&b| body[b]).collect(), depth: 1, parent: None })
+        .collect();
+    // The parent is the smallest other loop holding the header.
+    for i in 0..loops.len() {
+        let h = loops[i].header;
+        loops[i].parent = (0..loops.len())
+            .filter(|&j| j != i && loops[j].body.binary_search(&h).is_ok())
+            .min_by_key(|&j| loops[j].body.len());
+    }
+    for i in 0..loops.len() {
+        let (mut d, mut p) = (1, loops[i].parent);
+        while let Some(j) = p {
+            d += 1;
+            p = loops[j].parent;
+        }
+        loops[i].depth = d;
+    }
+    (loops, irreducible)
+}
+
+/// The innermost loop holding each block (`None` outside every loop).
+pub fn innermost_loop(loops: &[Loop], blocks: usize) -> Vec<Option<usize>> {
+    let mut inner: Vec<Option<usize>> = vec![None; blocks];
+    for (i, l) in loops.iter().enumerate() {
+        for &b in &l.body {
+            if inner[b].is_none_or(|j| loops[j].depth < l.depth) {
+                inner[b] = Some(i);
+            }
+        }
+    }
+    inner
+}
+
+/// How many tokens one iteration of each loop of the hot nest covers, per warp.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tokens {
+    /// By depth inside the nest (outermost first; deeper loops use the last entry).
+    pub by_depth: Vec<f64>,
+    /// Overrides for single loops by path ("1" the nest, "1.2" its second inner loop by
+    /// address, ...); 0 marks a loop that does not run in the steady state (not charged).
+    pub by_path: Vec<(String, f64)>,
+}
+
+impl Tokens {
+    pub fn of(&self, path: &str, depth: usize) -> f64 {
+        if let Some((_, t)) = self.by_path.iter().find(|(p, _)| p == path) {
+            return *t;
+        }
+        self.by_depth.get(depth).or(self.by_depth.last()).copied().unwrap_or(1.0)
+    }
+}
+
+/// The hot loop nest of a decode kernel and its steady-state cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HotLoop {
+    /// Index (into the loops) of the nest's outermost loop.
+    pub root: usize,
+    /// Path of each loop of the nest, by loop index.
+    pub paths: BTreeMap<usize, String>,
+    /// Instructions of every block of the nest (all paths; upper bound of one iteration).
+    pub instrs: u64,
+    /// Warp-instructions per token: each block's instructions divided by the tokens per
+    /// iteration of the innermost loop holding it.
+    pub per_token: f64,
+}
+
+/// Paths of the loops of the nest rooted at `root`: "1" for the root, "1.k" for its k-th
+/// inner loop in address order, "1.k.j" below that.
+pub fn loop_paths(f: &Function, loops: &[Loop], root: usize) -> BTreeMap<usize, String> {
+    let mut paths = BTreeMap::new();
+    let mut work = vec![(root, "1".to_string())];
+    while let Some((i, path)) = work.pop() {
+        let mut kids: Vec<usize> = (0..loops.len()).filter(|&j| loops[j].parent == Some(i)).collect();
+        kids.sort_by_key(|&j| f.blocks[loops[j].header].pos);
+        for (k, &j) in kids.iter().enumerate() {
+            work.push((j, format!("{path}.{}", k + 1)));
+        }
+        paths.insert(i, path);
+    }
+    paths
+}
+
+/// The hot nest: the outermost loop with the most instructions in its blocks. Its cost
+/// per token charges each block `instructions / tokens`, with the tokens per iteration of
+/// the innermost loop holding the block ([`Tokens::of`]). With one loop and `[T]` this is
+/// "loop instructions / T"; for a tile loop of T tokens around a per-token loop, `[T, 1]`
+/// gives tile work / T + per-token work.
+pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop> {
+    let size = |l: &Loop| l.body.iter().map(|&b| block_mix(&f.blocks[b]).total).sum::<u64>();
+    let root = (0..loops.len()).filter(|&i| loops[i].depth == 1).max_by_key(|&i| (size(&loops[i]), usize::MAX - i))?;
+    let inner = innermost_loop(loops, f.blocks.len());
+    let paths = loop_paths(f, loops, root);
+    let mut per_token = 0.0;
+    for &b in &loops[root].body {
+        let j = inner[b].unwrap_or(root);
+        let t = tokens.of(&paths[&j], loops[j].depth - loops[root].depth);
+        if t > 0.0 {
+            per_token += block_mix(&f.blocks[b]).total as f64 / t;
+        }
+    }
+    Some(HotLoop { root, paths, instrs: size(&loops[root]), per_token })
+}
+
+// ---------------------------------------------------------------------------------------
+// The model.
+
+/// A case's modeled step time (seconds) under each bound.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Model {
+    pub bytes: f64,
+    pub warp_instrs: f64,
+    pub bandwidth_s: f64,
+    pub issue_s: f64,
+    pub latency_s: f64,
+    /// Resident warps per SM the latency bound used.
+    pub warps_per_sm: f64,
+}
+
+impl Model {
+    pub fn step_s(&self) -> f64 {
+        self.bandwidth_s.max(self.issue_s).max(self.latency_s)
+    }
+    pub fn bound(&self) -> &'static str {
+        let t = self.step_s();
+        if t == self.bandwidth_s {
+            "bandwidth"
+        } else if t == self.issue_s {
+            "issue"
+        } else {
+            "latency"
+        }
+    }
+    /// Modeled % of the achievable bandwidth.
+    pub fn pct(&self) -> f64 {
+        100.0 * self.bandwidth_s / self.step_s()
+    }
+}
+
+/// The model of one case: `bytes = batch x KV heads x context x bytes per token-head`;
+/// bandwidth bound `bytes / (peak x achievable)`; issue bound `warp-instructions / (SMs x
+/// schedulers x clock)` with `warp-instructions = per (token, KV head) x batch x KV heads
+/// x context x runs` (runs: 1, GQA or GQA x q_len, per the family's `loop_per`); latency
+/// bound `bytes / (SMs x bytes in flight per SM / DRAM latency)` with bytes in flight per
+/// SM = per warp x resident warps per SM (the occupancy, or fewer when the grid is
+/// smaller than a full wave).
+pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) -> Model {
+    let g = &case.gpu;
+    let token_heads = (case.batch * case.kv_heads * case.context) as f64;
+    let bytes = token_heads * case.bytes_per_token_head;
+    let runs = match fam.loop_per {
+        LoopPer::KvHead => 1.0,
+        LoopPer::QueryHead => case.gqa as f64,
+        LoopPer::QueryRow => (case.gqa * case.q_len) as f64,
+    };
+    let warp_instrs = per_token * token_heads * runs;
+    let mut warps_per_sm = occupancy_warps as f64;
+    if let Some(blocks) = case.grid_blocks {
+        warps_per_sm = warps_per_sm.min(blocks as f64 * fam.warps_per_block as f64 / g.sms);
+    }
+    let in_flight_per_sm = fam.bytes_in_flight_per_warp * warps_per_sm;
+    let latency_s =
+        if in_flight_per_sm > 0.0 { bytes / (g.sms * in_flight_per_sm / g.dram_latency_s) } else { f64::INFINITY };
+    Model {
+        bytes,
+        warp_instrs,
+        bandwidth_s: bytes / (g.peak_bw * g.achievable),
+        issue_s: warp_instrs / (g.sms * g.schedulers * g.clock_hz),
+        latency_s,
+        warps_per_sm,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The command.
+
+/// One entry point on one architecture.
+struct EntryReport {
+    usage: Usage,
+    func: Function,
+    mix: Mix,
+    occ: Option<Occupancy>,
+    loops: Vec<Loop>,
+    /// Per loop: instructions of all its blocks, and of the blocks outside its inner loops.
+    sizes: Vec<(u64, u64)>,
+    hot: Option<HotLoop>,
+    irreducible: usize,
+}
+
+impl EntryReport {
+    fn new(usage: Usage, func: Function, fam: Option<&Family>, arch: &Arch) -> Self {
+        let mut mix = Mix::default();
+        for b in &func.blocks {
+            for i in &b.instrs {
+                mix.add(i);
+            }
+        }
+        let occ =
+            fam.map(|fam| occupancy(arch, usage.registers, fam.warps_per_block, usage.smem + fam.dynamic_shared_bytes));
+        let (loops, irreducible) = find_loops(&func);
+        let inner = innermost_loop(&loops, func.blocks.len());
+        let size = |b: usize| block_mix(&func.blocks[b]).total;
+        let sizes = loops
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let all = l.body.iter().map(|&b| size(b)).sum();
+                let own = l.body.iter().filter(|&&b| inner[b] == Some(i)).map(|&b| size(b)).sum();
+                (all, own)
+            })
+            .collect();
+        let hot = fam.filter(|f| f.decode).and_then(|f| hot_loop(&func, &loops, &f.tokens));
+        EntryReport { usage, func, mix, occ, loops, sizes, hot, irreducible }
+    }
+}
+
+fn assemble(ptxas: &Path, nvdisasm: &Path, arch: &Arch) -> Result<(Vec<Usage>, Vec<Function>), Step> {
+    let dir = root().join("target/sass");
+    std::fs::create_dir_all(&dir).map_err(|e| Step::Failed(format!("{}: {e}", dir.display())))?;
+    let cubin = dir.join(format!("rotkv_{}.cubin", arch.name));
+    let out = Command::new(ptxas)
+        .args(["-v", "-arch", arch.name, "-o"])
+        .arg(&cubin)
+        .arg(root().join(crate::PTX_FILE))
+        .output()
+        .map_err(|e| Step::Skipped(format!("cannot run ptxas: {e}")))?;
+    let log = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(Step::Failed(format!("ptxas -arch {} rejected {}:\n{log}", arch.name, crate::PTX_FILE)));
+    }
+    let out = Command::new(nvdisasm)
+        .arg("-bbcfg")
+        .arg(&cubin)
+        .output()
+        .map_err(|e| Step::Skipped(format!("cannot run nvdisasm: {e}")))?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() || err.contains("error") {
+        return Err(Step::Failed(format!("nvdisasm -bbcfg {} failed: {}", cubin.display(), err.trim())));
+    }
+    let dot = String::from_utf8_lossy(&out.stdout);
+    std::fs::write(dir.join(format!("rotkv_{}.dot", arch.name)), dot.as_bytes())
+        .map_err(|e| Step::Failed(e.to_string()))?;
+    let funcs = parse_cfg(&dot).map_err(Step::Failed)?;
+    Ok((parse_ptxas(&log), funcs))
+}
+
+/// `cargo xtask sass [--dump <entry>]`: see the module docs. `--dump` also prints the
+/// sm_90 SASS of that entry point's hot nest, loop by loop.
+pub fn sass(dump: Option<&str>) -> Result<(), Step> {
+    let text =
+        std::fs::read_to_string(root().join(GATE_FILE)).map_err(|e| Step::Failed(format!("{GATE_FILE}: {e}")))?;
+    let gate = parse_gate(&text).map_err(Step::Failed)?;
+    let ptxas = wheel_tool(NVCC13_WHEEL, "nvcc-13.2.86", "nvidia/cu13/bin/ptxas")?;
+    let nvdisasm = wheel_tool(NVDISASM_WHEEL, "nvdisasm-13.2.86", "nvidia/cu13/bin/nvdisasm")?;
+
+    let mut reports: Vec<EntryReport> = Vec::new();
+    for arch in &ARCHS {
+        let (usages, funcs) = assemble(&ptxas, &nvdisasm, arch)?;
+        for usage in usages {
+            let f = funcs.iter().find(|f| f.name == usage.kernel).ok_or_else(|| {
+                Step::Failed(format!("nvdisasm printed no CFG for {} on {}", usage.kernel, arch.name))
+            })?;
+            let fam = gate.family(&usage.kernel);
+            reports.push(EntryReport::new(usage, f.clone(), fam, arch));
+        }
+    }
+    if reports.is_empty() {
+        return Err(Step::Failed("ptxas reported no entry function".into()));
+    }
+    let decode = |r: &EntryReport| gate.family(&r.usage.kernel).filter(|f| f.decode);
+
+    println!("All figures below are modeled (static SASS proxy), not measured: {} assembled by", crate::PTX_FILE);
+    println!("ptxas 13.2 and read back with nvdisasm 13.2 -bbcfg. Method and constants: SASS.md.");
+    println!();
+    println!(
+        "| entry | arch | regs | stack B | spill B | LDL | STL | HMMA | FFMA | F2F/HADD2.F32 | instrs | warps/block | resident warps/SM (limit) |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    for r in &reports {
+        let u = &r.usage;
+        let (wpb, occ) = match (gate.family(&u.kernel), r.occ) {
+            (Some(f), Some(o)) => (f.warps_per_block.to_string(), format!("{} ({})", o.warps, o.limiter)),
+            _ => ("-".into(), "- (no family in the gate file)".into()),
+        };
+        let m = &r.mix;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {wpb} | {occ} |",
+            u.kernel, u.arch, u.registers, u.stack, u.spill, m.ldl, m.stl, m.hmma, m.ffma, m.cvt, m.total
+        );
+    }
+
+    println!();
+    println!("Hot loop nest of each decode entry point on sm_90 (natural loops of the SASS CFG; path 1 = the");
+    println!("outermost loop with the most instructions, 1.k its k-th inner loop by address; `all` = instructions");
+    println!("of every block of the loop, `own` = of the blocks outside its inner loops; tokens = tokens per");
+    println!("iteration from the gate file, 0 = not charged; charged = own / tokens):");
+    println!();
+    println!("| entry | loop path | header | blocks | all | own | tokens | charged per token |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    for r in reports.iter().filter(|r| r.usage.arch == "sm_90") {
+        let (Some(fam), Some(hot)) = (decode(r), &r.hot) else { continue };
+        let mut nest: Vec<(&String, usize)> = hot.paths.iter().map(|(&i, p)| (p, i)).collect();
+        nest.sort_by_key(|a| path_key(a.0));
+        for (path, i) in nest {
+            let l = &r.loops[i];
+            let (all, own) = r.sizes[i];
+            let t = fam.tokens.of(path, l.depth - r.loops[hot.root].depth);
+            let charged = if t > 0.0 { own as f64 / t } else { 0.0 };
+            println!(
+                "| {} | {path} | {} | {} | {all} | {own} | {t} | {charged:.1} |",
+                r.usage.kernel,
+                r.func.blocks[l.header].name,
+                l.body.len()
+            );
+        }
+    }
+
+    println!();
+    println!("Steady state of the decode entry points (modeled, static SASS proxy):");
+    println!();
+    println!("| entry | arch | loops | hot nest loops | hot nest instrs | warp-instructions per (token, KV head) |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for r in &reports {
+        if decode(r).is_none() {
+            continue;
+        }
+        let extra =
+            if r.irreducible > 0 { format!(" ({} irreducible edges ignored)", r.irreducible) } else { String::new() };
+        match &r.hot {
+            Some(h) => println!(
+                "| {} | {} | {}{extra} | {} | {} | {:.1} |",
+                r.usage.kernel,
+                r.usage.arch,
+                r.loops.len(),
+                h.paths.len(),
+                h.instrs,
+                h.per_token
+            ),
+            None => println!("| {} | {} | 0{extra} | - | - | no loop found |", r.usage.kernel, r.usage.arch),
+        }
+    }
+
+    if let Some(entry) = dump {
+        let r = reports
+            .iter()
+            .find(|r| r.usage.arch == "sm_90" && r.usage.kernel == entry)
+            .ok_or_else(|| Step::Failed(format!("--dump: no entry point {entry}")))?;
+        let hot = r.hot.as_ref().ok_or_else(|| Step::Failed(format!("--dump: {entry} has no hot loop nest")))?;
+        let inner = innermost_loop(&r.loops, r.func.blocks.len());
+        let mut blocks = r.loops[hot.root].body.clone();
+        blocks.sort_by_key(|&b| r.func.blocks[b].pos);
+        println!();
+        println!("SASS of the hot nest of {entry} on sm_90, by block (loop path of the innermost loop holding it):");
+        for b in blocks {
+            let path = inner[b].and_then(|j| hot.paths.get(&j)).map_or("?", String::as_str);
+            let blk = &r.func.blocks[b];
+            println!("\n  {} (loop {path}, {} instructions)", blk.name, block_mix(blk).total);
+            for i in &blk.instrs {
+                println!("      {i}");
+            }
+        }
+    }
+
+    let mut failures = Vec::new();
+    println!();
+    for r in &reports {
+        let Some(fam) = decode(r) else { continue };
+        if r.mix.ldl + r.mix.stl > 0 || r.usage.stack > 0 {
+            let what = format!(
+                "{} on {} uses local memory ({} LDL, {} STL, {} B stack frame)",
+                r.usage.kernel, r.usage.arch, r.mix.ldl, r.mix.stl, r.usage.stack
+            );
+            if fam.no_local_memory {
+                println!("FAILED: {what}");
+                failures.push(what);
+            } else {
+                println!("not enforced (no_local_memory = false in {GATE_FILE}): {what}");
+            }
+        }
+    }
+
+    println!();
+    println!("Modeled decode step per gpu_decode case: modeled (static SASS proxy), not measured.");
+    println!();
+    println!(
+        "| case | GPU | entry | bytes | bandwidth us | issue us | latency us | warps/SM | bound | modeled % of achievable BW | floor | enforced |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|");
+    let mut notes = Vec::new();
+    for c in &gate.cases {
+        let row =
+            reports.iter().find(|r| r.usage.kernel == c.entry && r.usage.arch == c.gpu.arch.name).ok_or_else(|| {
+                Step::Failed(format!(
+                    "{GATE_FILE}: case {:?}: {} is no entry point on {}",
+                    c.name, c.entry, c.gpu.arch.name
+                ))
+            })?;
+        let fam = decode(row).ok_or_else(|| {
+            Step::Failed(format!("{GATE_FILE}: case {:?}: {} matches no decode family", c.name, c.entry))
+        })?;
+        if !c.entry.contains(&format!("_d{}", c.head_dim)) {
+            return Err(Step::Failed(format!(
+                "{GATE_FILE}: case {:?}: head_dim {} does not match {}",
+                c.name, c.head_dim, c.entry
+            )));
+        }
+        let tokens = Tokens {
+            by_depth: c.tokens_per_iteration.clone().unwrap_or_else(|| fam.tokens.by_depth.clone()),
+            // The case's loop paths first: they win over the family's.
+            by_path: c.loop_tokens.iter().flatten().chain(&fam.tokens.by_path).cloned().collect(),
+        };
+        let per_token = hot_loop(&row.func, &row.loops, &tokens)
+            .map(|h| h.per_token)
+            .ok_or_else(|| Step::Failed(format!("{}: no loop in the SASS CFG", c.entry)))?;
+        let occ = occupancy(
+            &c.gpu.arch,
+            row.usage.registers,
+            fam.warps_per_block,
+            row.usage.smem + c.dynamic_shared_bytes.unwrap_or(fam.dynamic_shared_bytes),
+        );
+        let mut fam = fam.clone();
+        if let Some(b) = c.bytes_in_flight_per_warp {
+            fam.bytes_in_flight_per_warp = b;
+        }
+        let m = model(c, &fam, per_token, occ.warps);
+        println!(
+            "| {} | {} | {} | {:.1} MB | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1}% | {:.0}% | {} |",
+            c.name,
+            c.gpu.name,
+            c.entry,
+            m.bytes / 1e6,
+            m.bandwidth_s * 1e6,
+            m.issue_s * 1e6,
+            m.latency_s * 1e6,
+            m.warps_per_sm,
+            m.bound(),
+            m.pct(),
+            c.floor_pct,
+            if c.enforce { "yes" } else { "no" }
+        );
+        if m.pct() < c.floor_pct {
+            let what = format!(
+                "case {:?}: modeled {:.1}% of achievable bandwidth, below the floor of {:.0}%",
+                c.name,
+                m.pct(),
+                c.floor_pct
+            );
+            if c.enforce {
+                notes.push(format!("FAILED: {what}"));
+                failures.push(what);
+            } else {
+                notes.push(format!("not enforced (enforce = false in {GATE_FILE}): {what}"));
+            }
+        }
+    }
+    if !notes.is_empty() {
+        println!();
+        for n in notes {
+            println!("{n}");
+        }
+    }
+    if !failures.is_empty() {
+        return Err(Step::Failed(format!("static performance gate (modeled): {}", failures.join("; "))));
+    }
+    Ok(())
+}
+
+/// Sorts loop paths numerically ("1.10" after "1.9").
+fn path_key(path: &str) -> Vec<u32> {
+    path.split('.').filter_map(|p| p.parse().ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `nvdisasm -bbcfg` of `testdata/nest.ptx` (a nested loop with an f16 load, an FFMA
+    /// and a local array) assembled by ptxas 13.2 for sm_90: a real run, committed.
+    const NEST_DOT: &str = include_str!("testdata/nest_sm90.dot");
+
+    fn nest() -> Function {
+        let funcs = parse_cfg(NEST_DOT).expect("the fixture parses");
+        assert_eq!(funcs.len(), 1);
+        funcs.into_iter().next().expect("one function")
+    }
+
+    fn block<'a>(f: &'a Function, name: &str) -> &'a Block {
+        f.blocks.iter().find(|b| b.name == name).expect("the block exists")
+    }
+
+    fn index(f: &Function, name: &str) -> usize {
+        f.blocks.iter().position(|b| b.name == name).expect("the block exists")
+    }
+
+    #[test]
+    fn cfg_blocks_instructions_and_edges() {
+        let f = nest();
+        assert_eq!(f.name, "nest");
+        let names: Vec<&str> = f.blocks.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(names, ["nest", ".L_x_3", ".L_x_0", "BB0", ".L_x_1", ".L_x_2", "BB1", "BB2"]);
+        // Address order is the order of the node declarations, not of first mention.
+        let mut by_pos = f.blocks.clone();
+        by_pos.sort_by_key(|b| b.pos);
+        let order: Vec<&str> = by_pos.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(order, ["nest", ".L_x_3", "BB0", ".L_x_1", ".L_x_0", "BB1", ".L_x_2", "BB2"]);
+        // Directives and labels are dropped, escapes undone, the exit port's branch kept.
+        assert_eq!(
+            block(&f, "nest").instrs,
+            ["LDC R1, c[0x0][0x28]", "IADD3 R1, R1, -0x40, RZ", "CS2R R2, SRZ", "ULDC.64 UR4, c[0x0][0x208]"]
+        );
+        let inner = block(&f, ".L_x_1");
+        assert_eq!(inner.instrs.len(), 22);
+        assert_eq!(inner.instrs.last().map(String::as_str), Some("@!P1 BRA `(.L_x_1)"));
+        assert_eq!(block(&f, "BB2").instrs[2], "LDL R5, [R0]");
+        assert_eq!(opcode("@!P0 LDG.E.U16 R6, desc[UR4][R6.64]"), "LDG.E.U16");
+        // Edges: the inner loop's back edge and its exit.
+        let (l1, l0) = (index(&f, ".L_x_1"), index(&f, ".L_x_0"));
+        assert_eq!(f.blocks[l1].succs, [l1, l0]);
+        assert!(f.blocks[index(&f, "BB2")].succs.is_empty());
+    }
+
+    #[test]
+    fn instruction_mix() {
+        let f = nest();
+        let m = block_mix(block(&f, ".L_x_1"));
+        assert_eq!(m, Mix { total: 22, ldl: 0, stl: 0, hmma: 0, ffma: 4, cvt: 4 });
+        let mut all = Mix::default();
+        f.blocks.iter().flat_map(|b| &b.instrs).for_each(|i| all.add(i));
+        assert_eq!((all.ldl, all.stl, all.ffma, all.cvt, all.total), (1, 1, 8, 8, 76));
+        let mut m = Mix::default();
+        for i in [
+            "NOP",
+            "F2F.F16.F32 R1, R2",
+            "F2FP.F16.F32.PACK_AB R1, R2, R3",
+            "HADD2 R1, R2, R3",
+            "HMMA.16816.F32 R4, R8, R12, R4",
+        ] {
+            m.add(i);
+        }
+        assert_eq!((m.total, m.cvt, m.hmma), (4, 2, 1));
+    }
+
+    #[test]
+    fn loops_of_the_fixture() {
+        let f = nest();
+        let (loops, irreducible) = find_loops(&f);
+        assert_eq!(irreducible, 0);
+        assert_eq!(loops.len(), 2);
+        let outer = loops.iter().position(|l| f.blocks[l.header].name == ".L_x_3").expect("outer loop");
+        let inner = loops.iter().position(|l| f.blocks[l.header].name == ".L_x_1").expect("inner loop");
+        let mut body: Vec<&str> = loops[outer].body.iter().map(|&b| f.blocks[b].name.as_str()).collect();
+        body.sort();
+        assert_eq!(body, [".L_x_0", ".L_x_1", ".L_x_2", ".L_x_3", "BB0", "BB1"]);
+        assert_eq!((loops[outer].depth, loops[outer].parent), (1, None));
+        assert_eq!(loops[inner].body, [index(&f, ".L_x_1")]);
+        assert_eq!((loops[inner].depth, loops[inner].parent), (2, Some(outer)));
+
+        // Outer blocks: 13 + 3 + 4 + 12 + 12 = 44 instructions; the inner loop 22.
+        let by_depth = |d: &[f64]| Tokens { by_depth: d.to_vec(), by_path: Vec::new() };
+        let hot = hot_loop(&f, &loops, &by_depth(&[1.0])).expect("a hot loop");
+        assert_eq!((hot.root, hot.instrs), (outer, 66));
+        assert_eq!(hot.paths[&outer], "1");
+        assert_eq!(hot.paths[&inner], "1.1");
+        assert_eq!(hot.per_token, 66.0);
+        // The inner loop covers 4 tokens per iteration (it is unrolled 4 times).
+        assert_eq!(hot_loop(&f, &loops, &by_depth(&[1.0, 4.0])).expect("hot").per_token, 44.0 + 22.0 / 4.0);
+        assert_eq!(hot_loop(&f, &loops, &by_depth(&[2.0])).expect("hot").per_token, 33.0);
+        // By path; 0 leaves a loop uncharged.
+        let t = Tokens { by_depth: vec![1.0], by_path: vec![("1.1".into(), 0.0)] };
+        assert_eq!(hot_loop(&f, &loops, &t).expect("hot").per_token, 44.0);
+    }
+
+    #[test]
+    fn loop_free_and_self_loop_functions() {
+        let mk = |succs: &[&[usize]]| Function {
+            name: "f".into(),
+            blocks: succs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| Block {
+                    name: format!("b{i}"),
+                    pos: i,
+                    instrs: vec!["FFMA R1, R2, R3, R1".into()],
+                    succs: s.to_vec(),
+                })
+                .collect(),
+        };
+        assert!(find_loops(&mk(&[&[1], &[2], &[]])).0.is_empty());
+        // A diamond inside a loop, and an unreachable self loop (ignored).
+        let f = mk(&[&[1], &[2, 3], &[4], &[4], &[1, 5], &[], &[6]]);
+        let (loops, irr) = find_loops(&f);
+        assert_eq!(irr, 0);
+        assert_eq!(loops.len(), 1);
+        assert_eq!(loops[0].header, 1);
+        assert_eq!(loops[0].body, [1, 2, 3, 4]);
+        // Irreducible: two entries into a cycle.
+        let (loops, irr) = find_loops(&mk(&[&[1, 2], &[2], &[1, 3], &[]]));
+        assert!(loops.is_empty());
+        assert_eq!(irr, 1);
+    }
+
+    #[test]
+    fn occupancy_rules() {
+        // 128 registers x 128 threads: 4096 registers per warp, 16 warps, 4 blocks.
+        assert_eq!(occupancy(&SM90, 128, 4, 0), Occupancy { blocks: 4, warps: 16, limiter: "registers" });
+        // 72 registers (2304 per warp): 28 warps of one-warp blocks.
+        assert_eq!(occupancy(&SM90, 72, 1, 4224), Occupancy { blocks: 28, warps: 28, limiter: "registers" });
+        // 65 registers round up to 72 (the 256-per-warp unit); 93 to 96.
+        assert_eq!(occupancy(&SM90, 65, 1, 0).warps, 28);
+        assert_eq!(occupancy(&SM80, 93, 1, 0).warps, 21);
+        // Shared memory: 100 KiB + 1 KiB reserved per block.
+        assert_eq!(occupancy(&SM90, 32, 1, 100 << 10), Occupancy { blocks: 2, warps: 2, limiter: "shared memory" });
+        assert_eq!(occupancy(&SM80, 32, 1, 100 << 10).blocks, 1);
+        // The block limit, then the warp limit.
+        assert_eq!(occupancy(&SM90, 16, 1, 0), Occupancy { blocks: 32, warps: 32, limiter: "blocks" });
+        assert_eq!(occupancy(&SM90, 32, 4, 0), Occupancy { blocks: 16, warps: 64, limiter: "warps" });
+    }
+
+    fn case() -> (Case, Family) {
+        let gate = parse_gate(
+            r#"
+[[family]]
+pattern = "rotkv_decode_split_d128_*"
+kind = "decode"
+warps_per_block = 4
+tokens_per_iteration = 64
+bytes_in_flight_per_warp = 4608
+[[case]]
+name = "d128 k2v2"
+entry = "rotkv_decode_split_d128_k2v2"
+head_dim = 128
+batch = 8
+kv_heads = 8
+gqa = 4
+context = 32_768
+bytes_per_token_head = 72
+floor_pct = 80
+"#,
+        )
+        .expect("parses");
+        (gate.cases[0].clone(), gate.families[0].clone())
+    }
+
+    #[test]
+    fn model_arithmetic() {
+        let (c, fam) = case();
+        // 16 warp-instructions per (token, KV head) is about the H200's bandwidth budget.
+        let m = model(&c, &fam, 16.0, 64);
+        assert_eq!(m.bytes, 8.0 * 8.0 * 32768.0 * 72.0);
+        assert!((m.bandwidth_s * 1e6 - 34.95).abs() < 0.01, "{}", m.bandwidth_s);
+        assert!((m.issue_s * 1e6 - 32.10).abs() < 0.01, "{}", m.issue_s);
+        // 64 warps x 4608 B = 288 KiB in flight per SM: 132 x 288 KiB / 700 ns = 55.6 TB/s.
+        assert!((m.latency_s * 1e6 - 2.715).abs() < 0.001, "{}", m.latency_s);
+        assert_eq!((m.bound(), m.pct()), ("bandwidth", 100.0));
+        let m = model(&c, &fam, 32.0, 64);
+        assert_eq!(m.bound(), "issue");
+        assert!((m.pct() - 54.4).abs() < 0.1, "{}", m.pct());
+        // A grid of 132 four-warp blocks: 4 warps per SM, 18 KiB in flight.
+        let small = Case { grid_blocks: Some(132), ..c.clone() };
+        let m = model(&small, &fam, 16.0, 64);
+        assert_eq!(m.warps_per_sm, 4.0);
+        assert_eq!(m.bound(), "latency");
+        // H100: the same bytes over 3.35 TB/s.
+        let h100 = Case { gpu: H100, ..c };
+        assert!((model(&h100, &fam, 16.0, 64).bandwidth_s * 1e6 - 50.08).abs() < 0.01);
+    }
+
+    #[test]
+    fn gate_file_subset_of_toml() {
+        let (c, fam) = case();
+        assert_eq!((c.gpu.name, c.q_len, c.enforce, c.context), ("H200", 1, true, 32768));
+        assert_eq!(
+            (fam.loop_per, fam.no_local_memory, fam.tokens.by_depth.as_slice()),
+            (LoopPer::KvHead, false, &[64.0][..])
+        );
+        let t = parse_toml("a = \"x # y\" # c\nb = [1, 2.5, \"z\",]\n[[t]]\nc = true\n").expect("parses");
+        assert_eq!(t[0].keys["a"], Value::Str("x # y".into()));
+        assert_eq!(t[0].keys["b"], Value::Array(vec![Value::Num(1.0), Value::Num(2.5), Value::Str("z".into())]));
+        assert_eq!((t[1].name.as_str(), &t[1].keys["c"]), ("t", &Value::Bool(true)));
+        for bad in ["[t]", "a = 1\na = 2", "a = [[1]]", "a = \"x", "a = 1 2", "a =", "= 1"] {
+            assert!(parse_toml(bad).is_err(), "{bad}");
+        }
+        // Typos and wrong types are errors, not defaults.
+        for bad in [
+            "[[family]]\npattern = \"x\"\nwarps_per_block = 1\nwarp_per_block = 2",
+            "[[family]]\npattern = \"x\"\nwarps_per_block = 1.5",
+            "[[family]]\npattern = \"x\"\nwarps_per_block = 1\nkind = \"decod\"",
+            "[[family]]\npattern = \"x\"\nwarps_per_block = 1\nloop_tokens = [\"2.1=4\"]",
+            "[[family]]\npattern = \"x\"\nwarps_per_block = 1\ntokens_per_iteration = [0]",
+            "[[famly]]",
+        ] {
+            assert!(parse_gate(bad).is_err(), "{bad}");
+        }
+        let g =
+            parse_gate("[[family]]\npattern = \"x\"\nwarps_per_block = 1\nloop_tokens = [\"1.3.1=0.25\", \"1=32\"]")
+                .expect("parses");
+        assert_eq!(g.families[0].tokens.by_path, [("1.3.1".to_string(), 0.25), ("1".to_string(), 32.0)]);
+        assert_eq!(g.families[0].tokens.of("1.3.1", 2), 0.25);
+        assert_eq!(g.families[0].tokens.of("1.2", 1), 1.0);
+    }
+
+    #[test]
+    fn committed_gate_file_parses_and_covers_every_decode_entry() {
+        let gate =
+            parse_gate(include_str!("../../kernels-gpu/perf-gate.toml")).expect("the committed gate file parses");
+        let ptx = include_str!("../../host/ptx/rotkv.ptx");
+        let entries: Vec<&str> =
+            ptx.lines().filter_map(|l| l.split(".entry ").nth(1)).map(|l| l.trim_end_matches('(').trim()).collect();
+        assert!(!entries.is_empty());
+        for e in &entries {
+            assert!(gate.family(e).is_some(), "{e} matches no family of the gate file");
+        }
+        for c in &gate.cases {
+            assert!(entries.contains(&c.entry.as_str()), "case {} names {}, not an entry point", c.name, c.entry);
+            assert!(gate.family(&c.entry).is_some_and(|f| f.decode), "case {}: {} is no decode entry", c.name, c.entry);
+        }
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob("rotkv_decode_split_*", "rotkv_decode_split_d64_k2v2"));
+        assert!(glob("*_k2*", "rotkv_decode_split_d64_k2v4"));
+        assert!(glob("*", ""));
+        assert!(!glob("rotkv_decode_split_d64_*", "rotkv_decode_split_d128_k2v2"));
+        assert!(!glob("a*b", "acbd"));
+        assert!(glob("a*b*", "acbd"));
+    }
+
+    #[test]
+    fn ptxas_stack_frame() {
+        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90'\n\
+ptxas info    : Function properties for k\n\
+    256 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n\
+ptxas info    : Used 72 registers, used 1 barriers, 256 bytes cumulative stack size, 16 bytes smem\n";
+        let u = &parse_ptxas(log)[0];
+        assert_eq!(
+            (u.kernel.as_str(), u.arch.as_str(), u.registers, u.stack, u.spill, u.smem),
+            ("k", "sm_90", 72, 256, 12, 16)
+        );
+    }
+}
