@@ -44,7 +44,8 @@ struct Seq {
 /// A paged, quantized KV cache for `layers` layers and up to `max_seqs` sequences.
 ///
 /// Append tokens per layer and sequence ([`KvCache::append`]), then decode one query
-/// token per sequence ([`KvCache::decode`]). Blocks come from a shared free list when a
+/// token per sequence ([`KvCache::decode`]) or several ([`KvCache::decode_tokens`]:
+/// speculative decoding's verification rows, a chunk of new tokens). Blocks come from a shared free list when a
 /// sequence's window flushes a page and go back when the sequence is freed.
 #[derive(Debug)]
 pub struct KvCache {
@@ -300,6 +301,58 @@ impl KvCache {
     where
         T: KvElement,
     {
+        self.decode_tokens_with(layer, seqs, 1, q, out, num_splits)
+    }
+
+    /// Decode attention in `layer` for the last `q_len` tokens (1 to
+    /// [`paged::MAX_Q_LEN`]) of every sequence of `seqs`, appended beforehand: the
+    /// verification rows of speculative decoding, or a chunk of new tokens decoded at
+    /// once. `q` and `out` are `[seqs.len()][q_len][num_q_heads][head_dim]`; row `i` of a
+    /// sequence of `len` tokens is the token at position `len - q_len + i` and attends to
+    /// positions `0 ..= len - q_len + i`: the positions a one-token [`KvCache::decode`]
+    /// right after that token's append would see (read as the cache holds them now: the
+    /// tokens appended since may have pushed a page of the window into quantization).
+    /// Every sequence must hold at least `q_len` tokens. Splits are chosen by the
+    /// backend. On error `out` is untouched.
+    ///
+    /// ```
+    /// use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
+    /// let (num_kv_heads, num_q_heads) = (1, 2);
+    /// let shape = CacheShape { layers: 1, num_kv_heads, num_q_heads, max_seqs: 1, max_tokens: 64, num_blocks: None };
+    /// let mut cache = KvCache::new(CacheConfig::k2v2(64), shape, Backend::Cpu)?;
+    /// let seq = cache.add_sequence()?;
+    /// let kv: Vec<f32> = (0..10 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+    /// cache.append(0, seq, 7, &kv[..7 * 64], &kv[3 * 64..])?; // the context
+    /// cache.append(0, seq, 3, &kv[7 * 64..], &kv[..3 * 64])?; // 3 draft tokens
+    /// let q: Vec<f32> = (0..3 * 2 * 64).map(|i| (i as f32 * 0.11).cos()).collect();
+    /// let mut out = vec![0f32; 3 * 2 * 64]; // [1 sequence][3 tokens][2 heads][64]
+    /// cache.decode_tokens(0, &[seq], 3, &q, &mut out)?; // rows at positions 7, 8 and 9
+    /// assert!(out.iter().all(|x| x.is_finite()));
+    /// // A sequence shorter than q_len is refused.
+    /// assert!(cache.decode_tokens(0, &[seq], 11, &[0f32; 11 * 2 * 64], &mut [0f32; 11 * 2 * 64]).is_err());
+    /// # Ok::<(), rotkv::Error>(())
+    /// ```
+    pub fn decode_tokens<T: KvElement>(
+        &self,
+        layer: usize,
+        seqs: &[SeqId],
+        q_len: usize,
+        q: &[T],
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.decode_tokens_with(layer, seqs, q_len, q, out, None)
+    }
+
+    /// [`KvCache::decode_tokens`] with an explicit split count (1 to 1024).
+    pub fn decode_tokens_with<T: KvElement>(
+        &self,
+        layer: usize,
+        seqs: &[SeqId],
+        q_len: usize,
+        q: &[T],
+        out: &mut [f32],
+        num_splits: Option<u32>,
+    ) -> Result<()> {
         self.check_layer(layer)?;
         let se = self.format.side_elems(self.shape.num_kv_heads as u32);
         let refs = seqs
@@ -323,7 +376,7 @@ impl KvCache {
             &refs,
             q,
             out,
-            DecodeOptions { sm_scale: self.sm_scale, num_splits },
+            DecodeOptions { sm_scale: self.sm_scale, num_splits, q_len },
         )
     }
 

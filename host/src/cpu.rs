@@ -841,14 +841,16 @@ struct NormScratch {
     zsum: Vec<f32>,
 }
 
-/// Running online-softmax state of one KV head's query group, and its scratch.
+/// Running online-softmax state of one KV head's query rows, and its scratch.
 ///
-/// Weights are `exp(logit - m)` against a reference max `m` that only moves when a
-/// chunk's max exceeds it by [`RESCALE_THRESHOLD`]; value zeros are accumulated per
-/// quantization group in `zsum` and added to `o` when `m` moves and at the end
-/// ([`HeadState::finish`]).
+/// The rows are the group's query heads, for every query token of a multi-token decode
+/// (`[token][head]`); each row may have its own causal limit ([`HeadState::causal`]),
+/// past which its scores are masked. Weights are `exp(logit - m)` against a reference
+/// max `m` that only moves when a chunk's max exceeds it by [`RESCALE_THRESHOLD`]; value
+/// zeros are accumulated per quantization group in `zsum` and added to `o` when `m` moves
+/// and at the end ([`HeadState::finish`]).
 pub(crate) struct HeadState {
-    /// Query heads in the group.
+    /// Query rows (heads of the group, times query tokens).
     g: usize,
     d: usize,
     /// Rotated, scaled queries `[g][d]`.
@@ -874,6 +876,12 @@ pub(crate) struct HeadState {
     /// group sums `[g][groups]`, and one chunk's weighted value codes `[g][d]` and zero
     /// sums `[g][groups]` before the value scales are applied.
     norm: Option<NormScratch>,
+    /// Position of the next chunk's first token.
+    pos: u32,
+    /// The smallest causal limit: chunks ending at or before it need no mask.
+    mask_from: u32,
+    /// Per row, the end (exclusive) of the positions it attends to.
+    limits: Vec<u32>,
     s: Vec<f32>,
     w: Vec<f32>,
     tmp: Vec<f32>,
@@ -883,7 +891,8 @@ pub(crate) struct HeadState {
 }
 
 impl HeadState {
-    /// `q` is the group's `[g][d]` rotated queries with the softmax scale folded in.
+    /// `q` is the `[g][d]` rotated query rows with the softmax scale folded in; every
+    /// row attends to every token given (see [`HeadState::causal`]).
     pub(crate) fn new(fmt: &Format, q: &[f32], g: usize) -> Self {
         let d = fmt.head_dim as usize;
         let gs = fmt.group_size as usize;
@@ -914,12 +923,39 @@ impl HeadState {
                 ov: vec![0.0; g * d],
                 zsum: vec![0.0; g * groups],
             }),
+            pos: 0,
+            mask_from: u32::MAX,
+            limits: Vec::new(),
             s: vec![0.0; g * CHUNK],
             w: vec![0.0; g * CHUNK],
             tmp: vec![0.0; g * CHUNK],
             rows: vec![0.0; CHUNK * d],
             scales: vec![0.0; CHUNK * groups],
             zeros: vec![0.0; CHUNK * groups],
+        }
+    }
+
+    /// Gives every row a causal limit: the chunks start at position `begin`, and row `r`
+    /// only sees positions below `limits[r]` (its scores past it are masked; a row that
+    /// sees none of the chunks stays empty, `m = -inf, l = 0, o = 0`).
+    pub(crate) fn causal(mut self, begin: u32, limits: Vec<u32>) -> Self {
+        debug_assert_eq!(limits.len(), self.g);
+        self.pos = begin;
+        self.mask_from = limits.iter().copied().min().unwrap_or(u32::MAX);
+        self.limits = limits;
+        self
+    }
+
+    /// Masks the scores of the `n` tokens of the current chunk that lie past their row's
+    /// causal limit (only chunks that reach past the smallest limit have any).
+    #[inline(always)]
+    fn mask(&mut self, n: usize) {
+        if self.pos + n as u32 <= self.mask_from {
+            return;
+        }
+        for (h, &limit) in self.limits.iter().enumerate() {
+            let keep = limit.saturating_sub(self.pos).min(n as u32) as usize;
+            self.s[h * CHUNK + keep..h * CHUNK + n].fill(f32::NEG_INFINITY);
         }
     }
 
@@ -976,6 +1012,11 @@ impl HeadState {
         for h in 0..self.g {
             let m = self.m[h];
             let s = &mut self.s[h * CHUNK..h * CHUNK + n];
+            if m == f32::NEG_INFINITY {
+                // Every score of the row so far is masked: no weight (not -inf - -inf).
+                s.fill(0.0);
+                continue;
+            }
             for x in s.iter_mut() {
                 *x = exp_shifted(*x - m);
             }
@@ -992,9 +1033,11 @@ impl HeadState {
                 let n = k.len() / d;
                 kern.to_f32(k, &mut self.rows[..n * d]);
                 kern.dots(&self.q, g, d, &self.rows, n, 0, d, &mut self.s);
+                self.mask(n);
                 self.softmax(n);
                 kern.to_f32(v, &mut self.rows[..n * d]);
                 kern.accumulate(&mut self.o, &self.s, g, d, &self.rows, n, 0, d);
+                self.pos += n as u32;
             }
             Chunk::Quant { page, slot, n } => {
                 let n = n as usize;
@@ -1043,6 +1086,7 @@ impl HeadState {
                         }
                     }
                 }
+                self.mask(n);
                 self.softmax(n);
                 let vc = fmt.value_codes_at(slot) as usize;
                 let vcodes = &page[vc..vc + n * fmt.value_code_bytes() as usize];
@@ -1077,6 +1121,7 @@ impl HeadState {
                         }
                     }
                 }
+                self.pos += n as u32;
             }
         }
     }
@@ -1177,24 +1222,30 @@ fn chunks<'a>(
     })
 }
 
-/// Rotated queries of one KV head's group, `[g][d]`, with the softmax scale folded in.
+/// Rotated query rows of one KV head's group, `[q_len][g][d]`, with the softmax scale
+/// folded in.
 fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usize, kv_head: usize) -> Vec<f32> {
     let d = p.format.head_dim as usize;
-    let g = (p.num_q_heads / p.num_kv_heads) as usize;
+    let hq = p.num_q_heads as usize;
+    let g = hq / p.num_kv_heads as usize;
     let (_, kperm, _) = calib.head(kv_head, d);
-    let mut out = vec![0f32; g * d];
+    let mut out = vec![0f32; p.q_len as usize * g * d];
     let mut x = vec![0f32; d];
-    for (i, o) in out.chunks_exact_mut(d).enumerate() {
-        let at = seq * p.q_seq_stride as usize + (kv_head * g + i) * d;
+    for (r, o) in out.chunks_exact_mut(d).enumerate() {
+        let (row, i) = (r / g, r % g);
+        let at = seq * p.q_seq_stride as usize + (row * hq + kv_head * g + i) * d;
         x.iter_mut().zip(&q[at..at + d]).for_each(|(x, q)| *x = q * p.sm_scale);
         rotate_into(&mut x, calib.rotation(false, kv_head, d, p.flags), kperm, o);
     }
     out
 }
 
-/// Decode attention for one query token per sequence (see [`crate::reference::decode`]
-/// for the definition): tasks over `(sequence, KV head, split)` in parallel, then the
-/// log-sum-exp merge and the inverse value rotation per query head.
+/// Decode attention for `p.q_len` query tokens per sequence (see
+/// [`crate::reference::decode`] for the definition): tasks over `(sequence, KV head,
+/// split)` in parallel, each scoring the `q_len * g` query rows of its KV head's group
+/// against one unpacking of the split's keys and values (rows past their causal limit
+/// masked, which only the split's last `q_len - 1` positions can be), then the
+/// log-sum-exp merge and the inverse value rotation per query row and head.
 pub fn decode(
     p: &DecodeParams,
     calib: &LayerCalibration,
@@ -1205,44 +1256,49 @@ pub fn decode(
 ) {
     let fmt = p.format;
     let d = fmt.head_dim as usize;
-    let hkv = p.num_kv_heads as usize;
-    let g = (p.num_q_heads / p.num_kv_heads) as usize;
+    let (hq, hkv) = (p.num_q_heads as usize, p.num_kv_heads as usize);
+    let g = hq / hkv;
+    let q_len = p.q_len as usize;
     let ns = p.num_splits as usize;
     let tasks: Vec<(usize, usize, u32)> =
         (0..seqs.len()).flat_map(|s| (0..hkv).flat_map(move |h| (0..ns as u32).map(move |i| (s, h, i)))).collect();
     let partials: Vec<Option<HeadState>> = tasks
         .par_iter()
         .map(|&(s, h, split)| {
-            let (b, e) = p.split_range(split, seqs[s].len as u32);
+            let len = seqs[s].len as u32;
+            let (b, e) = p.split_range(split, len);
             if b >= e {
                 return None;
             }
-            let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), g);
+            let limits = (0..q_len * g).map(|r| p.row_len(len, (r / g) as u32)).collect();
+            let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), q_len * g).causal(b, limits);
             run_chunks_best(&mut st, &fmt, chunks(&fmt, hkv, pool, &seqs[s], h, b, e));
             Some(st)
         })
         .collect();
-    out.par_chunks_mut(p.q_seq_stride as usize).zip(partials.par_chunks(hkv * ns)).enumerate().for_each(
-        |(_, (out, parts))| {
-            let (mut x, mut t) = (vec![0f32; d], vec![0f32; d]);
-            for qh in 0..p.num_q_heads as usize {
+    out.par_chunks_mut(p.q_seq_stride as usize).zip(partials.par_chunks(hkv * ns)).for_each(|(out, parts)| {
+        let (mut x, mut t) = (vec![0f32; d], vec![0f32; d]);
+        for row in 0..q_len {
+            for qh in 0..hq {
                 let (h, i) = (qh / g, qh % g);
-                merge_into(&parts[h * ns..(h + 1) * ns], i, d, &mut x);
+                merge_into(&parts[h * ns..(h + 1) * ns], row * g + i, d, &mut x);
                 let (_, _, vperm) = calib.head(h, d);
-                let o = &mut out[qh * d..(qh + 1) * d];
+                let o = &mut out[(row * hq + qh) * d..(row * hq + qh + 1) * d];
                 unrotate_into(&x, calib.rotation(true, h, d, p.flags), vperm, &mut t, o);
             }
-        },
-    );
+        }
+    });
 }
 
-/// Log-sum-exp merge of query head `i` of the partials of one KV head (empty splits are
-/// `None` and contribute nothing).
+/// Log-sum-exp merge of query row `i` of the partials of one KV head (empty splits are
+/// `None`, rows masked out of a whole split have `m = -inf`: neither contributes; all
+/// empty gives zeros).
 fn merge_into(parts: &[Option<HeadState>], i: usize, d: usize, x: &mut [f32]) {
-    let m = parts.iter().flatten().map(|s| s.m[i]).fold(f32::NEG_INFINITY, f32::max);
+    let live = || parts.iter().flatten().filter(|s| s.m[i] > f32::NEG_INFINITY);
+    let m = live().map(|s| s.m[i]).fold(f32::NEG_INFINITY, f32::max);
     x.fill(0.0);
     let mut l = 0.0;
-    for s in parts.iter().flatten() {
+    for s in live() {
         let c = exp_neg(s.m[i] - m);
         l += s.l[i] * c;
         x.iter_mut().zip(&s.o[i * d..(i + 1) * d]).for_each(|(a, b)| *a += b * c);

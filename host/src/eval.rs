@@ -277,7 +277,7 @@ fn run_cache(tile: &LayerTile, config: &CacheConfig, scale: f64, n: usize) -> Re
         &tile.v[..prefill * row],
     )?;
     let mut out = vec![0f32; n * hq * d];
-    let opts = DecodeOptions { sm_scale: Some(scale as f32), num_splits: None };
+    let opts = DecodeOptions { sm_scale: Some(scale as f32), ..DecodeOptions::default() };
     for (i, pos) in (prefill..t).enumerate() {
         let (kr, vr) = (&tile.k[pos * row..(pos + 1) * row], &tile.v[pos * row..(pos + 1) * row]);
         paged::append(backend, config, &calib, &shape, pool.bytes_mut(), &table, &mut side, &[], pos, 1, kr, vr)?;

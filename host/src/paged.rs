@@ -291,19 +291,39 @@ pub fn append<T: KvElement>(
     Ok(new_len)
 }
 
-/// Options of a decode call.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// Most query tokens per sequence of one decode call ([`DecodeOptions::q_len`]).
+pub const MAX_Q_LEN: usize = 64;
+
+/// Options of a decode call. The default is one query token per sequence, the softmax
+/// scale `1 / sqrt(head_dim)` and splits chosen by the backend.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeOptions {
     /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
     pub sm_scale: Option<f32>,
     /// Splits per sequence (1 to 1024); `None` lets the backend choose.
     pub num_splits: Option<u32>,
+    /// Query tokens per sequence (1 to [`MAX_Q_LEN`]): 1 for plain decode, more for the
+    /// verification rows of speculative decoding or a chunk of new tokens. They are the
+    /// sequence's last `q_len` tokens (already appended): row `i` of a sequence of `len`
+    /// tokens is position `len - q_len + i` and attends causally to positions
+    /// `0 ..= len - q_len + i`.
+    pub q_len: usize,
 }
 
-/// Decode attention for one query token per sequence.
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        Self { sm_scale: None, num_splits: None, q_len: 1 }
+    }
+}
+
+/// Decode attention for `options.q_len` query tokens per sequence (one by default).
 ///
-/// `q` and `out` are `[seqs.len()][num_q_heads][head_dim]`; `out` receives the attention
-/// output in the original value channels. Every sequence must hold at least one token.
+/// `q` and `out` are `[seqs.len()][q_len][num_q_heads][head_dim]`; `out` receives the
+/// attention output in the original value channels. Query row `i` of a sequence of `len`
+/// tokens is the token at position `len - q_len + i` and attends to positions
+/// `0 ..= len - q_len + i` (causal), so every sequence must hold at least `q_len`
+/// tokens. Splits are cut from each sequence's whole length; a row leaves out the
+/// positions past its own limit.
 #[allow(clippy::too_many_arguments)]
 pub fn decode<T: KvElement>(
     backend: Backend,
@@ -322,9 +342,19 @@ pub fn decode<T: KvElement>(
     let (hkv, hq) = (shape.num_kv_heads, shape.num_q_heads);
     calib.validate(hkv, d)?;
     let blocks = num_blocks(&fmt, shape, pool)?;
+    let q_len = options.q_len;
+    if !(1..=MAX_Q_LEN).contains(&q_len) {
+        return Err(Error::Value(format!("q_len {q_len}: 1 to {MAX_Q_LEN} query tokens per sequence")));
+    }
     for (i, s) in seqs.iter().enumerate() {
         if s.len == 0 {
             return Err(Error::Shape(format!("sequence {i} of the batch has no tokens")));
+        }
+        if s.len < q_len {
+            return Err(Error::Shape(format!(
+                "sequence {i} of the batch holds {} tokens, fewer than its {q_len} query tokens (append them first)",
+                s.len
+            )));
         }
         if s.len > u32::MAX as usize / 2 {
             return Err(Error::Capacity(format!("sequence {i} has {} tokens", s.len)));
@@ -339,15 +369,17 @@ pub fn decode<T: KvElement>(
         check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, blocks)?;
         check_protected(&fmt, s.protected)?;
     }
-    if out.len() != seqs.len() * hq * d {
-        return Err(Error::Shape(format!(
-            "out has {} elements, expected {} sequences x {hq} heads x {d} = {}",
-            out.len(),
-            seqs.len(),
-            seqs.len() * hq * d
-        )));
+    let rows = seqs.len() * q_len;
+    for (what, n) in [("q", q.len()), ("out", out.len())] {
+        if n != rows * hq * d {
+            return Err(Error::Shape(format!(
+                "{what} has {n} elements, expected {} sequences x {q_len} query tokens x {hq} heads x {d} = {}",
+                seqs.len(),
+                rows * hq * d
+            )));
+        }
     }
-    let q = to_f32_rows("q", q, seqs.len(), hq, d, None)?;
+    let q = to_f32_rows("q", q, rows, hq, d, None)?;
     let sm_scale = options.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
     if !sm_scale.is_finite() || sm_scale <= 0.0 {
         return Err(Error::Value(format!("softmax scale {sm_scale} must be finite and positive")));
@@ -375,8 +407,8 @@ pub fn decode<T: KvElement>(
         block_table_stride: seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0) as u32,
         flags: config.flags() | calib.flags(),
         sm_scale,
-        q_seq_stride: (hq * d) as u32,
-        q_len: 1,
+        q_seq_stride: (q_len * hq * d) as u32,
+        q_len: q_len as u32,
     };
     if seqs.is_empty() {
         return Ok(());

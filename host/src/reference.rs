@@ -417,8 +417,11 @@ pub fn rotate_query(q: &[f32], rot: HeadRotation<'_>, key_perm: &[u16]) -> Vec<f
     rotate(&x, rot, key_perm)
 }
 
-/// Split-K partials for every `(sequence, query head, split)`, in that order.
-/// `q` is `[num_seqs][num_q_heads][head_dim]` (sequence stride `p.q_seq_stride`).
+/// Split-K partials for every `(sequence, query row, query head, split)`, in that order.
+/// `q` is `[num_seqs][q_len][num_q_heads][head_dim]` (sequence stride `p.q_seq_stride`).
+/// Row `i` of a sequence of `len` tokens attends to positions `0 .. p.row_len(len, i)`:
+/// splits are cut from the whole `len`, and each row leaves out the positions of a split
+/// beyond its own causal limit (a split with none left is an empty partial).
 pub fn decode_partials(
     p: &DecodeParams,
     calib: &LayerCalibration,
@@ -430,28 +433,32 @@ pub fn decode_partials(
     let d = fmt.head_dim as usize;
     let (hq, hkv) = (p.num_q_heads as usize, p.num_kv_heads as usize);
     let group = hq / hkv;
-    let mut out = Vec::with_capacity(seqs.len() * hq * p.num_splits as usize);
+    let q_len = p.q_len as usize;
+    let mut out = Vec::with_capacity(seqs.len() * q_len * hq * p.num_splits as usize);
     for (s, seq) in seqs.iter().enumerate() {
-        for qh in 0..hq {
-            let kvh = qh / group;
-            let (_, kperm, _) = calib.head(kvh, d);
-            let qo = s * p.q_seq_stride as usize + qh * d;
-            let qr = rotate_query(&q[qo..qo + d], calib.rotation(false, kvh, d, p.flags), kperm);
-            for split in 0..p.num_splits {
-                let (b, e) = p.split_range(split, seq.len as u32);
-                let mut part = Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; d] };
-                for pos in b as usize..e as usize {
-                    let k = read_row(fmt, hkv, pool, seq, kvh, pos, false);
-                    let logit = p.sm_scale as f64 * qr.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>();
-                    let v = read_row(fmt, hkv, pool, seq, kvh, pos, true);
-                    let m = part.m.max(logit);
-                    let c = (part.m - m).exp();
-                    let w = (logit - m).exp();
-                    part.l = part.l * c + w;
-                    part.o.iter_mut().zip(&v).for_each(|(o, v)| *o = *o * c + w * v);
-                    part.m = m;
+        for row in 0..q_len {
+            let limit = p.row_len(seq.len as u32, row as u32);
+            for qh in 0..hq {
+                let kvh = qh / group;
+                let (_, kperm, _) = calib.head(kvh, d);
+                let qo = s * p.q_seq_stride as usize + (row * hq + qh) * d;
+                let qr = rotate_query(&q[qo..qo + d], calib.rotation(false, kvh, d, p.flags), kperm);
+                for split in 0..p.num_splits {
+                    let (b, e) = p.split_range(split, seq.len as u32);
+                    let mut part = Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; d] };
+                    for pos in b as usize..e.min(limit) as usize {
+                        let k = read_row(fmt, hkv, pool, seq, kvh, pos, false);
+                        let logit = p.sm_scale as f64 * qr.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>();
+                        let v = read_row(fmt, hkv, pool, seq, kvh, pos, true);
+                        let m = part.m.max(logit);
+                        let c = (part.m - m).exp();
+                        let w = (logit - m).exp();
+                        part.l = part.l * c + w;
+                        part.o.iter_mut().zip(&v).for_each(|(o, v)| *o = *o * c + w * v);
+                        part.m = m;
+                    }
+                    out.push(part);
                 }
-                out.push(part);
             }
         }
     }
@@ -478,8 +485,10 @@ pub fn merge(parts: &[Partial]) -> Vec<f64> {
     o
 }
 
-/// Decode attention for one query token per sequence: `out` is
-/// `[num_seqs][num_q_heads][head_dim]` in the original (unrotated) value channels.
+/// Decode attention for `p.q_len` query tokens per sequence: `q` and `out` are
+/// `[num_seqs][q_len][num_q_heads][head_dim]` (sequence stride `p.q_seq_stride`), row `i`
+/// attending causally to positions `0 .. p.row_len(len, i)`; `out` is in the original
+/// (unrotated) value channels.
 pub fn decode(
     p: &DecodeParams,
     calib: &LayerCalibration,
@@ -491,13 +500,15 @@ pub fn decode(
     let d = p.format.head_dim as usize;
     let (hq, hkv) = (p.num_q_heads as usize, p.num_kv_heads as usize);
     let ns = p.num_splits as usize;
+    let rows = p.q_len as usize;
     let parts = decode_partials(p, calib, pool, seqs, q);
     for (i, chunk) in parts.chunks_exact(ns).enumerate() {
         let qh = i % hq;
+        let (s, row) = (i / hq / rows, i / hq % rows);
         let kvh = qh / (hq / hkv);
         let (_, _, vperm) = calib.head(kvh, d);
         let o = unrotate(&merge(chunk), calib.rotation(true, kvh, d, p.flags), vperm);
-        let at = (i / hq) * p.q_seq_stride as usize + qh * d;
+        let at = s * p.q_seq_stride as usize + (row * hq + qh) * d;
         out[at..at + d].iter_mut().zip(o).for_each(|(a, b)| *a = b as f32);
     }
 }

@@ -165,6 +165,11 @@ impl Store {
 
     /// Decodes one query (`[q_heads][d]`).
     pub fn decode(&self, backend: Backend, q: &[f32], splits: Option<u32>) -> Result<Vec<f32>> {
+        self.decode_rows(backend, q, 1, splits)
+    }
+
+    /// Decodes the last `q_len` tokens (`q` is `[q_len][q_heads][d]`, as is the result).
+    pub fn decode_rows(&self, backend: Backend, q: &[f32], q_len: usize, splits: Option<u32>) -> Result<Vec<f32>> {
         let mut out = vec![0f32; q.len()];
         paged::decode(
             backend,
@@ -175,7 +180,7 @@ impl Store {
             &[self.seq()],
             q,
             &mut out,
-            DecodeOptions { sm_scale: None, num_splits: splits },
+            DecodeOptions { num_splits: splits, q_len, ..DecodeOptions::default() },
         )?;
         Ok(out)
     }

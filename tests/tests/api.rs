@@ -324,7 +324,7 @@ fn low_level_api_checks_block_tables_and_buffers() {
             &[seq(&[2, 0], &side)],
             &q,
             &mut out,
-            DecodeOptions { sm_scale: Some(f32::NAN), num_splits: None },
+            DecodeOptions { sm_scale: Some(f32::NAN), ..DecodeOptions::default() },
         );
         assert!(matches!(r, Err(Error::Value(_))), "{r:?}");
         paged::decode(
