@@ -349,3 +349,60 @@ fn low_level_api_checks_block_tables_and_buffers() {
 fn seq<'a>(table: &'a [u32], side: &'a [f16]) -> SeqRef<'a> {
     SeqRef { block_table: table, side, len: 60, protected: &[] }
 }
+
+/// `KvCache::decode_tokens`: a batch of sequences of different lengths, `q_len` rows each,
+/// equals each sequence decoded alone through the low-level API; `q_len` 1 is `decode`;
+/// bad row counts and sizes are refused and write nothing.
+#[test]
+fn decode_tokens_batches_query_rows() {
+    let config = small_config(64, 2, 2, 32);
+    let row = 6 * 64;
+    for backend in backends() {
+        let mut cache = KvCache::new(config, shape(3, 100), backend).unwrap();
+        let (a, b, c) = (cache.add_sequence().unwrap(), cache.add_sequence().unwrap(), cache.add_sequence().unwrap());
+        let (ka, va) = (rows(Data::Keys, 77 * 2, 64, 1), rows(Data::Normal, 77 * 2, 64, 2));
+        let (kb, vb) = (rows(Data::Keys, 40 * 2, 64, 3), rows(Data::Normal, 40 * 2, 64, 4));
+        cache.append(1, a, 77, &ka, &va).unwrap();
+        cache.append(1, b, 40, &kb, &vb).unwrap();
+        cache.append(1, c, 2, &kb[..256], &vb[..256]).unwrap();
+        let q = rows(Data::Normal, 2 * 3 * 6, 64, 5);
+        let mut out = vec![0f32; q.len()];
+        match cache.decode_tokens(1, &[b, a], 3, &q, &mut out) {
+            Err(Error::Shape(e) | Error::Unsupported(e)) if !matches!(backend, Backend::Reference | Backend::Cpu) => {
+                eprintln!("SKIPPED: {} backend refuses q_len 3: {e}", backend.name());
+                continue;
+            }
+            r => r.unwrap(),
+        }
+        for (i, (k, v)) in [(&kb, &vb), (&ka, &va)].into_iter().enumerate() {
+            let mut st = Store::new(config, LayerShape { num_kv_heads: 2, num_q_heads: 6 }, 77, None);
+            st.append(backend, k, v).unwrap();
+            let want = st.decode_rows(backend, &q[i * 3 * row..(i + 1) * 3 * row], 3, None).unwrap();
+            assert!(rel_err(&out[i * 3 * row..(i + 1) * 3 * row], &want) < 1e-6, "{backend:?} sequence {i}");
+        }
+        // One row is plain decode.
+        let mut one = vec![0f32; 2 * row];
+        cache.decode_tokens_with(1, &[a, b], 1, &q[..2 * row], &mut one, Some(2)).unwrap();
+        let want = decode(&cache, 1, &[a, b], &q[..2 * row]);
+        assert!(rel_err(&one, &want) < 1e-6, "{backend:?}");
+        // Errors: q_len 0, past a sequence's length (c holds 2 tokens), past the limit,
+        // sizes that do not match, an empty layer.
+        let free = cache.free_blocks();
+        let q70 = rows(Data::Normal, 2 * 70 * 6, 64, 6);
+        for (layer, seqs, q_len, q_rows, out_rows) in [
+            (1, &[a, b][..], 0, 0, 0),
+            (1, &[a, c], 3, 6, 6),
+            (1, &[a, b], 65, 130, 130),
+            (1, &[a, b], 3, 5, 6),
+            (1, &[a, b], 3, 6, 7),
+            (0, &[a, b], 1, 2, 2),
+        ] {
+            let mut out = vec![3.0f32; out_rows * row];
+            let r = cache.decode_tokens(layer, seqs, q_len, &q70[..q_rows * row], &mut out);
+            assert!(r.is_err(), "{backend:?}: layer {layer} q_len {q_len} q {q_rows} out {out_rows}");
+            assert!(out.iter().all(|&x| x == 3.0), "{backend:?}: a failed decode wrote");
+        }
+        assert_eq!(cache.free_blocks(), free);
+        assert_eq!((cache.len(1, a).unwrap(), cache.len(1, b).unwrap(), cache.len(1, c).unwrap()), (77, 40, 2));
+    }
+}

@@ -768,3 +768,233 @@ fn variance_normalization_equalizes_channel_ranges() {
     }
     assert!(err[1] < 0.2 * err[0], "small channels: normalized {} vs plain {}", err[1], err[0]);
 }
+
+/// Whether a device backend refused a multi-token decode (`q_len > 1`) with a clear error
+/// instead of computing it: allowed only while the device kernels decode one token per
+/// sequence (said SKIPPED, never a silent pass). The CPU backend must compute it.
+fn device_refuses_rows(backend: Backend, q_len: usize, result: &rotkv::Result<Vec<f32>>) -> bool {
+    let refused = q_len > 1
+        && !matches!(backend, Backend::Reference | Backend::Cpu)
+        && matches!(result, Err(rotkv::Error::Shape(_) | rotkv::Error::Unsupported(_)));
+    if refused {
+        eprintln!("SKIPPED: {} backend refuses q_len {q_len}: {}", backend.name(), result.as_ref().unwrap_err());
+    }
+    refused
+}
+
+/// One multi-token decode case: a sequence of `len` tokens (appended at once through the
+/// reference into a shuffled block table, with `protect` positions protected first)
+/// decoded with `q_len` query rows.
+/// - every fast backend (the emulator only with `emulate`) matches the f64 reference
+///   within the suite's tolerance, for each split count of `splits`;
+/// - row `i` equals a one-token decode of the same tokens appended one at a time and
+///   stopped at `len - q_len + i + 1` (the position row `i` is), bit for bit on the
+///   reference (one split: the same positions in the same order) and within the tolerance
+///   on the fast backends, wherever no page of the window was quantized between that
+///   length and `len` (a flush changes what the later cache holds: covered by the first
+///   check).
+///
+/// A device backend that refuses `q_len > 1` is said SKIPPED ([`device_refuses_rows`]).
+#[allow(clippy::too_many_arguments)]
+fn rows_case(
+    config: CacheConfig,
+    gqa: usize,
+    len: usize,
+    q_len: usize,
+    protect: &[u32],
+    seed: u64,
+    splits: &[Option<u32>],
+    emulate: bool,
+) {
+    let d = config.head_dim;
+    let hkv = 2;
+    let hq = hkv * gqa;
+    let fmt = config.format().unwrap();
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+    let mut st = Store::new(config, shape, len, Some(seed));
+    st.calib =
+        if seed.is_multiple_of(3) { learned_calibration(hkv, d, seed) } else { random_calibration(hkv, d, seed) };
+    let mut inc = st.clone();
+    st.protect(protect).unwrap();
+    inc.protect(protect).unwrap();
+    let k = rows(Data::Keys, len * hkv, d, seed);
+    let v = rows(Data::Normal, len * hkv, d, seed + 1);
+    st.append(Backend::Reference, &k, &v).unwrap();
+    let q = rows(Data::Normal, q_len * hq, d, seed + 2);
+    let what = format!("{config:?} gqa {gqa} len {len} q_len {q_len} protected {protect:?}");
+    let want = st.decode_rows(Backend::Reference, &q, q_len, Some(1)).unwrap();
+    assert!(want.iter().all(|x| x.is_finite()), "{what}");
+    let tol = if st.calib.key_rotation.is_some() { DECODE_TOL_DENSE } else { DECODE_TOL };
+    let fast: Vec<Backend> = fast_backends().filter(|&b| emulate || !emulated(b)).collect();
+    let mut skip = Vec::new();
+    for &backend in &fast {
+        // The emulator takes the first two split counts only.
+        for &s in splits.iter().take(if emulated(backend) { 2 } else { splits.len() }) {
+            let got = st.decode_rows(backend, &q, q_len, s);
+            if device_refuses_rows(backend, q_len, &got) {
+                skip.push(backend);
+                break;
+            }
+            let e = rel_err(&got.unwrap(), &want);
+            assert!(e <= tol, "{backend:?} {what} splits {s:?}: rel err {e:.2e}");
+        }
+    }
+    // Row i against a one-token decode right after its own token's append.
+    let row = hkv * d;
+    let flushed = fmt.quantized_len(len as u32);
+    for t in 0..len {
+        inc.append(Backend::Reference, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row]).unwrap();
+        let Some(i) = (t + q_len).checked_sub(len) else { continue };
+        if fmt.quantized_len(t as u32 + 1) != flushed {
+            continue;
+        }
+        let (qi, wi) = (&q[i * hq * d..(i + 1) * hq * d], &want[i * hq * d..(i + 1) * hq * d]);
+        let one = inc.decode(Backend::Reference, qi, Some(1)).unwrap();
+        assert_eq!(one, wi, "reference {what}: row {i} vs a one-token decode");
+        for &backend in fast.iter().filter(|b| !skip.contains(b)) {
+            let got = st.decode_rows(backend, &q, q_len, None).unwrap();
+            let e = rel_err(&got[i * hq * d..(i + 1) * hq * d], &inc.decode(backend, qi, None).unwrap());
+            assert!(e <= tol, "{backend:?} {what}: row {i} vs a one-token decode: rel err {e:.2e}");
+        }
+    }
+}
+
+#[test]
+fn multi_token_decode_matches_reference_and_one_token_decodes() {
+    // 16-token pages, 3 sinks, a 32-token window: the first page is quantized at 51
+    // tokens, the second at 67.
+    let configs = [
+        small_config(64, 2, 2, 32),
+        CacheConfig { protected: 3, ..small_config(128, 4, 2, 64) },
+        CacheConfig { sinks: 0, window: 0, ..small_config(256, 2, 4, 128) },
+    ];
+    let gqa = [1, 3, 8];
+    for q_len in 1..=8usize {
+        for (j, len) in [q_len, q_len + 1, 50, 51, 52, 66 + q_len / 2, 100].into_iter().enumerate() {
+            let i = q_len + j;
+            let config = configs[i % 3];
+            // Protected positions (where the config has room): one in each of the first
+            // pages and one near the end, protected before the tokens arrive.
+            let mut protect: Vec<u32> = [5, 30, len.saturating_sub(2) as u32]
+                .into_iter()
+                .filter(|&p| config.protected > 0 && p >= 3 && p < len as u32)
+                .collect();
+            protect.sort_unstable();
+            protect.dedup();
+            // The emulator takes a few short cases (one OS thread per GPU thread).
+            let emulate = matches!((q_len, len), (1, 2) | (2, 3) | (5, 52) | (8, 8));
+            let splits = [None, Some(1), Some(3), Some(len as u32)];
+            rows_case(config, gqa[i % 3], len, q_len, &protect, 1000 + 10 * q_len as u64 + j as u64, &splits, emulate);
+        }
+    }
+}
+
+#[test]
+fn multi_token_decode_at_long_lengths_and_page_boundaries() {
+    let config = CacheConfig::k2v2(64);
+    let fmt = config.format().unwrap();
+    // k2v2: 64-token pages, 4 sinks, a 128-token window: pages are quantized at 196, 260...
+    assert_eq!((fmt.quantized_len(195), fmt.quantized_len(196)), (0, 64));
+    for (i, (len, q_len)) in
+        [(196, 1), (197, 2), (200, 5), (260, 8), (1000, 7), (4097, 16), (1500, 64)].into_iter().enumerate()
+    {
+        let splits = [None, Some(3), Some(17)];
+        rows_case(config, [8, 3, 1][i % 3], len, q_len, &[], 7000 + i as u64, &splits, false);
+    }
+}
+
+/// The split-K contract with query rows: partials ordered `[seq][row][q_head][split]`,
+/// splits cut from the whole length, a split a row's causal limit leaves empty is
+/// exactly the empty partial, and every split count merges to the unsplit result.
+#[test]
+fn row_partials_mask_causally_and_merge_to_the_unsplit_result() {
+    let config = small_config(64, 2, 2, 32);
+    let fmt = config.format().unwrap();
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 6 };
+    let (len, q_len) = (9usize, 4usize);
+    let mut st = Store::new(config, shape, len, None);
+    st.append(Backend::Reference, &rows(Data::Keys, len * 2, 64, 3), &rows(Data::Normal, len * 2, 64, 4)).unwrap();
+    let q = rows(Data::Normal, q_len * 6, 64, 5);
+    let params = |splits: u32| DecodeParams {
+        format: fmt,
+        num_seqs: 1,
+        num_q_heads: 6,
+        num_kv_heads: 2,
+        num_splits: splits,
+        block_table_stride: st.table.len() as u32,
+        flags: config.flags(),
+        sm_scale: 0.125,
+        q_seq_stride: (q_len * 6 * 64) as u32,
+        q_len: q_len as u32,
+    };
+    let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
+    assert_eq!(one.len(), q_len * 6);
+    for splits in 1..=12u32 {
+        let p = params(splits);
+        let parts = reference::decode_partials(&p, &st.calib, st.pool.bytes(), &[st.seq()], &q);
+        assert_eq!(parts.len(), q_len * 6 * splits as usize);
+        for (n, part) in parts.iter().enumerate() {
+            let (row, split) = (n / (6 * splits as usize), n as u32 % splits);
+            let (b, e) = p.split_range(split, len as u32);
+            let limit = p.row_len(len as u32, row as u32);
+            assert_eq!(limit as usize, len - q_len + row + 1);
+            if b >= e.min(limit) {
+                assert_eq!(*part, reference::Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; 64] });
+            } else {
+                assert!(part.m.is_finite() && part.l >= 1.0, "row {row} split {split}");
+            }
+        }
+        for (r, chunk) in parts.chunks_exact(splits as usize).enumerate() {
+            let (merged, whole) = (reference::merge(chunk), reference::merge(&one[r..r + 1]));
+            for (a, b) in merged.iter().zip(&whole) {
+                assert!(a.is_finite() && (a - b).abs() <= 1e-12 * b.abs().max(1.0), "splits {splits} row {r}");
+            }
+        }
+    }
+}
+
+/// Bad query-row counts and sizes are refused before anything is written.
+#[test]
+fn multi_token_decode_checks_its_rows() {
+    let config = small_config(64, 2, 2, 32);
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: 3 };
+    let mut st = Store::new(config, shape, 80, None);
+    st.append(Backend::Cpu, &rows(Data::Keys, 5, 64, 1), &rows(Data::Normal, 5, 64, 2)).unwrap();
+    let q = rows(Data::Normal, 70 * 3, 64, 3);
+    for backend in backends() {
+        let call = |q_len: usize, q_rows: usize, out_rows: usize| {
+            let mut out = vec![7.5f32; out_rows * 3 * 64];
+            let r = rotkv::paged::decode(
+                backend,
+                &st.config,
+                &st.calib,
+                &st.shape,
+                st.pool.bytes(),
+                &[st.seq()],
+                &q[..q_rows * 3 * 64],
+                &mut out,
+                rotkv::paged::DecodeOptions { q_len, ..Default::default() },
+            );
+            (r, out.iter().all(|&x| x == 7.5))
+        };
+        for (q_len, q_rows, out_rows, why) in [
+            (0, 0, 0, "q_len 0"),
+            (0, 1, 1, "q_len 0"),
+            (6, 6, 6, "q_len above the sequence's 5 tokens"),
+            (65, 65, 65, "q_len above 64"),
+            (3, 2, 3, "q one row short"),
+            (3, 3, 4, "out one row long"),
+            (1, 3, 1, "q of 3 rows for q_len 1"),
+        ] {
+            let (r, untouched) = call(q_len, q_rows, out_rows);
+            assert!(r.is_err(), "{backend:?}: {why} accepted");
+            assert!(untouched, "{backend:?}: {why} wrote to out");
+        }
+        // The whole sequence as query rows is fine.
+        let (r, _) = call(5, 5, 5);
+        if backend == Backend::Reference || backend == Backend::Cpu {
+            r.unwrap();
+        }
+    }
+    assert_eq!(rotkv::paged::DecodeOptions::default().q_len, 1);
+}
