@@ -942,6 +942,20 @@ mod tests {
     }
 
     #[test]
+    fn shfl_idx_u32_moves_raw_bits() {
+        let bad = AtomicU32::new(0);
+        let bits = |lane: u32| [0xffff_ffff, 0x7fc0_1234, 0xff80_0001, 0x0000_0001][lane as usize % 4] ^ (lane << 8);
+        launch([1, 1, 1], 64, 0, |c| {
+            let src = (c.lane() * 7 + 3) % 32;
+            if c.shfl_idx_u32(bits(c.lane()), src) != bits(src) {
+                bad.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(bad.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
     fn bad_block_sizes_are_rejected() {
         assert!(launch([1, 1, 1], 48, 0, |_| {}).is_err());
         assert!(launch([1, 1, 1], 2048, 0, |_| {}).is_err());
