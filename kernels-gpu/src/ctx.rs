@@ -36,6 +36,33 @@ pub trait Ctx {
         // SAFETY: forwarded contract.
         unsafe { *p.cast::<[u32; 4]>() }
     }
+    /// `cp.async.cg.shared.global [dst], [src], 16`: starts a 16-byte copy from global to
+    /// shared memory in the thread's current cp.async group (see [`Ctx::cp_async_commit`]).
+    /// The data is visible to this thread only after the [`Ctx::cp_async_wait`] that
+    /// retires its group, to the rest of the block after a `sync_threads` that follows
+    /// that wait. The default body copies at once (correct for any context); the emulator
+    /// defers the copy to the wait (so `dst` keeps its NaN fill until then), the device
+    /// copies asynchronously (sm_80+).
+    ///
+    /// # Safety
+    /// `dst_shared` must point into the block's shared memory and `src_global` into global
+    /// memory, both 16-byte aligned and valid for 16 bytes; nobody writes `src_global`
+    /// during the kernel, and nobody touches `dst_shared` until the copy's group is
+    /// retired.
+    unsafe fn cp_async16(&self, dst_shared: *mut u8, src_global: *const u8) {
+        // SAFETY: forwarded contract.
+        unsafe { core::ptr::copy_nonoverlapping(src_global, dst_shared, 16) }
+    }
+    /// `cp.async.commit_group`: closes the current group of [`Ctx::cp_async16`] copies
+    /// (an empty group is allowed and trivially complete).
+    fn cp_async_commit(&self) {}
+    /// `cp.async.wait_group n`: waits until at most the `n` most recent committed groups
+    /// of this thread are pending; every older group is complete and visible to this
+    /// thread. Copies not yet committed are not waited for. `n` should be a constant (the
+    /// device needs an immediate); above 7 the device waits as for 7, which is stricter.
+    fn cp_async_wait(&self, n: u32) {
+        let _ = n;
+    }
     /// Lane within the warp.
     fn lane(&self) -> u32 {
         self.thread_idx() % WARP
@@ -187,6 +214,42 @@ impl Ctx for Nvptx {
             );
         }
         [d0, d1, d2, d3]
+    }
+    #[inline(always)]
+    unsafe fn cp_async16(&self, dst_shared: *mut u8, src_global: *const u8) {
+        // SAFETY: the caller guarantees aligned shared and global addresses valid for 16
+        // bytes; the generic addresses are converted to their state spaces.
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u64 s, g; cvta.to.shared.u64 s, {d}; cvta.to.global.u64 g, {p}; cp.async.cg.shared.global [s], [g], 16; }}",
+                d = in(reg64) dst_shared,
+                p = in(reg64) src_global,
+                options(nostack),
+            );
+        }
+    }
+    #[inline(always)]
+    fn cp_async_commit(&self) {
+        // SAFETY: closes this thread's cp.async group; no operands.
+        unsafe { core::arch::asm!("cp.async.commit_group;", options(nostack)) }
+    }
+    #[inline(always)]
+    fn cp_async_wait(&self, n: u32) {
+        // SAFETY: waits for this thread's own copies; the memory clobber (no `nomem`) keeps
+        // shared-memory reads after it. `N` must be an immediate: one arm per value, which
+        // folds away for a constant `n`.
+        unsafe {
+            match n {
+                0 => core::arch::asm!("cp.async.wait_group 0;", options(nostack)),
+                1 => core::arch::asm!("cp.async.wait_group 1;", options(nostack)),
+                2 => core::arch::asm!("cp.async.wait_group 2;", options(nostack)),
+                3 => core::arch::asm!("cp.async.wait_group 3;", options(nostack)),
+                4 => core::arch::asm!("cp.async.wait_group 4;", options(nostack)),
+                5 => core::arch::asm!("cp.async.wait_group 5;", options(nostack)),
+                6 => core::arch::asm!("cp.async.wait_group 6;", options(nostack)),
+                _ => core::arch::asm!("cp.async.wait_group 7;", options(nostack)),
+            }
+        }
     }
 }
 

@@ -12,13 +12,16 @@
 //!   a lane that skips one, or runs a different one, is reported as a divergent barrier.
 //! - `mma_m16n8k16` is computed from the PTX ISA fragment layout in one exchange (f32
 //!   products and sums); `load16` of a misaligned address is a launch error.
+//! - `cp_async16` copies are deferred to the `cp_async_wait` that retires their group, so
+//!   a kernel that reads the destination without waiting sees NaN.
 //! - Dynamic shared memory ([`SimCtx::shared`]) is filled with `0xFF` bytes (NaN as f32
 //!   and f16) before each block, so reading what no thread wrote shows up.
 
 use crate::ctx::{Ctx, WARP};
 use core::sync::atomic::{AtomicU32, Ordering};
 use std::boxed::Box;
-use std::cell::UnsafeCell;
+use std::cell::{RefCell, UnsafeCell};
+use std::collections::VecDeque;
 use std::format;
 use std::string::{String, ToString};
 use std::sync::{Mutex, MutexGuard};
@@ -150,6 +153,14 @@ impl Block {
     }
 }
 
+/// A thread's cp.async copies (destination, source) not yet performed: the open group
+/// and the committed groups, oldest first.
+#[derive(Default)]
+struct CpAsync {
+    open: Vec<(*mut u8, *const u8)>,
+    committed: VecDeque<Vec<(*mut u8, *const u8)>>,
+}
+
 /// One emulated GPU thread.
 pub struct SimCtx<'a> {
     thread: u32,
@@ -157,6 +168,7 @@ pub struct SimCtx<'a> {
     block_dim: u32,
     grid_dim: [u32; 3],
     block: &'a Block,
+    cp_async: RefCell<CpAsync>,
 }
 
 type Slots = [[AtomicU32; SLOT_WORDS]; WARP as usize];
@@ -265,6 +277,38 @@ impl Ctx for SimCtx<'_> {
             (0..16).fold(c[i], |acc, k| acc + a_at(row, k) * b_at(k, col))
         })
     }
+    /// Deferred: the copy happens in the [`Ctx::cp_async_wait`] that retires its group
+    /// (the source is read then), so reading the destination before that wait sees the
+    /// NaN fill. Panics (a launch error) on a misaligned address or a destination outside
+    /// the block's shared memory.
+    unsafe fn cp_async16(&self, dst_shared: *mut u8, src_global: *const u8) {
+        assert!(
+            dst_shared.addr().is_multiple_of(16) && src_global.addr().is_multiple_of(16),
+            "cp_async16 of a misaligned address ({dst_shared:p} <- {src_global:p}; 16-byte alignment required)"
+        );
+        let base = self.shared().addr();
+        let end = base + self.block.shared.len() * 16;
+        assert!(
+            dst_shared.addr() >= base && dst_shared.addr() + 16 <= end,
+            "cp_async16 destination {dst_shared:p} outside the block's shared memory"
+        );
+        self.cp_async.borrow_mut().open.push((dst_shared, src_global));
+    }
+    fn cp_async_commit(&self) {
+        let mut cp = self.cp_async.borrow_mut();
+        let group = core::mem::take(&mut cp.open);
+        cp.committed.push_back(group);
+    }
+    fn cp_async_wait(&self, n: u32) {
+        let mut cp = self.cp_async.borrow_mut();
+        while cp.committed.len() > n as usize {
+            for (dst, src) in cp.committed.pop_front().unwrap_or_default() {
+                // SAFETY: the `cp_async16` contract: both valid for 16 bytes, `dst` in
+                // this block's shared memory (checked), `src` not written.
+                unsafe { core::ptr::copy_nonoverlapping(src, dst, 16) };
+            }
+        }
+    }
     /// Panics (a launch error) unless `p` is 16-byte aligned, as the device would fault.
     unsafe fn load16(&self, p: *const u8) -> [u32; 4] {
         assert!(p.addr().is_multiple_of(16), "load16 of a misaligned address {p:p} (16-byte alignment required)");
@@ -367,7 +411,14 @@ where
                     let mut failed = Vec::new();
                     for (b, block) in blocks.iter().enumerate() {
                         let _leave = Leave(block, thread);
-                        let ctx = SimCtx { thread, block_idx: indices[b], block_dim, grid_dim: grid, block };
+                        let ctx = SimCtx {
+                            thread,
+                            block_idx: indices[b],
+                            block_dim,
+                            grid_dim: grid,
+                            block,
+                            cp_async: RefCell::default(),
+                        };
                         if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&ctx))) {
                             let msg = p
                                 .downcast_ref::<&str>()
@@ -567,10 +618,11 @@ mod tests {
         }
     }
 
-    /// Forwards everything but `mma_m16n8k16`, so the trait's default body runs.
-    struct DefaultMma<'a, 'b>(&'a SimCtx<'b>);
+    /// Forwards the required methods and `shfl_idx_u32` only, so the trait's default bodies
+    /// of `mma_m16n8k16` and the `cp_async` methods run.
+    struct DefaultBodies<'a, 'b>(&'a SimCtx<'b>);
 
-    impl Ctx for DefaultMma<'_, '_> {
+    impl Ctx for DefaultBodies<'_, '_> {
         fn thread_idx(&self) -> u32 {
             self.0.thread_idx()
         }
@@ -617,7 +669,7 @@ mod tests {
             let x = ctx.shfl_xor(lane as f32, 5);
             assert_eq!(x, (lane ^ 5) as f32);
             let d = ctx.mma_m16n8k16(a2, b2, d);
-            let plain = DefaultMma(ctx);
+            let plain = DefaultBodies(ctx);
             let e = plain.mma_m16n8k16(a2, b2, plain.mma_m16n8k16(a1, b1, c));
             for i in 0..4 {
                 fast[w * 32 + lane as usize][i].store(d[i].to_bits(), Ordering::SeqCst);
@@ -766,6 +818,141 @@ mod tests {
         assert!(launch_with([1, 1, 1], 32, 65 << 10, 64 << 10, |_| {}).is_err());
         assert!(launch_with([1, 1, 1], 32, 0, SHARED_OPTIN_MAX_SM90 + 1, |_| {}).is_err());
         assert_eq!(SHARED_OPTIN_MAX_SM80, 166_912);
+    }
+
+    /// 16-byte aligned source data: chunk `i` holds f32 `i * 4 .. i * 4 + 4`.
+    fn chunks(n: usize) -> Vec<[f32; 4]> {
+        (0..n).map(|i| core::array::from_fn(|j| (i * 4 + j) as f32)).collect()
+    }
+
+    /// The f32 at `i` of shared memory.
+    fn sh(c: &SimCtx<'_>, i: usize) -> f32 {
+        // SAFETY: callers index inside the launch's shared memory.
+        unsafe { *c.shared().cast::<f32>().add(i) }
+    }
+
+    #[test]
+    fn cp_async_data_is_visible_after_the_wait() {
+        let src = chunks(64);
+        let ok = AtomicU32::new(0);
+        launch([2, 1, 1], 64, 64 * 16, |c| {
+            let t = c.thread_idx() as usize;
+            // SAFETY: chunk t of `src` and of the 1 KiB shared memory, both aligned.
+            unsafe { c.cp_async16(c.shared().add(16 * t), src[t].as_ptr().cast()) };
+            c.cp_async_commit();
+            c.cp_async_wait(0);
+            c.sync_threads();
+            let other = (t + 17) % 64;
+            if (0..4).all(|j| sh(c, other * 4 + j) == (other * 4 + j) as f32) {
+                ok.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(ok.load(Ordering::SeqCst), 128);
+    }
+
+    #[test]
+    fn cp_async_without_the_wait_reads_nan() {
+        let src = chunks(32);
+        let nan = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 32 * 16, |c| {
+            let t = c.thread_idx() as usize;
+            // SAFETY: as above.
+            unsafe { c.cp_async16(c.shared().add(16 * t), src[t].as_ptr().cast()) };
+            c.cp_async_commit();
+            c.sync_threads(); // Forgot cp_async_wait.
+            if (0..4).all(|j| sh(c, ((t + 1) % 32) * 4 + j).is_nan()) {
+                nan.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(nan.load(Ordering::SeqCst), 32);
+    }
+
+    #[test]
+    fn cp_async_groups_retire_in_order() {
+        let src = chunks(5);
+        let steps = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 5 * 16, |c| {
+            if c.thread_idx() != 0 {
+                return;
+            }
+            let copy = |i: usize| {
+                // SAFETY: chunk i of `src` and of the 80 bytes of shared memory.
+                unsafe { c.cp_async16(c.shared().add(16 * i), src[i].as_ptr().cast()) }
+            };
+            // Visible chunks as a bit mask.
+            let seen = || (0..5).filter(|&i| sh(c, 4 * i) == (4 * i) as f32).fold(0u32, |m, i| m | 1 << i);
+            copy(0);
+            copy(1);
+            c.cp_async_commit(); // Group {0, 1}.
+            c.cp_async_commit(); // An empty group.
+            copy(2);
+            c.cp_async_commit(); // Group {2}.
+            copy(3);
+            c.cp_async_commit(); // Group {3}.
+            copy(4); // Not committed.
+            assert_eq!(seen(), 0);
+            c.cp_async_wait(3);
+            assert_eq!(seen(), 0b00011);
+            c.cp_async_wait(2); // The empty group.
+            assert_eq!(seen(), 0b00011);
+            c.cp_async_wait(1);
+            assert_eq!(seen(), 0b00111);
+            c.cp_async_wait(0);
+            assert_eq!(seen(), 0b01111, "an uncommitted copy is not waited for");
+            c.cp_async_commit();
+            c.cp_async_wait(7);
+            assert_eq!(seen(), 0b01111);
+            c.cp_async_wait(0);
+            assert_eq!(seen(), 0b11111);
+            steps.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        assert_eq!(steps.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn cp_async_default_body_copies_at_once_and_bad_addresses_are_errors() {
+        let src = chunks(33);
+        let ok = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 32 * 16, |c| {
+            let t = c.thread_idx() as usize;
+            let plain = DefaultBodies(c);
+            // SAFETY: as above.
+            unsafe { plain.cp_async16(c.shared().add(16 * t), src[t].as_ptr().cast()) };
+            if sh(c, 4 * t) == (4 * t) as f32 {
+                ok.fetch_add(1, Ordering::SeqCst);
+            }
+            plain.cp_async_commit();
+            plain.cp_async_wait(0);
+        })
+        .unwrap();
+        assert_eq!(ok.load(Ordering::SeqCst), 32);
+        let r = launch([1, 1, 1], 32, 32 * 16, |c| {
+            // SAFETY: none: the emulator rejects the misaligned source before copying.
+            unsafe { c.cp_async16(c.shared(), src[1].as_ptr().cast::<u8>().wrapping_add(4)) };
+        });
+        assert!(r.unwrap_err().0.contains("misaligned"));
+        let r = launch([1, 1, 1], 32, 32 * 16, |c| {
+            // SAFETY: none: the emulator rejects a destination past the shared memory.
+            unsafe { c.cp_async16(c.shared().wrapping_add(32 * 16), src[0].as_ptr().cast()) };
+        });
+        assert!(r.unwrap_err().0.contains("outside"));
+    }
+
+    #[test]
+    fn shfl_idx_u32_moves_raw_bits() {
+        let bad = AtomicU32::new(0);
+        let bits = |lane: u32| [0xffff_ffff, 0x7fc0_1234, 0xff80_0001, 0x0000_0001][lane as usize % 4] ^ (lane << 8);
+        launch([1, 1, 1], 64, 0, |c| {
+            let src = (c.lane() * 7 + 3) % 32;
+            if c.shfl_idx_u32(bits(c.lane()), src) != bits(src) {
+                bad.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(bad.load(Ordering::SeqCst), 0);
     }
 
     #[test]
