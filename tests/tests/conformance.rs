@@ -309,8 +309,9 @@ fn decode_matches_reference_at_boundary_and_long_lengths() {
     for (i, config) in configs.into_iter().enumerate() {
         for len in [1, 63, 64, 65, 132, 133, 196, 197, 1000, 4097] {
             let gqa = if i == 1 { 3 } else { 8 };
-            // The emulator takes every length up to 200, and 1000 and 4097 for the first config.
-            let emulate = len <= 200 || i == 0;
+            // The emulator takes every length up to 200 (the tensor-core kernel's 128
+            // emulated threads per block make the long lengths too slow for CI).
+            let emulate = len <= 200;
             let seed = len as u64 * 7 + i as u64;
             decode_case(config, 1 + i % 2, gqa, len, Data::Keys, seed, &[None, Some(1), Some(3)], emulate);
         }
@@ -640,7 +641,8 @@ fn protected_positions_stay_f16_on_every_backend() {
         for splits in [None, Some(1), Some(4)] {
             let got = st.decode(backend, &q, splits).unwrap();
             let e = rel_err(&got, &want);
-            assert!(e <= DECODE_TOL, "{backend:?} splits {splits:?}: {e:.2e}");
+            let tol = decode_tol(backend, &config, shape.num_q_heads / shape.num_kv_heads, 1, false);
+            assert!(e <= tol, "{backend:?} splits {splits:?}: {e:.2e}");
         }
     }
 }
@@ -824,7 +826,7 @@ fn rows_case(
     let what = format!("{config:?} gqa {gqa} len {len} q_len {q_len} protected {protect:?}");
     let want = st.decode_rows(Backend::Reference, &q, q_len, Some(1)).unwrap();
     assert!(want.iter().all(|x| x.is_finite()), "{what}");
-    let tol = if st.calib.key_rotation.is_some() { DECODE_TOL_DENSE } else { DECODE_TOL };
+    let dense = st.calib.key_rotation.is_some();
     let fast: Vec<Backend> = fast_backends().filter(|&b| emulate || !emulated(b)).collect();
     let mut skip = Vec::new();
     for &backend in &fast {
@@ -836,6 +838,7 @@ fn rows_case(
                 break;
             }
             let e = rel_err(&got.unwrap(), &want);
+            let tol = decode_tol(backend, &config, gqa, q_len, dense);
             assert!(e <= tol, "{backend:?} {what} splits {s:?}: rel err {e:.2e}");
         }
     }
@@ -854,6 +857,8 @@ fn rows_case(
         for &backend in fast.iter().filter(|b| !skip.contains(b)) {
             let got = st.decode_rows(backend, &q, q_len, None).unwrap();
             let e = rel_err(&got[i * hq * d..(i + 1) * hq * d], &inc.decode(backend, qi, None).unwrap());
+            // Both sides on the device kernels: twice the one-sided tolerance.
+            let tol = 2.0 * decode_tol(backend, &config, gqa, q_len, dense);
             assert!(e <= tol, "{backend:?} {what}: row {i} vs a one-token decode: rel err {e:.2e}");
         }
     }
