@@ -32,6 +32,10 @@
 //! and the fragment counts are compile-time constants of each entry point
 //! ([`for_each_decode_mma!`]).
 
+// Loops index the fragment arrays by register position on purpose (rows g / g + 8,
+// n-tiles), mirroring the layouts in the docs.
+#![allow(clippy::needless_range_loop)]
+
 use crate::ctx::{Ctx, WARP};
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::math::{exp2_neg, h2f, pack_f16x2};
