@@ -80,10 +80,10 @@ pub trait Ctx {
     /// "Matrix Fragments for mma.m16n8k16 with floating point type": groupID =
     /// `%laneid >> 2`, threadID_in_group = `%laneid % 4`, elements low to high); each
     /// `u32` holds two f16, the lower index in the low half:
-    /// - `a[0]` = A[g][2t], A[g][2t+1]; `a[1]` = A[g+8][2t], A[g+8][2t+1];
-    ///   `a[2]` = A[g][2t+8], A[g][2t+9]; `a[3]` = A[g+8][2t+8], A[g+8][2t+9];
-    /// - `b[0]` = B[2t][g], B[2t+1][g]; `b[1]` = B[2t+8][g], B[2t+9][g];
-    /// - `c`, result: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1].
+    /// - `a[0]` = `A[g][2t]`, `A[g][2t+1]`; `a[1]` = `A[g+8][2t]`, `A[g+8][2t+1]`;
+    ///   `a[2]` = `A[g][2t+8]`, `A[g][2t+9]`; `a[3]` = `A[g+8][2t+8]`, `A[g+8][2t+9]`;
+    /// - `b[0]` = `B[2t][g]`, `B[2t+1][g]`; `b[1]` = `B[2t+8][g]`, `B[2t+9][g]`;
+    /// - `c`, result: `[0]` = `C[g][2t]`, `[1]` = `C[g][2t+1]`, `[2]` = `C[g+8][2t]`, `[3]` = `C[g+8][2t+1]`.
     ///
     /// The default body computes it with indexed shuffles (correct on any context, slow);
     /// the device uses the instruction.

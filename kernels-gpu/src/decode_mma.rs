@@ -30,7 +30,7 @@
 //!
 //! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
 //! and the fragment counts are compile-time constants of each entry point
-//! ([`for_each_decode_mma!`]).
+//! (`for_each_decode_mma!`).
 
 // Loops index the fragment arrays by register position on purpose (rows g / g + 8,
 // n-tiles), mirroring the layouts in the docs.
