@@ -28,6 +28,7 @@ pub mod layout;
 pub mod math;
 pub mod merge;
 pub mod params;
+pub mod selftest;
 #[cfg(feature = "sim")]
 pub mod sim;
 
