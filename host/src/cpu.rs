@@ -1243,9 +1243,11 @@ fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usi
 /// Decode attention for `p.q_len` query tokens per sequence (see
 /// [`crate::reference::decode`] for the definition): tasks over `(sequence, KV head,
 /// split)` in parallel, each scoring the `q_len * g` query rows of its KV head's group
-/// against one unpacking of the split's keys and values (rows past their causal limit
-/// masked, which only the split's last `q_len - 1` positions can be), then the
-/// log-sum-exp merge and the inverse value rotation per query row and head.
+/// in one pass over the split's keys and values (rows past their causal limit masked,
+/// which only the split's last `q_len - 1` positions can be), then the log-sum-exp merge
+/// and the inverse value rotation per query row and head. The rows share each chunk's
+/// loads and conversions: the portable kernels unpack a chunk's codes once for all rows,
+/// the AVX2 kernels once per register block of 4 rows.
 pub fn decode(
     p: &DecodeParams,
     calib: &LayerCalibration,

@@ -208,6 +208,94 @@ fn prefill_through_the_cache_is_exact_and_decode_follows() {
     assert!(m.forward(&[1], &[Row { seq: 3, pos: 0 }], &mut cached, None, 2).is_err());
 }
 
+/// `perplexity` with `chunk` tokens per step (appended, then one multi-token decode)
+/// against token by token, compared by the mean NLL (this random model's is ~84.5 nats per
+/// token). Where nothing is quantized (f16, or a window longer than the text) each token
+/// sees the same f16 rows either way, so only f32 rounding differs (the CPU backend's lane
+/// sums over a split whose last chunk holds masked tokens): measured at most 2.9e-7
+/// relative, bound 1e-6. With quantized pages the rows of a chunk are decoded after the
+/// whole chunk was appended, so a page that the chunk's later tokens pushed out of the
+/// window is read quantized by its earlier rows too (with 16-token windows and pages, up
+/// to 16 tokens more of a ~50-token context; at chunk 64 every row sees the final
+/// quantization): a real difference, measured up to 3.3e-3 relative (0.28 nats: this
+/// model's attention is very sharp), bound 1e-2.
+#[test]
+fn chunked_decode_matches_token_by_token() {
+    let m = random_model(21, false);
+    let windows = vec![tokens(70, 22), tokens(70, 23)];
+    let methods: Vec<KvMethod> = ["f16", "k2v2-w128", "k2v2-s2-w16-p16", "k4v4-w16-p16"]
+        .iter()
+        .map(|n| KvMethod::parse(n, 64, 70).unwrap())
+        .collect();
+    let run = |chunk: usize| {
+        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk };
+        let mut steps = Vec::new();
+        let r = model::perplexity(&m, &windows, &methods, &opts, &mut |done, of| steps.push((done, of))).unwrap();
+        assert_eq!(steps.last(), Some(&(69, 69)), "chunk {chunk}: progress");
+        assert_eq!(steps.len(), 69usize.div_ceil(chunk));
+        r
+    };
+    let one = run(1);
+    for chunk in [4, 7, 64] {
+        for (a, b) in run(chunk).iter().zip(&one) {
+            let d = (a.nll / b.nll - 1.0).abs();
+            eprintln!("{:<16} chunk {chunk}: nll {:.9} vs {:.9} token by token ({d:.1e})", a.method.name, a.nll, b.nll);
+            assert_eq!(a.tokens, b.tokens);
+            let bound = if a.method.name.contains("-p16") { 1e-2 } else { 1e-6 };
+            assert!(d < bound, "{} chunk {chunk}: nll {} vs {}", a.method.name, a.nll, b.nll);
+        }
+    }
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 0 };
+    assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
+    let opts = PplOptions { chunk: 65, ..opts };
+    assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
+}
+
+/// `CacheAttention::multi_token_decode`: several rows of one sequence, into a sequence
+/// that already holds tokens, are appended and decoded together; with an f16 cache that
+/// is the token-by-token result up to f32 rounding. Logits measured 1.0e-5 apart: the
+/// random model's attention logits are large (perplexity ~1e36), so the decode's f32
+/// rounding (about 1e-7 relative) moves its softmax weights by ~1e-5; bound 1e-4.
+#[test]
+fn multi_token_rows_through_the_cache() {
+    let m = random_model(24, false);
+    let t = tokens(30, 25);
+    let shape =
+        CacheShape { layers: 2, num_kv_heads: 2, num_q_heads: 4, max_seqs: 2, max_tokens: 30, num_blocks: None };
+    let config = KvMethod::parse("f16", 64, 30).unwrap().config;
+    let new = |multi: bool| {
+        let mut cache = KvCache::new(config, shape, Backend::Cpu).unwrap();
+        let ids = [cache.add_sequence().unwrap(), cache.add_sequence().unwrap()];
+        let mut attn = CacheAttention::new(&m.config, vec![cache], vec![(0, ids[0]), (0, ids[1])]).unwrap();
+        attn.multi_token_decode = multi;
+        attn
+    };
+    let (mut single, mut multi) = (new(false), new(true));
+    let mut want = Vec::new();
+    for (p, &tok) in t.iter().enumerate() {
+        want.extend(m.forward(&[tok], &[Row { seq: 0, pos: p }], &mut single, None, 2).unwrap());
+    }
+    // Chunks of 1, 5, 3 and 21 rows; the second sequence gets the same rows in reverse
+    // chunk order of its own (batch rows of several sequences and chunk sizes at once).
+    let mut got = Vec::new();
+    let mut at = 0;
+    for n in [1, 5, 3, 21] {
+        let rows: Vec<Row> = (at..at + n).map(|p| Row { seq: 0, pos: p }).collect();
+        got.extend(m.forward(&t[at..at + n], &rows, &mut multi, None, 2).unwrap());
+        at += n;
+    }
+    let e = rel_err(&m.logits(&got), &m.logits(&want));
+    assert!(e < 1e-4, "multi-token rows vs token by token: {e:.2e}");
+    // Two sequences with different row counts in one batch: the second sequence's first
+    // three tokens (one decode of 3 rows) beside a row of the first past its end.
+    let rows = [Row { seq: 1, pos: 0 }, Row { seq: 1, pos: 1 }, Row { seq: 1, pos: 2 }];
+    let h = m.forward(&t[..3], &rows, &mut multi, None, 2).unwrap();
+    let e = rel_err(&m.logits(&h), &m.logits(&want[..3 * 256]));
+    assert!(e < 1e-4, "second sequence: {e:.2e}");
+    let rows = [Row { seq: 1, pos: 3 }, Row { seq: 1, pos: 4 }, Row { seq: 0, pos: 30 }];
+    assert!(m.forward(&t[3..6], &rows, &mut multi, None, 2).is_err(), "sequence 0 is full");
+}
+
 // ---- a GGUF written here -------------------------------------------------------------
 
 enum Meta {
@@ -505,7 +593,7 @@ fn smollm2_perplexity_2x256() {
     let ids = tok.encode(&text);
     let windows: Vec<Vec<u32>> = ids.chunks_exact(256).take(2).map(<[u32]>::to_vec).collect();
     let methods: Vec<KvMethod> = ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 64, 256).unwrap()).collect();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1 };
     let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
     for x in &r {
         eprintln!("{:<6} ppl {:.3} over {} tokens", x.method.name, x.ppl, x.tokens);
@@ -548,14 +636,14 @@ fn calibration_feeds_the_perplexity_harness() {
     .map(|n| KvMethod::parse(n, 64, 48).unwrap())
     .collect();
     // A method that asks for calibration without one is an error, not a silent identity.
-    let none = PplOptions { backend: Backend::Cpu, calibration: None };
+    let none = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1 };
     let err = model::perplexity(&m, &windows, &methods, &none, &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("calibration"), "{err}");
     // Calibrated, on the CPU and on the emulated GPU kernels: the same perplexities up to
     // rounding (the two backends write the same bytes but at rounding ties).
     let mut results = Vec::new();
     for backend in [Backend::Cpu, Backend::Sim] {
-        let opts = PplOptions { backend, calibration: Some(cal.clone()) };
+        let opts = PplOptions { backend, calibration: Some(cal.clone()), chunk: 1 };
         results.push(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap());
     }
     for (a, b) in results[0].iter().zip(&results[1]) {
@@ -570,7 +658,7 @@ fn calibration_feeds_the_perplexity_harness() {
     // -l with -r does not combine; -l without rotations in the file is an error.
     assert!(KvMethod::parse("k2v2-c-r-l", 64, 48).is_err());
     let plain = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(plain) };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(plain), chunk: 1 };
     assert!(model::perplexity(&m, &windows, &methods[4..5], &opts, &mut |_, _| {}).is_err());
 }
 

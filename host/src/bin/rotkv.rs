@@ -37,7 +37,7 @@ enum Command {
     /// Every supported (head_dim, key bits, value bits, group) with its bytes per token.
     Configs,
     /// Perplexity of a GGUF model on a text with each KV method, decode-faithful (token
-    /// by token through the cache).
+    /// by token through the cache, or --chunk tokens per decode step).
     Ppl {
         /// A llama or qwen2 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
         #[arg(long)]
@@ -64,6 +64,13 @@ enum Command {
         /// A calibration file from `rotkv calibrate`, for the methods with -c, -r or -l.
         #[arg(long)]
         calib: Option<PathBuf>,
+        /// Tokens per decode step (1 to 64): each step appends this many tokens and decodes
+        /// them with one multi-token decode (causal rows), as speculative decoding verifies
+        /// a draft; 1 is token by token. Unquantized methods give the same perplexity up to
+        /// f32 rounding; with quantized pages a step's earlier rows also read the page its
+        /// later tokens pushed out of the window, which moves the perplexity a little.
+        #[arg(long, default_value_t = 1)]
+        chunk: usize,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -163,8 +170,8 @@ fn main() -> ExitCode {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
         Command::Configs => print_configs(&mut out),
-        Command::Ppl { model, text, ctx, windows, kv, backend, calib, json } => {
-            ppl(&mut out, &model, &text, ctx, windows, &kv, &backend, calib.as_deref(), json)
+        Command::Ppl { model, text, ctx, windows, kv, backend, calib, chunk, json } => {
+            ppl(&mut out, &model, &text, (ctx, windows, chunk), &kv, &backend, calib.as_deref(), json)
         }
         Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, optr_queries, out: path } => {
             calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps, optr_queries), &path)
@@ -417,8 +424,7 @@ fn ppl(
     out: &mut Out,
     model_path: &std::path::Path,
     text: &std::path::Path,
-    ctx: usize,
-    windows: usize,
+    (ctx, windows, chunk): (usize, usize, usize),
     kv: &[String],
     backend: &str,
     calib: Option<&std::path::Path>,
@@ -429,13 +435,17 @@ fn ppl(
     if ctx < 2 || windows == 0 {
         return Err(CliError::Lib(rotkv::Error::Shape(format!("{windows} windows of {ctx} tokens"))));
     }
+    if !(1..=rotkv::paged::MAX_Q_LEN).contains(&chunk) {
+        let max = rotkv::paged::MAX_Q_LEN;
+        return Err(CliError::Lib(rotkv::Error::Value(format!("--chunk {chunk}: 1 to {max} tokens per decode step"))));
+    }
     let (llama, ids) = model_and_tokens(model_path, text, ctx * windows)?;
     let wins: Vec<Vec<u32>> = ids.chunks_exact(ctx).take(windows).map(<[u32]>::to_vec).collect();
     let methods =
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
     let started = Instant::now();
-    let opts = model::PplOptions { backend, calibration };
+    let opts = model::PplOptions { backend, calibration, chunk };
     let results = model::perplexity(&llama, &wins, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
     bar.finish_and_clear();
     let base = results.iter().find(|r| !r.method.quantized).map(|r| r.ppl);
@@ -451,7 +461,7 @@ fn ppl(
             })
             .collect();
         let doc = serde_json::json!({
-            "model": file_name(model_path), "text": file_name(text), "ctx": ctx, "windows": windows,
+            "model": file_name(model_path), "text": file_name(text), "ctx": ctx, "windows": windows, "chunk": chunk,
             "backend": backend.name(), "calib": calib.map(file_name), "results": rows,
         });
         writeln!(out, "{doc}")?;
@@ -459,7 +469,7 @@ fn ppl(
     }
     writeln!(
         out,
-        "{} on {}: {windows} x {ctx} tokens ({} scored), backend {}, {:.0} s",
+        "{} on {}: {windows} x {ctx} tokens ({} scored), {chunk} per decode step, backend {}, {:.0} s",
         file_name(model_path),
         file_name(text),
         results[0].tokens,

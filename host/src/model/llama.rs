@@ -358,9 +358,11 @@ impl Attention for ExactAttention {
 /// exactly that one row in the batch is decode: its key and value are appended to the
 /// cache and its query decoded from the cache. Several rows of one sequence are a
 /// prefill of an empty sequence: they attend to each other exactly (unquantized, as a
-/// prefill kernel does) and are then appended. Rows must continue their sequence
-/// (positions `len, len + 1, ..` in batch order); every row is checked before anything
-/// is appended.
+/// prefill kernel does) and are then appended; with [`CacheAttention::multi_token_decode`]
+/// they are decoded instead, into any sequence: all appended, then one multi-token decode
+/// ([`crate::KvCache::decode_tokens`], as speculative decoding verifies a draft). Rows
+/// must continue their sequence (positions `len, len + 1, ..` in batch order); every row
+/// is checked before anything is appended.
 ///
 /// Sequence index `s` of a [`Row`] is sequence `slots[s].1` of cache `slots[s].0`.
 #[derive(Debug)]
@@ -369,6 +371,10 @@ pub struct CacheAttention {
     pub caches: Vec<crate::KvCache>,
     /// Row sequence index -> (cache, sequence of that cache).
     pub slots: Vec<(usize, crate::SeqId)>,
+    /// Several rows of one sequence in a batch are decoded from the cache (appended, then
+    /// one decode with `q_len` = their count) rather than prefilled exactly. Off by
+    /// default.
+    pub multi_token_decode: bool,
     prefill: ExactAttention,
 }
 
@@ -380,7 +386,7 @@ impl CacheAttention {
                 return Err(Error::Shape(format!("slot {s} names cache {c} of {}", caches.len())));
             }
         }
-        Ok(Self { caches, slots, prefill: ExactAttention::new(config) })
+        Ok(Self { caches, slots, multi_token_decode: false, prefill: ExactAttention::new(config) })
     }
 }
 
@@ -400,7 +406,7 @@ impl Attention for CacheAttention {
         for (&s, idx) in &per_seq {
             let (c, id) = self.slots[s];
             let have = self.caches[c].len(layer, id)?;
-            if idx.len() > 1 && have > 0 {
+            if idx.len() > 1 && have > 0 && !self.multi_token_decode {
                 return Err(Error::Unsupported(format!("a prefill of {} rows into non-empty sequence {s}", idx.len())));
             }
             for (j, &i) in idx.iter().enumerate() {
@@ -413,11 +419,12 @@ impl Attention for CacheAttention {
             }
         }
         // Prefills: exact attention among the rows, then the rows go to the cache.
-        let mut decode_rows: Vec<Vec<usize>> = vec![Vec::new(); self.caches.len()];
+        // Decodes are grouped by cache and by rows per sequence (one call each).
+        let mut decodes = std::collections::BTreeMap::<(usize, usize), Vec<&[usize]>>::new();
         for (&s, idx) in &per_seq {
             let (c, id) = self.slots[s];
-            if idx.len() == 1 {
-                decode_rows[c].push(idx[0]);
+            if idx.len() == 1 || self.multi_token_decode {
+                decodes.entry((c, idx.len())).or_default().push(idx);
                 continue;
             }
             let sub_rows: Vec<Row> = idx.iter().map(|&i| Row { seq: 0, pos: rows[i].pos }).collect();
@@ -432,19 +439,21 @@ impl Attention for CacheAttention {
                 out[i * qd..(i + 1) * qd].copy_from_slice(&so[j * qd..(j + 1) * qd]);
             }
         }
-        // Decodes: append each row's key and value, then one decode call per cache.
-        for (c, idx) in decode_rows.iter().enumerate() {
-            if idx.is_empty() {
-                continue;
+        // Decodes: append each sequence's rows, then one decode call per cache and rows per
+        // sequence (rows `[sequence][row]`, in batch order).
+        for ((c, q_len), seqs) in decodes {
+            let gather = |x: &[f32], w: usize, idx: &[usize]| -> Vec<f32> {
+                idx.iter().flat_map(|&i| x[i * w..(i + 1) * w].iter().copied()).collect()
+            };
+            let ids: Vec<crate::SeqId> = seqs.iter().map(|idx| self.slots[rows[idx[0]].seq].1).collect();
+            for (idx, &id) in seqs.iter().zip(&ids) {
+                self.caches[c].append(layer, id, q_len, &gather(k, kvd, idx), &gather(v, kvd, idx))?;
             }
-            let ids: Vec<crate::SeqId> = idx.iter().map(|&i| self.slots[rows[i].seq].1).collect();
-            for (&i, &id) in idx.iter().zip(&ids) {
-                self.caches[c].append(layer, id, 1, &k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd])?;
-            }
-            let qs: Vec<f32> = idx.iter().flat_map(|&i| q[i * qd..(i + 1) * qd].iter().copied()).collect();
+            let all: Vec<usize> = seqs.iter().flat_map(|idx| idx.iter().copied()).collect();
+            let qs = gather(q, qd, &all);
             let mut o = vec![0f32; qs.len()];
-            self.caches[c].decode(layer, &ids, &qs, &mut o)?;
-            for (j, &i) in idx.iter().enumerate() {
+            self.caches[c].decode_tokens(layer, &ids, q_len, &qs, &mut o)?;
+            for (j, &i) in all.iter().enumerate() {
                 out[i * qd..(i + 1) * qd].copy_from_slice(&o[j * qd..(j + 1) * qd]);
             }
         }

@@ -223,15 +223,23 @@ pub struct PplOptions {
     pub backend: Backend,
     /// The calibration that methods with `-c` or `-r` use.
     pub calibration: Option<calibrate::Calibration>,
+    /// Tokens per step (1 to [`crate::paged::MAX_Q_LEN`]): each step appends this many
+    /// tokens of every window and decodes them with one multi-token decode
+    /// ([`crate::KvCache::decode_tokens`]); 1 is token-by-token decode. Every token sees
+    /// the same positions either way, and the same stored rows unless a later token of its
+    /// step pushed a page of the window into quantization (its earlier rows then read
+    /// that page quantized, as a speculative decoder's verification rows would).
+    pub chunk: usize,
 }
 
 /// Perplexity of `model` on `windows` (token windows of equal length) for each method,
-/// decode-faithfully: every window is fed token by token, each step appends the token's
-/// keys and values to the method's cache and decodes its query from the cache, so the
-/// logits at position `t` see exactly what the decode kernel sees at step `t` (sinks and
-/// the recent window in f16, older tokens quantized). All methods and windows run as one
-/// batch. Token `t + 1` of a window is scored from the logits of position `t`.
-/// `progress(step, steps)` is called after each step.
+/// decode-faithfully: every window is fed `opts.chunk` tokens at a time (token by token
+/// at 1), each step appends the tokens' keys and values to the method's cache and
+/// decodes their queries from the cache (one multi-token decode, each row causal), so
+/// the logits at position `t` see what the decode kernel sees (sinks and the recent
+/// window in f16, older tokens quantized). All methods and windows run as one batch.
+/// Token `t + 1` of a window is scored from the logits of position `t`.
+/// `progress(done, positions)` is called after each step with the positions fed so far.
 pub fn perplexity(
     model: &Llama,
     windows: &[Vec<u32>],
@@ -246,6 +254,10 @@ pub fn perplexity(
     }
     if methods.is_empty() {
         return Err(Error::Value("no KV method given".into()));
+    }
+    let chunk = opts.chunk;
+    if !(1..=crate::paged::MAX_Q_LEN).contains(&chunk) {
+        return Err(Error::Value(format!("chunk of {chunk} tokens (1 to {})", crate::paged::MAX_Q_LEN)));
     }
     let shape = CacheShape {
         layers: c.layers,
@@ -319,17 +331,22 @@ pub fn perplexity(
         }
     }
     let mut attn = CacheAttention::new(c, caches, slots)?;
+    attn.multi_token_decode = true;
     let n = methods.len() * windows.len();
     let mut nll = vec![0f64; methods.len()];
-    for t in 0..ctx - 1 {
-        let rows: Vec<Row> = (0..n).map(|s| Row { seq: s, pos: t }).collect();
-        let tokens: Vec<u32> = (0..n).map(|s| windows[s % windows.len()][t]).collect();
+    let mut t = 0;
+    while t < ctx - 1 {
+        // Rows `[sequence][token]`: positions t .. t + step of every window of every method.
+        let step = chunk.min(ctx - 1 - t);
+        let rows: Vec<Row> = (0..n * step).map(|r| Row { seq: r / step, pos: t + r % step }).collect();
+        let tokens: Vec<u32> = rows.iter().map(|r| windows[r.seq % windows.len()][r.pos]).collect();
         let hidden = model.forward(&tokens, &rows, &mut attn, None, c.layers)?;
         let logits = model.logits(&hidden);
-        for (s, l) in logits.chunks_exact(c.vocab).enumerate() {
-            nll[s / windows.len()] += neg_log_softmax(l, windows[s % windows.len()][t + 1] as usize);
+        for (r, l) in rows.iter().zip(logits.chunks_exact(c.vocab)) {
+            nll[r.seq / windows.len()] += neg_log_softmax(l, windows[r.seq % windows.len()][r.pos + 1] as usize);
         }
-        progress(t + 1, ctx - 1);
+        t += step;
+        progress(t, ctx - 1);
     }
     let scored = windows.len() * (ctx - 1);
     methods
