@@ -38,7 +38,7 @@
 
 use crate::ctx::{Ctx, WARP};
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
-use crate::math::{exp2_neg, h2f, pack_f16x2};
+use crate::math::{exp2_neg, fma, h2f, pack_f16x2};
 use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS};
 
 /// Warps per block.
@@ -433,9 +433,21 @@ pub unsafe fn decode_mma<
     }
 
     // 4. Quantized pages, tiles of 16 tokens aligned to the first quantized position.
+    // Every offset inside a head-page that does not depend on the tile, computed once
+    // (the layout functions divide by the group size).
     let page_shift = fmt.page_size.trailing_zeros();
     let kcb = fmt.key_code_bytes() as usize;
     let vcb = fmt.value_code_bytes() as usize;
+    let page_bytes = fmt.page_bytes() as usize;
+    let head_stride = p.num_kv_heads as usize * page_bytes;
+    let head_base = kvh as usize * page_bytes;
+    let vcodes = fmt.value_codes_at(0) as usize;
+    let koff: [[usize; 2]; NG] = core::array::from_fn(|gi| {
+        [fmt.scale_at(false, gi as u32, 0) as usize, fmt.zero_at(false, gi as u32, 0) as usize]
+    });
+    let voff: [[usize; 2]; NG] = core::array::from_fn(|gi| {
+        [fmt.scale_at(true, gi as u32, 0) as usize, fmt.zero_at(true, gi as u32, 0) as usize]
+    });
     if lo_pos < hi_pos {
         let first = (lo_pos - qbeg) / TILE;
         let last = (hi_pos - qbeg).div_ceil(TILE);
@@ -446,7 +458,7 @@ pub unsafe fn decode_mma<
             let t0 = qbeg + rel;
             let slot0 = rel & (fmt.page_size - 1);
             let blk = unsafe { *table.add((rel >> page_shift) as usize) };
-            let base = unsafe { pool.add(fmt.page_offset(blk, kvh, p.num_kv_heads)) };
+            let base = unsafe { pool.add(blk as usize * head_stride + head_base) };
             // Protected positions of this tile (read as f16 rows above).
             while pn < p_hi && unsafe { *prot.add(pn as usize) } < t0 {
                 pn += 1;
@@ -479,19 +491,19 @@ pub unsafe fn decode_mma<
                 }
             }
             let sl = slot0 + 4 * t;
-            let ld4 = |at: u32| -> [f32; 4] {
-                let pp = unsafe { base.add(at as usize).cast::<u32>() };
+            let ld4 = |at: usize| -> [f32; 4] {
+                let pp = unsafe { base.add(at + 2 * sl as usize).cast::<u32>() };
                 let (a, b) = unsafe { (*pp, *pp.add(1)) };
                 [h2f(a as u16), h2f((a >> 16) as u16), h2f(b as u16), h2f((b >> 16) as u16)]
             };
             let mut s = [[0f32; 4]; 2];
             for gi in 0..NG {
-                let ksc = ld4(fmt.scale_at(false, gi as u32, sl));
-                let kz = ld4(fmt.zero_at(false, gi as u32, sl));
+                let ksc = ld4(koff[gi][0]);
+                let kz = ld4(koff[gi][1]);
                 for nt in 0..2 {
                     for c in 0..4 {
                         let tk = 2 * nt + (c & 1);
-                        s[nt][c] += sg[gi][nt][c] * (ksc[tk] * unscale_q) + kz[tk] * qs[c / 2][gi];
+                        s[nt][c] = fma(sg[gi][nt][c], ksc[tk] * unscale_q, fma(kz[tk], qs[c / 2][gi], s[nt][c]));
                     }
                 }
             }
@@ -507,8 +519,8 @@ pub unsafe fn decode_mma<
             // joined per 16-bit half.
             let mut a = [[0u32; 4]; NG];
             for (gi, ag) in a.iter_mut().enumerate() {
-                let vsc = ld4(fmt.scale_at(true, gi as u32, sl));
-                let vz = ld4(fmt.zero_at(true, gi as u32, sl));
+                let vsc = ld4(voff[gi][0]);
+                let vz = ld4(voff[gi][1]);
                 *ag = [
                     pack_f16x2(s[0][0] * vsc[0], s[0][1] * vsc[1]),
                     pack_f16x2(s[0][2] * vsc[0], s[0][3] * vsc[1]),
@@ -516,11 +528,11 @@ pub unsafe fn decode_mma<
                     pack_f16x2(s[1][2] * vsc[2], s[1][3] * vsc[3]),
                 ];
                 for r in 0..2 {
-                    zs[r][gi] +=
-                        s[0][2 * r] * vz[0] + s[0][2 * r + 1] * vz[1] + s[1][2 * r] * vz[2] + s[1][2 * r + 1] * vz[3];
+                    let z = fma(s[0][2 * r], vz[0], fma(s[0][2 * r + 1], vz[1], zs[r][gi]));
+                    zs[r][gi] = fma(s[1][2 * r], vz[2], fma(s[1][2 * r + 1], vz[3], z));
                 }
             }
-            let vbase = unsafe { base.add(fmt.value_codes_at(sl) as usize) };
+            let vbase = unsafe { base.add(vcodes + sl as usize * vcb) };
             for h in 0..(D * VB as usize / 128) {
                 let hw = |j: usize| -> u32 {
                     unsafe { *vbase.add(j * vcb + 2 * (8 * h + g as usize)).cast::<u16>() as u32 }

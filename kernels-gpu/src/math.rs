@@ -38,6 +38,25 @@ pub fn exp2_neg(x: f32) -> f32 {
     }
 }
 
+/// `a * b + c`: one `fma.rn.f32` on the device (Rust does not contract `a * b + c`);
+/// the product and the sum rounded separately elsewhere.
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r: f32;
+        // SAFETY: a pure arithmetic instruction.
+        unsafe {
+            core::arch::asm!("fma.rn.f32 {r}, {a}, {b}, {c};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, c = in(reg32) c, options(pure, nomem, nostack))
+        };
+        r
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        a * b + c
+    }
+}
+
 /// Two f32 rounded to f16 (to nearest even) in one `u32`, `lo` in the low half: one
 /// `cvt.rn.f16x2.f32` on the device.
 #[inline(always)]

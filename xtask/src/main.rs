@@ -455,7 +455,9 @@ fn build_ptx() -> Result<String, Step> {
         "-Zbuild-std=core",
         "--target-dir",
     ]);
-    c.arg(&target_dir).args(["--", "--emit=asm", "-C", "target-cpu=sm_80"]);
+    // Full unrolling of the fragment loops keeps their register arrays out of local
+    // memory (a dynamically indexed array lives on the stack).
+    c.arg(&target_dir).args(["--", "--emit=asm", "-C", "target-cpu=sm_80", "-C", "llvm-args=-unroll-threshold=4000"]);
     c.env("CARGO_PROFILE_RELEASE_DEBUG", "0").env("CARGO_PROFILE_RELEASE_PANIC", "abort");
     let status = c.status().map_err(|e| Step::Skipped(format!("cannot run the nightly cargo: {e}")))?;
     if !status.success() {

@@ -471,6 +471,7 @@ pub fn parse_gate(text: &str) -> Result<Gate, String> {
                     tokens: Tokens {
                         by_depth: r.opt_nums("tokens_per_iteration")?.unwrap_or_else(|| vec![1.0]),
                         by_path: r.loop_tokens()?.unwrap_or_default(),
+                        hot: r.opt_count("hot_loop")?.map(|k| k as usize),
                     },
                     loop_per,
                     bytes_in_flight_per_warp: r.opt_num("bytes_in_flight_per_warp")?.unwrap_or(0.0),
@@ -838,6 +839,9 @@ pub struct Tokens {
     /// Overrides for single loops by path ("1" the nest, "1.2" its second inner loop by
     /// address, ...); 0 marks a loop that does not run in the steady state (not charged).
     pub by_path: Vec<(String, f64)>,
+    /// Which outermost loop is the steady state (`hot_loop` in the gate file: the k-th by
+    /// address, from 1); `None`: the one with the most instructions.
+    pub hot: Option<usize>,
 }
 
 impl Tokens {
@@ -886,7 +890,14 @@ pub fn loop_paths(f: &Function, loops: &[Loop], root: usize) -> BTreeMap<usize, 
 /// gives tile work / T + per-token work.
 pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop> {
     let size = |l: &Loop| l.body.iter().map(|&b| block_mix(&f.blocks[b]).total).sum::<u64>();
-    let root = (0..loops.len()).filter(|&i| loops[i].depth == 1).max_by_key(|&i| (size(&loops[i]), usize::MAX - i))?;
+    let root = match tokens.hot {
+        Some(k) => {
+            let mut outer: Vec<usize> = (0..loops.len()).filter(|&i| loops[i].depth == 1).collect();
+            outer.sort_by_key(|&i| f.blocks[loops[i].header].pos);
+            *outer.get(k.checked_sub(1)?)?
+        }
+        None => (0..loops.len()).filter(|&i| loops[i].depth == 1).max_by_key(|&i| (size(&loops[i]), usize::MAX - i))?,
+    };
     let inner = innermost_loop(loops, f.blocks.len());
     let paths = loop_paths(f, loops, root);
     let mut per_token = 0.0;
@@ -1145,6 +1156,22 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             .ok_or_else(|| Step::Failed(format!("--dump: no entry point {entry}")))?;
         let hot = r.hot.as_ref().ok_or_else(|| Step::Failed(format!("--dump: {entry} has no hot loop nest")))?;
         let inner = innermost_loop(&r.loops, r.func.blocks.len());
+        // The outermost loops by address (the candidates of `hot_loop`).
+        let mut outer: Vec<usize> = (0..r.loops.len()).filter(|&i| r.loops[i].depth == 1).collect();
+        outer.sort_by_key(|&i| r.func.blocks[r.loops[i].header].pos);
+        println!();
+        println!("Outermost loops of {entry} on sm_90 by address (hot_loop = k picks the k-th):");
+        for (k, &i) in outer.iter().enumerate() {
+            let l = &r.loops[i];
+            let instrs: u64 = l.body.iter().map(|&b| block_mix(&r.func.blocks[b]).total).sum();
+            let hmma: u64 = l.body.iter().map(|&b| block_mix(&r.func.blocks[b]).hmma).sum();
+            println!(
+                "  {}: header {}, {} blocks, {instrs} instructions, {hmma} HMMA",
+                k + 1,
+                r.func.blocks[l.header].name,
+                l.body.len()
+            );
+        }
         let mut blocks = r.loops[hot.root].body.clone();
         blocks.sort_by_key(|&b| r.func.blocks[b].pos);
         println!();
@@ -1206,6 +1233,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             by_depth: c.tokens_per_iteration.clone().unwrap_or_else(|| fam.tokens.by_depth.clone()),
             // The case's loop paths first: they win over the family's.
             by_path: c.loop_tokens.iter().flatten().chain(&fam.tokens.by_path).cloned().collect(),
+            hot: fam.tokens.hot,
         };
         let per_token = hot_loop(&row.func, &row.loops, &tokens)
             .map(|h| h.per_token)
@@ -1354,7 +1382,7 @@ mod tests {
         assert_eq!((loops[inner].depth, loops[inner].parent), (2, Some(outer)));
 
         // Outer blocks: 13 + 3 + 4 + 12 + 12 = 44 instructions; the inner loop 22.
-        let by_depth = |d: &[f64]| Tokens { by_depth: d.to_vec(), by_path: Vec::new() };
+        let by_depth = |d: &[f64]| Tokens { by_depth: d.to_vec(), by_path: Vec::new(), hot: None };
         let hot = hot_loop(&f, &loops, &by_depth(&[1.0])).expect("a hot loop");
         assert_eq!((hot.root, hot.instrs), (outer, 66));
         assert_eq!(hot.paths[&outer], "1");
@@ -1364,7 +1392,7 @@ mod tests {
         assert_eq!(hot_loop(&f, &loops, &by_depth(&[1.0, 4.0])).expect("hot").per_token, 44.0 + 22.0 / 4.0);
         assert_eq!(hot_loop(&f, &loops, &by_depth(&[2.0])).expect("hot").per_token, 33.0);
         // By path; 0 leaves a loop uncharged.
-        let t = Tokens { by_depth: vec![1.0], by_path: vec![("1.1".into(), 0.0)] };
+        let t = Tokens { by_depth: vec![1.0], by_path: vec![("1.1".into(), 0.0)], hot: None };
         assert_eq!(hot_loop(&f, &loops, &t).expect("hot").per_token, 44.0);
     }
 
