@@ -11,15 +11,21 @@ use rotkv_tests::{Data, Rng, learned_calibration, random_calibration, rel_err, r
 
 #[test]
 fn sim_decode_split_and_merge_match_the_reference() {
-    // (head_dim, key bits, value bits, group, GQA, length, splits)
+    // (head_dim, key bits, value bits, group, GQA, length, splits, query tokens): both
+    // kernels (decode_mma for groups of 64+ channels and 3+ rows), two groups per head,
+    // two row tiles (GQA 8 x 3 query tokens), protected positions in quantized tiles.
     let cases = [
-        (64, 2, 2, 32, 3, 90, 3),
-        (64, 4, 2, 64, 1, 1, 4),
-        (128, 2, 4, 128, 8, 70, 2),
-        (256, 4, 4, 64, 2, 53, 1),
-        (128, 4, 2, 32, 7, 40, 5),
+        (64, 2, 2, 32, 3, 90, 3, 1),
+        (64, 4, 2, 64, 1, 1, 4, 1),
+        (128, 2, 4, 128, 8, 70, 2, 1),
+        (256, 4, 4, 64, 2, 53, 1, 1),
+        (128, 4, 2, 32, 7, 40, 5, 1),
+        (64, 4, 4, 64, 3, 61, 2, 1),
+        (128, 4, 2, 64, 4, 75, 1, 2),
+        (128, 2, 2, 64, 8, 66, 3, 3),
+        (64, 2, 4, 64, 1, 45, 2, 4),
     ];
-    for (i, &(d, kb, vb, g, gqa, len, splits)) in cases.iter().enumerate() {
+    for (i, &(d, kb, vb, g, gqa, len, splits, q_len)) in cases.iter().enumerate() {
         let config = CacheConfig {
             head_dim: d,
             key_bits: kb,
@@ -75,7 +81,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             )
             .unwrap();
         }
-        let q = rows(Data::Normal, 2 * hkv * gqa, d, 30 + i as u64);
+        let q = rows(Data::Normal, 2 * q_len * hkv * gqa, d, 30 + i as u64);
         let fmt = config.format().unwrap();
         let hq = hkv * gqa;
         let p = DecodeParams {
@@ -87,8 +93,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             block_table_stride: 0,
             flags: config.flags() | calib.flags(),
             sm_scale: 1.0 / (d as f32).sqrt(),
-            q_seq_stride: (hq * d) as u32,
-            q_len: 1,
+            q_seq_stride: (q_len * hq * d) as u32,
+            q_len: q_len as u32,
         };
         let seqs: Vec<SeqRef<'_>> = (0..2)
             .map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si], protected: &protected[si] })
@@ -96,7 +102,10 @@ fn sim_decode_split_and_merge_match_the_reference() {
         // The tensor-core kernel rounds the rotated query and the softmax weights (times
         // the value scales) to f16 (relative error up to 2^-11 each): its partials are
         // compared at 3e-3, the CUDA-core kernel's (f32 throughout) at f32 precision.
-        let mma = matches!(rotkv::launch::decode_kernel(&fmt, gqa as u32, 1), rotkv::launch::DecodeKernel::Mma { .. });
+        let mma = matches!(
+            rotkv::launch::decode_kernel(&fmt, gqa as u32, q_len as u32),
+            rotkv::launch::DecodeKernel::Mma { .. }
+        );
         let (tol_m, tol_o) = if mma { (3e-3, 3e-3) } else { (1e-5, 2e-5) };
         let want = reference::decode_partials(&p, &calib, pool.bytes(), &seqs, &q);
         let (m, l, o) = rotkv::sim::decode_split_sim(&p, &calib, pool.bytes(), &seqs, &q).unwrap();
@@ -116,16 +125,16 @@ fn sim_decode_split_and_merge_match_the_reference() {
         // Merged by the emulated merge kernel: the reference decode.
         let inv = calib.value_perm_inverse(d);
         let mp = MergeParams {
-            num_seqs: 2,
+            num_seqs: 2 * q_len as u32,
             num_q_heads: hq as u32,
             num_kv_heads: hkv as u32,
             head_dim: d as u32,
             num_splits: splits,
             flags: config.flags() | calib.flags(),
         };
-        let mut out = vec![0f32; 2 * hq * d];
+        let mut out = vec![0f32; 2 * q_len * hq * d];
         rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, calib.value_rotation.as_deref(), &mut out).unwrap();
-        let mut expect = vec![0f32; 2 * hq * d];
+        let mut expect = vec![0f32; 2 * q_len * hq * d];
         reference::decode(&p, &calib, pool.bytes(), &seqs, &q, &mut expect);
         let e = rel_err(&out, &expect);
         eprintln!("case {i} ({}): merged rel err {e:.2e}", if mma { "decode_mma" } else { "decode_split" });
