@@ -119,13 +119,32 @@ struct Tok {
     ok: [bool; 4],
 }
 
+/// One quantized tile's raw bytes for one lane: key code words `[n-tile][block]`, value
+/// code words `[half-word set][token pair]`, and per group the key and value scale and
+/// zero words of tokens `4t .. 4t + 4` (two f16 per word). Sized for the largest
+/// configuration; smaller ones leave entries unused (and the compiler drops them).
+#[derive(Clone, Copy)]
+struct Raw<const NG: usize> {
+    kw: [[u32; 4]; 2],
+    vw: [[u32; 2]; 4],
+    ks: [[u32; 4]; NG],
+    vs: [[u32; 4]; NG],
+}
+
+impl<const NG: usize> Default for Raw<NG> {
+    fn default() -> Self {
+        Self { kw: [[0; 4]; 2], vw: [[0; 2]; 4], ks: [[0; 4]; NG], vs: [[0; 4]; NG] }
+    }
+}
+
 /// Online-softmax state of the lane's two rows (`g` and `g + 8`), log2 domain.
 struct Soft {
     m: [f32; 2],
     l: [f32; 2],
 }
 
-/// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`) and
+/// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`; a
+/// warp-uniform `interior` tile needs no mask) and
 /// updates the online softmax: the running max per row over the warp, the rescaling of
 /// `o` and `z` when it grows, and `s` replaced by `p = 2^(s - m)`.
 #[inline(always)]
@@ -135,14 +154,17 @@ fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
     s: &mut [[f32; 4]; 2],
     tok: &Tok,
     lim: [u32; 2],
+    interior: bool,
     o: &mut [[f32; 4]; NVT],
     z: &mut [[f32; NG]; 2],
 ) {
-    for nt in 0..2 {
-        for c in 0..4 {
-            let k = 2 * nt + (c & 1);
-            if !tok.ok[k] || tok.pos[k] >= lim[c / 2] {
-                s[nt][c] = f32::NEG_INFINITY;
+    if !interior {
+        for nt in 0..2 {
+            for c in 0..4 {
+                let k = 2 * nt + (c & 1);
+                if !tok.ok[k] || tok.pos[k] >= lim[c / 2] {
+                    s[nt][c] = f32::NEG_INFINITY;
+                }
             }
         }
     }
@@ -334,9 +356,6 @@ pub unsafe fn decode_mma<
         e += THREADS as usize;
     }
     ctx.sync_threads();
-    let aq: [[u32; 4]; NKS] = core::array::from_fn(|ks| {
-        core::array::from_fn(|r| unsafe { *aq_sh.add((ks * WARP as usize + lane as usize) * 4 + r) })
-    });
     let qs: [[f32; NG]; 2] =
         core::array::from_fn(|r| core::array::from_fn(|gi| unsafe { *qsum_sh.add((g as usize + 8 * r) * NG + gi) }));
     // Causal limit of the lane's two rows: positions below it are visible.
@@ -407,7 +426,7 @@ pub unsafe fn decode_mma<
         }
         let toks: [(u32, u32, bool); 4] = core::array::from_fn(|j| f16_row(f0 + 4 * t + j as u32));
         let tok = Tok { pos: toks.map(|x| x.0), ok: toks.map(|x| x.2) };
-        softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, &mut o, &mut zs);
+        softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, false, &mut o, &mut zs);
         let a = [
             pack_f16x2(s[0][0], s[0][1]),
             pack_f16x2(s[0][2], s[0][3]),
@@ -448,17 +467,53 @@ pub unsafe fn decode_mma<
     let voff: [[usize; 2]; NG] = core::array::from_fn(|gi| {
         [fmt.scale_at(true, gi as u32, 0) as usize, fmt.zero_at(true, gi as u32, 0) as usize]
     });
+    // One tile's raw bytes for this lane, loaded one iteration ahead of their use.
+    let nbk = D * KB as usize / 128;
+    let nh = D * VB as usize / 128;
+    let load = |tile: u32| -> Raw<NG> {
+        let rel = tile * TILE;
+        let slot0 = (rel & (fmt.page_size - 1)) as usize;
+        let blk = unsafe { *table.add((rel >> page_shift) as usize) };
+        let base = unsafe { pool.add(blk as usize * head_stride + head_base) };
+        let mut r = Raw::<NG>::default();
+        for nt in 0..2 {
+            let kp = unsafe { base.add((slot0 + tile_token(nt as u32, g) as usize) * kcb).cast::<u32>() };
+            for b in 0..nbk {
+                r.kw[nt][b & 3] = unsafe { *kp.add(4 * b + t as usize) };
+            }
+        }
+        let sl = slot0 + 4 * t as usize;
+        let ld2 = |at: usize| -> [u32; 2] {
+            let pp = unsafe { base.add(at + 2 * sl).cast::<u32>() };
+            unsafe { [*pp, *pp.add(1)] }
+        };
+        for gi in 0..NG {
+            let (a, b, c, d) = (ld2(koff[gi][0]), ld2(koff[gi][1]), ld2(voff[gi][0]), ld2(voff[gi][1]));
+            r.ks[gi] = [a[0], a[1], b[0], b[1]];
+            r.vs[gi] = [c[0], c[1], d[0], d[1]];
+        }
+        let vbase = unsafe { base.add(vcodes + sl * vcb) };
+        for h in 0..nh {
+            let hw =
+                |j: usize| -> u32 { unsafe { *vbase.add(j * vcb + 2 * (8 * h + g as usize)).cast::<u16>() as u32 } };
+            r.vw[h & 3] = [hw(0) | hw(1) << 16, hw(2) | hw(3) << 16];
+        }
+        r
+    };
+    let f16x4 = |w: [u32; 2]| -> [f32; 4] {
+        [h2f(w[0] as u16), h2f((w[0] >> 16) as u16), h2f(w[1] as u16), h2f((w[1] >> 16) as u16)]
+    };
     if lo_pos < hi_pos {
         let first = (lo_pos - qbeg) / TILE;
         let last = (hi_pos - qbeg).div_ceil(TILE);
+        let min_lim = lim[0].min(lim[1]);
         let mut pn = p_lo;
         let mut tile = first + warp;
+        let mut raw = if tile < last { load(tile) } else { Raw::default() };
         while tile < last {
-            let rel = tile * TILE;
-            let t0 = qbeg + rel;
-            let slot0 = rel & (fmt.page_size - 1);
-            let blk = unsafe { *table.add((rel >> page_shift) as usize) };
-            let base = unsafe { pool.add(blk as usize * head_stride + head_base) };
+            let next = tile + WARPS;
+            let ahead = if next < last { load(next) } else { raw };
+            let t0 = qbeg + tile * TILE;
             // Protected positions of this tile (read as f16 rows above).
             while pn < p_hi && unsafe { *prot.add(pn as usize) } < t0 {
                 pn += 1;
@@ -473,33 +528,28 @@ pub unsafe fn decode_mma<
                 pmask |= 1 << (pp - t0);
                 jp += 1;
             }
-            // Scores.
+            // Scores: each k-step's query fragment read once from shared memory for both
+            // n-tiles.
             let mut sg = [[[0f32; 4]; 2]; NG];
-            for nt in 0..2 {
-                let slot = slot0 + tile_token(nt, g);
-                let kp = unsafe { base.add(slot as usize * kcb).cast::<u32>() };
-                for b in 0..(D * KB as usize / 128) {
-                    let w = unsafe { *kp.add(4 * b + t as usize) };
-                    let x = w >> (KB * direct(KB));
-                    let gi = clamp_idx(b * (128 / KB as usize) / gsize as usize, NG);
-                    for s in 0..ks_per_block {
-                        let j = 2 * s as u32;
-                        let bf = [extract(KB, w, x, j), extract(KB, w, x, j + 1)];
-                        let (nt, ks) = (nt as usize & 1, clamp_idx(b * ks_per_block + s, NKS));
-                        sg[gi][nt] = ctx.mma_m16n8k16(aq[ks], bf, sg[gi][nt]);
+            for b in 0..nbk {
+                let w = [raw.kw[0][b & 3], raw.kw[1][b & 3]];
+                let x = [w[0] >> (KB * direct(KB)), w[1] >> (KB * direct(KB))];
+                let gi = clamp_idx(b * (128 / KB as usize) / gsize as usize, NG);
+                for s in 0..ks_per_block {
+                    let ks = clamp_idx(b * ks_per_block + s, NKS);
+                    let a: [u32; 4] =
+                        core::array::from_fn(|r| unsafe { *aq_sh.add((ks * WARP as usize + lane as usize) * 4 + r) });
+                    let j = 2 * s as u32;
+                    for nt in 0..2 {
+                        let bf = [extract(KB, w[nt], x[nt], j), extract(KB, w[nt], x[nt], j + 1)];
+                        sg[gi][nt] = ctx.mma_m16n8k16(a, bf, sg[gi][nt]);
                     }
                 }
             }
-            let sl = slot0 + 4 * t;
-            let ld4 = |at: usize| -> [f32; 4] {
-                let pp = unsafe { base.add(at + 2 * sl as usize).cast::<u32>() };
-                let (a, b) = unsafe { (*pp, *pp.add(1)) };
-                [h2f(a as u16), h2f((a >> 16) as u16), h2f(b as u16), h2f((b >> 16) as u16)]
-            };
             let mut s = [[0f32; 4]; 2];
             for gi in 0..NG {
-                let ksc = ld4(koff[gi][0]);
-                let kz = ld4(koff[gi][1]);
+                let ksc = f16x4([raw.ks[gi][0], raw.ks[gi][1]]);
+                let kz = f16x4([raw.ks[gi][2], raw.ks[gi][3]]);
                 for nt in 0..2 {
                     for c in 0..4 {
                         let tk = 2 * nt + (c & 1);
@@ -507,6 +557,9 @@ pub unsafe fn decode_mma<
                     }
                 }
             }
+            // Only tiles at the split's ends, with protected positions or under a causal
+            // limit mask anything.
+            let interior = t0 >= lo_pos && t0 + TILE <= hi_pos && pmask == 0 && t0 + TILE <= min_lim;
             let tok = Tok {
                 pos: core::array::from_fn(|j| t0 + 4 * t + j as u32),
                 ok: core::array::from_fn(|j| {
@@ -514,13 +567,13 @@ pub unsafe fn decode_mma<
                     pos >= lo_pos && pos < hi_pos && pmask & (1 << (4 * t + j as u32)) == 0
                 }),
             };
-            softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, &mut o, &mut zs);
+            softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, interior, &mut o, &mut zs);
             // Values: P' = p * scale per group; codes of tokens (4t, 4t+1) and (4t+2, 4t+3)
             // joined per 16-bit half.
             let mut a = [[0u32; 4]; NG];
             for (gi, ag) in a.iter_mut().enumerate() {
-                let vsc = ld4(voff[gi][0]);
-                let vz = ld4(voff[gi][1]);
+                let vsc = f16x4([raw.vs[gi][0], raw.vs[gi][1]]);
+                let vz = f16x4([raw.vs[gi][2], raw.vs[gi][3]]);
                 *ag = [
                     pack_f16x2(s[0][0] * vsc[0], s[0][1] * vsc[1]),
                     pack_f16x2(s[0][2] * vsc[0], s[0][3] * vsc[1]),
@@ -532,13 +585,8 @@ pub unsafe fn decode_mma<
                     zs[r][gi] = fma(s[1][2 * r], vz[2], fma(s[1][2 * r + 1], vz[3], z));
                 }
             }
-            let vbase = unsafe { base.add(vcodes + sl as usize * vcb) };
-            for h in 0..(D * VB as usize / 128) {
-                let hw = |j: usize| -> u32 {
-                    unsafe { *vbase.add(j * vcb + 2 * (8 * h + g as usize)).cast::<u16>() as u32 }
-                };
-                let wa = hw(0) | hw(1) << 16;
-                let wb = hw(2) | hw(3) << 16;
+            for h in 0..nh {
+                let [wa, wb] = raw.vw[h & 3];
                 let (xa, xb) = (wa >> (VB * direct(VB)), wb >> (VB * direct(VB)));
                 let gi = clamp_idx(h * (128 / VB as usize) / gsize as usize, NG);
                 for ev in 0..cph_v {
@@ -547,7 +595,8 @@ pub unsafe fn decode_mma<
                     o[n] = ctx.mma_m16n8k16(a[gi], bf, o[n]);
                 }
             }
-            tile += WARPS;
+            raw = ahead;
+            tile = next;
         }
     }
 
