@@ -18,13 +18,14 @@
 //!   and f16) before each block, so reading what no thread wrote shows up.
 
 use crate::ctx::{Ctx, WARP};
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::boxed::Box;
 use std::cell::{RefCell, UnsafeCell};
 use std::collections::VecDeque;
 use std::format;
 use std::string::{String, ToString};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::OnceLock;
+use std::thread::Thread;
 use std::vec::Vec;
 
 /// Why a launch failed.
@@ -39,48 +40,97 @@ impl core::fmt::Display for SimError {
 
 impl std::error::Error for SimError {}
 
-/// A barrier that knows how many threads are still running. Waiters spin on the
-/// generation counter with `yield_now` (much cheaper than a condition variable when 32
-/// threads meet at every shuffle).
+/// A barrier that knows how many threads are still running, for the `members` of a block
+/// or a warp (the OS threads that serve them).
+///
+/// Arrivals and departures update one atomic word. A waiter yields its core a few times
+/// (enough when the members advance in step: the ones it waits for run meanwhile), then
+/// parks; the thread that opens the barrier (the last to arrive, or a finishing thread,
+/// [`SimBarrier::leave`]) unparks the members. Yielding forever instead of parking wastes
+/// the cores when many more emulated threads than cores wait on a few (a warp's shuffles
+/// while the other warps of a 128-thread block wait at `sync_threads`); parking at once
+/// costs a futex wake-up per member per barrier when they do advance in step.
 #[derive(Debug)]
 struct SimBarrier {
-    /// Low 32 bits: threads arrived; high 32 bits: threads still running.
-    state: Mutex<(u32, u32)>,
-    generation: AtomicU32,
+    /// Bits 0..16: threads arrived at the current generation; bits 16..32: threads still
+    /// running; bits 32..64: the generation, bumped each time the barrier opens.
+    state: AtomicU64,
 }
+
+const ARRIVED: u64 = 0xffff;
+const ONE_RUNNING: u64 = 1 << 16;
+const ONE_GENERATION: u64 = 1 << 32;
+
+/// Times a waiter yields (re-checking the barrier word) before it parks.
+const YIELDS: u32 = 8;
 
 impl SimBarrier {
     fn new(n: u32) -> Self {
-        Self { state: Mutex::new((0, n)), generation: AtomicU32::new(0) }
+        Self { state: AtomicU64::new(u64::from(n) * ONE_RUNNING) }
     }
 
-    fn lock(&self) -> MutexGuard<'_, (u32, u32)> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The state after `s` with `arrived` threads arrived and `running` running: the
+    /// barrier opens (next generation, none arrived) when every running thread arrived.
+    fn next(s: u64, arrived: u64, running: u64) -> (u64, bool) {
+        let generation = s & !(ONE_GENERATION - 1);
+        if arrived > 0 && arrived == running {
+            (generation.wrapping_add(ONE_GENERATION) | (running * ONE_RUNNING), true)
+        } else {
+            (generation | (running * ONE_RUNNING) | arrived, false)
+        }
     }
 
-    fn wait(&self) {
-        let generation = self.generation.load(Ordering::SeqCst);
-        {
-            let mut s = self.lock();
-            s.0 += 1;
-            if s.0 == s.1 {
-                s.0 = 0;
-                self.generation.fetch_add(1, Ordering::SeqCst);
-                return;
+    /// Applies `f` (arrived, running -> arrived, running) atomically; returns the state
+    /// before and whether the barrier opened.
+    fn update(&self, f: impl Fn(u64, u64) -> (u64, u64)) -> (u64, bool) {
+        let mut s = self.state.load(Ordering::SeqCst);
+        loop {
+            let (arrived, running) = f(s & ARRIVED, (s >> 16) & ARRIVED);
+            let (new, opened) = Self::next(s, arrived, running);
+            match self.state.compare_exchange_weak(s, new, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return (s, opened),
+                Err(now) => s = now,
             }
         }
-        while self.generation.load(Ordering::SeqCst) == generation {
-            std::thread::yield_now();
+    }
+
+    /// Unparks every member but `me` (a member not parked keeps the token, and its next
+    /// `park` returns at once: waiters re-check the barrier word).
+    fn open(members: &[OnceLock<Thread>], me: usize) {
+        for (i, m) in members.iter().enumerate() {
+            if i != me
+                && let Some(t) = m.get()
+            {
+                t.unpark();
+            }
         }
     }
 
-    /// A thread finished (normally or not): it no longer holds up the barrier.
-    fn leave(&self) {
-        let mut s = self.lock();
-        s.1 -= 1;
-        if s.0 > 0 && s.0 == s.1 {
-            s.0 = 0;
-            self.generation.fetch_add(1, Ordering::SeqCst);
+    /// Waits until every running member arrived; `me` is the caller's index in `members`.
+    fn wait(&self, members: &[OnceLock<Thread>], me: usize) {
+        let (s, opened) = self.update(|arrived, running| (arrived + 1, running));
+        if opened {
+            Self::open(members, me);
+            return;
+        }
+        let generation = s >> 32;
+        let closed = || self.state.load(Ordering::SeqCst) >> 32 == generation;
+        for _ in 0..YIELDS {
+            if !closed() {
+                return;
+            }
+            std::thread::yield_now();
+        }
+        while closed() {
+            std::thread::park();
+        }
+    }
+
+    /// A member finished (normally or not): it no longer holds up the barrier.
+    fn leave(&self, members: &[OnceLock<Thread>], me: usize) {
+        let (_, opened) = self.update(|arrived, running| (arrived, running - 1));
+        if opened {
+            Self::open(members, me);
         }
     }
 }
@@ -168,6 +218,8 @@ pub struct SimCtx<'a> {
     block_dim: u32,
     grid_dim: [u32; 3],
     block: &'a Block,
+    /// The OS threads serving the block's threads, by thread index (for unparking).
+    members: &'a [OnceLock<Thread>],
     cp_async: RefCell<CpAsync>,
 }
 
@@ -192,7 +244,8 @@ impl SimCtx<'_> {
         }
         let tag = n.wrapping_shl(1) | kind;
         mine[0].store(tag, Ordering::SeqCst);
-        warp.barrier.wait();
+        let base = (self.thread / WARP * WARP) as usize;
+        warp.barrier.wait(&self.members[base..base + WARP as usize], self.lane() as usize);
         (slots, tag)
     }
 
@@ -245,7 +298,7 @@ impl Ctx for SimCtx<'_> {
     }
     fn sync_threads(&self) {
         self.block.passed[self.thread as usize].0.fetch_add(1, Ordering::SeqCst);
-        self.block.barrier.wait();
+        self.block.barrier.wait(self.members, self.thread as usize);
     }
     fn shfl_xor(&self, v: f32, mask: u32) -> f32 {
         f32::from_bits(self.shuffle(v.to_bits(), self.lane() ^ mask))
@@ -322,12 +375,16 @@ impl Ctx for SimCtx<'_> {
 }
 
 /// Leaves the block's barriers when a thread ends, however it ends.
-struct Leave<'a>(&'a Block, u32);
+struct Leave<'a>(&'a Block, &'a [OnceLock<Thread>], u32);
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        self.0.warps[(self.1 / WARP) as usize].barrier.leave();
-        self.0.barrier.leave();
+        let Self(block, members, thread) = *self;
+        let base = (thread / WARP * WARP) as usize;
+        block.warps[(thread / WARP) as usize]
+            .barrier
+            .leave(&members[base..base + WARP as usize], (thread % WARP) as usize);
+        block.barrier.leave(members, thread as usize);
     }
 }
 
@@ -403,20 +460,23 @@ where
     let indices: Vec<[u32; 3]> =
         (0..grid[2]).flat_map(|z| (0..grid[1]).flat_map(move |y| (0..grid[0]).map(move |x| [x, y, z]))).collect();
     let blocks: Vec<Block> = indices.iter().map(|_| Block::new(block_dim, shared_bytes)).collect();
+    let members: Vec<OnceLock<Thread>> = (0..block_dim).map(|_| OnceLock::new()).collect();
     let failures: Vec<(usize, String)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..block_dim)
             .map(|thread| {
-                let (blocks, indices, kernel) = (&blocks, &indices, &kernel);
+                let (blocks, indices, kernel, members) = (&blocks, &indices, &kernel, &members[..]);
                 std::thread::Builder::new().stack_size(256 << 10).spawn_scoped(s, move || {
+                    let _ = members[thread as usize].set(std::thread::current());
                     let mut failed = Vec::new();
                     for (b, block) in blocks.iter().enumerate() {
-                        let _leave = Leave(block, thread);
+                        let _leave = Leave(block, members, thread);
                         let ctx = SimCtx {
                             thread,
                             block_idx: indices[b],
                             block_dim,
                             grid_dim: grid,
                             block,
+                            members,
                             cp_async: RefCell::default(),
                         };
                         if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&ctx))) {
