@@ -215,3 +215,40 @@ fn calibration_with_a_missing_layer_is_an_error() {
     let e = Calibration::from_safetensors(&calibration_file(with_extra)).unwrap_err();
     assert!(e.to_string().contains("layer7.extra"), "{e}");
 }
+
+// ---- finding 3: resource limits of hostile files --------------------------------------
+
+#[test]
+fn gguf_metadata_arrays_are_bounded_by_the_file_and_a_budget() {
+    // 5 MB of booleans would be 160 MB of values: refused before anything is allocated.
+    let file = gguf_bytes(&[("junk", Meta::Bools(5_000_000))], &[]);
+    let e = Gguf::parse(file).unwrap_err();
+    assert!(e.to_string().contains("elements in all"), "{e}");
+    // Within the budget it parses.
+    let g = Gguf::parse(gguf_bytes(&[("flags", Meta::Bools(1000))], &[])).unwrap();
+    assert!(matches!(&g.metadata["flags"], rotkv::model::gguf::Value::Array(v) if v.len() == 1000));
+    // An array of u64 counted past the end of the file.
+    let mut file = gguf_bytes(&[("flags", Meta::Bools(64))], &[]);
+    let at = file.windows(5).position(|w| w == b"flags").unwrap() + 5 + 4; // key, array type
+    file[at..at + 4].copy_from_slice(&10u32.to_le_bytes()); // element type u64
+    let e = Gguf::parse(file).unwrap_err();
+    assert!(e.to_string().contains("larger than the rest of the file"), "{e}");
+}
+
+#[test]
+fn gguf_alignment_must_be_a_power_of_two_and_offsets_aligned() {
+    let (mut meta, tensors) = llama_gguf(2, 64);
+    let g = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap();
+    assert!(Llama::from_gguf(&g).is_ok());
+    for bad in [0, 3, 48] {
+        meta.push(("general.alignment", Meta::U32(bad)));
+        let e = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap_err();
+        assert!(e.to_string().contains("alignment"), "{bad}: {e}");
+        meta.pop();
+    }
+    meta.push(("general.alignment", Meta::U32(32)));
+    assert!(Gguf::parse(gguf_bytes(&meta, &tensors)).is_ok());
+    // One tensor 4 bytes off its aligned place.
+    let e = Gguf::parse(gguf_bytes_at(&meta, &tensors, &|i, o| if i == 3 { o + 4 } else { o })).unwrap_err();
+    assert!(e.to_string().contains("blk.0.attn_q.weight") && e.to_string().contains("not aligned"), "{e}");
+}
