@@ -252,3 +252,84 @@ fn gguf_alignment_must_be_a_power_of_two_and_offsets_aligned() {
     let e = Gguf::parse(gguf_bytes_at(&meta, &tensors, &|i, o| if i == 3 { o + 4 } else { o })).unwrap_err();
     assert!(e.to_string().contains("blk.0.attn_q.weight") && e.to_string().contains("not aligned"), "{e}");
 }
+
+/// The byte-level vocabulary (256 byte characters), letter pairs (merges in a shuffled
+/// order) and some 4-letter merges of those pairs, ranked after them.
+fn letter_tokenizer() -> (rotkv::model::tokenizer::Tokenizer, Vec<(String, String)>, Vec<String>) {
+    let mut tokens: Vec<String> = Vec::new();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        tokens.push(if printable {
+            char::from_u32(b).unwrap().to_string()
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra).unwrap().to_string()
+        });
+    }
+    let mut r = Rng::new(7);
+    let letters: Vec<char> = ('a'..='z').collect();
+    let mut pairs: Vec<(String, String)> =
+        letters.iter().flat_map(|&a| letters.iter().map(move |&b| (a.to_string(), b.to_string()))).collect();
+    for i in (1..pairs.len()).rev() {
+        pairs.swap(i, r.below(i + 1));
+    }
+    let mut merges = pairs.clone();
+    for _ in 0..2000 {
+        let (a, b) = (&pairs[r.below(pairs.len())], &pairs[r.below(pairs.len())]);
+        merges.push((format!("{}{}", a.0, a.1), format!("{}{}", b.0, b.1)));
+    }
+    for (a, b) in &merges {
+        tokens.push(format!("{a}{b}"));
+    }
+    let lines: Vec<String> = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let tok = rotkv::model::tokenizer::Tokenizer::new(
+        tokens.clone(),
+        &refs,
+        rotkv::model::tokenizer::Digits::Pattern,
+        [None; 3],
+    )
+    .unwrap();
+    (tok, merges, tokens)
+}
+
+/// BPE as a pass per rank: merge every occurrence of the lowest-ranked pair, left to
+/// right, until none is left (quadratic; the definition the fast merge must match).
+fn bpe_by_passes(word: &str, merges: &[(String, String)], tokens: &[String]) -> Vec<u32> {
+    let ranks: std::collections::HashMap<(&str, &str), usize> =
+        merges.iter().enumerate().rev().map(|(i, (a, b))| ((a.as_str(), b.as_str()), i)).collect();
+    let mut parts: Vec<String> = word.chars().map(String::from).collect();
+    while let Some(best) = parts.windows(2).filter_map(|w| ranks.get(&(w[0].as_str(), w[1].as_str())).copied()).min() {
+        let mut merged = Vec::new();
+        let mut i = 0;
+        while i < parts.len() {
+            if i + 1 < parts.len() && ranks.get(&(parts[i].as_str(), parts[i + 1].as_str())) == Some(&best) {
+                merged.push(format!("{}{}", parts[i], parts[i + 1]));
+                i += 2;
+            } else {
+                merged.push(parts[i].clone());
+                i += 1;
+            }
+        }
+        parts = merged;
+    }
+    parts.iter().map(|p| tokens.iter().position(|t| t == p).unwrap() as u32).collect()
+}
+
+#[test]
+fn bpe_of_a_64_kb_word_is_fast_and_merges_as_before() {
+    let (tok, merges, tokens) = letter_tokenizer();
+    let mut r = Rng::new(11);
+    let word = |n: usize, r: &mut Rng| -> String { (0..n).map(|_| (b'a' + r.below(26) as u8) as char).collect() };
+    for n in [1, 2, 3, 17, 300, 2000] {
+        let w = word(n, &mut r);
+        assert_eq!(tok.encode(&w), bpe_by_passes(&w, &merges, &tokens), "word of {n} letters");
+    }
+    let long = word(64 * 1024, &mut r);
+    let started = std::time::Instant::now();
+    let ids = tok.encode(&long);
+    let secs = started.elapsed().as_secs_f64();
+    assert_eq!(tok.decode(&ids), long);
+    assert!(secs < 5.0, "a 64 KB word took {secs:.1} s to encode");
+}
