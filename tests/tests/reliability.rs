@@ -333,3 +333,12 @@ fn bpe_of_a_64_kb_word_is_fast_and_merges_as_before() {
     assert_eq!(tok.decode(&ids), long);
     assert!(secs < 5.0, "a 64 KB word took {secs:.1} s to encode");
 }
+
+#[test]
+fn generate_with_too_many_steps_is_an_error() {
+    let (meta, tensors) = llama_gguf(2, 64);
+    let m = Llama::from_gguf(&Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap()).unwrap();
+    let e =
+        rotkv::model::generate(&m, &[1, 2], usize::MAX, rotkv::CacheConfig::k2v2(64), rotkv::Backend::Cpu).unwrap_err();
+    assert!(matches!(e, Error::Capacity(_)) && e.to_string().contains("too many tokens"), "{e}");
+}
