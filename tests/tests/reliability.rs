@@ -19,6 +19,9 @@ enum Meta {
     Bools(u64),
 }
 
+/// A tensor to write: name, ggml dims, f32 data.
+type Tensor = (String, Vec<u64>, Vec<f32>);
+
 fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u64).to_le_bytes());
     out.extend_from_slice(s.as_bytes());
@@ -26,11 +29,7 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 
 /// A GGUF v3 file of F32 tensors (ggml dims, fastest first), each tensor's data at
 /// `offset_of(i, aligned offset)` from the data section (aligned to 32 bytes).
-fn gguf_bytes_at(
-    meta: &[(&str, Meta)],
-    tensors: &[(String, Vec<u64>, Vec<f32>)],
-    offset_of: &dyn Fn(usize, u64) -> u64,
-) -> Vec<u8> {
+fn gguf_bytes_at(meta: &[(&str, Meta)], tensors: &[Tensor], offset_of: &dyn Fn(usize, u64) -> u64) -> Vec<u8> {
     let mut out = b"GGUF".to_vec();
     out.extend_from_slice(&3u32.to_le_bytes());
     out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
@@ -75,13 +74,13 @@ fn gguf_bytes_at(
     out
 }
 
-fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[(String, Vec<u64>, Vec<f32>)]) -> Vec<u8> {
+fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[Tensor]) -> Vec<u8> {
     gguf_bytes_at(meta, tensors, &|_, o| o)
 }
 
 /// A one-layer llama GGUF with `heads` query heads and one KV head of `head_dim`
 /// channels, vocabulary 8, MLP 4, small random weights.
-fn llama_gguf(heads: usize, head_dim: usize) -> (Vec<(&'static str, Meta)>, Vec<(String, Vec<u64>, Vec<f32>)>) {
+fn llama_gguf(heads: usize, head_dim: usize) -> (Vec<(&'static str, Meta)>, Vec<Tensor>) {
     let (dim, kvd, ffn, vocab) = (heads * head_dim, head_dim, 4usize, 8usize);
     let mut r = Rng::new(head_dim as u64);
     let mut t = |name: &str, dims: &[usize]| {
