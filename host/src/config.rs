@@ -101,9 +101,7 @@ impl CacheConfig {
     /// Checks the configuration and returns the device-side [`Format`].
     pub fn format(&self) -> Result<Format> {
         let d = self.head_dim;
-        if !rotkv_kernels::HEAD_DIMS.iter().any(|&x| x as usize == d) {
-            return Err(Error::Unsupported(format!("head_dim {d} (supported: 64, 128, 256)")));
-        }
+        check_head_dim(d)?;
         for (what, b) in [("key_bits", self.key_bits), ("value_bits", self.value_bits)] {
             if !rotkv_kernels::CODE_BITS.contains(&b) {
                 return Err(Error::Unsupported(format!("{what} {b} (supported: 2, 4)")));
@@ -261,7 +259,12 @@ impl LayerCalibration {
     /// [`ORTHOGONALITY_TOL`]; `O(D^2)` per head, run on every append and decode). Full
     /// orthogonality is [`LayerCalibration::check_orthogonal`].
     pub fn validate(&self, num_kv_heads: usize, head_dim: usize) -> Result<()> {
-        let n = num_kv_heads * head_dim;
+        if head_dim == 0 || num_kv_heads == 0 {
+            return Err(Error::Calibration(format!("{num_kv_heads} KV heads of {head_dim} channels")));
+        }
+        let n = num_kv_heads
+            .checked_mul(head_dim)
+            .ok_or_else(|| Error::Calibration(format!("{num_kv_heads} KV heads of {head_dim} channels")))?;
         for (what, len) in [
             ("key_mean", self.key_mean.len()),
             ("key_perm", self.key_perm.len()),
@@ -292,12 +295,12 @@ impl LayerCalibration {
         }
         for (what, rot) in [("key_rotation", &self.key_rotation), ("value_rotation", &self.value_rotation)] {
             if let Some(r) = rot
-                && r.len() != n * head_dim
+                && Some(r.len()) != n.checked_mul(head_dim)
             {
                 return Err(Error::Calibration(format!(
                     "{what} has {} entries, expected {num_kv_heads} heads x {head_dim} x {head_dim} = {}",
                     r.len(),
-                    n * head_dim
+                    n as u128 * head_dim as u128
                 )));
             }
         }
@@ -408,4 +411,14 @@ pub fn orthogonality_error(r: &[f32], d: usize) -> f64 {
         }
     }
     worst
+}
+
+/// Checks that a head dimension is one the cache is instantiated for (64, 128 or 256):
+/// an [`Error::Unsupported`] naming it otherwise. The Hadamard transform, the channel
+/// permutations and every kernel assume one of these (powers of two).
+pub fn check_head_dim(head_dim: usize) -> Result<()> {
+    if !rotkv_kernels::HEAD_DIMS.iter().any(|&x| x as usize == head_dim) {
+        return Err(Error::Unsupported(format!("head_dim {head_dim} (supported: 64, 128, 256)")));
+    }
+    Ok(())
 }

@@ -16,10 +16,19 @@ use rotkv_kernels::params::{AppendParams, DecodeParams};
 
 /// In-place orthonormal fast Walsh-Hadamard transform: `x -> x H_n`, with `H_n` the
 /// Sylvester Hadamard matrix in natural order divided by `sqrt(n)`. `n` must be a power
-/// of two. The transform is its own inverse.
+/// of two (or zero: nothing to do). The transform is its own inverse.
+///
+/// # Panics
+///
+/// When the length is not a power of two (in release builds too: the butterflies would
+/// index past the end). Head dimensions reach it only after
+/// [`crate::config::check_head_dim`].
 pub fn fwht(x: &mut [f64]) {
     let n = x.len();
-    debug_assert!(n.is_power_of_two());
+    if n == 0 {
+        return;
+    }
+    assert!(n.is_power_of_two(), "fwht of {n} values: the length must be a power of two");
     let mut h = 1;
     while h < n {
         for start in (0..n).step_by(2 * h) {

@@ -77,3 +77,15 @@ fn demo_runs_and_prints_its_sections() {
         assert!(out.contains(needle), "demo output lacks {needle:?}:\n{out}");
     }
 }
+
+#[test]
+fn token_count_overflows_are_errors_not_panics() {
+    let huge = (u64::MAX / 2).to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_rotkv"))
+        .args(["ppl", "--model", "/nonexistent.gguf", "--text", "/dev/null", "--ctx", &huge, "--windows", "4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("4 windows of") && err.contains("too many tokens") && !err.contains("panicked"), "{err}");
+}

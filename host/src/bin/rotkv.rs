@@ -439,7 +439,10 @@ fn ppl(
         let max = rotkv::paged::MAX_Q_LEN;
         return Err(CliError::Lib(rotkv::Error::Value(format!("--chunk {chunk}: 1 to {max} tokens per decode step"))));
     }
-    let (llama, ids) = model_and_tokens(model_path, text, ctx * windows)?;
+    let total = ctx.checked_mul(windows).ok_or_else(|| {
+        CliError::Lib(rotkv::Error::Capacity(format!("{windows} windows of {ctx} tokens: too many tokens to count")))
+    })?;
+    let (llama, ids) = model_and_tokens(model_path, text, total)?;
     let wins: Vec<Vec<u32>> = ids.chunks_exact(ctx).take(windows).map(<[u32]>::to_vec).collect();
     let methods =
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
@@ -548,7 +551,11 @@ fn generate(
     let backend = Backend::parse(backend)?;
     let (llama, tok) = load_model(model_path)?;
     let ids = tok.encode(prompt);
-    let method = model::KvMethod::parse(kv, llama.config.head_dim, ids.len() + tokens)?;
+    let total = ids.len().checked_add(tokens).ok_or_else(|| {
+        let why = format!("{} prompt tokens and --tokens {tokens}: too many tokens to count", ids.len());
+        CliError::Lib(rotkv::Error::Capacity(why))
+    })?;
+    let method = model::KvMethod::parse(kv, llama.config.head_dim, total)?;
     let new = model::generate(&llama, &ids, tokens, method.config, backend)?;
     writeln!(out, "{prompt}{}", tok.decode(&new))?;
     Ok(())

@@ -138,12 +138,37 @@ impl Calibration {
             return Err(bad("key_mean is not [kv_heads, head_dim]".into()));
         };
         let (kv_heads, head_dim) = (*kv_heads, *head_dim);
+        crate::config::check_head_dim(head_dim).map_err(|_| {
+            Error::Unsupported(format!("calibration file for head_dim {head_dim} (supported: 64, 128, 256)"))
+        })?;
+        if kv_heads == 0 {
+            return Err(bad("layer0.key_mean is [0, head_dim]: no KV heads".into()));
+        }
+        // Every tensor is `layer{L}.{name}` with a known name, and the layers run from 0
+        // without a gap: a missing layer is an error, not the end of the file.
+        const NAMES: [&str; 5] = ["key_mean", "key_perm", "value_perm", "key_rotation", "value_rotation"];
+        let mut n_layers = 0usize;
+        for name in st.names() {
+            let parsed = name
+                .strip_prefix("layer")
+                .and_then(|r| r.split_once('.'))
+                .filter(|(l, t)| NAMES.contains(t) && !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|(l, _)| l.parse::<usize>().ok());
+            let l = parsed.ok_or_else(|| bad(format!("tensor {name} is not layer<L>.<{}>", NAMES.join("|"))))?;
+            n_layers = n_layers.max(l + 1);
+        }
+        if let Some(l) = (0..n_layers).find(|l| st.tensor(&format!("layer{l}.key_mean")).is_err()) {
+            return Err(bad(format!(
+                "layer {l} is missing (layer{l}.key_mean; the file has layers up to {})",
+                n_layers - 1
+            )));
+        }
         let mut layers = Vec::new();
         let f32s = |b: Vec<u8>| -> Vec<f32> {
             b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
         };
-        while let Ok(mean) = st.tensor(&format!("layer{}.key_mean", layers.len())) {
-            let l = layers.len();
+        for l in 0..n_layers {
+            let mean = st.tensor(&format!("layer{l}.key_mean")).map_err(|e| bad(format!("layer{l}.key_mean: {e}")))?;
             let get_shaped = |name: &str, dtype: safetensors::Dtype, shape: &[usize]| -> Result<Vec<u8>> {
                 let t = st.tensor(&format!("layer{l}.{name}")).map_err(|e| bad(format!("layer{l}.{name}: {e}")))?;
                 if t.dtype() != dtype || t.shape() != shape {
@@ -199,6 +224,10 @@ pub fn sort_by_rms(rows: &[f32], d: usize) -> Vec<u16> {
 /// Calibration of one layer from its keys and values `[tokens][kv_heads][head_dim]`
 /// (post-RoPE keys); positions before [`SKIP_POSITIONS`] are left out.
 pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -> Result<LayerCalibration> {
+    crate::config::check_head_dim(head_dim)?;
+    if kv_heads == 0 {
+        return Err(Error::Shape("calibration of 0 KV heads".into()));
+    }
     let d = head_dim;
     let row = kv_heads * d;
     let t = k.len() / row;
@@ -241,6 +270,11 @@ pub fn calibrate(
     progress: &mut dyn FnMut(usize),
 ) -> Result<Calibration> {
     let c = &model.config;
+    // Before the forward pass: the calibration rotates by the Hadamard transform and is
+    // only useful to the cache, both of which need 64, 128 or 256 channels.
+    crate::config::check_head_dim(c.head_dim).map_err(|_| {
+        Error::Unsupported(format!("calibration of a model with head_dim {} (supported: 64, 128, 256)", c.head_dim))
+    })?;
     let mut acts: Vec<[Vec<f32>; 3]> = vec![Default::default(); c.layers];
     let mut keep = |a: &LayerActivations<'_>| {
         let [q, k, v] = &mut acts[a.layer];

@@ -124,9 +124,29 @@ pub fn type_name(kind: u32) -> &'static str {
     }
 }
 
+/// Most metadata array elements a file may hold in all (each takes a [`Value`] of 32
+/// bytes in memory, whatever its size in the file): 4 Mi, several times the arrays of the
+/// largest vocabularies (256k tokens with scores, types and merges), so parsed metadata
+/// stays within 128 MiB plus its strings.
+pub const MAX_METADATA_ELEMENTS: usize = 1 << 22;
+
 struct Cursor<'a> {
     b: &'a [u8],
     at: usize,
+    /// Array elements still allowed ([`MAX_METADATA_ELEMENTS`] in all).
+    elements_left: usize,
+}
+
+/// Fewest bytes an element of GGUF metadata type `kind` takes in the file.
+fn min_size(kind: u32) -> usize {
+    match kind {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => 1,
+    }
 }
 
 impl Cursor<'_> {
@@ -173,7 +193,23 @@ impl Cursor<'_> {
                     return Err(Error::Input("GGUF arrays nested too deeply".into()));
                 }
                 let inner = self.u32()?;
-                let n = self.count("array")?;
+                let n = self.u64()?;
+                // Checked against the bytes left before anything is allocated, and
+                // against the element budget (1-byte booleans become 32-byte values).
+                let left = (self.b.len() - self.at) as u64;
+                if n.checked_mul(min_size(inner) as u64).is_none_or(|bytes| bytes > left) {
+                    return Err(Error::Input(format!(
+                        "GGUF array of {n} elements of type {inner} at offset {} is larger than the rest of the file ({left} bytes)",
+                        self.at
+                    )));
+                }
+                let n = n as usize;
+                if n > self.elements_left {
+                    return Err(Error::Input(format!(
+                        "GGUF metadata arrays hold more than {MAX_METADATA_ELEMENTS} elements in all (an array of {n})"
+                    )));
+                }
+                self.elements_left -= n;
                 let mut items = Vec::with_capacity(n.min(1 << 20));
                 for _ in 0..n {
                     items.push(self.value(inner, depth + 1)?);
@@ -197,7 +233,7 @@ impl Gguf {
 
     /// Parses a GGUF file held in memory.
     pub fn parse(bytes: Vec<u8>) -> Result<Self> {
-        let mut c = Cursor { b: &bytes, at: 0 };
+        let mut c = Cursor { b: &bytes, at: 0, elements_left: MAX_METADATA_ELEMENTS };
         if c.take(4)? != b"GGUF" {
             return Err(Error::Input("not a GGUF file (magic bytes differ)".into()));
         }
@@ -225,11 +261,26 @@ impl Gguf {
             let offset = c.u64()?;
             tensors.insert(name, TensorInfo { dims, kind, offset });
         }
-        let align = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32).max(1) as usize;
-        let data_start = c.at.div_ceil(align) * align;
+        let align = match metadata.get("general.alignment") {
+            None => 32,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two())
+                .ok_or_else(|| Error::Input(format!("GGUF general.alignment {v:?} is not a power of two")))?,
+        };
+        let data_start = usize::try_from(align)
+            .ok()
+            .and_then(|a| c.at.div_ceil(a).checked_mul(a))
+            .ok_or_else(|| Error::Input(format!("GGUF alignment {align} puts the data past the end of the file")))?;
         let file = Self { metadata, tensors, bytes, data_start };
-        // Every tensor of a known type must lie inside the file.
+        // Every tensor of a known type must be aligned and lie inside the file.
         for (name, t) in &file.tensors {
+            if !t.offset.is_multiple_of(align) {
+                return Err(Error::Input(format!(
+                    "tensor {name} at offset {} is not aligned to {align} bytes",
+                    t.offset
+                )));
+            }
             if let Some(range) = file.data_range(t)?
                 && range.end > file.bytes.len()
             {

@@ -117,6 +117,20 @@ pub struct LayerActivations<'a> {
     pub v: &'a [f32],
 }
 
+/// Checks a model's head dimension for the forward pass: RoPE pairs channel `i` with
+/// `i + head_dim / 2` and the llama row order is undone in pairs, so it must be even and
+/// non-zero. Any such head_dim runs with [`ExactAttention`]; the rotkv cache
+/// ([`CacheAttention`], calibration) needs 64, 128 or 256 ([`crate::config::check_head_dim`]).
+pub fn check_model_head_dim(head_dim: usize) -> Result<()> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(Error::Unsupported(format!(
+            "model head_dim {head_dim}: the forward pass needs an even, non-zero head_dim \
+             (the rotkv cache: 64, 128 or 256)"
+        )));
+    }
+    Ok(())
+}
+
 fn hf_order(m: Matrix, heads: usize) -> Matrix {
     // GGUF row 2i + h2 of a head holds Hugging Face row h2 * d/2 + i.
     let d = m.rows / heads;
@@ -143,11 +157,12 @@ impl Llama {
         let head_dim = u("rope.dimension_count").unwrap_or(dim / heads.max(1));
         let eps = g.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f32;
         let rope_theta = g.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10000.0) as f32;
-        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads * head_dim != dim {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads.checked_mul(head_dim) != Some(dim) {
             return Err(Error::Unsupported(format!(
                 "{heads} heads, {kv_heads} KV heads, head_dim {head_dim}, dim {dim}"
             )));
         }
+        check_model_head_dim(head_dim)?;
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
             let (data, dims) = g.tensor_f32(name)?;
             if dims != [cols as u64, rows as u64] {
@@ -218,6 +233,17 @@ impl Llama {
         n_layers: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
+        check_model_head_dim(c.head_dim)?;
+        if c.heads == 0
+            || c.kv_heads == 0
+            || !c.heads.is_multiple_of(c.kv_heads)
+            || c.heads.checked_mul(c.head_dim) != Some(c.dim)
+        {
+            return Err(Error::Unsupported(format!(
+                "{} heads, {} KV heads, head_dim {}, dim {}",
+                c.heads, c.kv_heads, c.head_dim, c.dim
+            )));
+        }
         let n = rows.len();
         if tokens.len() != n {
             return Err(Error::Shape(format!("{} tokens for {n} rows", tokens.len())));
@@ -381,6 +407,12 @@ pub struct CacheAttention {
 impl CacheAttention {
     /// Attention over `caches`; `slots` maps row sequences to cache sequences.
     pub fn new(config: &LlamaConfig, caches: Vec<crate::KvCache>, slots: Vec<(usize, crate::SeqId)>) -> Result<Self> {
+        crate::config::check_head_dim(config.head_dim).map_err(|_| {
+            Error::Unsupported(format!(
+                "model head_dim {} in the rotkv cache (supported: 64, 128, 256)",
+                config.head_dim
+            ))
+        })?;
         for (s, &(c, _)) in slots.iter().enumerate() {
             if c >= caches.len() {
                 return Err(Error::Shape(format!("slot {s} names cache {c} of {}", caches.len())));

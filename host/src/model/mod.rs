@@ -412,7 +412,9 @@ pub fn generate(
         num_kv_heads: c.kv_heads,
         num_q_heads: c.heads,
         max_seqs: 1,
-        max_tokens: prompt.len() + steps,
+        max_tokens: prompt.len().checked_add(steps).ok_or_else(|| {
+            Error::Capacity(format!("{} prompt tokens and {steps} steps: too many tokens to count", prompt.len()))
+        })?,
         num_blocks: None,
     };
     let mut cache = KvCache::new(config, shape, backend)?;

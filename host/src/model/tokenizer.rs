@@ -28,7 +28,8 @@ pub enum Digits {
 pub struct Tokenizer {
     vocab: HashMap<String, u32>,
     tokens: Vec<String>,
-    ranks: HashMap<(String, String), u32>,
+    /// Merge rank by left part, then right part (looked up without allocating).
+    ranks: HashMap<String, HashMap<String, u32>>,
     byte_char: [char; 256],
     char_byte: HashMap<char, u8>,
     digits: Digits,
@@ -92,10 +93,10 @@ impl Tokenizer {
         [bos, eos, unk]: [Option<u32>; 3],
     ) -> Result<Self> {
         let vocab: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let mut ranks = HashMap::new();
+        let mut ranks: HashMap<String, HashMap<String, u32>> = HashMap::new();
         for (rank, m) in merges.iter().enumerate() {
             let (a, b) = m.split_once(' ').ok_or_else(|| Error::Input(format!("merge {m:?} has no space")))?;
-            ranks.entry((a.to_string(), b.to_string())).or_insert(rank as u32);
+            ranks.entry(a.to_string()).or_default().entry(b.to_string()).or_insert(rank as u32);
         }
         let byte_char = byte_chars();
         let char_byte = byte_char.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
@@ -139,29 +140,50 @@ impl Tokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// Byte-pair merges of one pre-token.
+    /// Byte-pair merges of one pre-token: the pair of lowest rank first, the leftmost of
+    /// equal ranks first (as Hugging Face's `tokenizers` and llama.cpp merge), with a
+    /// heap of candidate pairs over a linked list of parts: `O(n log n)` in the piece's
+    /// length (a 64 KB word is milliseconds, not seconds).
     fn bpe(&self, piece: &str) -> Vec<u32> {
+        use std::cmp::Reverse;
         let mut parts: Vec<String> = piece.bytes().map(|b| self.byte_char[b as usize].to_string()).collect();
-        loop {
-            let best = parts
-                .windows(2)
-                .enumerate()
-                .filter_map(|(i, w)| self.ranks.get(&(w[0].clone(), w[1].clone())).map(|&r| (r, i)))
-                .min();
-            let Some((rank, _)) = best else { break };
-            let mut merged = Vec::with_capacity(parts.len());
-            let mut i = 0;
-            while i < parts.len() {
-                if i + 1 < parts.len() && self.ranks.get(&(parts[i].clone(), parts[i + 1].clone())) == Some(&rank) {
-                    merged.push(format!("{}{}", parts[i], parts[i + 1]));
-                    i += 2;
-                } else {
-                    merged.push(std::mem::take(&mut parts[i]));
-                    i += 1;
-                }
+        let n = parts.len();
+        let rank = |a: &str, b: &str| self.ranks.get(a).and_then(|m| m.get(b)).copied();
+        // Part `i` is followed by `next[i]` (`n`: none) and preceded by `prev[i]`
+        // (`usize::MAX`: none); merged-away parts are dead.
+        let mut next: Vec<usize> = (1..=n).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n];
+        let mut heap = std::collections::BinaryHeap::new();
+        for i in 1..n {
+            if let Some(r) = rank(&parts[i - 1], &parts[i]) {
+                heap.push(Reverse((r, i - 1, i)));
             }
-            parts = merged;
         }
+        while let Some(Reverse((r, i, j))) = heap.pop() {
+            // Stale when either part merged since the pair was pushed.
+            if !alive[i] || next[i] != j || !alive[j] || rank(&parts[i], &parts[j]) != Some(r) {
+                continue;
+            }
+            let right = std::mem::take(&mut parts[j]);
+            parts[i].push_str(&right);
+            alive[j] = false;
+            next[i] = next[j];
+            if next[i] < n {
+                prev[next[i]] = i;
+            }
+            if prev[i] != usize::MAX
+                && let Some(r) = rank(&parts[prev[i]], &parts[i])
+            {
+                heap.push(Reverse((r, prev[i], i)));
+            }
+            if next[i] < n
+                && let Some(r) = rank(&parts[i], &parts[next[i]])
+            {
+                heap.push(Reverse((r, i, next[i])));
+            }
+        }
+        let parts: Vec<String> = parts.into_iter().zip(alive).filter_map(|(p, a)| a.then_some(p)).collect();
         // A part missing from the vocabulary falls back to its bytes, and a byte missing
         // too to the unknown token.
         parts

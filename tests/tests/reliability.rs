@@ -1,0 +1,343 @@
+//! Hostile and unusual inputs to the model harness: every one is an error that names
+//! what is wrong, never a panic, an out-of-bounds access or an allocation far larger
+//! than the input. Model files are written here (GGUF v3), calibration files with
+//! safetensors.
+
+use rotkv::model::calibrate::{self, Calibration};
+use rotkv::model::gguf::Gguf;
+use rotkv::model::llama::{ExactAttention, Llama, Row};
+use rotkv::{Error, LayerCalibration};
+use rotkv_tests::Rng;
+
+// ---- a GGUF written here -------------------------------------------------------------
+
+enum Meta {
+    U32(u32),
+    F32(f32),
+    Str(String),
+    /// An array of `n` booleans.
+    Bools(u64),
+}
+
+/// A tensor to write: name, ggml dims, f32 data.
+type Tensor = (String, Vec<u64>, Vec<f32>);
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// A GGUF v3 file of F32 tensors (ggml dims, fastest first), each tensor's data at
+/// `offset_of(i, aligned offset)` from the data section (aligned to 32 bytes).
+fn gguf_bytes_at(meta: &[(&str, Meta)], tensors: &[Tensor], offset_of: &dyn Fn(usize, u64) -> u64) -> Vec<u8> {
+    let mut out = b"GGUF".to_vec();
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        put_str(&mut out, k);
+        match v {
+            Meta::U32(x) => {
+                out.extend_from_slice(&4u32.to_le_bytes());
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+            Meta::F32(x) => {
+                out.extend_from_slice(&6u32.to_le_bytes());
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+            Meta::Str(s) => {
+                out.extend_from_slice(&8u32.to_le_bytes());
+                put_str(&mut out, s);
+            }
+            Meta::Bools(n) => {
+                out.extend_from_slice(&9u32.to_le_bytes());
+                out.extend_from_slice(&7u32.to_le_bytes());
+                out.extend_from_slice(&n.to_le_bytes());
+                out.resize(out.len() + *n as usize, 1);
+            }
+        }
+    }
+    let mut offset = 0u64;
+    for (i, (name, dims, data)) in tensors.iter().enumerate() {
+        put_str(&mut out, name);
+        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&offset_of(i, offset).to_le_bytes());
+        offset += (data.len() as u64 * 4).div_ceil(32) * 32;
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    for (_, _, data) in tensors {
+        data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+        out.resize(out.len().div_ceil(32) * 32, 0);
+    }
+    out
+}
+
+fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[Tensor]) -> Vec<u8> {
+    gguf_bytes_at(meta, tensors, &|_, o| o)
+}
+
+/// A one-layer llama GGUF with `heads` query heads and one KV head of `head_dim`
+/// channels, vocabulary 8, MLP 4, small random weights.
+fn llama_gguf(heads: usize, head_dim: usize) -> (Vec<(&'static str, Meta)>, Vec<Tensor>) {
+    let (dim, kvd, ffn, vocab) = (heads * head_dim, head_dim, 4usize, 8usize);
+    let mut r = Rng::new(head_dim as u64);
+    let mut t = |name: &str, dims: &[usize]| {
+        let n: usize = dims.iter().product();
+        let data = (0..n).map(|_| 0.1 * r.normal() + if dims.len() == 1 { 1.0 } else { 0.0 }).collect();
+        (name.to_string(), dims.iter().map(|&d| d as u64).collect(), data)
+    };
+    let tensors = vec![
+        t("token_embd.weight", &[dim, vocab]),
+        t("output_norm.weight", &[dim]),
+        t("blk.0.attn_norm.weight", &[dim]),
+        t("blk.0.attn_q.weight", &[dim, dim]),
+        t("blk.0.attn_k.weight", &[dim, kvd]),
+        t("blk.0.attn_v.weight", &[dim, kvd]),
+        t("blk.0.attn_output.weight", &[dim, dim]),
+        t("blk.0.ffn_norm.weight", &[dim]),
+        t("blk.0.ffn_gate.weight", &[dim, ffn]),
+        t("blk.0.ffn_up.weight", &[dim, ffn]),
+        t("blk.0.ffn_down.weight", &[ffn, dim]),
+    ];
+    let meta = vec![
+        ("general.architecture", Meta::Str("llama".into())),
+        ("llama.embedding_length", Meta::U32(dim as u32)),
+        ("llama.block_count", Meta::U32(1)),
+        ("llama.attention.head_count", Meta::U32(heads as u32)),
+        ("llama.attention.head_count_kv", Meta::U32(1)),
+        ("llama.rope.dimension_count", Meta::U32(head_dim as u32)),
+        ("llama.feed_forward_length", Meta::U32(ffn as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
+    ];
+    (meta, tensors)
+}
+
+// ---- finding 1: head dimensions -------------------------------------------------------
+
+#[test]
+fn odd_and_zero_head_dims_are_refused_by_name() {
+    for head_dim in [9, 0, 1] {
+        let (meta, tensors) = llama_gguf(2, head_dim);
+        let g = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap();
+        match Llama::from_gguf(&g) {
+            Err(e @ Error::Unsupported(_)) => assert!(e.to_string().contains(&format!("head_dim {head_dim}")), "{e}"),
+            other => panic!("head_dim {head_dim}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn head_dim_96_runs_exact_and_is_refused_by_calibration() {
+    let (meta, tensors) = llama_gguf(2, 96);
+    let g = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap();
+    let m = Llama::from_gguf(&g).unwrap();
+    let tokens: Vec<u32> = (0..40).map(|i| i % 8).collect();
+    let rows: Vec<Row> = (0..tokens.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    let h = m.forward(&tokens, &rows, &mut ExactAttention::new(&m.config), None, 1).unwrap();
+    assert!(h.iter().all(|x| x.is_finite()));
+    let e = calibrate::calibrate(&m, &tokens, None, &mut |_| {}).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)) && e.to_string().contains("head_dim 96"), "{e}");
+    let e = calibrate::calibrate_layer(&[0.0; 96 * 40], &[0.0; 96 * 40], 1, 96).unwrap_err();
+    assert!(e.to_string().contains("head_dim 96"), "{e}");
+    // The cache refuses it by name too.
+    let e = rotkv::model::KvMethod::parse("k2v2", 96, 64).unwrap_err();
+    assert!(e.to_string().contains("head_dim 96"), "{e}");
+}
+
+#[test]
+#[should_panic(expected = "fwht of 96 values: the length must be a power of two")]
+fn fwht_refuses_non_powers_of_two_in_release_too() {
+    rotkv::reference::fwht(&mut [1.0; 96]);
+}
+
+// ---- finding 2: calibration files -----------------------------------------------------
+
+/// A safetensors file of `tensors` (name, dtype, shape, bytes) with the calibration
+/// format tag.
+fn calibration_file(tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>) -> Vec<u8> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, dt, shape, b)| (n.clone(), safetensors::tensor::TensorView::new(*dt, shape.clone(), b).unwrap()))
+        .collect();
+    let meta = std::collections::HashMap::from([("format".to_string(), "rotkv-calibration-1".to_string())]);
+    safetensors::serialize(views, Some(meta)).unwrap()
+}
+
+#[test]
+fn calibration_with_zero_channels_is_an_error() {
+    use safetensors::Dtype::{F32, U16};
+    let file = calibration_file(vec![
+        ("layer0.key_mean".into(), F32, vec![1, 0], vec![]),
+        ("layer0.key_perm".into(), U16, vec![1, 0], vec![]),
+        ("layer0.value_perm".into(), U16, vec![1, 0], vec![]),
+    ]);
+    let e = Calibration::from_safetensors(&file).unwrap_err();
+    assert!(e.to_string().contains("head_dim 0"), "{e}");
+    // The layer check itself, as a cache runs it.
+    let empty = LayerCalibration::identity(1, 0);
+    assert!(matches!(empty.validate(1, 0), Err(Error::Calibration(_))));
+    assert!(matches!(empty.check_orthogonal(1, 0), Err(Error::Calibration(_))));
+}
+
+#[test]
+fn calibration_with_a_missing_layer_is_an_error() {
+    let cal = Calibration {
+        layers: vec![LayerCalibration::identity(2, 64); 3],
+        kv_heads: 2,
+        head_dim: 64,
+        metadata: Default::default(),
+    };
+    let bytes = cal.to_safetensors().unwrap();
+    assert_eq!(Calibration::from_safetensors(&bytes).unwrap().layers.len(), 3);
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let keep = |skip: &dyn Fn(&str) -> bool| {
+        calibration_file(
+            st.tensors()
+                .into_iter()
+                .filter(|(n, _)| !skip(n))
+                .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+                .collect(),
+        )
+    };
+    // Layer 1 gone: layers 0 and 2 remain.
+    let e = Calibration::from_safetensors(&keep(&|n| n.starts_with("layer1."))).unwrap_err();
+    assert!(e.to_string().contains("layer 1 is missing"), "{e}");
+    // A layer without one of its tensors names it.
+    let e = Calibration::from_safetensors(&keep(&|n| n == "layer2.value_perm")).unwrap_err();
+    assert!(e.to_string().contains("layer2.value_perm"), "{e}");
+    // A tensor the format does not have.
+    let mut with_extra: Vec<_> =
+        st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
+    with_extra.push(("layer7.extra".into(), safetensors::Dtype::F32, vec![1], vec![0; 4]));
+    let e = Calibration::from_safetensors(&calibration_file(with_extra)).unwrap_err();
+    assert!(e.to_string().contains("layer7.extra"), "{e}");
+}
+
+// ---- finding 3: resource limits of hostile files --------------------------------------
+
+#[test]
+fn gguf_metadata_arrays_are_bounded_by_the_file_and_a_budget() {
+    // 5 MB of booleans would be 160 MB of values: refused before anything is allocated.
+    let file = gguf_bytes(&[("junk", Meta::Bools(5_000_000))], &[]);
+    let e = Gguf::parse(file).unwrap_err();
+    assert!(e.to_string().contains("elements in all"), "{e}");
+    // Within the budget it parses.
+    let g = Gguf::parse(gguf_bytes(&[("flags", Meta::Bools(1000))], &[])).unwrap();
+    assert!(matches!(&g.metadata["flags"], rotkv::model::gguf::Value::Array(v) if v.len() == 1000));
+    // An array of u64 counted past the end of the file.
+    let mut file = gguf_bytes(&[("flags", Meta::Bools(64))], &[]);
+    let at = file.windows(5).position(|w| w == b"flags").unwrap() + 5 + 4; // key, array type
+    file[at..at + 4].copy_from_slice(&10u32.to_le_bytes()); // element type u64
+    let e = Gguf::parse(file).unwrap_err();
+    assert!(e.to_string().contains("larger than the rest of the file"), "{e}");
+}
+
+#[test]
+fn gguf_alignment_must_be_a_power_of_two_and_offsets_aligned() {
+    let (mut meta, tensors) = llama_gguf(2, 64);
+    let g = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap();
+    assert!(Llama::from_gguf(&g).is_ok());
+    for bad in [0, 3, 48] {
+        meta.push(("general.alignment", Meta::U32(bad)));
+        let e = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap_err();
+        assert!(e.to_string().contains("alignment"), "{bad}: {e}");
+        meta.pop();
+    }
+    meta.push(("general.alignment", Meta::U32(32)));
+    assert!(Gguf::parse(gguf_bytes(&meta, &tensors)).is_ok());
+    // One tensor 4 bytes off its aligned place.
+    let e = Gguf::parse(gguf_bytes_at(&meta, &tensors, &|i, o| if i == 3 { o + 4 } else { o })).unwrap_err();
+    assert!(e.to_string().contains("blk.0.attn_q.weight") && e.to_string().contains("not aligned"), "{e}");
+}
+
+/// The byte-level vocabulary (256 byte characters), letter pairs (merges in a shuffled
+/// order) and some 4-letter merges of those pairs, ranked after them.
+fn letter_tokenizer() -> (rotkv::model::tokenizer::Tokenizer, Vec<(String, String)>, Vec<String>) {
+    let mut tokens: Vec<String> = Vec::new();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        tokens.push(if printable {
+            char::from_u32(b).unwrap().to_string()
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra).unwrap().to_string()
+        });
+    }
+    let mut r = Rng::new(7);
+    let letters: Vec<char> = ('a'..='z').collect();
+    let mut pairs: Vec<(String, String)> =
+        letters.iter().flat_map(|&a| letters.iter().map(move |&b| (a.to_string(), b.to_string()))).collect();
+    for i in (1..pairs.len()).rev() {
+        pairs.swap(i, r.below(i + 1));
+    }
+    let mut merges = pairs.clone();
+    for _ in 0..2000 {
+        let (a, b) = (&pairs[r.below(pairs.len())], &pairs[r.below(pairs.len())]);
+        merges.push((format!("{}{}", a.0, a.1), format!("{}{}", b.0, b.1)));
+    }
+    for (a, b) in &merges {
+        tokens.push(format!("{a}{b}"));
+    }
+    let lines: Vec<String> = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let tok = rotkv::model::tokenizer::Tokenizer::new(
+        tokens.clone(),
+        &refs,
+        rotkv::model::tokenizer::Digits::Pattern,
+        [None; 3],
+    )
+    .unwrap();
+    (tok, merges, tokens)
+}
+
+/// BPE as a pass per rank: merge every occurrence of the lowest-ranked pair, left to
+/// right, until none is left (quadratic; the definition the fast merge must match).
+fn bpe_by_passes(word: &str, merges: &[(String, String)], tokens: &[String]) -> Vec<u32> {
+    let ranks: std::collections::HashMap<(&str, &str), usize> =
+        merges.iter().enumerate().rev().map(|(i, (a, b))| ((a.as_str(), b.as_str()), i)).collect();
+    let mut parts: Vec<String> = word.chars().map(String::from).collect();
+    while let Some(best) = parts.windows(2).filter_map(|w| ranks.get(&(w[0].as_str(), w[1].as_str())).copied()).min() {
+        let mut merged = Vec::new();
+        let mut i = 0;
+        while i < parts.len() {
+            if i + 1 < parts.len() && ranks.get(&(parts[i].as_str(), parts[i + 1].as_str())) == Some(&best) {
+                merged.push(format!("{}{}", parts[i], parts[i + 1]));
+                i += 2;
+            } else {
+                merged.push(parts[i].clone());
+                i += 1;
+            }
+        }
+        parts = merged;
+    }
+    parts.iter().map(|p| tokens.iter().position(|t| t == p).unwrap() as u32).collect()
+}
+
+#[test]
+fn bpe_of_a_64_kb_word_is_fast_and_merges_as_before() {
+    let (tok, merges, tokens) = letter_tokenizer();
+    let mut r = Rng::new(11);
+    let word = |n: usize, r: &mut Rng| -> String { (0..n).map(|_| (b'a' + r.below(26) as u8) as char).collect() };
+    for n in [1, 2, 3, 17, 300, 2000] {
+        let w = word(n, &mut r);
+        assert_eq!(tok.encode(&w), bpe_by_passes(&w, &merges, &tokens), "word of {n} letters");
+    }
+    let long = word(64 * 1024, &mut r);
+    let started = std::time::Instant::now();
+    let ids = tok.encode(&long);
+    let secs = started.elapsed().as_secs_f64();
+    assert_eq!(tok.decode(&ids), long);
+    assert!(secs < 5.0, "a 64 KB word took {secs:.1} s to encode");
+}
+
+#[test]
+fn generate_with_too_many_steps_is_an_error() {
+    let (meta, tensors) = llama_gguf(2, 64);
+    let m = Llama::from_gguf(&Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap()).unwrap();
+    let e =
+        rotkv::model::generate(&m, &[1, 2], usize::MAX, rotkv::CacheConfig::k2v2(64), rotkv::Backend::Cpu).unwrap_err();
+    assert!(matches!(e, Error::Capacity(_)) && e.to_string().contains("too many tokens"), "{e}");
+}
