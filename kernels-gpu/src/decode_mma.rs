@@ -148,6 +148,7 @@ struct Soft {
 /// updates the online softmax: the running max per row over the warp, the rescaling of
 /// `o` and `z` when it grows, and `s` replaced by `p = 2^(s - m)`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
     ctx: &C,
     st: &mut Soft,

@@ -284,7 +284,10 @@ fn decode_case(
             let e = rel_err(&got, &want);
             let tol = decode_tol(backend, &config, gqa, 1, st.calib.key_rotation.is_some());
             if tol == DECODE_TOL_MMA {
-                eprintln!("decode_mma rel err {e:.2e}: d {} gqa {gqa} len {len} {data:?} splits {s:?}", config.head_dim);
+                eprintln!(
+                    "decode_mma rel err {e:.2e}: d {} gqa {gqa} len {len} {data:?} splits {s:?}",
+                    config.head_dim
+                );
             }
             assert!(e <= tol, "{backend:?} {config:?} gqa {gqa} len {len} {data:?} splits {s:?}: rel err {e:.2e}");
         }

@@ -494,10 +494,10 @@ fn tuning_directives(ptx: &str) -> String {
         if let Some(name) = line.trim_start().strip_prefix(".visible .entry ") {
             pending = TUNING.iter().find(|(p, _, _)| name.starts_with(p)).map(|&(_, t, b)| (t, b));
         }
-        if line.trim_end() == "{" {
-            if let Some((threads, blocks)) = pending.take() {
-                out.push_str(&format!(".maxntid {threads}, 1, 1\n.minnctapersm {blocks}\n"));
-            }
+        if line.trim_end() == "{"
+            && let Some((threads, blocks)) = pending.take()
+        {
+            out.push_str(&format!(".maxntid {threads}, 1, 1\n.minnctapersm {blocks}\n"));
         }
         out.push_str(line);
     }
