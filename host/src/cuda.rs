@@ -206,15 +206,21 @@ pub fn append_cuda(
             (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
         let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
         let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
-        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table, protected)).map_err(&up)?;
+        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table, protected)?).map_err(&up)?;
         let f = function(g, tok)?;
-        let params = Arg(*p);
-        let mut b = s.launch_builder(&f);
-        b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&kr_d).arg(&vr_d).arg(&slots_d);
-        b.arg(&mut pool_d).arg(&mut side_d);
-        // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
-        // paged layer checked the inputs' sizes and the block table.
-        unsafe { b.launch(launch_config(launch::tokens_grid(p), 0)) }.map_err(err(tok))?;
+        let elem = launch::dtype_bytes(p.input_dtype);
+        for (first, n) in launch::token_chunks(p.count) {
+            let params = Arg(AppendParams { count: n, ..*p });
+            let skip = first as usize * p.token_stride as usize * elem;
+            let (kc, vc, sc) = (k_d.slice(skip..), v_d.slice(skip..), slots_d.slice(2 * first as usize..));
+            let mut b = s.launch_builder(&f);
+            b.arg(&params).arg(&kc).arg(&vc).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&kr_d).arg(&vr_d).arg(&sc);
+            b.arg(&mut pool_d).arg(&mut side_d);
+            // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
+            // paged layer checked the inputs' sizes and the block table; the chunk's
+            // inputs and slot entries start `first` tokens in.
+            unsafe { b.launch(launch_config(launch::tokens_grid(&params.0), 0)) }.map_err(err(tok))?;
+        }
     }
     let down = err("download");
     pool.copy_from_slice(&s.clone_dtoh(&pool_d).map_err(&down)?);

@@ -260,31 +260,78 @@ impl DecodeInputs {
     }
 }
 
-/// `append_tokens` grid: (KV heads, new tokens).
+/// `append_tokens` grid for a chunk of `count` tokens: (KV heads, count). A launch covers
+/// at most [`MAX_GRID_YZ`] tokens; [`token_chunks`] cuts longer appends.
 pub fn tokens_grid(p: &AppendParams) -> [u32; 3] {
     [p.num_kv_heads, p.count, 1]
+}
+
+/// The `(first token, tokens)` chunks of an append of `count` tokens, one
+/// `append_tokens` launch each: at most [`MAX_GRID_YZ`] tokens per launch (the GPU's grid
+/// y limit). Chunk `(first, n)` launches with `count = n`, the inputs advanced by
+/// `first` tokens and the slot mapping by `2 * first` entries (the kernel reads neither
+/// `start` nor anything past its own `count` tokens).
+pub fn token_chunks(count: u32) -> impl Iterator<Item = (u32, u32)> {
+    (0..count).step_by(MAX_GRID_YZ as usize).map(move |first| (first, (count - first).min(MAX_GRID_YZ)))
+}
+
+/// Bytes of one K/V input element of type `dtype` (`DTYPE_*`: 4 for f32, else 2).
+pub fn dtype_bytes(dtype: u32) -> usize {
+    if dtype == rotkv_kernels::params::DTYPE_F32 { 4 } else { 2 }
+}
+
+/// Blocks a layer's pool may have for [`slot_mapping`]: its pool slots
+/// `block * page_size + slot` must stay below [`SLOT_SIDE`] (2^31), the bit that marks
+/// a side row. A larger pool is refused with [`Error::Capacity`] by the paged layer and
+/// the device layer before anything is written.
+pub fn max_pool_blocks(fmt: &Format) -> usize {
+    SLOT_SIDE as usize / fmt.page_size.max(1) as usize
+}
+
+/// Refuses a pool of `num_blocks` blocks past [`max_pool_blocks`].
+pub fn check_pool_blocks(fmt: &Format, num_blocks: usize) -> Result<()> {
+    let max = max_pool_blocks(fmt);
+    if num_blocks > max {
+        return Err(Error::Capacity(format!(
+            "a pool of {num_blocks} blocks of {} tokens: the append slot mapping addresses at most {max} blocks \
+             (2^31 token slots)",
+            fmt.page_size
+        )));
+    }
+    Ok(())
 }
 
 /// `append_tokens`'s slot mapping, two entries per new token: its f16 side row
 /// ([`SLOT_SIDE`] set) or its pool slot `block * page_size + slot`, as it lives once the
 /// sequence has `p.start + p.count` tokens; then its protected row ([`SLOT_SIDE`] set)
 /// when its position is in `protected`, else [`SLOT_NONE`]. `block_table` covers every
-/// page of that length (the paged layer checked it).
-pub fn slot_mapping(p: &AppendParams, block_table: &[u32], protected: &[u32]) -> Vec<u32> {
+/// page of that length (the paged layer checked it). A pool slot at or past 2^31 (a
+/// block past [`max_pool_blocks`]) would alias the side-row bit: it is refused with
+/// [`Error::Capacity`], computed in 64 bits.
+pub fn slot_mapping(p: &AppendParams, block_table: &[u32], protected: &[u32]) -> Result<Vec<u32>> {
     let fmt = p.format;
     let new_len = p.start + p.count;
-    (p.start..new_len)
-        .flat_map(|pos| {
-            let dest = match fmt.place(pos, new_len) {
-                Place::Sink { index } => SLOT_SIDE | index,
-                Place::Window { slot } => SLOT_SIDE | slot,
-                Place::Page { page, slot } => block_table[page as usize] * fmt.page_size + slot,
-            };
-            let copy =
-                reference::protected_index(protected, pos).map_or(SLOT_NONE, |i| SLOT_SIDE | fmt.protected_row(i));
-            [dest, copy]
-        })
-        .collect()
+    let mut out = Vec::with_capacity(2 * p.count as usize);
+    for pos in p.start..new_len {
+        let dest = match fmt.place(pos, new_len) {
+            Place::Sink { index } => SLOT_SIDE | index,
+            Place::Window { slot } => SLOT_SIDE | slot,
+            Place::Page { page, slot } => {
+                let block = block_table[page as usize];
+                let at = block as u64 * fmt.page_size as u64 + slot as u64;
+                if at >= SLOT_SIDE as u64 {
+                    return Err(Error::Capacity(format!(
+                        "block {block} is past the {} blocks the append slot mapping addresses",
+                        max_pool_blocks(&fmt)
+                    )));
+                }
+                at as u32
+            }
+        };
+        let copy = reference::protected_index(protected, pos).map_or(SLOT_NONE, |i| SLOT_SIDE | fmt.protected_row(i));
+        out.extend_from_slice(&[dest, copy]);
+    }
+    Ok(out)
 }
 
 /// `append_flush` jobs `(block, slot, kv_head, side row)`: the tokens already in the
@@ -328,5 +375,58 @@ pub fn store_f16_rows(p: &AppendParams, side: &mut [f16], staged: &[u16], protec
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CacheConfig;
+
+    fn params(start: u32, count: u32) -> AppendParams {
+        AppendParams {
+            format: CacheConfig::k2v2(64).format().unwrap(),
+            num_kv_heads: 1,
+            start,
+            count,
+            flags: 0,
+            token_stride: 64,
+            head_stride: 64,
+            input_dtype: rotkv_kernels::params::DTYPE_F32,
+        }
+    }
+
+    #[test]
+    fn token_chunks_cover_any_count_within_the_grid_limit() {
+        assert_eq!(token_chunks(0).count(), 0);
+        assert_eq!(token_chunks(1).collect::<Vec<_>>(), [(0, 1)]);
+        assert_eq!(token_chunks(MAX_GRID_YZ).collect::<Vec<_>>(), [(0, MAX_GRID_YZ)]);
+        assert_eq!(token_chunks(MAX_GRID_YZ + 1).collect::<Vec<_>>(), [(0, MAX_GRID_YZ), (MAX_GRID_YZ, 1)]);
+        let n = 3 * MAX_GRID_YZ + 17;
+        let chunks: Vec<_> = token_chunks(n).collect();
+        assert_eq!(chunks.len(), 4);
+        assert!(chunks.iter().all(|&(_, c)| (1..=MAX_GRID_YZ).contains(&c)));
+        assert!(chunks.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+        assert_eq!(chunks.iter().map(|c| c.1).sum::<u32>(), n);
+    }
+
+    #[test]
+    fn slot_mapping_refuses_slots_that_would_alias_the_side_bit() {
+        let p = params(0, 300);
+        let fmt = p.format;
+        let pages = fmt.pages_for(300) as usize;
+        // The last block whose slots all stay below 2^31 is fine, and maps exactly.
+        let last = (max_pool_blocks(&fmt) - 1) as u32;
+        let slots = slot_mapping(&p, &vec![last; pages], &[]).unwrap();
+        let pool: Vec<u32> = slots.iter().step_by(2).copied().filter(|s| s & SLOT_SIDE == 0).collect();
+        assert!(!pool.is_empty());
+        assert!(pool.iter().all(|&s| s / fmt.page_size == last));
+        // One block further reaches 2^31 (the side bit); far past it the u32 product
+        // would wrap. Both are refused, not aliased.
+        for block in [last + 1, u32::MAX / fmt.page_size + 1, u32::MAX - 1] {
+            assert!(matches!(slot_mapping(&p, &vec![block; pages], &[]), Err(Error::Capacity(_))), "block {block}");
+        }
+        assert!(check_pool_blocks(&fmt, max_pool_blocks(&fmt)).is_ok());
+        assert!(matches!(check_pool_blocks(&fmt, max_pool_blocks(&fmt) + 1), Err(Error::Capacity(_))));
     }
 }

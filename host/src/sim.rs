@@ -248,7 +248,7 @@ pub fn append_sim(
     let d = fmt.head_dim as usize;
     let err = |what: &str, e: sim::SimError| Error::Backend(format!("sim {what}: {e}"));
     let mut jobs = launch::flush_jobs(p, block_table);
-    let mut slots = launch::slot_mapping(p, block_table, protected);
+    let mut slots = launch::slot_mapping(p, block_table, protected)?;
     let side: &mut [u16] = bytemuck::cast_slice_mut(side);
     let (pp, sp, jp, tp) =
         (Shared(pool.as_mut_ptr()), Shared(side.as_mut_ptr()), Shared(jobs.as_mut_ptr()), Shared(slots.as_mut_ptr()));
@@ -275,23 +275,26 @@ pub fn append_sim(
                         })
                         .map_err(|e| err("append_flush", e))?;
                     }
-                    // 2. The new tokens.
-                    if p.count > 0 {
-                        sim::launch(launch::tokens_grid(p), BLOCK, 0, |c: &SimCtx<'_>| {
+                    // 2. The new tokens, at most MAX_GRID_YZ per launch.
+                    for (first, n) in launch::token_chunks(p.count) {
+                        let cp = AppendParams { count: n, ..*p };
+                        let skip = first as usize * p.token_stride as usize * launch::dtype_bytes(p.input_dtype);
+                        sim::launch(launch::tokens_grid(&cp), BLOCK, 0, |c: &SimCtx<'_>| {
                             // SAFETY: the paged layer validated the inputs' sizes and the
-                            // block table; `slots` has one entry per new token.
+                            // block table; `slots` has two entries per new token, and the
+                            // chunk's inputs and entries start `first` tokens in.
                             unsafe {
                                 append_tokens::<_, $d, $v>(
                                     c,
-                                    p,
-                                    kp.ptr(),
-                                    vp.ptr(),
+                                    &cp,
+                                    kp.ptr().add(skip),
+                                    vp.ptr().add(skip),
                                     mp.ptr(),
                                     kq.ptr(),
                                     vq.ptr(),
                                     kr.ptr(),
                                     vr.ptr(),
-                                    tp.ptr(),
+                                    tp.ptr().add(2 * first as usize),
                                     pp.ptr(),
                                     sp.ptr(),
                                 )
