@@ -260,6 +260,115 @@ impl DecodeInputs {
     }
 }
 
+/// Device addresses (`CUdeviceptr` values on a GPU, host addresses on the emulator) of
+/// the buffers a decode kernel (`decode_split` or `decode_mma`) reads and writes, in the
+/// order of its entry point. Sizes and layouts: the kernel's `# Safety` section.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodePtrs {
+    /// Queries, f32 `[seq][q_len][q_head][head_dim]` (`q_seq_stride` between sequences).
+    pub q: u64,
+    /// The page pool (16-byte aligned).
+    pub pool: u64,
+    /// Block tables, u32 `[seq][block_table_stride]`.
+    pub tables: u64,
+    /// Sequence lengths, u32 `[seq]`.
+    pub lens: u64,
+    /// Side stores, f16 `[seq][side_elems]` (16-byte aligned).
+    pub sides: u64,
+    /// Protected positions, u32 `[seq][format.protected]` (padded with `u32::MAX`).
+    pub protected: u64,
+    /// Key permutations, u16 `[kv_head][head_dim]`.
+    pub key_perm: u64,
+    /// Learned key rotations, f32 `[kv_head][head_dim][head_dim]` (read only with
+    /// `FLAG_DENSE_KEYS`).
+    pub key_rot: u64,
+    /// Partial maxima, f32 `[seq][q_len][q_head][split]`.
+    pub m: u64,
+    /// Partial sums, as `m`.
+    pub l: u64,
+    /// Partial outputs, f32 `[seq][q_len][q_head][split][head_dim]`.
+    pub o: u64,
+}
+
+/// Device addresses of `decode_merge`'s buffers, in its entry point's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MergePtrs {
+    /// Partial maxima (as [`DecodePtrs::m`]).
+    pub m: u64,
+    /// Partial sums.
+    pub l: u64,
+    /// Partial outputs.
+    pub o: u64,
+    /// Inverse value permutations, u16 `[kv_head][head_dim]`.
+    pub vperm_inv: u64,
+    /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+    pub value_rot: u64,
+    /// Output, f32 or f16 (`FLAG_OUTPUT_F16`) `[seq x q_len][q_head][head_dim]`.
+    pub out: u64,
+}
+
+/// Device addresses of `append_tokens`'s buffers, in its entry point's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AppendPtrs {
+    /// Keys, `[token][kv_head][head_dim]` of `input_dtype`, `token_stride` apart.
+    pub k: u64,
+    /// Values, as `k`.
+    pub v: u64,
+    /// Key mean, f32 `[kv_head][head_dim]`.
+    pub key_mean: u64,
+    /// Key permutations, u16 `[kv_head][head_dim]`.
+    pub key_perm: u64,
+    /// Value permutations, u16 `[kv_head][head_dim]`.
+    pub value_perm: u64,
+    /// Learned key rotations (read only with `FLAG_DENSE_KEYS`).
+    pub key_rot: u64,
+    /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+    pub value_rot: u64,
+    /// Slot mapping, u32 `[token][2]` ([`slot_mapping`]).
+    pub slots: u64,
+    /// The page pool.
+    pub pool: u64,
+    /// The sequence's side store, f16.
+    pub side: u64,
+}
+
+/// Device addresses of `append_flush`'s buffers, in its entry point's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlushPtrs {
+    /// The sequence's side store, f16.
+    pub side: u64,
+    /// Jobs, u32 `[job][4]` ([`flush_jobs`]).
+    pub jobs: u64,
+    /// The page pool.
+    pub pool: u64,
+}
+
+/// The `decode_merge` entry point for a head dimension.
+pub fn merge_entry(d: u32) -> Result<&'static str> {
+    macro_rules! name {
+        ($name:ident, $d:literal, $v:literal) => {
+            if d == $d {
+                return Ok(stringify!($name));
+            }
+        };
+    }
+    rotkv_kernels::for_each_merge!(name);
+    Err(Error::Unsupported(format!("head_dim {d}")))
+}
+
+/// The append entry points `(tokens, flush)` for a head dimension.
+pub fn append_entries(d: u32) -> Result<(&'static str, &'static str)> {
+    macro_rules! names {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
+            match d {
+                $($d => Ok((stringify!($tok), stringify!($flush))),)*
+                other => Err(Error::Unsupported(format!("head_dim {other}"))),
+            }
+        };
+    }
+    rotkv_kernels::for_each_append!(names)
+}
+
 /// `append_tokens` grid for a chunk of `count` tokens: (KV heads, count). A launch covers
 /// at most [`MAX_GRID_YZ`] tokens; [`token_chunks`] cuts longer appends.
 pub fn tokens_grid(p: &AppendParams) -> [u32; 3] {
