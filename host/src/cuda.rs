@@ -24,6 +24,9 @@ use rotkv_kernels::layout::Format;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 use std::sync::{Arc, OnceLock};
 
+/// The cudarc this build uses (0.19; `Device::cuda` takes its `CudaStream`).
+pub use cudarc;
+
 /// The device code, as `cargo xtask ptx` wrote it.
 pub static PTX: &str = include_str!("../ptx/rotkv.ptx");
 
@@ -548,4 +551,27 @@ impl Kernels {
         }
         Ok(())
     }
+}
+
+/// Runs the `rotkv_mma_selftest` kernel on `stream`'s device: 8 warps (2 blocks of 4),
+/// each one `mma.sync.m16n8k16` on fragments packed by [`launch::MmaCase::pack`] from
+/// random small-integer and f16-subnormal matrices, compared with the f32 product
+/// exactly. The first check on a new GPU: it tells whether the fragment layout the
+/// decode kernel relies on is the hardware's.
+pub fn mma_selftest(stream: &Arc<CudaStream>) -> Result<()> {
+    let kernels = Kernels::load(stream.context())?;
+    let f = kernels.function("rotkv_mma_selftest")?;
+    let cases: Vec<launch::MmaCase> = (0..8).map(launch::MmaCase::new).collect();
+    let (a, b, c) = launch::mma_selftest_inputs(&cases);
+    let up = err("upload");
+    let (a_d, b_d, c_d) =
+        (stream.clone_htod(&a).map_err(&up)?, stream.clone_htod(&b).map_err(&up)?, stream.clone_htod(&c).map_err(&up)?);
+    let mut d_d = stream.alloc_zeros::<f32>(c.len()).map_err(err("alloc"))?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&a_d).arg(&b_d).arg(&c_d).arg(&mut d_d);
+    // SAFETY: `mma_selftest`'s parameters in order; 8 warps, each with 32 * (4, 2, 4, 4)
+    // elements of a, b, c, d.
+    unsafe { lb.launch(launch_config_block([2, 1, 1], 128, 0)) }.map_err(err("rotkv_mma_selftest"))?;
+    let d = stream.clone_dtoh(&d_d).map_err(err("download"))?;
+    launch::mma_selftest_check(&cases, &d)
 }

@@ -487,6 +487,122 @@ pub fn store_f16_rows(p: &AppendParams, side: &mut [f16], staged: &[u16], protec
     }
 }
 
+/// One warp's matrices for the `mma_selftest` kernel: `A` 16 x 16 and `B` 16 x 8 f16,
+/// `C` 16 x 8 f32, row-major (`B[k][n]` at `k * 8 + n`). [`MmaCase::new`] makes values
+/// whose product f32 and the tensor cores both compute exactly: small integers, and in
+/// columns 4..8 of `B` f16 subnormals (`code * 2^-24`, code 0 to 15) with `C` in the
+/// same units, so any summation order gives the same f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MmaCase {
+    /// A, 16 x 16.
+    pub a: Vec<half::f16>,
+    /// B, 16 x 8.
+    pub b: Vec<half::f16>,
+    /// C, 16 x 8.
+    pub c: Vec<f32>,
+}
+
+impl MmaCase {
+    /// A random case from `seed`.
+    pub fn new(seed: u64) -> Self {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = |n: u64| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % n) as i64
+        };
+        let tiny = (2f32).powi(-24);
+        let a = (0..256).map(|_| half::f16::from_f32((next(7) - 3) as f32)).collect();
+        let b = (0..128)
+            .map(|i| {
+                let x = if i % 8 < 4 { (next(9) - 4) as f32 } else { next(16) as f32 * tiny };
+                half::f16::from_f32(x)
+            })
+            .collect();
+        let c = (0..128).map(|i| (next(11) - 5) as f32 * if i % 8 < 4 { 1.0 } else { tiny }).collect();
+        Self { a, b, c }
+    }
+
+    /// `A * B + C` in f32, 16 x 8 row-major.
+    pub fn product(&self) -> Vec<f32> {
+        (0..128)
+            .map(|i| {
+                let (m, n) = (i / 8, i % 8);
+                (0..16).map(|k| self.a[m * 16 + k].to_f32() * self.b[k * 8 + n].to_f32()).sum::<f32>() + self.c[i]
+            })
+            .collect()
+    }
+
+    /// The 32 lanes' fragments `(a, b, c)` (`[lane][4]`, `[lane][2]`, `[lane][4]`) in the
+    /// layout documented at `Ctx::mma_m16n8k16`, appended to the given vectors.
+    pub fn pack(&self, a: &mut Vec<u32>, b: &mut Vec<u32>, c: &mut Vec<f32>) {
+        let pair = |lo: half::f16, hi: half::f16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
+        let (am, bm) = (|r: usize, k: usize| self.a[r * 16 + k], |k: usize, n: usize| self.b[k * 8 + n]);
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            a.extend_from_slice(&[
+                pair(am(g, 2 * t), am(g, 2 * t + 1)),
+                pair(am(g + 8, 2 * t), am(g + 8, 2 * t + 1)),
+                pair(am(g, 2 * t + 8), am(g, 2 * t + 9)),
+                pair(am(g + 8, 2 * t + 8), am(g + 8, 2 * t + 9)),
+            ]);
+            b.extend_from_slice(&[pair(bm(2 * t, g), bm(2 * t + 1, g)), pair(bm(2 * t + 8, g), bm(2 * t + 9, g))]);
+            c.extend_from_slice(&[
+                self.c[g * 8 + 2 * t],
+                self.c[g * 8 + 2 * t + 1],
+                self.c[(g + 8) * 8 + 2 * t],
+                self.c[(g + 8) * 8 + 2 * t + 1],
+            ]);
+        }
+    }
+
+    /// One warp's D fragments (`[lane][4]`, as `C`'s) back to a 16 x 8 row-major matrix.
+    pub fn unpack(d: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; 128];
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            let f = &d[lane * 4..lane * 4 + 4];
+            out[g * 8 + 2 * t] = f[0];
+            out[g * 8 + 2 * t + 1] = f[1];
+            out[(g + 8) * 8 + 2 * t] = f[2];
+            out[(g + 8) * 8 + 2 * t + 1] = f[3];
+        }
+        out
+    }
+}
+
+/// Packs `cases` (one per warp) for `mma_selftest`: `(a, b, c)` fragment arrays.
+pub fn mma_selftest_inputs(cases: &[MmaCase]) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for x in cases {
+        x.pack(&mut a, &mut b, &mut c);
+    }
+    (a, b, c)
+}
+
+/// Compares `mma_selftest`'s output `d` (one warp per case) with the f32 products:
+/// exact. The error names the first differing element.
+pub fn mma_selftest_check(cases: &[MmaCase], d: &[f32]) -> Result<()> {
+    if d.len() != cases.len() * 128 {
+        return Err(Error::Shape(format!("{} outputs for {} warps", d.len(), cases.len())));
+    }
+    for (w, x) in cases.iter().enumerate() {
+        let got = MmaCase::unpack(&d[w * 128..(w + 1) * 128]);
+        let want = x.product();
+        if let Some(i) = (0..128).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            return Err(Error::Backend(format!(
+                "mma self-test: warp {w}, D[{}][{}] is {:e}, the f32 product is {:e}",
+                i / 8,
+                i % 8,
+                got[i],
+                want[i]
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

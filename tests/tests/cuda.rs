@@ -4,6 +4,20 @@
 
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
 
+/// First on a GPU: one `mma.sync` per warp on host-packed fragments (small integers and
+/// f16 subnormals) equals the f32 product exactly, so the fragment layout the decode
+/// kernel relies on is the hardware's.
+#[test]
+fn a_mma_selftest() {
+    if !Backend::Cuda.available() {
+        eprintln!("SKIPPED: mma self-test (no CUDA driver or device on this machine)");
+        return;
+    }
+    let ctx = rotkv::cuda::cudarc::driver::CudaContext::new(0).unwrap();
+    rotkv::cuda::mma_selftest(&ctx.new_stream().unwrap()).unwrap();
+    eprintln!("mma self-test: exact");
+}
+
 #[test]
 fn cuda_backend_is_used_when_present_or_reported_skipped() {
     if !Backend::Cuda.available() {

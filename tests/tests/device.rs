@@ -385,3 +385,38 @@ fn protected_positions_match_the_reference() {
     let err = rel_err(&got, &t.reference(2, 1, &q));
     assert!(err < DEVICE_TOL, "{err}");
 }
+
+/// The host packing of the GPU bundle's MMA self-test, checked through the emulator's
+/// `mma_m16n8k16` (the same kernel body, fragments as documented): exact.
+#[test]
+fn mma_selftest_packing_on_the_emulator() {
+    use rotkv::launch::{MmaCase, mma_selftest_check, mma_selftest_inputs};
+    let cases: Vec<MmaCase> = (0..8).map(MmaCase::new).collect();
+    assert!(
+        cases[0].b.iter().any(|x| x.to_bits() & 0x7c00 == 0 && x.to_bits() & 0x3ff != 0),
+        "the case has f16 subnormals"
+    );
+    let (a, b, c) = mma_selftest_inputs(&cases);
+    let run = |b: &[u32]| {
+        let mut d = vec![f32::NAN; c.len()];
+        let (ap, bp, cp, dp) = (a.as_ptr() as usize, b.as_ptr() as usize, c.as_ptr() as usize, d.as_mut_ptr() as usize);
+        rotkv_kernels::sim::launch([2, 1, 1], 128, 0, |ctx| {
+            // SAFETY: 8 warps, each with its 32 lanes' fragments in a, b, c and d.
+            unsafe {
+                rotkv_kernels::selftest::mma_selftest(
+                    ctx,
+                    ap as *const u32,
+                    bp as *const u32,
+                    cp as *const f32,
+                    dp as *mut f32,
+                )
+            }
+        })
+        .unwrap();
+        d
+    };
+    mma_selftest_check(&cases, &run(&b)).unwrap();
+    // A wrong packing is caught: B's rows k and k + 8 swapped in every lane.
+    let swapped: Vec<u32> = b.chunks(2).flat_map(|p| [p[1], p[0]]).collect();
+    assert!(mma_selftest_check(&cases, &run(&swapped)).is_err());
+}
