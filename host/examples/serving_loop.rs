@@ -61,6 +61,7 @@ fn main() -> rotkv::Result<()> {
             downloads: after.downloads - before.downloads,
             synchronizations: after.synchronizations - before.synchronizations,
             launches: after.launches - before.launches,
+            device_copies: after.device_copies - before.device_copies,
         };
         assert_eq!(d, Counters { launches: 2, ..Counters::default() }, "a decode step only launches");
         let lens: Vec<String> = (0..slots).map(|s| layer.len(s).map_or("-".into(), |l| l.to_string())).collect();

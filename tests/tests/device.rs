@@ -81,6 +81,7 @@ fn delta(a: Counters, b: Counters) -> Counters {
         downloads: b.downloads - a.downloads,
         synchronizations: b.synchronizations - a.synchronizations,
         launches: b.launches - a.launches,
+        device_copies: b.device_copies - a.device_copies,
     }
 }
 
@@ -255,6 +256,13 @@ fn f16_output() {
     t.dev.read(&o16, &mut b).unwrap();
     assert!(a.iter().zip(&b).all(|(x, y)| f16::from_f32(*x) == *y));
     assert!(rel_err(&a, &t.reference(2, 2, &q)) < DEVICE_TOL);
+    // The bench helpers: a timed step, a device-to-device copy.
+    assert!(t.dev.time(0, 1, || plan.run(&t.layer, 2, &qd, &mut o32)).unwrap() > 0.0);
+    let mut copy = t.dev.alloc::<f32>(q.len()).unwrap();
+    t.dev.copy(&o32, &mut copy).unwrap();
+    let mut c = vec![0f32; q.len()];
+    t.dev.read(&copy, &mut c).unwrap();
+    assert_eq!(c, a);
 }
 
 /// Tensor parallelism: two shards of a layer's heads (one KV head and its three query

@@ -72,6 +72,8 @@ pub struct Counters {
     pub synchronizations: usize,
     /// Kernel launches.
     pub launches: usize,
+    /// Device-to-device copies ([`Device::copy`]).
+    pub device_copies: usize,
 }
 
 #[derive(Default)]
@@ -81,6 +83,7 @@ struct Stats {
     downloads: AtomicUsize,
     synchronizations: AtomicUsize,
     launches: AtomicUsize,
+    device_copies: AtomicUsize,
 }
 
 fn bump(c: &AtomicUsize) {
@@ -177,6 +180,7 @@ impl Device {
             downloads: get(&s.downloads),
             synchronizations: get(&s.synchronizations),
             launches: get(&s.launches),
+            device_copies: get(&s.device_copies),
         }
     }
 
@@ -263,6 +267,63 @@ impl Device {
             #[allow(unreachable_patterns)]
             _ => Err(Error::Backend("buffer of another kind of device".into())),
         }
+    }
+
+    /// Copies `src` into `dst` on the device (same length).
+    pub fn copy<T: Pod>(&self, src: &DeviceBuffer<T>, dst: &mut DeviceBuffer<T>) -> Result<()> {
+        self.check_buffer(src, "the source")?;
+        self.check_buffer(dst, "the destination")?;
+        if src.len != dst.len {
+            return Err(Error::Shape(format!("copying {} elements into {}", src.len, dst.len)));
+        }
+        bump(&self.0.stats.device_copies);
+        let n = src.len * size_of::<T>();
+        match (&self.0.kind, &src.mem, &mut dst.mem) {
+            #[cfg(feature = "sim")]
+            (Kind::Sim, Mem::Host(a), Mem::Host(b)) => {
+                let a = &bytemuck::cast_slice::<u128, u8>(a)[..n];
+                bytemuck::cast_slice_mut::<u128, u8>(b)[..n].copy_from_slice(a);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda { stream, .. }, Mem::Cuda(a), Mem::Cuda(b)) => stream
+                .memcpy_dtod(&a.slice(..n), &mut b.slice_mut(..n))
+                .map_err(|e| Error::Backend(format!("cuda copy: {e:?}"))),
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Backend("buffer of another kind of device".into())),
+        }
+    }
+
+    /// Median seconds per call of `f` (which enqueues work) over `iters` calls after
+    /// `warmup`: timed on the stream with CUDA events on a GPU (each call between two
+    /// events), by the wall clock on the emulator.
+    pub fn time(&self, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        for _ in 0..warmup {
+            f()?;
+        }
+        let mut times = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) {
+            match &self.0.kind {
+                #[cfg(feature = "sim")]
+                Kind::Sim => {
+                    let t = std::time::Instant::now();
+                    f()?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                #[cfg(feature = "cuda")]
+                Kind::Cuda { stream, .. } => {
+                    let e = |e| Error::Backend(format!("cuda event: {e:?}"));
+                    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let start = stream.record_event(timing).map_err(e)?;
+                    f()?;
+                    let end = stream.record_event(timing).map_err(e)?;
+                    end.synchronize().map_err(e)?;
+                    times.push(start.elapsed_ms(&end).map_err(e)? as f64 / 1e3);
+                }
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
     }
 
     /// Waits for the stream's work.
