@@ -199,7 +199,16 @@ impl Device {
                 Mem::Cuda(stream.alloc_zeros::<u8>(bytes).map_err(|e| Error::Backend(format!("cuda alloc: {e:?}")))?)
             }
         };
-        Ok(DeviceBuffer { mem, len, device: self.0.id, _t: PhantomData })
+        let addr = match &mem {
+            #[cfg(feature = "sim")]
+            Mem::Host(m) => crate::sim::addr(m.as_ptr()),
+            #[cfg(feature = "cuda")]
+            Mem::Cuda(m) => {
+                use cudarc::driver::DevicePtr;
+                m.device_ptr(m.stream()).0
+            }
+        };
+        Ok(DeviceBuffer { mem, len, addr, device: self.0.id, _t: PhantomData })
     }
 
     /// A buffer holding a copy of `host`.
@@ -351,6 +360,8 @@ enum Mem {
 pub struct DeviceBuffer<T> {
     mem: Mem,
     len: usize,
+    /// The address of element 0, taken once at allocation (no driver call per step).
+    addr: u64,
     device: u64,
     _t: PhantomData<T>,
 }
@@ -373,15 +384,7 @@ impl<T> DeviceBuffer<T> {
     /// The device address of element 0 (a `CUdeviceptr` on a GPU; a host address on the
     /// emulator), for the [`raw`] entry points.
     pub fn addr(&self) -> u64 {
-        match &self.mem {
-            #[cfg(feature = "sim")]
-            Mem::Host(m) => crate::sim::addr(m.as_ptr()),
-            #[cfg(feature = "cuda")]
-            Mem::Cuda(m) => {
-                use cudarc::driver::DevicePtr;
-                m.device_ptr(m.stream()).0
-            }
-        }
+        self.addr
     }
     /// The device address of element `i`.
     fn addr_at(&self, i: usize) -> u64 {
