@@ -75,9 +75,7 @@ impl KvCache {
         }
         let per_seq = format.pages_for(shape.max_tokens as u32) as usize;
         let num_blocks = shape.num_blocks.unwrap_or(per_seq * shape.max_seqs);
-        if num_blocks > u32::MAX as usize {
-            return Err(Error::Capacity(format!("{num_blocks} blocks")));
-        }
+        crate::launch::check_pool_blocks(&format, num_blocks)?;
         let pool = paged::pool_bytes(&config, &layer, num_blocks)?;
         let side = paged::side_elems(&config, &layer)?;
         let calib = LayerCalibration::identity(shape.num_kv_heads, config.head_dim);

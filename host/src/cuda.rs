@@ -3,10 +3,14 @@
 //! the driver at run time, so this builds without a CUDA toolkit and a program that has
 //! it still starts on a machine without a GPU ([`available`] is then false).
 //!
-//! This first version works on the host buffers of the paged API: each call uploads what
-//! the kernels read and downloads what they write, through the launch planning of
-//! [`crate::launch`] (the same the SIMT emulator checks). Device-resident pools are the
-//! next step.
+//! [`Kernels`] is the PTX loaded into one context, with the raw entry points (device
+//! addresses, a caller's `CUstream`) that [`crate::device`], the GPU API with the cache in
+//! device memory, is built on.
+//!
+//! The rest works on the host buffers of the paged API ([`crate::Backend::Cuda`], on
+//! device 0's default stream): each call uploads what the kernels read and downloads
+//! what they write, through the launch planning of [`crate::launch`]. It is a test path
+//! for the conformance suite, never chosen by [`crate::Backend::auto`].
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
@@ -19,6 +23,9 @@ use half::f16;
 use rotkv_kernels::layout::Format;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 use std::sync::{Arc, OnceLock};
+
+/// The cudarc this build uses (0.19; `Device::cuda` takes its `CudaStream`).
+pub use cudarc;
 
 /// The device code, as `cargo xtask ptx` wrote it.
 pub static PTX: &str = include_str!("../ptx/rotkv.ptx");
@@ -79,37 +86,11 @@ fn launch_config_block(grid: [u32; 3], block: u32, shared: u32) -> LaunchConfig 
     LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (block, 1, 1), shared_mem_bytes: shared }
 }
 
-/// The `decode_merge` entry point for a head dimension.
-fn merge_entry(d: u32) -> Result<&'static str> {
-    macro_rules! name {
-        ($name:ident, $d:literal, $v:literal) => {
-            if d == $d {
-                return Ok(stringify!($name));
-            }
-        };
-    }
-    rotkv_kernels::for_each_merge!(name);
-    Err(Error::Unsupported(format!("head_dim {d}")))
-}
-
 /// A layer's learned rotations on the device, or a one-element placeholder without them
 /// (the kernels read the matrices only when the paged layer set the matching
 /// `FLAG_DENSE_*` bit from the same calibration).
 fn rotation_d(s: &Arc<CudaStream>, r: &Option<Vec<f32>>) -> Result<CudaSlice<f32>> {
     s.clone_htod(r.as_deref().unwrap_or(&[0.0])).map_err(err("upload"))
-}
-
-/// The append entry points `(tokens, flush)` for a head dimension.
-fn append_entries(d: u32) -> Result<(&'static str, &'static str)> {
-    macro_rules! names {
-        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
-            match d {
-                $($d => Ok((stringify!($tok), stringify!($flush))),)*
-                other => Err(Error::Unsupported(format!("head_dim {other}"))),
-            }
-        };
-    }
-    rotkv_kernels::for_each_append!(names)
 }
 
 /// Decode attention on the GPU: `decode_split` then `decode_merge`.
@@ -154,7 +135,7 @@ pub fn decode_cuda(
     // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
     unsafe { b.launch(launch_config_block(shape.grid, shape.block, shape.shared)) }.map_err(err("decode"))?;
     let (mp, grid) = inputs.merge();
-    let merge = function(g, merge_entry(mp.head_dim)?)?;
+    let merge = function(g, launch::merge_entry(mp.head_dim)?)?;
     let mp = Arg(mp);
     let mut b = s.launch_builder(&merge);
     b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&vrot_d).arg(&mut out_d);
@@ -185,7 +166,7 @@ pub fn append_cuda(
     launch::check_format(&fmt)?;
     let g = gpu()?;
     let s = &g.stream;
-    let (tok, flush) = append_entries(fmt.head_dim)?;
+    let (tok, flush) = launch::append_entries(fmt.head_dim)?;
     let up = err("upload");
     let side_bits: &mut [u16] = bytemuck::cast_slice_mut(side);
     let mut pool_d = s.clone_htod(&*pool).map_err(&up)?;
@@ -206,15 +187,21 @@ pub fn append_cuda(
             (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
         let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
         let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
-        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table, protected)).map_err(&up)?;
+        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table, protected)?).map_err(&up)?;
         let f = function(g, tok)?;
-        let params = Arg(*p);
-        let mut b = s.launch_builder(&f);
-        b.arg(&params).arg(&k_d).arg(&v_d).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&kr_d).arg(&vr_d).arg(&slots_d);
-        b.arg(&mut pool_d).arg(&mut side_d);
-        // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
-        // paged layer checked the inputs' sizes and the block table.
-        unsafe { b.launch(launch_config(launch::tokens_grid(p), 0)) }.map_err(err(tok))?;
+        let elem = launch::dtype_bytes(p.input_dtype);
+        for (first, n) in launch::token_chunks(p.count) {
+            let params = Arg(AppendParams { count: n, ..*p });
+            let skip = first as usize * p.token_stride as usize * elem;
+            let (kc, vc, sc) = (k_d.slice(skip..), v_d.slice(skip..), slots_d.slice(2 * first as usize..));
+            let mut b = s.launch_builder(&f);
+            b.arg(&params).arg(&kc).arg(&vc).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&kr_d).arg(&vr_d).arg(&sc);
+            b.arg(&mut pool_d).arg(&mut side_d);
+            // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
+            // paged layer checked the inputs' sizes and the block table; the chunk's
+            // inputs and slot entries start `first` tokens in.
+            unsafe { b.launch(launch_config(launch::tokens_grid(&params.0), 0)) }.map_err(err(tok))?;
+        }
     }
     let down = err("download");
     pool.copy_from_slice(&s.clone_dtoh(&pool_d).map_err(&down)?);
@@ -321,7 +308,7 @@ pub fn time_decode(
     let mut out_d = s.alloc_zeros::<f32>(batch * num_q_heads * d).map_err(&alloc)?;
     let shape = launch::decode_launch(&p);
     let split = function(g, launch::decode_entry(&fmt, shape.kernel)?)?;
-    let merge = function(g, merge_entry(fmt.head_dim)?)?;
+    let merge = function(g, launch::merge_entry(fmt.head_dim)?)?;
     let mp = Arg(MergeParams {
         num_seqs: p.num_seqs,
         num_q_heads: p.num_q_heads,
@@ -372,4 +359,219 @@ pub fn time_decode(
         cache_bytes,
         copy_bytes: pool_d.len(),
     })
+}
+
+/// The PTX loaded into one CUDA context, with its entry points looked up once each: the
+/// raw entry points on a caller's `CUstream` and device addresses (`CUdeviceptr`), which
+/// [`crate::device`] builds on.
+pub struct Kernels {
+    module: Arc<CudaModule>,
+    functions: std::sync::Mutex<std::collections::HashMap<&'static str, CudaFunction>>,
+}
+
+impl Kernels {
+    /// Loads the embedded PTX into `ctx`.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).map_err(err("loading the PTX"))?;
+        Ok(Self { module, functions: Default::default() })
+    }
+
+    fn function(&self, name: &'static str) -> Result<CudaFunction> {
+        let mut f = self.functions.lock().map_err(|_| Error::Backend("cuda: poisoned function cache".into()))?;
+        if let Some(x) = f.get(name) {
+            return Ok(x.clone());
+        }
+        let x = self.module.load_function(name).map_err(err(name))?;
+        f.insert(name, x.clone());
+        Ok(x)
+    }
+
+    /// Launches `name` with `args` (pointers to each argument's value, in order).
+    ///
+    /// # Safety
+    /// `args` match the entry point's parameters in order and type; every buffer they
+    /// address is valid for what the kernel does with the launch shape.
+    unsafe fn launch(
+        &self,
+        name: &'static str,
+        stream: cudarc::driver::sys::CUstream,
+        grid: [u32; 3],
+        block: u32,
+        shared: u32,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        if shared > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(err(name))?;
+        }
+        // SAFETY: forwarded contract.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                (grid[0], grid[1], grid[2]),
+                (block, 1, 1),
+                shared,
+                stream,
+                args,
+            )
+        }
+        .map_err(err(name))
+    }
+
+    /// Enqueues the decode kernel of [`launch::decode_launch`]`(p)` on `stream`.
+    ///
+    /// # Safety
+    /// As [`crate::device::raw::decode`], with device addresses in `stream`'s context.
+    pub unsafe fn decode(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        p: &DecodeParams,
+        ptrs: &launch::DecodePtrs,
+    ) -> Result<()> {
+        let shape = launch::decode_launch(p);
+        let name = launch::decode_entry(&p.format, shape.kernel)?;
+        let mut a = (*p, *ptrs);
+        let x = &mut a.1;
+        let mut args = [
+            (&mut a.0 as *mut DecodeParams).cast(),
+            (&mut x.q as *mut u64).cast(),
+            (&mut x.pool as *mut u64).cast(),
+            (&mut x.tables as *mut u64).cast(),
+            (&mut x.lens as *mut u64).cast(),
+            (&mut x.sides as *mut u64).cast(),
+            (&mut x.protected as *mut u64).cast(),
+            (&mut x.key_perm as *mut u64).cast(),
+            (&mut x.key_rot as *mut u64).cast(),
+            (&mut x.m as *mut u64).cast(),
+            (&mut x.l as *mut u64).cast(),
+            (&mut x.o as *mut u64).cast(),
+        ];
+        // SAFETY: the entry point's parameters in order (params by value, then 11
+        // pointers); forwarded contract for the buffers.
+        unsafe { self.launch(name, stream, shape.grid, shape.block, shape.shared, &mut args) }
+    }
+
+    /// Enqueues `decode_merge` on `stream`: grid (query heads, `p.num_seqs`).
+    ///
+    /// # Safety
+    /// As [`crate::device::raw::merge`], with device addresses in `stream`'s context.
+    pub unsafe fn merge(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        p: &MergeParams,
+        ptrs: &launch::MergePtrs,
+    ) -> Result<()> {
+        let name = launch::merge_entry(p.head_dim)?;
+        let mut a = (*p, *ptrs);
+        let x = &mut a.1;
+        let mut args = [
+            (&mut a.0 as *mut MergeParams).cast(),
+            (&mut x.m as *mut u64).cast(),
+            (&mut x.l as *mut u64).cast(),
+            (&mut x.o as *mut u64).cast(),
+            (&mut x.vperm_inv as *mut u64).cast(),
+            (&mut x.value_rot as *mut u64).cast(),
+            (&mut x.out as *mut u64).cast(),
+        ];
+        // SAFETY: `decode_merge`'s parameters in order; forwarded contract.
+        unsafe { self.launch(name, stream, [p.num_q_heads, p.num_seqs, 1], BLOCK, 0, &mut args) }
+    }
+
+    /// Enqueues `append_flush` for `jobs` jobs on `stream` (nothing for none).
+    ///
+    /// # Safety
+    /// As [`crate::device::raw::append_flush`], with device addresses in `stream`'s
+    /// context.
+    pub unsafe fn flush(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        fmt: &Format,
+        num_kv_heads: u32,
+        jobs: u32,
+        ptrs: &launch::FlushPtrs,
+    ) -> Result<()> {
+        if jobs == 0 {
+            return Ok(());
+        }
+        let name = launch::append_entries(fmt.head_dim)?.1;
+        let (mut f, mut h, mut x) = (*fmt, num_kv_heads, *ptrs);
+        let mut args = [
+            (&mut f as *mut Format).cast(),
+            (&mut h as *mut u32).cast(),
+            (&mut x.side as *mut u64).cast(),
+            (&mut x.jobs as *mut u64).cast(),
+            (&mut x.pool as *mut u64).cast(),
+        ];
+        // SAFETY: `append_flush`'s parameters in order; forwarded contract.
+        unsafe { self.launch(name, stream, [jobs, 2, 1], BLOCK, 0, &mut args) }
+    }
+
+    /// Enqueues `append_tokens` on `stream`, in launches of at most 65,535 tokens.
+    ///
+    /// # Safety
+    /// As [`crate::device::raw::append_tokens`], with device addresses in `stream`'s
+    /// context.
+    pub unsafe fn append_tokens(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        p: &AppendParams,
+        ptrs: &launch::AppendPtrs,
+    ) -> Result<()> {
+        let name = launch::append_entries(p.format.head_dim)?.0;
+        let elem = launch::dtype_bytes(p.input_dtype) as u64;
+        for (first, n) in launch::token_chunks(p.count) {
+            let skip = first as u64 * p.token_stride as u64 * elem;
+            let mut cp = AppendParams { count: n, ..*p };
+            let mut x = launch::AppendPtrs {
+                k: ptrs.k + skip,
+                v: ptrs.v + skip,
+                slots: ptrs.slots + 8 * first as u64,
+                ..*ptrs
+            };
+            let mut args = [
+                (&mut cp as *mut AppendParams).cast(),
+                (&mut x.k as *mut u64).cast(),
+                (&mut x.v as *mut u64).cast(),
+                (&mut x.key_mean as *mut u64).cast(),
+                (&mut x.key_perm as *mut u64).cast(),
+                (&mut x.value_perm as *mut u64).cast(),
+                (&mut x.key_rot as *mut u64).cast(),
+                (&mut x.value_rot as *mut u64).cast(),
+                (&mut x.slots as *mut u64).cast(),
+                (&mut x.pool as *mut u64).cast(),
+                (&mut x.side as *mut u64).cast(),
+            ];
+            // SAFETY: `append_tokens`'s parameters in order; the chunk's inputs and slot
+            // entries start `first` tokens in; forwarded contract.
+            unsafe { self.launch(name, stream, launch::tokens_grid(&cp), BLOCK, 0, &mut args)? };
+        }
+        Ok(())
+    }
+}
+
+/// Runs the `rotkv_mma_selftest` kernel on `stream`'s device: 8 warps (2 blocks of 4),
+/// each one `mma.sync.m16n8k16` on fragments packed by [`launch::MmaCase::pack`] from
+/// random small-integer and f16-subnormal matrices, compared with the f32 product
+/// exactly. The first check on a new GPU: it tells whether the fragment layout the
+/// decode kernel relies on is the hardware's.
+pub fn mma_selftest(stream: &Arc<CudaStream>) -> Result<()> {
+    let kernels = Kernels::load(stream.context())?;
+    let f = kernels.function("rotkv_mma_selftest")?;
+    let cases: Vec<launch::MmaCase> = (0..8).map(launch::MmaCase::new).collect();
+    let (a, b, c) = launch::mma_selftest_inputs(&cases);
+    let up = err("upload");
+    let (a_d, b_d, c_d) =
+        (stream.clone_htod(&a).map_err(&up)?, stream.clone_htod(&b).map_err(&up)?, stream.clone_htod(&c).map_err(&up)?);
+    let mut d_d = stream.alloc_zeros::<f32>(c.len()).map_err(err("alloc"))?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&a_d).arg(&b_d).arg(&c_d).arg(&mut d_d);
+    // SAFETY: `mma_selftest`'s parameters in order; 8 warps, each with 32 * (4, 2, 4, 4)
+    // elements of a, b, c, d.
+    unsafe { lb.launch(launch_config_block([2, 1, 1], 128, 0)) }.map_err(err("rotkv_mma_selftest"))?;
+    let d = stream.clone_dtoh(&d_d).map_err(err("download"))?;
+    launch::mma_selftest_check(&cases, &d)
 }

@@ -260,31 +260,187 @@ impl DecodeInputs {
     }
 }
 
-/// `append_tokens` grid: (KV heads, new tokens).
+/// Device addresses (`CUdeviceptr` values on a GPU, host addresses on the emulator) of
+/// the buffers a decode kernel (`decode_split` or `decode_mma`) reads and writes, in the
+/// order of its entry point. Sizes and layouts: the kernel's `# Safety` section.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodePtrs {
+    /// Queries, f32 `[seq][q_len][q_head][head_dim]` (`q_seq_stride` between sequences).
+    pub q: u64,
+    /// The page pool (16-byte aligned).
+    pub pool: u64,
+    /// Block tables, u32 `[seq][block_table_stride]`.
+    pub tables: u64,
+    /// Sequence lengths, u32 `[seq]`.
+    pub lens: u64,
+    /// Side stores, f16 `[seq][side_elems]` (16-byte aligned).
+    pub sides: u64,
+    /// Protected positions, u32 `[seq][format.protected]` (padded with `u32::MAX`).
+    pub protected: u64,
+    /// Key permutations, u16 `[kv_head][head_dim]`.
+    pub key_perm: u64,
+    /// Learned key rotations, f32 `[kv_head][head_dim][head_dim]` (read only with
+    /// `FLAG_DENSE_KEYS`).
+    pub key_rot: u64,
+    /// Partial maxima, f32 `[seq][q_len][q_head][split]`.
+    pub m: u64,
+    /// Partial sums, as `m`.
+    pub l: u64,
+    /// Partial outputs, f32 `[seq][q_len][q_head][split][head_dim]`.
+    pub o: u64,
+}
+
+/// Device addresses of `decode_merge`'s buffers, in its entry point's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MergePtrs {
+    /// Partial maxima (as [`DecodePtrs::m`]).
+    pub m: u64,
+    /// Partial sums.
+    pub l: u64,
+    /// Partial outputs.
+    pub o: u64,
+    /// Inverse value permutations, u16 `[kv_head][head_dim]`.
+    pub vperm_inv: u64,
+    /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+    pub value_rot: u64,
+    /// Output, f32 or f16 (`FLAG_OUTPUT_F16`) `[seq x q_len][q_head][head_dim]`.
+    pub out: u64,
+}
+
+/// Device addresses of `append_tokens`'s buffers, in its entry point's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AppendPtrs {
+    /// Keys, `[token][kv_head][head_dim]` of `input_dtype`, `token_stride` apart.
+    pub k: u64,
+    /// Values, as `k`.
+    pub v: u64,
+    /// Key mean, f32 `[kv_head][head_dim]`.
+    pub key_mean: u64,
+    /// Key permutations, u16 `[kv_head][head_dim]`.
+    pub key_perm: u64,
+    /// Value permutations, u16 `[kv_head][head_dim]`.
+    pub value_perm: u64,
+    /// Learned key rotations (read only with `FLAG_DENSE_KEYS`).
+    pub key_rot: u64,
+    /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+    pub value_rot: u64,
+    /// Slot mapping, u32 `[token][2]` ([`slot_mapping`]).
+    pub slots: u64,
+    /// The page pool.
+    pub pool: u64,
+    /// The sequence's side store, f16.
+    pub side: u64,
+}
+
+/// Device addresses of `append_flush`'s buffers, in its entry point's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlushPtrs {
+    /// The sequence's side store, f16.
+    pub side: u64,
+    /// Jobs, u32 `[job][4]` ([`flush_jobs`]).
+    pub jobs: u64,
+    /// The page pool.
+    pub pool: u64,
+}
+
+/// The `decode_merge` entry point for a head dimension.
+pub fn merge_entry(d: u32) -> Result<&'static str> {
+    macro_rules! name {
+        ($name:ident, $d:literal, $v:literal) => {
+            if d == $d {
+                return Ok(stringify!($name));
+            }
+        };
+    }
+    rotkv_kernels::for_each_merge!(name);
+    Err(Error::Unsupported(format!("head_dim {d}")))
+}
+
+/// The append entry points `(tokens, flush)` for a head dimension.
+pub fn append_entries(d: u32) -> Result<(&'static str, &'static str)> {
+    macro_rules! names {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
+            match d {
+                $($d => Ok((stringify!($tok), stringify!($flush))),)*
+                other => Err(Error::Unsupported(format!("head_dim {other}"))),
+            }
+        };
+    }
+    rotkv_kernels::for_each_append!(names)
+}
+
+/// `append_tokens` grid for a chunk of `count` tokens: (KV heads, count). A launch covers
+/// at most [`MAX_GRID_YZ`] tokens; [`token_chunks`] cuts longer appends.
 pub fn tokens_grid(p: &AppendParams) -> [u32; 3] {
     [p.num_kv_heads, p.count, 1]
+}
+
+/// The `(first token, tokens)` chunks of an append of `count` tokens, one
+/// `append_tokens` launch each: at most [`MAX_GRID_YZ`] tokens per launch (the GPU's grid
+/// y limit). Chunk `(first, n)` launches with `count = n`, the inputs advanced by
+/// `first` tokens and the slot mapping by `2 * first` entries (the kernel reads neither
+/// `start` nor anything past its own `count` tokens).
+pub fn token_chunks(count: u32) -> impl Iterator<Item = (u32, u32)> {
+    (0..count).step_by(MAX_GRID_YZ as usize).map(move |first| (first, (count - first).min(MAX_GRID_YZ)))
+}
+
+/// Bytes of one K/V input element of type `dtype` (`DTYPE_*`: 4 for f32, else 2).
+pub fn dtype_bytes(dtype: u32) -> usize {
+    if dtype == rotkv_kernels::params::DTYPE_F32 { 4 } else { 2 }
+}
+
+/// Blocks a layer's pool may have for [`slot_mapping`]: its pool slots
+/// `block * page_size + slot` must stay below [`SLOT_SIDE`] (2^31), the bit that marks
+/// a side row. A larger pool is refused with [`Error::Capacity`] by the paged layer and
+/// the device layer before anything is written.
+pub fn max_pool_blocks(fmt: &Format) -> usize {
+    SLOT_SIDE as usize / fmt.page_size.max(1) as usize
+}
+
+/// Refuses a pool of `num_blocks` blocks past [`max_pool_blocks`].
+pub fn check_pool_blocks(fmt: &Format, num_blocks: usize) -> Result<()> {
+    let max = max_pool_blocks(fmt);
+    if num_blocks > max {
+        return Err(Error::Capacity(format!(
+            "a pool of {num_blocks} blocks of {} tokens: the append slot mapping addresses at most {max} blocks \
+             (2^31 token slots)",
+            fmt.page_size
+        )));
+    }
+    Ok(())
 }
 
 /// `append_tokens`'s slot mapping, two entries per new token: its f16 side row
 /// ([`SLOT_SIDE`] set) or its pool slot `block * page_size + slot`, as it lives once the
 /// sequence has `p.start + p.count` tokens; then its protected row ([`SLOT_SIDE`] set)
 /// when its position is in `protected`, else [`SLOT_NONE`]. `block_table` covers every
-/// page of that length (the paged layer checked it).
-pub fn slot_mapping(p: &AppendParams, block_table: &[u32], protected: &[u32]) -> Vec<u32> {
+/// page of that length (the paged layer checked it). A pool slot at or past 2^31 (a
+/// block past [`max_pool_blocks`]) would alias the side-row bit: it is refused with
+/// [`Error::Capacity`], computed in 64 bits.
+pub fn slot_mapping(p: &AppendParams, block_table: &[u32], protected: &[u32]) -> Result<Vec<u32>> {
     let fmt = p.format;
     let new_len = p.start + p.count;
-    (p.start..new_len)
-        .flat_map(|pos| {
-            let dest = match fmt.place(pos, new_len) {
-                Place::Sink { index } => SLOT_SIDE | index,
-                Place::Window { slot } => SLOT_SIDE | slot,
-                Place::Page { page, slot } => block_table[page as usize] * fmt.page_size + slot,
-            };
-            let copy =
-                reference::protected_index(protected, pos).map_or(SLOT_NONE, |i| SLOT_SIDE | fmt.protected_row(i));
-            [dest, copy]
-        })
-        .collect()
+    let mut out = Vec::with_capacity(2 * p.count as usize);
+    for pos in p.start..new_len {
+        let dest = match fmt.place(pos, new_len) {
+            Place::Sink { index } => SLOT_SIDE | index,
+            Place::Window { slot } => SLOT_SIDE | slot,
+            Place::Page { page, slot } => {
+                let block = block_table[page as usize];
+                let at = block as u64 * fmt.page_size as u64 + slot as u64;
+                if at >= SLOT_SIDE as u64 {
+                    return Err(Error::Capacity(format!(
+                        "block {block} is past the {} blocks the append slot mapping addresses",
+                        max_pool_blocks(&fmt)
+                    )));
+                }
+                at as u32
+            }
+        };
+        let copy = reference::protected_index(protected, pos).map_or(SLOT_NONE, |i| SLOT_SIDE | fmt.protected_row(i));
+        out.extend_from_slice(&[dest, copy]);
+    }
+    Ok(out)
 }
 
 /// `append_flush` jobs `(block, slot, kv_head, side row)`: the tokens already in the
@@ -328,5 +484,174 @@ pub fn store_f16_rows(p: &AppendParams, side: &mut [f16], staged: &[u16], protec
                 }
             }
         }
+    }
+}
+
+/// One warp's matrices for the `mma_selftest` kernel: `A` 16 x 16 and `B` 16 x 8 f16,
+/// `C` 16 x 8 f32, row-major (`B[k][n]` at `k * 8 + n`). [`MmaCase::new`] makes values
+/// whose product f32 and the tensor cores both compute exactly: small integers, and in
+/// columns 4..8 of `B` f16 subnormals (`code * 2^-24`, code 0 to 15) with `C` in the
+/// same units, so any summation order gives the same f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MmaCase {
+    /// A, 16 x 16.
+    pub a: Vec<half::f16>,
+    /// B, 16 x 8.
+    pub b: Vec<half::f16>,
+    /// C, 16 x 8.
+    pub c: Vec<f32>,
+}
+
+impl MmaCase {
+    /// A random case from `seed`.
+    pub fn new(seed: u64) -> Self {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = |n: u64| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % n) as i64
+        };
+        let tiny = (2f32).powi(-24);
+        let a = (0..256).map(|_| half::f16::from_f32((next(7) - 3) as f32)).collect();
+        let b = (0..128)
+            .map(|i| {
+                let x = if i % 8 < 4 { (next(9) - 4) as f32 } else { next(16) as f32 * tiny };
+                half::f16::from_f32(x)
+            })
+            .collect();
+        let c = (0..128).map(|i| (next(11) - 5) as f32 * if i % 8 < 4 { 1.0 } else { tiny }).collect();
+        Self { a, b, c }
+    }
+
+    /// `A * B + C` in f32, 16 x 8 row-major.
+    pub fn product(&self) -> Vec<f32> {
+        (0..128)
+            .map(|i| {
+                let (m, n) = (i / 8, i % 8);
+                (0..16).map(|k| self.a[m * 16 + k].to_f32() * self.b[k * 8 + n].to_f32()).sum::<f32>() + self.c[i]
+            })
+            .collect()
+    }
+
+    /// The 32 lanes' fragments `(a, b, c)` (`[lane][4]`, `[lane][2]`, `[lane][4]`) in the
+    /// layout documented at `Ctx::mma_m16n8k16`, appended to the given vectors.
+    pub fn pack(&self, a: &mut Vec<u32>, b: &mut Vec<u32>, c: &mut Vec<f32>) {
+        let pair = |lo: half::f16, hi: half::f16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
+        let (am, bm) = (|r: usize, k: usize| self.a[r * 16 + k], |k: usize, n: usize| self.b[k * 8 + n]);
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            a.extend_from_slice(&[
+                pair(am(g, 2 * t), am(g, 2 * t + 1)),
+                pair(am(g + 8, 2 * t), am(g + 8, 2 * t + 1)),
+                pair(am(g, 2 * t + 8), am(g, 2 * t + 9)),
+                pair(am(g + 8, 2 * t + 8), am(g + 8, 2 * t + 9)),
+            ]);
+            b.extend_from_slice(&[pair(bm(2 * t, g), bm(2 * t + 1, g)), pair(bm(2 * t + 8, g), bm(2 * t + 9, g))]);
+            c.extend_from_slice(&[
+                self.c[g * 8 + 2 * t],
+                self.c[g * 8 + 2 * t + 1],
+                self.c[(g + 8) * 8 + 2 * t],
+                self.c[(g + 8) * 8 + 2 * t + 1],
+            ]);
+        }
+    }
+
+    /// One warp's D fragments (`[lane][4]`, as `C`'s) back to a 16 x 8 row-major matrix.
+    pub fn unpack(d: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; 128];
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            let f = &d[lane * 4..lane * 4 + 4];
+            out[g * 8 + 2 * t] = f[0];
+            out[g * 8 + 2 * t + 1] = f[1];
+            out[(g + 8) * 8 + 2 * t] = f[2];
+            out[(g + 8) * 8 + 2 * t + 1] = f[3];
+        }
+        out
+    }
+}
+
+/// Packs `cases` (one per warp) for `mma_selftest`: `(a, b, c)` fragment arrays.
+pub fn mma_selftest_inputs(cases: &[MmaCase]) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for x in cases {
+        x.pack(&mut a, &mut b, &mut c);
+    }
+    (a, b, c)
+}
+
+/// Compares `mma_selftest`'s output `d` (one warp per case) with the f32 products:
+/// exact. The error names the first differing element.
+pub fn mma_selftest_check(cases: &[MmaCase], d: &[f32]) -> Result<()> {
+    if d.len() != cases.len() * 128 {
+        return Err(Error::Shape(format!("{} outputs for {} warps", d.len(), cases.len())));
+    }
+    for (w, x) in cases.iter().enumerate() {
+        let got = MmaCase::unpack(&d[w * 128..(w + 1) * 128]);
+        let want = x.product();
+        if let Some(i) = (0..128).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            return Err(Error::Backend(format!(
+                "mma self-test: warp {w}, D[{}][{}] is {:e}, the f32 product is {:e}",
+                i / 8,
+                i % 8,
+                got[i],
+                want[i]
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CacheConfig;
+
+    fn params(start: u32, count: u32) -> AppendParams {
+        AppendParams {
+            format: CacheConfig::k2v2(64).format().unwrap(),
+            num_kv_heads: 1,
+            start,
+            count,
+            flags: 0,
+            token_stride: 64,
+            head_stride: 64,
+            input_dtype: rotkv_kernels::params::DTYPE_F32,
+        }
+    }
+
+    #[test]
+    fn token_chunks_cover_any_count_within_the_grid_limit() {
+        assert_eq!(token_chunks(0).count(), 0);
+        assert_eq!(token_chunks(1).collect::<Vec<_>>(), [(0, 1)]);
+        assert_eq!(token_chunks(MAX_GRID_YZ).collect::<Vec<_>>(), [(0, MAX_GRID_YZ)]);
+        assert_eq!(token_chunks(MAX_GRID_YZ + 1).collect::<Vec<_>>(), [(0, MAX_GRID_YZ), (MAX_GRID_YZ, 1)]);
+        let n = 3 * MAX_GRID_YZ + 17;
+        let chunks: Vec<_> = token_chunks(n).collect();
+        assert_eq!(chunks.len(), 4);
+        assert!(chunks.iter().all(|&(_, c)| (1..=MAX_GRID_YZ).contains(&c)));
+        assert!(chunks.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+        assert_eq!(chunks.iter().map(|c| c.1).sum::<u32>(), n);
+    }
+
+    #[test]
+    fn slot_mapping_refuses_slots_that_would_alias_the_side_bit() {
+        let p = params(0, 300);
+        let fmt = p.format;
+        let pages = fmt.pages_for(300) as usize;
+        // The last block whose slots all stay below 2^31 is fine, and maps exactly.
+        let last = (max_pool_blocks(&fmt) - 1) as u32;
+        let slots = slot_mapping(&p, &vec![last; pages], &[]).unwrap();
+        let pool: Vec<u32> = slots.iter().step_by(2).copied().filter(|s| s & SLOT_SIDE == 0).collect();
+        assert!(!pool.is_empty());
+        assert!(pool.iter().all(|&s| s / fmt.page_size == last));
+        // One block further reaches 2^31 (the side bit); far past it the u32 product
+        // would wrap. Both are refused, not aliased.
+        for block in [last + 1, u32::MAX / fmt.page_size + 1, u32::MAX - 1] {
+            assert!(matches!(slot_mapping(&p, &vec![block; pages], &[]), Err(Error::Capacity(_))), "block {block}");
+        }
+        assert!(check_pool_blocks(&fmt, max_pool_blocks(&fmt)).is_ok());
+        assert!(matches!(check_pool_blocks(&fmt, max_pool_blocks(&fmt) + 1), Err(Error::Capacity(_))));
     }
 }

@@ -8,8 +8,10 @@
 //! - [`paged`]: the same two operations over caller-owned pools and block tables.
 //! - [`reference`](mod@reference): the scalar f64 oracle; [`cpu`]: the fast CPU backend; `sim`
 //!   (feature `sim`): the device kernels on the SIMT emulator; `cuda` (feature `cuda`):
-//!   the device kernels on a GPU; `launch`: the launch planning both device backends
-//!   share.
+//!   the device kernels on a GPU over host buffers (a test path); `device` (features
+//!   `sim`, `cuda`): the GPU API, a layer's cache in device memory, append and decode
+//!   through a fixed decode plan (`device::DecodePlan`) on the caller's stream; `launch`:
+//!   the launch planning both device backends share.
 //!
 //! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
 //! returns an [`Error`] that says what was wrong; a failed call changes nothing.
@@ -48,6 +50,8 @@ pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "sim", feature = "cuda"))]
+pub mod device;
 pub mod error;
 #[cfg(feature = "eval")]
 pub mod eval;
@@ -76,20 +80,20 @@ pub enum Backend {
     /// The device kernels run by the SIMT emulator (feature `sim`; slow, for tests).
     #[cfg(feature = "sim")]
     Sim,
-    /// The device kernels on an NVIDIA GPU (feature `cuda`; needs a driver and a device
-    /// at run time, see [`Backend::available`]).
+    /// The device kernels on an NVIDIA GPU over host buffers (feature `cuda`; needs a
+    /// driver and a device at run time, see [`Backend::available`]). Every call uploads
+    /// the pool and side stores and downloads the result: for conformance tests only,
+    /// never chosen by [`Backend::auto`]. Serving on a GPU uses `rotkv::device`.
     #[cfg(feature = "cuda")]
     Cuda,
 }
 
 impl Backend {
-    /// The fastest backend available on this machine: [`Backend::Cuda`] when this build
-    /// has it and a driver and a device are present, else [`Backend::Cpu`].
+    /// The backend for [`KvCache`] and [`paged`] on host buffers: always
+    /// [`Backend::Cpu`]. [`Backend::Cuda`] on host buffers uploads the whole pool per
+    /// call (a conformance-test path, chosen only by name); the GPU API is
+    /// `rotkv::device` (features `sim`/`cuda`), whose cache stays in device memory.
     pub fn auto() -> Self {
-        #[cfg(feature = "cuda")]
-        if cuda::available() {
-            return Backend::Cuda;
-        }
         Backend::Cpu
     }
     /// Whether this backend can run here (only `cuda` can be missing: no driver or no

@@ -256,6 +256,7 @@ pub fn append<T: KvElement>(
         )));
     }
     let blocks = num_blocks(&fmt, shape, pool)?;
+    crate::launch::check_pool_blocks(&fmt, blocks)?;
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
     check_protected(&fmt, protected)?;
     let (k_in, v_in) = (k, v);

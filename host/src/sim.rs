@@ -4,12 +4,13 @@
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
-use crate::launch::{self, BLOCK, DecodeInputs, DecodeKernel};
+use crate::launch::{self, AppendPtrs, BLOCK, DecodeInputs, DecodeKernel, DecodePtrs, FlushPtrs, MergePtrs};
 use crate::reference::SeqRef;
 use half::f16;
 use rotkv_kernels::append::{append_flush, append_tokens};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::decode_mma::decode_mma;
+use rotkv_kernels::layout::Format;
 use rotkv_kernels::merge::decode_merge;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
@@ -42,23 +43,6 @@ impl MergeOutput for f32 {
 }
 impl MergeOutput for f16 {
     const F16: bool = true;
-}
-
-/// A raw pointer the emulator's threads may share (each kernel thread writes its own
-/// elements, as on the GPU).
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: the kernels only dereference these pointers inside the sizes validated by the
-// launcher below, and write disjoint elements per thread.
-unsafe impl<T> Send for Shared<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for Shared<T> {}
-
-impl<T> Shared<T> {
-    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
-    fn ptr(self) -> *mut T {
-        self.0
-    }
 }
 
 /// Runs the `decode_merge` kernel: partials `m`, `l` (`[seq][q_head][split]`), `o`
@@ -107,28 +91,61 @@ pub fn decode_merge_sim<O: MergeOutput>(
             )));
         }
     };
-    let (mp, lp, op, vp, rp, outp) = (
-        Shared(m.as_ptr().cast_mut()),
-        Shared(l.as_ptr().cast_mut()),
-        Shared(o.as_ptr().cast_mut()),
-        Shared(vperm_inv.as_ptr().cast_mut()),
-        Shared(rot.cast_mut()),
-        Shared(out.as_mut_ptr().cast::<u8>()),
-    );
     let p = MergeParams { flags: (p.flags & !FLAG_OUTPUT_F16) | if O::F16 { FLAG_OUTPUT_F16 } else { 0 }, ..*p };
+    let ptrs = MergePtrs {
+        m: addr(m.as_ptr()),
+        l: addr(l.as_ptr()),
+        o: addr(o.as_ptr()),
+        vperm_inv: addr(vperm_inv.as_ptr()),
+        value_rot: addr(rot),
+        out: addr(out.as_mut_ptr()),
+    };
+    // SAFETY: sizes checked above; `out` is borrowed mutably for the launch.
+    unsafe { merge_raw(&p, &ptrs) }
+}
+
+/// The address of a host buffer as the emulated kernels take it (provenance exposed, so
+/// [`ptr`] can turn it back into a pointer).
+pub(crate) fn addr<T>(p: *const T) -> u64 {
+    p.expose_provenance() as u64
+}
+
+/// The pointer at an address made by [`addr`].
+fn ptr<T>(a: u64) -> *mut T {
+    std::ptr::with_exposed_provenance_mut(a as usize)
+}
+
+/// Runs `decode_merge` on the emulator over raw addresses: grid (query heads, sequences
+/// x query tokens), one warp per block.
+///
+/// # Safety
+/// The buffers at `ptrs` are live host buffers of the sizes `decode_merge`'s `# Safety`
+/// section asks for `p`, and nothing else accesses them during the call.
+pub unsafe fn merge_raw(p: &MergeParams, ptrs: &MergePtrs) -> Result<()> {
+    let (h, s) = (p.num_q_heads, p.num_seqs);
+    let ptrs = *ptrs;
     macro_rules! launch {
         ($d:literal, $v:literal) => {
-            sim::launch([h as u32, s as u32, 1], 32, 0, |c: &SimCtx<'_>| {
-                // SAFETY: sizes checked above; grid (H, S, 1) of 32-thread blocks, as
+            sim::launch([h, s, 1], 32, 0, |c: &SimCtx<'_>| {
+                // SAFETY: forwarded contract; grid (H, S, 1) of 32-thread blocks, as
                 // `decode_merge` requires; each block writes its own output row.
                 unsafe {
-                    decode_merge::<_, $d, $v>(c, &p, mp.ptr(), lp.ptr(), op.ptr(), vp.ptr(), rp.ptr(), outp.ptr())
+                    decode_merge::<_, $d, $v>(
+                        c,
+                        p,
+                        ptr(ptrs.m),
+                        ptr(ptrs.l),
+                        ptr(ptrs.o),
+                        ptr(ptrs.vperm_inv),
+                        ptr(ptrs.value_rot),
+                        ptr(ptrs.out),
+                    )
                 }
             })
             .map_err(|e| Error::Backend(format!("sim decode_merge: {e}")))
         };
     }
-    match d {
+    match p.head_dim {
         64 => launch!(64, 2),
         128 => launch!(128, 4),
         256 => launch!(256, 8),
@@ -163,42 +180,59 @@ fn decode_split_launch(
     q: &[f32],
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let p = inputs.params;
-    let fmt = p.format;
     let (nm, no) = inputs.partial_lens();
     let (mut m, mut l, mut o) = (vec![0f32; nm], vec![0f32; nm], vec![0f32; no]);
-    let (qp, pp, tp, lp, sp, prp, kp, kr) = (
-        Shared(q.as_ptr().cast_mut()),
-        Shared(pool.as_ptr().cast_mut()),
-        Shared(inputs.tables.as_ptr().cast_mut()),
-        Shared(inputs.lens.as_ptr().cast_mut()),
-        Shared(inputs.sides().as_ptr().cast_mut()),
-        Shared(inputs.protected.as_ptr().cast_mut()),
-        Shared(calib.key_perm.as_ptr().cast_mut()),
-        Shared(rotation_ptr(&calib.key_rotation)),
-    );
-    let (mp, lsp, op) = (Shared(m.as_mut_ptr()), Shared(l.as_mut_ptr()), Shared(o.as_mut_ptr()));
-    let (grid, block, shared) = (inputs.split_grid(), inputs.split_block(), inputs.split_shared_bytes() as usize);
+    let ptrs = DecodePtrs {
+        q: addr(q.as_ptr()),
+        pool: addr(pool.as_ptr()),
+        tables: addr(inputs.tables.as_ptr()),
+        lens: addr(inputs.lens.as_ptr()),
+        sides: addr(inputs.sides().as_ptr()),
+        protected: addr(inputs.protected.as_ptr()),
+        key_perm: addr(calib.key_perm.as_ptr()),
+        key_rot: addr(rotation_ptr(&calib.key_rotation)),
+        m: addr(m.as_mut_ptr()),
+        l: addr(l.as_mut_ptr()),
+        o: addr(o.as_mut_ptr()),
+    };
+    // SAFETY: the paged layer and `DecodeInputs::new` validated pool, tables, lengths,
+    // side stores and queries; the outputs have the partials' sizes.
+    unsafe { decode_raw(&p, &ptrs)? };
+    Ok((m, l, o))
+}
+
+/// Runs the decode kernel the launch-planning rule picks for `p` ([`launch::decode_launch`]:
+/// `decode_split` or `decode_mma`, its grid, block and shared memory) on the emulator
+/// over raw addresses.
+///
+/// # Safety
+/// The buffers at `ptrs` are live host buffers of the sizes the kernel's `# Safety`
+/// section asks for `p`, and nothing else accesses them during the call.
+pub unsafe fn decode_raw(p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
+    let fmt = p.format;
+    let shape = launch::decode_launch(p);
+    let (grid, block, shared) = (shape.grid, shape.block, shape.shared as usize);
+    let ptrs = *ptrs;
     macro_rules! launch {
         ($kernel:ident :: <$($g:literal),*>) => {
             sim::launch(grid, block, shared, |c: &SimCtx<'_>| {
-                // SAFETY: the paged layer and `DecodeInputs::new` validated pool, tables,
-                // lengths, side stores and queries; the outputs have the partials' sizes;
-                // grid, block and shared memory are the kernel's (DecodeInputs).
+                // SAFETY: forwarded contract; grid, block and shared memory are the
+                // kernel's (decode_launch).
                 unsafe {
                     $kernel::<_, $($g),*>(
                         c,
-                        &p,
-                        qp.ptr(),
-                        pp.ptr(),
-                        tp.ptr(),
-                        lp.ptr(),
-                        sp.ptr(),
-                        prp.ptr(),
-                        kp.ptr(),
-                        kr.ptr(),
-                        mp.ptr(),
-                        lsp.ptr(),
-                        op.ptr(),
+                        p,
+                        ptr(ptrs.q),
+                        ptr(ptrs.pool),
+                        ptr(ptrs.tables),
+                        ptr(ptrs.lens),
+                        ptr(ptrs.sides),
+                        ptr(ptrs.protected),
+                        ptr(ptrs.key_perm),
+                        ptr(ptrs.key_rot),
+                        ptr(ptrs.m),
+                        ptr(ptrs.l),
+                        ptr(ptrs.o),
                     )
                 }
             })
@@ -221,11 +255,10 @@ fn decode_split_launch(
             }
         };
     }
-    match inputs.kernel {
-        DecodeKernel::Split => rotkv_kernels::for_each_decode!(dispatch_split)?,
-        DecodeKernel::Mma { .. } => rotkv_kernels::for_each_decode_mma!(dispatch_mma)?,
+    match shape.kernel {
+        DecodeKernel::Split => rotkv_kernels::for_each_decode!(dispatch_split),
+        DecodeKernel::Mma { .. } => rotkv_kernels::for_each_decode_mma!(dispatch_mma),
     }
-    Ok((m, l, o))
 }
 
 /// Appends `p.count` tokens with the emulated `append_flush` (window rows whose page
@@ -243,67 +276,106 @@ pub fn append_sim(
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
-    let fmt = p.format;
-    launch::check_format(&fmt)?;
-    let d = fmt.head_dim as usize;
-    let err = |what: &str, e: sim::SimError| Error::Backend(format!("sim {what}: {e}"));
-    let mut jobs = launch::flush_jobs(p, block_table);
-    let mut slots = launch::slot_mapping(p, block_table, protected);
+    launch::check_format(&p.format)?;
+    let jobs = launch::flush_jobs(p, block_table);
+    let slots = launch::slot_mapping(p, block_table, protected)?;
     let side: &mut [u16] = bytemuck::cast_slice_mut(side);
-    let (pp, sp, jp, tp) =
-        (Shared(pool.as_mut_ptr()), Shared(side.as_mut_ptr()), Shared(jobs.as_mut_ptr()), Shared(slots.as_mut_ptr()));
-    let (kp, vp, mp, kq, vq, kr, vr) = (
-        Shared(k.as_ptr().cast_mut()),
-        Shared(v.as_ptr().cast_mut()),
-        Shared(calib.key_mean.as_ptr().cast_mut()),
-        Shared(calib.key_perm.as_ptr().cast_mut()),
-        Shared(calib.value_perm.as_ptr().cast_mut()),
-        Shared(rotation_ptr(&calib.key_rotation)),
-        Shared(rotation_ptr(&calib.value_rotation)),
-    );
-    let njobs = (jobs.len() / 4) as u32;
+    let (pool, side) = (addr(pool.as_mut_ptr()), addr(side.as_mut_ptr()));
+    // SAFETY: the paged layer validated the inputs' sizes, the block table (every job's
+    // and slot's block is in the pool) and the side store; `jobs` and `slots` live
+    // through the calls.
+    unsafe {
+        flush_raw(
+            &p.format,
+            p.num_kv_heads,
+            (jobs.len() / 4) as u32,
+            &FlushPtrs { side, jobs: addr(jobs.as_ptr()), pool },
+        )?;
+        append_tokens_raw(
+            p,
+            &AppendPtrs {
+                k: addr(k.as_ptr()),
+                v: addr(v.as_ptr()),
+                key_mean: addr(calib.key_mean.as_ptr()),
+                key_perm: addr(calib.key_perm.as_ptr()),
+                value_perm: addr(calib.value_perm.as_ptr()),
+                key_rot: addr(rotation_ptr(&calib.key_rotation)),
+                value_rot: addr(rotation_ptr(&calib.value_rotation)),
+                slots: addr(slots.as_ptr()),
+                pool,
+                side,
+            },
+        )
+    }
+}
+
+/// Runs `append_flush` for `jobs` jobs on the emulator over raw addresses (nothing for
+/// none): grid `(jobs, 2)`, one warp per block.
+///
+/// # Safety
+/// The buffers at `ptrs` are live host buffers as `append_flush`'s `# Safety` section
+/// asks, with `jobs` quadruples, and nothing else accesses them during the call.
+pub unsafe fn flush_raw(fmt: &Format, num_kv_heads: u32, jobs: u32, ptrs: &FlushPtrs) -> Result<()> {
+    if jobs == 0 {
+        return Ok(());
+    }
+    let ptrs = *ptrs;
     macro_rules! run {
         ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
-            match d {
-                $($d => {
-                    // 1. Window rows whose page fills (they may be overwritten in 2).
-                    if njobs > 0 {
-                        sim::launch([njobs, 2, 1], BLOCK, 0, |c: &SimCtx<'_>| {
-                            // SAFETY: `jobs` holds njobs quadruples whose blocks the paged
-                            // layer checked against the pool; `side` is the sequence's store.
-                            unsafe { append_flush::<_, $d, $v>(c, &fmt, p.num_kv_heads, sp.ptr(), jp.ptr(), pp.ptr()) }
-                        })
-                        .map_err(|e| err("append_flush", e))?;
-                    }
-                    // 2. The new tokens.
-                    if p.count > 0 {
-                        sim::launch(launch::tokens_grid(p), BLOCK, 0, |c: &SimCtx<'_>| {
-                            // SAFETY: the paged layer validated the inputs' sizes and the
-                            // block table; `slots` has one entry per new token.
-                            unsafe {
-                                append_tokens::<_, $d, $v>(
-                                    c,
-                                    p,
-                                    kp.ptr(),
-                                    vp.ptr(),
-                                    mp.ptr(),
-                                    kq.ptr(),
-                                    vq.ptr(),
-                                    kr.ptr(),
-                                    vr.ptr(),
-                                    tp.ptr(),
-                                    pp.ptr(),
-                                    sp.ptr(),
-                                )
-                            }
-                        })
-                        .map_err(|e| err("append_tokens", e))?;
-                    }
-                    Ok(())
-                })*
+            match fmt.head_dim {
+                $($d => sim::launch([jobs, 2, 1], BLOCK, 0, |c: &SimCtx<'_>| {
+                    // SAFETY: forwarded contract.
+                    unsafe { append_flush::<_, $d, $v>(c, fmt, num_kv_heads, ptr(ptrs.side), ptr(ptrs.jobs), ptr(ptrs.pool)) }
+                })
+                .map_err(|e| Error::Backend(format!("sim append_flush: {e}"))),)*
                 other => Err(Error::Unsupported(format!("head_dim {other}"))),
             }
         };
     }
     rotkv_kernels::for_each_append!(run)
+}
+
+/// Runs `append_tokens` on the emulator over raw addresses, in launches of at most
+/// [`launch::MAX_GRID_YZ`] tokens ([`launch::token_chunks`]).
+///
+/// # Safety
+/// The buffers at `ptrs` are live host buffers as `append_tokens`'s `# Safety` section
+/// asks for `p`, and nothing else accesses them during the call.
+pub unsafe fn append_tokens_raw(p: &AppendParams, ptrs: &AppendPtrs) -> Result<()> {
+    let elem = launch::dtype_bytes(p.input_dtype) as u64;
+    for (first, n) in launch::token_chunks(p.count) {
+        let cp = AppendParams { count: n, ..*p };
+        let skip = first as u64 * p.token_stride as u64 * elem;
+        let ptrs = AppendPtrs { k: ptrs.k + skip, v: ptrs.v + skip, slots: ptrs.slots + 8 * first as u64, ..*ptrs };
+        macro_rules! run {
+            ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
+                match p.format.head_dim {
+                    $($d => sim::launch(launch::tokens_grid(&cp), BLOCK, 0, |c: &SimCtx<'_>| {
+                        // SAFETY: forwarded contract; the chunk's inputs and slot entries
+                        // start `first` tokens in.
+                        unsafe {
+                            append_tokens::<_, $d, $v>(
+                                c,
+                                &cp,
+                                ptr(ptrs.k),
+                                ptr(ptrs.v),
+                                ptr(ptrs.key_mean),
+                                ptr(ptrs.key_perm),
+                                ptr(ptrs.value_perm),
+                                ptr(ptrs.key_rot),
+                                ptr(ptrs.value_rot),
+                                ptr(ptrs.slots),
+                                ptr(ptrs.pool),
+                                ptr(ptrs.side),
+                            )
+                        }
+                    })
+                    .map_err(|e| Error::Backend(format!("sim append_tokens: {e}"))),)*
+                    other => Err(Error::Unsupported(format!("head_dim {other}"))),
+                }
+            };
+        }
+        rotkv_kernels::for_each_append!(run)?;
+    }
+    Ok(())
 }

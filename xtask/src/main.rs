@@ -819,6 +819,10 @@ cd "$(dirname "$0")"
 export ROTKV_REPO_DATA="$PWD/data"
 mkdir -p logs
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+# First: the tensor-core fragment layout on this GPU (one mma.sync per warp, exact).
+if [ -x bin/cuda ]; then
+    bin/cuda --exact a_mma_selftest --nocapture 2>&1 | tee logs/mma_selftest.log
+fi
 summary=$(mktemp)
 printf '%-24s %8s %8s %6s\n' binary passed failed status > "$summary"
 status=0
@@ -834,7 +838,7 @@ done
 grep -h "SKIPPED" logs/*.log | sort | uniq -c || true
 cat "$summary"
 echo
-echo "GPU decode benchmark (median step time, packed cache GB/s, device-to-device copy GB/s):"
+echo "GPU decode benchmark (device API, one plan per case; CUDA-event medians; a copy counts read + write):"
 ./gpu_decode || status=1
 exit $status
 "#;

@@ -1,0 +1,920 @@
+//! Device-resident storage and decode (features `sim`, `cuda`): the API a serving stack
+//! on a GPU uses.
+//!
+//! - [`Device`]: where buffers live and kernels run: [`Device::sim`] (the SIMT emulator,
+//!   its "device memory" host memory behind the same types; it counts every allocation,
+//!   copy, synchronization and launch, see [`Device::counters`]) or `Device::cuda` (a
+//!   caller-made `Arc<CudaStream>` of cudarc 0.19; the PTX is loaded once per device
+//!   handle, in that stream's context).
+//! - [`DeviceBuffer`]: a typed device allocation (16-byte aligned).
+//! - [`DeviceLayer`]: one layer's cache (or one tensor-parallel shard of it: the shard's
+//!   KV and query heads) in device memory, allocated once: the page pool, one side-store
+//!   slot per sequence slot, the block tables, the sequence lengths, the protected lists
+//!   and the calibration. [`DeviceLayer::append`] reads K/V from device buffers.
+//! - [`DecodePlan`]: a decode launch fixed for a batch shape (sequence slots, most query
+//!   tokens, longest context, multiprocessors): grid, split count and partials workspace
+//!   are chosen once; [`DecodePlan::run`] reads the current lengths on the device and
+//!   launches the same grid every step, with no allocation, copy or synchronization.
+//! - [`raw`]: the same operations on raw device addresses, `unsafe`, for stacks that
+//!   own their buffers.
+//!
+//! # The batch
+//!
+//! Sequence `s` of a layer lives in slot `s` (its [`SeqId`], the lowest free slot when
+//! it is added). A plan for `max_seqs` sequences decodes slots `0 .. max_seqs` every
+//! step: queries and outputs are `[max_seqs][q_len][num_q_heads][head_dim]`, row block
+//! `s` belonging to slot `s`; a free slot has length 0 on the device and its output rows
+//! are zero. A changing batch is sequences added and freed between steps.
+//!
+//! # What is checked where
+//!
+//! Everything the host knows is checked before anything is enqueued, with an [`Error`]:
+//! shapes, buffer sizes, capacities (pool blocks, sequence slots, tokens per sequence,
+//! the plan's slots and context against every live sequence), sequence ids, strides.
+//! What only the device holds (the values of K, V and queries) is not checked: a
+//! non-finite or out-of-f16-range input gives non-finite or saturated rows of that
+//! token or query, never an access outside the buffers (every address comes from the
+//! host's checked block tables and lengths).
+//!
+//! # Copies
+//!
+//! A decode step ([`DecodePlan::run`]) launches two kernels and nothing else. An append
+//! uploads its slot mapping (8 bytes per token), the window rows it flushes (16 bytes
+//! per row and KV head, on page fills), the sequence's new length (4 bytes) and new
+//! block-table entries when it takes a block: small writes on the same stream, no
+//! synchronization. (A device-side slot computation would remove them; not done yet.)
+
+pub mod raw;
+
+use crate::config::{CacheConfig, LayerCalibration};
+use crate::error::{Error, Result};
+use crate::launch::{self, AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
+use crate::paged::{LayerShape, MAX_Q_LEN, gpu_split_count};
+use crate::{KvElement, SeqId};
+use bytemuck::Pod;
+use rotkv_kernels::decode::MAX_GROUP;
+use rotkv_kernels::layout::Format;
+use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_OUTPUT_F16, MergeParams};
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// What a [`Device`] has done since it was made: the test of "nothing per step".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Device allocations.
+    pub allocations: usize,
+    /// Host-to-device copies.
+    pub uploads: usize,
+    /// Device-to-host copies.
+    pub downloads: usize,
+    /// Host waits for the stream.
+    pub synchronizations: usize,
+    /// Kernel launches.
+    pub launches: usize,
+    /// Device-to-device copies ([`Device::copy`]).
+    pub device_copies: usize,
+}
+
+#[derive(Default)]
+struct Stats {
+    allocations: AtomicUsize,
+    uploads: AtomicUsize,
+    downloads: AtomicUsize,
+    synchronizations: AtomicUsize,
+    launches: AtomicUsize,
+    device_copies: AtomicUsize,
+}
+
+fn bump(c: &AtomicUsize) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+enum Kind {
+    #[cfg(feature = "sim")]
+    Sim,
+    #[cfg(feature = "cuda")]
+    Cuda { stream: Arc<cudarc::driver::CudaStream>, kernels: crate::cuda::Kernels, sms: usize },
+}
+
+struct Inner {
+    kind: Kind,
+    stats: Stats,
+    id: u64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A device and the stream its work is enqueued on (cheap to clone: a shared handle).
+#[derive(Clone)]
+pub struct Device(Arc<Inner>);
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("kind", &self.name()).field("counters", &self.counters()).finish()
+    }
+}
+
+impl Device {
+    fn new(kind: Kind) -> Self {
+        Device(Arc::new(Inner { kind, stats: Stats::default(), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) }))
+    }
+
+    /// The emulated device: buffers in host memory, kernels on the SIMT emulator,
+    /// [`crate::sim::SIM_SMS`] multiprocessors.
+    #[cfg(feature = "sim")]
+    pub fn sim() -> Self {
+        Self::new(Kind::Sim)
+    }
+
+    /// The GPU of `stream`'s context; everything is enqueued on `stream`. Loads the PTX
+    /// into that context (once per `Device`; make one per context and share it).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(stream: Arc<cudarc::driver::CudaStream>) -> Result<Self> {
+        let ctx = stream.context();
+        let kernels = crate::cuda::Kernels::load(ctx)?;
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| Error::Backend(format!("cuda: multiprocessor count: {e:?}")))?
+            .max(1) as usize;
+        Ok(Self::new(Kind::Cuda { stream, kernels, sms }))
+    }
+
+    /// `sim` or `cuda`.
+    pub fn name(&self) -> &'static str {
+        match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => "sim",
+            #[cfg(feature = "cuda")]
+            Kind::Cuda { .. } => "cuda",
+        }
+    }
+
+    /// Multiprocessors (what a [`DecodePlan`] fills by default).
+    pub fn sm_count(&self) -> usize {
+        match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => crate::sim::SIM_SMS,
+            #[cfg(feature = "cuda")]
+            Kind::Cuda { sms, .. } => *sms,
+        }
+    }
+
+    /// The stream (cuda only).
+    #[cfg(feature = "cuda")]
+    pub fn stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        match &self.0.kind {
+            Kind::Cuda { stream, .. } => Some(stream),
+            #[cfg(feature = "sim")]
+            Kind::Sim => None,
+        }
+    }
+
+    /// What this device has done so far.
+    pub fn counters(&self) -> Counters {
+        let s = &self.0.stats;
+        let get = |c: &AtomicUsize| c.load(Ordering::Relaxed);
+        Counters {
+            allocations: get(&s.allocations),
+            uploads: get(&s.uploads),
+            downloads: get(&s.downloads),
+            synchronizations: get(&s.synchronizations),
+            launches: get(&s.launches),
+            device_copies: get(&s.device_copies),
+        }
+    }
+
+    /// A zeroed buffer of `len` elements.
+    pub fn alloc<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .ok_or_else(|| Error::Capacity(format!("a buffer of {len} elements")))?
+            .max(1);
+        bump(&self.0.stats.allocations);
+        let mem = match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => Mem::Host(vec![0u128; bytes.div_ceil(16)]),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda { stream, .. } => {
+                Mem::Cuda(stream.alloc_zeros::<u8>(bytes).map_err(|e| Error::Backend(format!("cuda alloc: {e:?}")))?)
+            }
+        };
+        let addr = match &mem {
+            #[cfg(feature = "sim")]
+            Mem::Host(m) => crate::sim::addr(m.as_ptr()),
+            #[cfg(feature = "cuda")]
+            Mem::Cuda(m) => {
+                use cudarc::driver::DevicePtr;
+                m.device_ptr(m.stream()).0
+            }
+        };
+        Ok(DeviceBuffer { mem, len, addr, device: self.0.id, _t: PhantomData })
+    }
+
+    /// A buffer holding a copy of `host`.
+    pub fn upload<T: Pod>(&self, host: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut b = self.alloc(host.len())?;
+        self.write(&mut b, 0, host)?;
+        Ok(b)
+    }
+
+    fn check_buffer<T>(&self, b: &DeviceBuffer<T>, what: &str) -> Result<()> {
+        if b.device != self.0.id {
+            return Err(Error::Backend(format!("{what} belongs to another device handle")));
+        }
+        Ok(())
+    }
+
+    /// Copies `host` into `buf` from element `at` on (enqueued on the stream; `host` is
+    /// read before this returns).
+    pub fn write<T: Pod>(&self, buf: &mut DeviceBuffer<T>, at: usize, host: &[T]) -> Result<()> {
+        self.check_buffer(buf, "the buffer")?;
+        if at.checked_add(host.len()).is_none_or(|end| end > buf.len) {
+            return Err(Error::Shape(format!("{} elements at {at} into a buffer of {}", host.len(), buf.len)));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        bump(&self.0.stats.uploads);
+        let src: &[u8] = bytemuck::cast_slice(host);
+        let start = at * size_of::<T>();
+        match (&self.0.kind, &mut buf.mem) {
+            #[cfg(feature = "sim")]
+            (Kind::Sim, Mem::Host(m)) => {
+                bytemuck::cast_slice_mut::<u128, u8>(m)[start..start + src.len()].copy_from_slice(src);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda { stream, .. }, Mem::Cuda(m)) => stream
+                .memcpy_htod(src, &mut m.slice_mut(start..start + src.len()))
+                .map_err(|e| Error::Backend(format!("cuda upload: {e:?}"))),
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Backend("buffer of another kind of device".into())),
+        }
+    }
+
+    /// Copies `buf` into `host` (same length) and waits for it.
+    pub fn read<T: Pod>(&self, buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
+        self.check_buffer(buf, "the buffer")?;
+        if host.len() != buf.len {
+            return Err(Error::Shape(format!("reading {} elements into {}", buf.len, host.len())));
+        }
+        bump(&self.0.stats.downloads);
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(host);
+        match (&self.0.kind, &buf.mem) {
+            #[cfg(feature = "sim")]
+            (Kind::Sim, Mem::Host(m)) => {
+                dst.copy_from_slice(&bytemuck::cast_slice::<u128, u8>(m)[..dst.len()]);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda { stream, .. }, Mem::Cuda(m)) => {
+                let n = dst.len();
+                stream.memcpy_dtoh(&m.slice(..n), dst).map_err(|e| Error::Backend(format!("cuda download: {e:?}")))?;
+                self.synchronize()
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Backend("buffer of another kind of device".into())),
+        }
+    }
+
+    /// Copies `src` into `dst` on the device (same length).
+    pub fn copy<T: Pod>(&self, src: &DeviceBuffer<T>, dst: &mut DeviceBuffer<T>) -> Result<()> {
+        self.check_buffer(src, "the source")?;
+        self.check_buffer(dst, "the destination")?;
+        if src.len != dst.len {
+            return Err(Error::Shape(format!("copying {} elements into {}", src.len, dst.len)));
+        }
+        bump(&self.0.stats.device_copies);
+        let n = src.len * size_of::<T>();
+        match (&self.0.kind, &src.mem, &mut dst.mem) {
+            #[cfg(feature = "sim")]
+            (Kind::Sim, Mem::Host(a), Mem::Host(b)) => {
+                let a = &bytemuck::cast_slice::<u128, u8>(a)[..n];
+                bytemuck::cast_slice_mut::<u128, u8>(b)[..n].copy_from_slice(a);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda { stream, .. }, Mem::Cuda(a), Mem::Cuda(b)) => stream
+                .memcpy_dtod(&a.slice(..n), &mut b.slice_mut(..n))
+                .map_err(|e| Error::Backend(format!("cuda copy: {e:?}"))),
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Backend("buffer of another kind of device".into())),
+        }
+    }
+
+    /// Median seconds per call of `f` (which enqueues work) over `iters` calls after
+    /// `warmup`: timed on the stream with CUDA events on a GPU (each call between two
+    /// events), by the wall clock on the emulator.
+    pub fn time(&self, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        for _ in 0..warmup {
+            f()?;
+        }
+        let mut times = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) {
+            match &self.0.kind {
+                #[cfg(feature = "sim")]
+                Kind::Sim => {
+                    let t = std::time::Instant::now();
+                    f()?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                #[cfg(feature = "cuda")]
+                Kind::Cuda { stream, .. } => {
+                    let e = |e| Error::Backend(format!("cuda event: {e:?}"));
+                    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let start = stream.record_event(timing).map_err(e)?;
+                    f()?;
+                    let end = stream.record_event(timing).map_err(e)?;
+                    end.synchronize().map_err(e)?;
+                    times.push(start.elapsed_ms(&end).map_err(e)? as f64 / 1e3);
+                }
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    /// Waits for the stream's work.
+    pub fn synchronize(&self) -> Result<()> {
+        bump(&self.0.stats.synchronizations);
+        match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => Ok(()),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda { stream, .. } => {
+                stream.synchronize().map_err(|e| Error::Backend(format!("cuda synchronize: {e:?}")))
+            }
+        }
+    }
+}
+
+enum Mem {
+    #[cfg(feature = "sim")]
+    Host(Vec<u128>),
+    #[cfg(feature = "cuda")]
+    Cuda(cudarc::driver::CudaSlice<u8>),
+}
+
+/// `len` elements of `T` in a [`Device`]'s memory, 16-byte aligned, zeroed when made.
+pub struct DeviceBuffer<T> {
+    mem: Mem,
+    len: usize,
+    /// The address of element 0, taken once at allocation (no driver call per step).
+    addr: u64,
+    device: u64,
+    _t: PhantomData<T>,
+}
+
+impl<T> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer<{}>({} elements at {:#x})", std::any::type_name::<T>(), self.len, self.addr())
+    }
+}
+
+impl<T> DeviceBuffer<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address of element 0 (a `CUdeviceptr` on a GPU; a host address on the
+    /// emulator), for the [`raw`] entry points.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// The device address of element `i`.
+    fn addr_at(&self, i: usize) -> u64 {
+        self.addr() + (i * size_of::<T>()) as u64
+    }
+}
+
+/// Sizes of a [`DeviceLayer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerSize {
+    /// Sequence slots (sequences live at once).
+    pub max_seqs: usize,
+    /// Tokens one sequence may hold.
+    pub max_tokens: usize,
+    /// Blocks in the page pool; `None` gives every slot room for `max_tokens`.
+    pub num_blocks: Option<usize>,
+}
+
+#[derive(Clone, Debug)]
+struct SeqState {
+    table: Vec<u32>,
+    len: usize,
+    protected: Vec<u32>,
+}
+
+/// One layer's cache, or one tensor-parallel shard of it, in device memory (see the
+/// module documentation).
+pub struct DeviceLayer {
+    device: Device,
+    config: CacheConfig,
+    fmt: Format,
+    shape: LayerShape,
+    calib: LayerCalibration,
+    size: LayerSize,
+    max_blocks: usize,
+    pool: DeviceBuffer<u8>,
+    sides: DeviceBuffer<u16>,
+    tables: DeviceBuffer<u32>,
+    lens: DeviceBuffer<u32>,
+    protected: DeviceBuffer<u32>,
+    key_mean: DeviceBuffer<f32>,
+    key_perm: DeviceBuffer<u16>,
+    value_perm: DeviceBuffer<u16>,
+    vperm_inv: DeviceBuffer<u16>,
+    key_rot: DeviceBuffer<f32>,
+    value_rot: DeviceBuffer<f32>,
+    slots: DeviceBuffer<u32>,
+    jobs: DeviceBuffer<u32>,
+    seqs: Vec<Option<SeqState>>,
+    free_blocks: Vec<u32>,
+    id: u64,
+}
+
+impl std::fmt::Debug for DeviceLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceLayer")
+            .field("device", &self.device)
+            .field("shape", &self.shape)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceLayer {
+    /// Allocates a layer (or shard: `shape` has the shard's heads) on `device` with the
+    /// calibration `calib` (`[num_kv_heads]` of the shard). Everything is allocated here.
+    pub fn new(
+        device: &Device,
+        config: CacheConfig,
+        shape: LayerShape,
+        calib: LayerCalibration,
+        size: LayerSize,
+    ) -> Result<Self> {
+        let fmt = config.format()?;
+        launch::check_format(&fmt)?;
+        shape.check()?;
+        let (hkv, hq, d) = (shape.num_kv_heads, shape.num_q_heads, config.head_dim);
+        if hq / hkv > MAX_GROUP {
+            return Err(Error::Unsupported(format!(
+                "{hq} query heads for {hkv} KV heads on the device kernels (at most {MAX_GROUP} per KV head)"
+            )));
+        }
+        calib.check_orthogonal(hkv, d)?;
+        if size.max_seqs == 0 || size.max_tokens == 0 {
+            return Err(Error::Shape(format!("max_seqs and max_tokens must be positive: {size:?}")));
+        }
+        if size.max_seqs > launch::MAX_GRID_YZ as usize {
+            return Err(Error::Capacity(format!(
+                "{} sequence slots (the grid allows {})",
+                size.max_seqs,
+                launch::MAX_GRID_YZ
+            )));
+        }
+        if size.max_tokens > u32::MAX as usize / 2 {
+            return Err(Error::Capacity(format!("max_tokens {} is past the format's limit", size.max_tokens)));
+        }
+        let max_blocks = fmt.pages_for(size.max_tokens as u32) as usize;
+        let num_blocks = size.num_blocks.unwrap_or(max_blocks.saturating_mul(size.max_seqs));
+        launch::check_pool_blocks(&fmt, num_blocks)?;
+        let np = (fmt.protected as usize).max(1);
+        let pool_bytes = num_blocks * hkv * fmt.page_bytes() as usize;
+        let side = fmt.side_elems(hkv as u32);
+        let rot = |r: &Option<Vec<f32>>| device.upload(r.as_deref().unwrap_or(&[0.0]));
+        Ok(Self {
+            pool: device.alloc(pool_bytes)?,
+            sides: device.alloc(size.max_seqs * side)?,
+            tables: device.alloc(size.max_seqs * max_blocks.max(1))?,
+            lens: device.alloc(size.max_seqs)?,
+            protected: device.upload(&vec![u32::MAX; size.max_seqs * np])?,
+            key_mean: device.upload(&calib.key_mean)?,
+            key_perm: device.upload(&calib.key_perm)?,
+            value_perm: device.upload(&calib.value_perm)?,
+            vperm_inv: device.upload(&calib.value_perm_inverse(d))?,
+            key_rot: rot(&calib.key_rotation)?,
+            value_rot: rot(&calib.value_rotation)?,
+            slots: device.alloc(2 * 64)?,
+            jobs: device.alloc(4 * 64)?,
+            device: device.clone(),
+            config,
+            fmt,
+            shape,
+            calib,
+            size,
+            max_blocks,
+            seqs: vec![None; size.max_seqs],
+            free_blocks: (0..num_blocks as u32).rev().collect(),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// The layer's (shard's) heads.
+    pub fn shape(&self) -> LayerShape {
+        self.shape
+    }
+    /// Its sizes.
+    pub fn size(&self) -> LayerSize {
+        self.size
+    }
+    /// Blocks no sequence holds.
+    pub fn free_blocks(&self) -> usize {
+        self.free_blocks.len()
+    }
+
+    /// Starts an empty sequence in the lowest free slot; its id is the slot.
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
+        let id = self
+            .seqs
+            .iter()
+            .position(Option::is_none)
+            .ok_or_else(|| Error::Capacity(format!("all {} sequence slots are live", self.size.max_seqs)))?;
+        self.seqs[id] = Some(SeqState { table: Vec::new(), len: 0, protected: Vec::new() });
+        Ok(id)
+    }
+
+    /// Frees a sequence: its blocks go back to the pool and its slot's length becomes 0
+    /// on the device (a 4-byte write, plus its protected list when it had one).
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seq(seq)?;
+        let had_protected = !s.protected.is_empty();
+        let was_empty = s.len == 0;
+        if !was_empty {
+            self.device.write(&mut self.lens, seq, &[0])?;
+        }
+        if had_protected {
+            let np = self.fmt.protected as usize;
+            self.device.write(&mut self.protected, seq * np, &vec![u32::MAX; np])?;
+        }
+        let s = self.seqs[seq].take().expect("checked above");
+        self.free_blocks.extend(s.table.iter().rev());
+        Ok(())
+    }
+
+    /// Tokens of `seq`.
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    /// Protects `positions` of `seq` (as [`crate::KvCache::protect`]), here only
+    /// positions not appended yet (the device copy of rows already in the window is not
+    /// implemented): protect detected sinks before their tokens are appended.
+    pub fn protect(&mut self, seq: SeqId, positions: &[u32]) -> Result<()> {
+        let s = self.seq(seq)?;
+        let new: Vec<u32> = s.protected.iter().chain(positions).copied().collect();
+        if let Some(&p) = positions.iter().find(|&&p| (p as usize) < s.len) {
+            return Err(Error::Value(format!(
+                "position {p} is already appended: the device layer protects positions before they arrive"
+            )));
+        }
+        // The host checks (ascending, not a sink, room) on an empty scratch side store.
+        let mut scratch = vec![half::f16::ZERO; self.fmt.side_elems(self.shape.num_kv_heads as u32)];
+        crate::paged::protect(&self.config, &self.shape, &mut scratch, s.len, &s.protected, &new)?;
+        let np = self.fmt.protected as usize;
+        let mut row = vec![u32::MAX; np];
+        row[..new.len()].copy_from_slice(&new);
+        self.device.write(&mut self.protected, seq * np, &row)?;
+        self.seqs[seq].as_mut().expect("checked above").protected = new;
+        Ok(())
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&SeqState> {
+        self.seqs.get(seq).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq))
+    }
+
+    /// Appends `tokens` tokens to `seq` from device buffers `k` and `v` (f32, f16 or
+    /// bf16): token `t`, KV head `h`, channel `c` at element `t * token_stride + h *
+    /// head_dim + c` (`token_stride >= num_kv_heads * head_dim`; a fused QKV buffer's
+    /// row, say). Returns the new length. Checks everything the host knows first.
+    pub fn append<T: KvElement>(
+        &mut self,
+        seq: SeqId,
+        tokens: usize,
+        k: &DeviceBuffer<T>,
+        v: &DeviceBuffer<T>,
+        token_stride: usize,
+    ) -> Result<usize> {
+        let s = self.seq(seq)?;
+        let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
+        let len = s.len;
+        if tokens == 0 {
+            return Ok(len);
+        }
+        let new_len = len + tokens;
+        if new_len > self.size.max_tokens {
+            return Err(Error::Capacity(format!(
+                "sequence {seq} would hold {new_len} tokens; max_tokens is {}",
+                self.size.max_tokens
+            )));
+        }
+        if token_stride < hkv * d || token_stride > u32::MAX as usize {
+            return Err(Error::Shape(format!("token stride {token_stride} (at least {} heads x {d})", hkv)));
+        }
+        let need = (tokens - 1) * token_stride + hkv * d;
+        for (what, b) in [("k", k), ("v", v)] {
+            self.device.check_buffer(b, what)?;
+            if b.len() < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {} elements; {tokens} tokens at stride {token_stride} need {need}",
+                    b.len()
+                )));
+            }
+        }
+        let have = s.table.len();
+        let pages = self.fmt.pages_for(new_len as u32) as usize;
+        let fresh = pages.saturating_sub(have);
+        if fresh > self.free_blocks.len() {
+            return Err(Error::Capacity(format!(
+                "sequence {seq} needs {fresh} more blocks, {} are free",
+                self.free_blocks.len()
+            )));
+        }
+        let mut table = s.table.clone();
+        table.extend(self.free_blocks[self.free_blocks.len() - fresh..].iter().rev());
+        let p = AppendParams {
+            format: self.fmt,
+            num_kv_heads: hkv as u32,
+            start: len as u32,
+            count: tokens as u32,
+            flags: self.config.flags() | self.calib.flags(),
+            token_stride: token_stride as u32,
+            head_stride: d as u32,
+            input_dtype: T::DTYPE,
+        };
+        let slots = launch::slot_mapping(&p, &table, &s.protected)?;
+        let jobs = launch::flush_jobs(&p, &table);
+        // Nothing fails past this point but the device itself.
+        let dev = self.device.clone();
+        if fresh > 0 {
+            dev.write(&mut self.tables, seq * self.max_blocks + have, &table[have..])?;
+        }
+        if self.slots.len() < slots.len() {
+            self.slots = dev.alloc(slots.len().next_power_of_two())?;
+        }
+        if self.jobs.len() < jobs.len() {
+            self.jobs = dev.alloc(jobs.len().next_power_of_two())?;
+        }
+        dev.write(&mut self.slots, 0, &slots)?;
+        dev.write(&mut self.jobs, 0, &jobs)?;
+        let side = self.sides.addr_at(seq * self.fmt.side_elems(hkv as u32));
+        // SAFETY: every address is a live buffer of this device with the sizes the
+        // kernels' contracts ask: the pool holds every block of `table` (taken from its
+        // free list), the side store is the slot's, `slots` and `jobs` were just written
+        // for this append, k and v were checked for `tokens` rows at `token_stride`.
+        unsafe {
+            raw::append_flush(
+                &dev,
+                &self.fmt,
+                hkv as u32,
+                (jobs.len() / 4) as u32,
+                &FlushPtrs { side, jobs: self.jobs.addr(), pool: self.pool.addr() },
+            )?;
+            raw::append_tokens(
+                &dev,
+                &p,
+                &AppendPtrs {
+                    k: k.addr(),
+                    v: v.addr(),
+                    key_mean: self.key_mean.addr(),
+                    key_perm: self.key_perm.addr(),
+                    value_perm: self.value_perm.addr(),
+                    key_rot: self.key_rot.addr(),
+                    value_rot: self.value_rot.addr(),
+                    slots: self.slots.addr(),
+                    pool: self.pool.addr(),
+                    side,
+                },
+            )?;
+        }
+        dev.write(&mut self.lens, seq, &[new_len as u32])?;
+        self.free_blocks.truncate(self.free_blocks.len() - fresh);
+        let s = self.seqs[seq].as_mut().expect("checked above");
+        s.table = table;
+        s.len = new_len;
+        Ok(new_len)
+    }
+}
+
+/// The batch shape a [`DecodePlan`] is made for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlanShape {
+    /// Sequence slots decoded every step (slots `0 .. max_seqs`).
+    pub max_seqs: usize,
+    /// Most query tokens per sequence ([`DecodePlan::run`] takes 1 to this many).
+    pub max_q_len: usize,
+    /// Longest sequence the plan decodes (drives the split count).
+    pub max_context: usize,
+    /// Multiprocessors to fill; `None` takes [`Device::sm_count`].
+    pub sm_count: Option<usize>,
+    /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
+    pub sm_scale: Option<f32>,
+}
+
+/// A decode launch fixed for a batch shape: split count, grid and partials workspace
+/// chosen and allocated once ([`DecodePlan::new`]); [`DecodePlan::run`] enqueues the same
+/// two launches every step.
+#[derive(Debug)]
+pub struct DecodePlan {
+    shape: PlanShape,
+    layer: u64,
+    num_splits: u32,
+    sm_scale: f32,
+    m: DeviceBuffer<f32>,
+    l: DeviceBuffer<f32>,
+    o: DeviceBuffer<f32>,
+}
+
+/// Output element types of a decode: f32 and f16.
+pub trait DecodeOutput: Pod {
+    /// Whether this is f16.
+    const F16: bool;
+}
+impl DecodeOutput for f32 {
+    const F16: bool = false;
+}
+impl DecodeOutput for half::f16 {
+    const F16: bool = true;
+}
+
+impl DecodePlan {
+    /// A plan for decoding `layer`'s slots `0 .. shape.max_seqs`.
+    pub fn new(layer: &DeviceLayer, shape: PlanShape) -> Result<Self> {
+        if shape.max_seqs == 0 || shape.max_seqs > layer.size.max_seqs {
+            return Err(Error::Capacity(format!(
+                "a plan for {} sequences on a layer of {} slots",
+                shape.max_seqs, layer.size.max_seqs
+            )));
+        }
+        if !(1..=MAX_Q_LEN).contains(&shape.max_q_len) {
+            return Err(Error::Value(format!("max_q_len {}: 1 to {MAX_Q_LEN}", shape.max_q_len)));
+        }
+        if shape.max_context == 0 || shape.max_context > layer.size.max_tokens {
+            return Err(Error::Capacity(format!(
+                "max_context {} (the layer holds up to {} tokens per sequence)",
+                shape.max_context, layer.size.max_tokens
+            )));
+        }
+        let d = layer.config.head_dim;
+        let sm_scale = shape.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
+        if !sm_scale.is_finite() || sm_scale <= 0.0 {
+            return Err(Error::Value(format!("softmax scale {sm_scale} must be finite and positive")));
+        }
+        let (hkv, hq) = (layer.shape.num_kv_heads, layer.shape.num_q_heads);
+        let sms = shape.sm_count.unwrap_or(layer.device.sm_count()).max(1);
+        let num_splits = gpu_split_count(shape.max_context, shape.max_seqs, hkv, sms);
+        for q_len in 1..=shape.max_q_len {
+            let z = launch::decode_launch(&Self::params(layer, shape.max_seqs, num_splits, sm_scale, q_len)).grid[2];
+            if z > launch::MAX_GRID_YZ || shape.max_seqs * q_len > launch::MAX_GRID_YZ as usize {
+                return Err(Error::Capacity(format!("{q_len} query tokens x {num_splits} splits exceed the grid")));
+            }
+        }
+        let parts = shape.max_seqs * shape.max_q_len * hq * num_splits as usize;
+        let dev = &layer.device;
+        Ok(Self {
+            shape,
+            layer: layer.id,
+            num_splits,
+            sm_scale,
+            m: dev.alloc(parts)?,
+            l: dev.alloc(parts)?,
+            o: dev.alloc(parts * d)?,
+        })
+    }
+
+    fn params(layer: &DeviceLayer, seqs: usize, num_splits: u32, sm_scale: f32, q_len: usize) -> DecodeParams {
+        let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
+        DecodeParams {
+            format: layer.fmt,
+            num_seqs: seqs as u32,
+            num_q_heads: hq as u32,
+            num_kv_heads: layer.shape.num_kv_heads as u32,
+            num_splits,
+            block_table_stride: layer.max_blocks.max(1) as u32,
+            flags: layer.config.flags() | layer.calib.flags(),
+            sm_scale,
+            q_seq_stride: (q_len * hq * d) as u32,
+            q_len: q_len as u32,
+        }
+    }
+
+    /// The plan's shape.
+    pub fn shape(&self) -> PlanShape {
+        self.shape
+    }
+    /// Splits per sequence (fixed).
+    pub fn num_splits(&self) -> u32 {
+        self.num_splits
+    }
+    /// The decode kernel's grid for `q_len` query tokens (the same every step).
+    pub fn grid(&self, layer: &DeviceLayer, q_len: usize) -> [u32; 3] {
+        launch::decode_launch(&Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len)).grid
+    }
+
+    /// Decodes the last `q_len` tokens of every sequence in slots `0 .. max_seqs` of
+    /// `layer`: `q` (f32) and `out` are `[max_seqs][q_len][num_q_heads][head_dim]`
+    /// (rows as [`crate::paged::decode`]; a free slot's rows are zero). Enqueues two
+    /// launches; allocates, copies and waits for nothing.
+    pub fn run<O: DecodeOutput>(
+        &mut self,
+        layer: &DeviceLayer,
+        q_len: usize,
+        q: &DeviceBuffer<f32>,
+        out: &mut DeviceBuffer<O>,
+    ) -> Result<()> {
+        if layer.id != self.layer {
+            return Err(Error::Shape("the plan was made for another layer".into()));
+        }
+        if !(1..=self.shape.max_q_len).contains(&q_len) {
+            return Err(Error::Value(format!("q_len {q_len}: the plan takes 1 to {}", self.shape.max_q_len)));
+        }
+        let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
+        let n = self.shape.max_seqs * q_len * hq * d;
+        let dev = &layer.device;
+        dev.check_buffer(q, "q")?;
+        dev.check_buffer(out, "out")?;
+        if q.len() != n || out.len() != n {
+            return Err(Error::Shape(format!(
+                "q has {} and out {} elements, expected {} slots x {q_len} tokens x {hq} heads x {d} = {n}",
+                q.len(),
+                out.len(),
+                self.shape.max_seqs
+            )));
+        }
+        for (slot, s) in layer.seqs.iter().enumerate() {
+            let Some(s) = s else { continue };
+            if s.len == 0 {
+                continue;
+            }
+            if slot >= self.shape.max_seqs {
+                return Err(Error::Capacity(format!(
+                    "sequence {slot} is live but the plan decodes slots 0 .. {}",
+                    self.shape.max_seqs
+                )));
+            }
+            if s.len > self.shape.max_context {
+                return Err(Error::Capacity(format!(
+                    "sequence {slot} holds {} tokens; the plan's max_context is {}",
+                    s.len, self.shape.max_context
+                )));
+            }
+            if s.len < q_len {
+                return Err(Error::Shape(format!("sequence {slot} holds {} tokens, fewer than q_len {q_len}", s.len)));
+            }
+        }
+        let p = Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len);
+        let mp = MergeParams {
+            num_seqs: p.num_seqs * p.q_len,
+            num_q_heads: p.num_q_heads,
+            num_kv_heads: p.num_kv_heads,
+            head_dim: p.format.head_dim,
+            num_splits: p.num_splits,
+            flags: (p.flags & !FLAG_OUTPUT_F16) | if O::F16 { FLAG_OUTPUT_F16 } else { 0 },
+        };
+        // SAFETY: all buffers belong to this device and have the kernels' sizes: the
+        // layer's were allocated for `max_seqs >= p.num_seqs` slots, block tables of
+        // `block_table_stride` entries that hold valid blocks for every live length
+        // (free slots have length 0 and are never read), partials for the plan's most
+        // query tokens, q and out checked above.
+        unsafe {
+            raw::decode(
+                dev,
+                &p,
+                &DecodePtrs {
+                    q: q.addr(),
+                    pool: layer.pool.addr(),
+                    tables: layer.tables.addr(),
+                    lens: layer.lens.addr(),
+                    sides: layer.sides.addr(),
+                    protected: layer.protected.addr(),
+                    key_perm: layer.key_perm.addr(),
+                    key_rot: layer.key_rot.addr(),
+                    m: self.m.addr(),
+                    l: self.l.addr(),
+                    o: self.o.addr(),
+                },
+            )?;
+            raw::merge(
+                dev,
+                &mp,
+                &MergePtrs {
+                    m: self.m.addr(),
+                    l: self.l.addr(),
+                    o: self.o.addr(),
+                    vperm_inv: layer.vperm_inv.addr(),
+                    value_rot: layer.value_rot.addr(),
+                    out: out.addr(),
+                },
+            )
+        }
+    }
+}

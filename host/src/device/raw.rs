@@ -1,0 +1,111 @@
+//! The raw entry points under [`super::DeviceLayer`] and [`super::DecodePlan`]: the
+//! kernels on device addresses (`CUdeviceptr` values on a GPU, host addresses on the
+//! emulator; [`super::DeviceBuffer::addr`] gives them), enqueued on the [`Device`]'s
+//! stream. For a stack that owns its pools, tables and workspaces. Launch shapes are
+//! those of [`crate::launch`]; the host-side helpers that fill the metadata are
+//! [`crate::launch::slot_mapping`] and [`crate::launch::flush_jobs`]. On cuda the same
+//! operations on a caller's raw `CUstream` are the methods of `crate::cuda::Kernels`.
+//!
+//! Nothing here checks a buffer: the `# Safety` contracts are the kernels' own.
+
+use super::{Device, Kind, bump};
+use crate::error::Result;
+use crate::launch::{AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
+use rotkv_kernels::layout::Format;
+use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
+
+/// Enqueues the decode kernel of [`crate::launch::decode_launch`]`(p)` (`decode_split`
+/// or `decode_mma`: grid, block and shared memory from there).
+///
+/// # Safety
+/// Every address in `ptrs` is a live allocation of `device` holding what the kernel's
+/// `# Safety` section (`rotkv_kernels::decode::decode_split`,
+/// `rotkv_kernels::decode_mma::decode_mma`) asks for `p`: queries for `p.num_seqs`
+/// sequences of `p.q_len` rows, block tables of `p.block_table_stride` entries whose
+/// first `ceil(len / page_size)` entries are blocks of the pool for each sequence's
+/// length `lens[s]` (at most 2^31), side stores and protected lists per sequence,
+/// partials for `p.num_seqs * p.q_len * p.num_q_heads * p.num_splits` rows; the pool and
+/// side stores 16-byte aligned; none of it written by other work while this runs.
+pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
+    bump(&device.0.stats.launches);
+    match &device.0.kind {
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "sim")]
+        Kind::Sim => unsafe { crate::sim::decode_raw(p, ptrs) },
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "cuda")]
+        Kind::Cuda { stream, kernels, .. } => unsafe { kernels.decode(stream.cu_stream(), p, ptrs) },
+    }
+}
+
+/// Enqueues `decode_merge`: grid (query heads, `p.num_seqs`), one warp per block.
+///
+/// # Safety
+/// As `rotkv_kernels::merge::decode_merge` asks: partials for `p.num_seqs` rows (a
+/// decode's sequences times query tokens) of `p.num_q_heads` heads and `p.num_splits`
+/// splits, inverse value permutations `[kv_head][head_dim]`, learned value rotations
+/// when `p.flags` has `FLAG_DENSE_VALUES`, an output of `p.num_seqs * p.num_q_heads *
+/// p.head_dim` f32 (or f16 with `FLAG_OUTPUT_F16`); all live allocations of `device`.
+pub unsafe fn merge(device: &Device, p: &MergeParams, ptrs: &MergePtrs) -> Result<()> {
+    bump(&device.0.stats.launches);
+    match &device.0.kind {
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "sim")]
+        Kind::Sim => unsafe { crate::sim::merge_raw(p, ptrs) },
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "cuda")]
+        Kind::Cuda { stream, kernels, .. } => unsafe { kernels.merge(stream.cu_stream(), p, ptrs) },
+    }
+}
+
+/// Enqueues `append_flush` for `jobs` jobs (nothing for none): the window rows of one
+/// sequence whose page fills, from [`crate::launch::flush_jobs`].
+///
+/// # Safety
+/// As `rotkv_kernels::append::append_flush` asks: `ptrs.jobs` holds `jobs` quadruples
+/// whose blocks are in the pool at `ptrs.pool` and whose rows are in the side store at
+/// `ptrs.side` (`fmt.side_elems(num_kv_heads)` f16); all live allocations of `device`.
+/// It must run before the same append's [`append_tokens`] (same stream: it does).
+pub unsafe fn append_flush(
+    device: &Device,
+    fmt: &Format,
+    num_kv_heads: u32,
+    jobs: u32,
+    ptrs: &FlushPtrs,
+) -> Result<()> {
+    if jobs == 0 {
+        return Ok(());
+    }
+    bump(&device.0.stats.launches);
+    match &device.0.kind {
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "sim")]
+        Kind::Sim => unsafe { crate::sim::flush_raw(fmt, num_kv_heads, jobs, ptrs) },
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "cuda")]
+        Kind::Cuda { stream, kernels, .. } => unsafe {
+            kernels.flush(stream.cu_stream(), fmt, num_kv_heads, jobs, ptrs)
+        },
+    }
+}
+
+/// Enqueues `append_tokens` for `p.count` tokens of one sequence, in launches of at
+/// most 65,535 tokens.
+///
+/// # Safety
+/// As `rotkv_kernels::append::append_tokens` asks for `p`: K and V of `p.input_dtype`
+/// valid for `p.count` tokens at `p.token_stride`, the layer's calibration buffers, the
+/// slot mapping of [`crate::launch::slot_mapping`] for this append (2 entries per token;
+/// its pool slots in the pool), the pool and the sequence's side store; all live
+/// allocations of `device`.
+pub unsafe fn append_tokens(device: &Device, p: &AppendParams, ptrs: &AppendPtrs) -> Result<()> {
+    bump(&device.0.stats.launches);
+    match &device.0.kind {
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "sim")]
+        Kind::Sim => unsafe { crate::sim::append_tokens_raw(p, ptrs) },
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "cuda")]
+        Kind::Cuda { stream, kernels, .. } => unsafe { kernels.append_tokens(stream.cu_stream(), p, ptrs) },
+    }
+}

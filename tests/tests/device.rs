@@ -1,0 +1,430 @@
+//! The device path on the emulated backend: append over the GPU grid limit, the slot
+//! mapping's capacity check.
+
+use rotkv::paged::{self, LayerShape};
+use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration};
+
+fn rows(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect()
+}
+
+/// An append of more tokens than a GPU grid's y dimension (65,535) is cut into launches
+/// that each fit; the bytes equal the CPU backend's. Slow on the emulator (65,605
+/// one-warp blocks, minutes on two cores): `cargo test --test device -- --ignored`. The
+/// chunking itself is unit-tested in `rotkv::launch`.
+#[test]
+#[ignore = "slow on the emulator (minutes); run with --ignored"]
+fn sim_append_past_the_grid_limit() {
+    let config = CacheConfig::k2v2(64);
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: 1 };
+    let calib = LayerCalibration::identity(1, 64);
+    let tokens = 65_535 + 70;
+    let blocks = paged::blocks_for(&config, tokens).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let (k, v) = (rows(tokens * 64, 1), rows(tokens * 64, 2));
+    let mut out = Vec::new();
+    for backend in [Backend::Cpu, Backend::Sim] {
+        let mut pool = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, blocks).unwrap());
+        let mut side = vec![rotkv::f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+        paged::append(backend, &config, &calib, &shape, pool.bytes_mut(), &table, &mut side, &[], 0, tokens, &k, &v)
+            .unwrap();
+        out.push((pool, side));
+    }
+    let diff = out[0].0.bytes().iter().zip(out[1].0.bytes()).filter(|(a, b)| a != b).count();
+    // Codes may differ only at float rounding ties of the f32 rotation (a handful of bytes).
+    assert!(diff * 10_000 < out[0].0.bytes().len(), "{diff} bytes differ");
+    assert_eq!(out[0].1, out[1].1);
+}
+
+/// A pool past the 2^31 token slots the append slot mapping addresses is refused before
+/// anything is allocated or written.
+#[test]
+fn pool_past_the_slot_index_space_is_refused() {
+    let config = CacheConfig::k2v2(64);
+    let fmt = config.format().unwrap();
+    let max = rotkv::launch::max_pool_blocks(&fmt);
+    assert_eq!(max * fmt.page_size as usize, 1 << 31);
+    let shape =
+        |n| CacheShape { layers: 1, num_kv_heads: 1, num_q_heads: 1, max_seqs: 1, max_tokens: 64, num_blocks: Some(n) };
+    assert!(matches!(KvCache::new(config, shape(max + 1), Backend::Cpu), Err(Error::Capacity(_))));
+    assert!(matches!(KvCache::new(config, shape(usize::MAX / 4), Backend::Cpu), Err(Error::Capacity(_))));
+}
+
+// ---------------------------------------------------------------------------------------
+// The device API on the emulated device.
+
+use rotkv::device::{Counters, DecodePlan, Device, DeviceBuffer, DeviceLayer, LayerSize, PlanShape};
+use rotkv::f16;
+
+/// Device tolerance of the tensor-core decode kernel against the f64 reference (as in
+/// conformance.rs: f32 accumulation, f16 probabilities in the MMA).
+const DEVICE_TOL: f64 = 3e-3;
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn delta(a: Counters, b: Counters) -> Counters {
+    Counters {
+        allocations: b.allocations - a.allocations,
+        uploads: b.uploads - a.uploads,
+        downloads: b.downloads - a.downloads,
+        synchronizations: b.synchronizations - a.synchronizations,
+        launches: b.launches - a.launches,
+        device_copies: b.device_copies - a.device_copies,
+    }
+}
+
+const D: usize = 64;
+
+/// A device layer and the reference cache fed the same tokens, step by step.
+struct Twin {
+    dev: Device,
+    layer: DeviceLayer,
+    host: KvCache,
+    hkv: usize,
+    hq: usize,
+    seed: u64,
+}
+
+impl Twin {
+    fn new(hkv: usize, hq: usize, max_seqs: usize) -> Self {
+        Self::with_config(CacheConfig::k2v2(D), hkv, hq, max_seqs)
+    }
+    fn with_config(config: CacheConfig, hkv: usize, hq: usize, max_seqs: usize) -> Self {
+        let dev = Device::sim();
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+        let size = LayerSize { max_seqs, max_tokens: 256, num_blocks: None };
+        let layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, D), size).unwrap();
+        let cs =
+            CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs, max_tokens: 256, num_blocks: None };
+        let host = KvCache::new(config, cs, Backend::Reference).unwrap();
+        Twin { dev, layer, host, hkv, hq, seed: 7 }
+    }
+    fn add(&mut self) -> usize {
+        let a = self.layer.add_sequence().unwrap();
+        assert_eq!(self.host.add_sequence().unwrap(), a);
+        a
+    }
+    fn free(&mut self, seq: usize) {
+        self.layer.free_sequence(seq).unwrap();
+        self.host.free_sequence(seq).unwrap();
+    }
+    /// Appends `n` random tokens, f32 or f16 on the device, with a padded token stride.
+    fn append(&mut self, seq: usize, n: usize, half: bool) {
+        self.seed += 1;
+        let stride = self.hkv * D + 8;
+        let k = rows(n * stride, self.seed);
+        let v = rows(n * stride, self.seed + 1000);
+        let dense = |x: &[f32]| -> Vec<f32> {
+            (0..n).flat_map(|t| x[t * stride..t * stride + self.hkv * D].to_vec()).collect()
+        };
+        if half {
+            let (kh, vh): (Vec<f16>, Vec<f16>) =
+                (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+            let (kd, vd) = (self.dev.upload(&kh).unwrap(), self.dev.upload(&vh).unwrap());
+            self.layer.append(seq, n, &kd, &vd, stride).unwrap();
+            let to16 = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<_>>();
+            self.host.append(0, seq, n, &to16(dense(&k)), &to16(dense(&v))).unwrap();
+        } else {
+            let (kd, vd) = (self.dev.upload(&k).unwrap(), self.dev.upload(&v).unwrap());
+            self.layer.append(seq, n, &kd, &vd, stride).unwrap();
+            self.host.append(0, seq, n, &dense(&k), &dense(&v)).unwrap();
+        }
+        assert_eq!(self.layer.len(seq).unwrap(), self.host.len(0, seq).unwrap());
+    }
+    fn queries(&mut self, slots: usize, q_len: usize) -> Vec<f32> {
+        self.seed += 1;
+        rows(slots * q_len * self.hq * D, self.seed)
+    }
+    /// The reference output for every slot (zeros for free or empty slots).
+    fn reference(&self, slots: usize, q_len: usize, q: &[f32]) -> Vec<f32> {
+        let row = q_len * self.hq * D;
+        let mut want = vec![0f32; slots * row];
+        for s in 0..slots {
+            if self.host.len(0, s).is_ok_and(|l| l > 0) {
+                let out = &mut want[s * row..(s + 1) * row];
+                self.host.decode_tokens(0, &[s], q_len, &q[s * row..(s + 1) * row], out).unwrap();
+            }
+        }
+        want
+    }
+}
+
+/// One plan, many length sets and batches (sequences added and freed, f32 and f16 K/V,
+/// q_len 1, 3 and 4): each step equals the reference decode within the device
+/// tolerance, and a decode step allocates, copies and waits for nothing.
+#[test]
+fn one_plan_many_steps_match_the_reference() {
+    let slots = 3;
+    let mut t = Twin::new(2, 6, slots);
+    let shape = PlanShape { max_seqs: slots, max_q_len: 4, max_context: 256, sm_count: None, sm_scale: None };
+    let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
+    let grids: Vec<_> = (1..=4).map(|q| plan.grid(&t.layer, q)).collect();
+    let mut outs: Vec<DeviceBuffer<f32>> = (1..=4).map(|q| t.dev.alloc(slots * q * 6 * D).unwrap()).collect();
+    let mut qs: Vec<DeviceBuffer<f32>> = (1..=4).map(|q| t.dev.alloc(slots * q * 6 * D).unwrap()).collect();
+    let (a, b) = (t.add(), t.add());
+    t.append(a, 150, false);
+    t.append(b, 40, true);
+    type Step = Box<dyn Fn(&mut Twin) -> usize>;
+    let steps: Vec<Step> = vec![
+        Box::new(|_| 1),
+        Box::new(|t| {
+            t.append(0, 1, false);
+            t.append(1, 1, true);
+            1
+        }),
+        Box::new(|t| {
+            let c = t.add();
+            t.append(c, 205, false);
+            for s in 0..3 {
+                t.append(s, 3, s == 1);
+            }
+            3
+        }),
+        Box::new(|t| {
+            t.free(0);
+            let c = t.add();
+            assert_eq!(c, 0);
+            t.append(c, 5, true);
+            t.append(2, 1, false);
+            4
+        }),
+        Box::new(|t| {
+            t.free(1);
+            t.append(2, 4, false);
+            4
+        }),
+    ];
+    for (i, step) in steps.iter().enumerate() {
+        let q_len = step(&mut t);
+        let q = t.queries(slots, q_len);
+        t.dev.write(&mut qs[q_len - 1], 0, &q).unwrap();
+        let before = t.dev.counters();
+        plan.run(&t.layer, q_len, &qs[q_len - 1], &mut outs[q_len - 1]).unwrap();
+        let d = delta(before, t.dev.counters());
+        assert_eq!(d, Counters { launches: 2, ..Counters::default() }, "step {i}: a decode step only launches");
+        assert_eq!(plan.grid(&t.layer, q_len), grids[q_len - 1]);
+        let mut got = vec![0f32; q.len()];
+        t.dev.read(&outs[q_len - 1], &mut got).unwrap();
+        let want = t.reference(slots, q_len, &q);
+        let err = rel_err(&got, &want);
+        assert!(err < DEVICE_TOL, "step {i} (q_len {q_len}): relative error {err}");
+        // Free slots' rows are zero.
+        let row = q_len * 6 * D;
+        for s in 0..slots {
+            if t.layer.len(s).map_or(true, |l| l == 0) {
+                assert!(got[s * row..(s + 1) * row].iter().all(|&x| x == 0.0), "step {i}: free slot {s}");
+            }
+        }
+    }
+    // A steady-state append of one token per sequence allocates and waits for nothing
+    // (it uploads its slot mapping and the new length: a few bytes).
+    let (kd, vd) = (t.dev.upload(&rows(2 * D, 99)).unwrap(), t.dev.upload(&rows(2 * D, 98)).unwrap());
+    let before = t.dev.counters();
+    t.layer.append(0, 1, &kd, &vd, 2 * D).unwrap();
+    let d = delta(before, t.dev.counters());
+    assert_eq!((d.allocations, d.downloads, d.synchronizations), (0, 0, 0), "{d:?}");
+}
+
+/// f16 output equals the f32 output rounded to f16 (the merge writes what it computed).
+#[test]
+fn f16_output() {
+    let mut t = Twin::new(1, 4, 2);
+    let s = t.add();
+    t.append(s, 70, false);
+    let shape = PlanShape { max_seqs: 2, max_q_len: 2, max_context: 100, sm_count: Some(8), sm_scale: None };
+    let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
+    let q = t.queries(2, 2);
+    let qd = t.dev.upload(&q).unwrap();
+    let mut o32 = t.dev.alloc::<f32>(q.len()).unwrap();
+    let mut o16 = t.dev.alloc::<f16>(q.len()).unwrap();
+    plan.run(&t.layer, 2, &qd, &mut o32).unwrap();
+    plan.run(&t.layer, 2, &qd, &mut o16).unwrap();
+    let (mut a, mut b) = (vec![0f32; q.len()], vec![f16::ZERO; q.len()]);
+    t.dev.read(&o32, &mut a).unwrap();
+    t.dev.read(&o16, &mut b).unwrap();
+    assert!(a.iter().zip(&b).all(|(x, y)| f16::from_f32(*x) == *y));
+    assert!(rel_err(&a, &t.reference(2, 2, &q)) < DEVICE_TOL);
+    // The bench helpers: a timed step, a device-to-device copy.
+    assert!(t.dev.time(0, 1, || plan.run(&t.layer, 2, &qd, &mut o32)).unwrap() > 0.0);
+    let mut copy = t.dev.alloc::<f32>(q.len()).unwrap();
+    t.dev.copy(&o32, &mut copy).unwrap();
+    let mut c = vec![0f32; q.len()];
+    t.dev.read(&copy, &mut c).unwrap();
+    assert_eq!(c, a);
+}
+
+/// Tensor parallelism: two shards of a layer's heads (one KV head and its three query
+/// heads each) give the unsharded layer's output.
+#[test]
+fn two_shards_equal_the_whole_layer() {
+    let (hkv, hq, n) = (2, 6, 90);
+    let config = CacheConfig::k2v2(D);
+    let dev = Device::sim();
+    let size = LayerSize { max_seqs: 1, max_tokens: 128, num_blocks: None };
+    let make = |hkv, hq| {
+        DeviceLayer::new(
+            &dev,
+            config,
+            LayerShape { num_kv_heads: hkv, num_q_heads: hq },
+            LayerCalibration::identity(hkv, D),
+            size,
+        )
+        .unwrap()
+    };
+    let (k, v, q) = (rows(n * hkv * D, 1), rows(n * hkv * D, 2), rows(hq * D, 3));
+    let shape = PlanShape { max_seqs: 1, max_q_len: 1, max_context: 128, sm_count: None, sm_scale: None };
+    let run = |layer: &mut DeviceLayer, k: &[f32], v: &[f32], q: &[f32]| {
+        let s = layer.add_sequence().unwrap();
+        let (kd, vd) = (dev.upload(k).unwrap(), dev.upload(v).unwrap());
+        layer.append(s, n, &kd, &vd, k.len() / n).unwrap();
+        let mut plan = DecodePlan::new(layer, shape).unwrap();
+        let qd = dev.upload(q).unwrap();
+        let mut out = dev.alloc::<f32>(q.len()).unwrap();
+        plan.run(layer, 1, &qd, &mut out).unwrap();
+        let mut host = vec![0f32; q.len()];
+        dev.read(&out, &mut host).unwrap();
+        host
+    };
+    let whole = run(&mut make(hkv, hq), &k, &v, &q);
+    let per = hq / hkv;
+    for j in 0..hkv {
+        let pick = |x: &[f32]| -> Vec<f32> { x.chunks(hkv * D).flat_map(|t| t[j * D..(j + 1) * D].to_vec()).collect() };
+        let qj = q[j * per * D..(j + 1) * per * D].to_vec();
+        let part = run(&mut make(1, per), &pick(&k), &pick(&v), &qj);
+        assert!(rel_err(&part, &whole[j * per * D..(j + 1) * per * D]) < 1e-6, "shard {j}");
+    }
+}
+
+/// Bad input is refused with an error before anything is enqueued.
+#[test]
+fn device_errors() {
+    let mut t = Twin::new(1, 4, 3);
+    let dev = t.dev.clone();
+    let other = Device::sim();
+    let bad_plan = |max_seqs, max_q_len, max_context| PlanShape {
+        max_seqs,
+        max_q_len,
+        max_context,
+        sm_count: None,
+        sm_scale: None,
+    };
+    assert!(matches!(DecodePlan::new(&t.layer, bad_plan(4, 1, 100)), Err(Error::Capacity(_))));
+    assert!(matches!(DecodePlan::new(&t.layer, bad_plan(1, 0, 100)), Err(Error::Value(_))));
+    assert!(matches!(DecodePlan::new(&t.layer, bad_plan(1, 1, 257)), Err(Error::Capacity(_))));
+    let s0 = t.add();
+    let s1 = t.add();
+    let (k, v) = (dev.upload(&rows(40 * D, 1)).unwrap(), dev.upload(&rows(40 * D, 2)).unwrap());
+    // Inputs too short for the tokens and stride; a stride below a token's size; a
+    // buffer of another device; too many tokens; an unknown sequence.
+    assert!(matches!(t.layer.append(s0, 41, &k, &v, D), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(s0, 30, &k, &v, 2 * D + 1), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(s0, 2, &k, &v, D - 1), Err(Error::Shape(_))));
+    let k_other = other.upload(&rows(40 * D, 1)).unwrap();
+    assert!(t.layer.append(s0, 2, &k_other, &v, D).is_err());
+    assert!(matches!(t.layer.append(7, 2, &k, &v, D), Err(Error::UnknownSequence(7))));
+    let before = dev.counters();
+    assert!(matches!(
+        t.layer.append(s0, 300, &dev.alloc::<f32>(300 * D).unwrap(), &dev.alloc::<f32>(300 * D).unwrap(), D),
+        Err(Error::Capacity(_))
+    ));
+    assert_eq!(dev.counters().launches, before.launches);
+    t.layer.append(s0, 40, &k, &v, D).unwrap();
+    t.layer.append(s1, 3, &k, &v, D).unwrap();
+    // A plan too small for the batch (slot 1 is live), lengths beyond the plan, q_len
+    // beyond the plan or a sequence, wrong sizes, another layer.
+    let q = dev.alloc::<f32>(3 * 4 * 4 * D).unwrap();
+    let mut out = dev.alloc::<f32>(3 * 4 * 4 * D).unwrap();
+    let mut small = DecodePlan::new(&t.layer, bad_plan(1, 1, 100)).unwrap();
+    let q1 = dev.alloc::<f32>(4 * D).unwrap();
+    let mut o1 = dev.alloc::<f32>(4 * D).unwrap();
+    let before = dev.counters();
+    assert!(matches!(small.run(&t.layer, 1, &q1, &mut o1), Err(Error::Capacity(_))));
+    let mut short = DecodePlan::new(&t.layer, bad_plan(3, 4, 30)).unwrap();
+    let mut q3 = dev.alloc::<f32>(3 * 4 * D).unwrap();
+    let mut o3 = dev.alloc::<f32>(3 * 4 * D).unwrap();
+    assert!(matches!(short.run(&t.layer, 1, &q3, &mut o3), Err(Error::Capacity(_))));
+    let mut plan = DecodePlan::new(&t.layer, bad_plan(3, 4, 100)).unwrap();
+    assert!(matches!(plan.run(&t.layer, 5, &q, &mut out), Err(Error::Value(_))));
+    assert!(matches!(plan.run(&t.layer, 4, &q, &mut out), Err(Error::Shape(_)))); // s1 has 3 tokens
+    assert!(matches!(plan.run(&t.layer, 1, &q, &mut out), Err(Error::Shape(_)))); // sizes for q_len 4
+    let q_other = other.alloc::<f32>(3 * 4 * D).unwrap();
+    assert!(plan.run(&t.layer, 1, &q_other, &mut o3).is_err());
+    let twin = Twin::new(1, 4, 3);
+    assert!(matches!(plan.run(&twin.layer, 1, &q3, &mut o3), Err(Error::Shape(_))));
+    assert_eq!(dev.counters().launches, before.launches, "nothing was enqueued");
+    dev.write(&mut q3, 0, &rows(3 * 4 * D, 5)).unwrap();
+    plan.run(&t.layer, 1, &q3, &mut o3).unwrap();
+    // Protecting an appended position is refused; a future one is taken.
+    assert!(matches!(t.layer.protect(s0, &[10]), Err(Error::Value(_))));
+    assert!(matches!(t.layer.protect(s0, &[45]), Err(Error::Capacity(_)))); // k2v2 keeps none
+}
+
+/// Protected positions (detected sinks) on the device: protected before they arrive,
+/// read from their f16 rows once their page is quantized.
+#[test]
+fn protected_positions_match_the_reference() {
+    let config = CacheConfig { protected: 2, ..CacheConfig::k2v2(D) };
+    let mut t = Twin::with_config(config, 1, 4, 2);
+    let s = t.add();
+    t.layer.protect(s, &[10, 50]).unwrap();
+    t.host.protect(0, s, &[10, 50]).unwrap();
+    t.append(s, 120, false);
+    t.append(s, 100, true);
+    let shape = PlanShape { max_seqs: 2, max_q_len: 1, max_context: 256, sm_count: None, sm_scale: None };
+    let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
+    let q = t.queries(2, 1);
+    let qd = t.dev.upload(&q).unwrap();
+    let mut out = t.dev.alloc::<f32>(q.len()).unwrap();
+    plan.run(&t.layer, 1, &qd, &mut out).unwrap();
+    let mut got = vec![0f32; q.len()];
+    t.dev.read(&out, &mut got).unwrap();
+    let err = rel_err(&got, &t.reference(2, 1, &q));
+    assert!(err < DEVICE_TOL, "{err}");
+}
+
+/// The host packing of the GPU bundle's MMA self-test, checked through the emulator's
+/// `mma_m16n8k16` (the same kernel body, fragments as documented): exact.
+#[test]
+fn mma_selftest_packing_on_the_emulator() {
+    use rotkv::launch::{MmaCase, mma_selftest_check, mma_selftest_inputs};
+    let cases: Vec<MmaCase> = (0..8).map(MmaCase::new).collect();
+    assert!(
+        cases[0].b.iter().any(|x| x.to_bits() & 0x7c00 == 0 && x.to_bits() & 0x3ff != 0),
+        "the case has f16 subnormals"
+    );
+    let (a, b, c) = mma_selftest_inputs(&cases);
+    let run = |b: &[u32]| {
+        let mut d = vec![f32::NAN; c.len()];
+        let (ap, bp, cp, dp) = (a.as_ptr() as usize, b.as_ptr() as usize, c.as_ptr() as usize, d.as_mut_ptr() as usize);
+        rotkv_kernels::sim::launch([2, 1, 1], 128, 0, |ctx| {
+            // SAFETY: 8 warps, each with its 32 lanes' fragments in a, b, c and d.
+            unsafe {
+                rotkv_kernels::selftest::mma_selftest(
+                    ctx,
+                    ap as *const u32,
+                    bp as *const u32,
+                    cp as *const f32,
+                    dp as *mut f32,
+                )
+            }
+        })
+        .unwrap();
+        d
+    };
+    mma_selftest_check(&cases, &run(&b)).unwrap();
+    // A wrong packing is caught: B's rows k and k + 8 swapped in every lane.
+    let swapped: Vec<u32> = b.chunks(2).flat_map(|p| [p[1], p[0]]).collect();
+    assert!(mma_selftest_check(&cases, &run(&swapped)).is_err());
+}
