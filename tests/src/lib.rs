@@ -284,3 +284,82 @@ pub fn repo_data() -> std::path::PathBuf {
         None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data"),
     }
 }
+
+/// GGUF v3 files written by the tests (model harness and hostile-input tests).
+pub mod gguf_writer {
+    /// A metadata value.
+    pub enum Meta {
+        U32(u32),
+        F32(f32),
+        Str(String),
+        Strs(Vec<String>),
+        /// An array of `n` booleans.
+        Bools(u64),
+    }
+
+    /// A tensor to write: name, ggml dims (fastest first), f32 data.
+    pub type Tensor = (String, Vec<u64>, Vec<f32>);
+
+    fn put_str(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+
+    /// A GGUF v3 file of F32 tensors, each tensor's data at `offset_of(i, aligned
+    /// offset)` from the data section (aligned to 32 bytes).
+    pub fn gguf_bytes_at(meta: &[(&str, Meta)], tensors: &[Tensor], offset_of: &dyn Fn(usize, u64) -> u64) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&3u32.to_le_bytes());
+        out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
+        for (k, v) in meta {
+            put_str(&mut out, k);
+            match v {
+                Meta::U32(x) => {
+                    out.extend_from_slice(&4u32.to_le_bytes());
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+                Meta::F32(x) => {
+                    out.extend_from_slice(&6u32.to_le_bytes());
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+                Meta::Str(s) => {
+                    out.extend_from_slice(&8u32.to_le_bytes());
+                    put_str(&mut out, s);
+                }
+                Meta::Strs(v) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&8u32.to_le_bytes());
+                    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                    v.iter().for_each(|s| put_str(&mut out, s));
+                }
+                Meta::Bools(n) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&7u32.to_le_bytes());
+                    out.extend_from_slice(&n.to_le_bytes());
+                    out.resize(out.len() + *n as usize, 1);
+                }
+            }
+        }
+        let mut offset = 0u64;
+        for (i, (name, dims, data)) in tensors.iter().enumerate() {
+            put_str(&mut out, name);
+            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            dims.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
+            out.extend_from_slice(&0u32.to_le_bytes());
+            out.extend_from_slice(&offset_of(i, offset).to_le_bytes());
+            offset += (data.len() as u64 * 4).div_ceil(32) * 32;
+        }
+        out.resize(out.len().div_ceil(32) * 32, 0);
+        for (_, _, data) in tensors {
+            data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            out.resize(out.len().div_ceil(32) * 32, 0);
+        }
+        out
+    }
+
+    /// [`gguf_bytes_at`] with every tensor at its aligned offset.
+    pub fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[Tensor]) -> Vec<u8> {
+        gguf_bytes_at(meta, tensors, &|_, o| o)
+    }
+}

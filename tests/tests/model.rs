@@ -12,6 +12,7 @@ use rotkv::model::math::Matrix;
 use rotkv::model::tokenizer::{Digits, Tokenizer};
 use rotkv::model::{self, KvMethod, PplOptions};
 use rotkv::{Backend, CacheShape, KvCache};
+use rotkv_tests::gguf_writer::{Meta, gguf_bytes};
 use rotkv_tests::{Rng, rel_err, repo_data, shared_data};
 
 fn matrix(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Matrix {
@@ -294,66 +295,6 @@ fn multi_token_rows_through_the_cache() {
     assert!(e < 1e-4, "second sequence: {e:.2e}");
     let rows = [Row { seq: 1, pos: 3 }, Row { seq: 1, pos: 4 }, Row { seq: 0, pos: 30 }];
     assert!(m.forward(&t[3..6], &rows, &mut multi, None, 2).is_err(), "sequence 0 is full");
-}
-
-// ---- a GGUF written here -------------------------------------------------------------
-
-enum Meta {
-    U32(u32),
-    F32(f32),
-    Str(String),
-    Strs(Vec<String>),
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// A GGUF v3 file of F32 tensors (ggml dims, fastest first).
-fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[(String, Vec<u64>, Vec<f32>)]) -> Vec<u8> {
-    let mut out = b"GGUF".to_vec();
-    out.extend_from_slice(&3u32.to_le_bytes());
-    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
-    for (k, v) in meta {
-        put_str(&mut out, k);
-        match v {
-            Meta::U32(x) => {
-                out.extend_from_slice(&4u32.to_le_bytes());
-                out.extend_from_slice(&x.to_le_bytes());
-            }
-            Meta::F32(x) => {
-                out.extend_from_slice(&6u32.to_le_bytes());
-                out.extend_from_slice(&x.to_le_bytes());
-            }
-            Meta::Str(s) => {
-                out.extend_from_slice(&8u32.to_le_bytes());
-                put_str(&mut out, s);
-            }
-            Meta::Strs(v) => {
-                out.extend_from_slice(&9u32.to_le_bytes());
-                out.extend_from_slice(&8u32.to_le_bytes());
-                out.extend_from_slice(&(v.len() as u64).to_le_bytes());
-                v.iter().for_each(|s| put_str(&mut out, s));
-            }
-        }
-    }
-    let mut offset = 0u64;
-    for (name, dims, data) in tensors {
-        put_str(&mut out, name);
-        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-        dims.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&offset.to_le_bytes());
-        offset += (data.len() as u64 * 4).div_ceil(32) * 32;
-    }
-    out.resize(out.len().div_ceil(32) * 32, 0);
-    for (_, _, data) in tensors {
-        data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-        out.resize(out.len().div_ceil(32) * 32, 0);
-    }
-    out
 }
 
 /// The GGUF byte-level vocabulary: the 256 byte characters, then merged tokens.

@@ -8,75 +8,7 @@ use rotkv::model::gguf::Gguf;
 use rotkv::model::llama::{ExactAttention, Llama, Row};
 use rotkv::{Error, LayerCalibration};
 use rotkv_tests::Rng;
-
-// ---- a GGUF written here -------------------------------------------------------------
-
-enum Meta {
-    U32(u32),
-    F32(f32),
-    Str(String),
-    /// An array of `n` booleans.
-    Bools(u64),
-}
-
-/// A tensor to write: name, ggml dims, f32 data.
-type Tensor = (String, Vec<u64>, Vec<f32>);
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// A GGUF v3 file of F32 tensors (ggml dims, fastest first), each tensor's data at
-/// `offset_of(i, aligned offset)` from the data section (aligned to 32 bytes).
-fn gguf_bytes_at(meta: &[(&str, Meta)], tensors: &[Tensor], offset_of: &dyn Fn(usize, u64) -> u64) -> Vec<u8> {
-    let mut out = b"GGUF".to_vec();
-    out.extend_from_slice(&3u32.to_le_bytes());
-    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
-    for (k, v) in meta {
-        put_str(&mut out, k);
-        match v {
-            Meta::U32(x) => {
-                out.extend_from_slice(&4u32.to_le_bytes());
-                out.extend_from_slice(&x.to_le_bytes());
-            }
-            Meta::F32(x) => {
-                out.extend_from_slice(&6u32.to_le_bytes());
-                out.extend_from_slice(&x.to_le_bytes());
-            }
-            Meta::Str(s) => {
-                out.extend_from_slice(&8u32.to_le_bytes());
-                put_str(&mut out, s);
-            }
-            Meta::Bools(n) => {
-                out.extend_from_slice(&9u32.to_le_bytes());
-                out.extend_from_slice(&7u32.to_le_bytes());
-                out.extend_from_slice(&n.to_le_bytes());
-                out.resize(out.len() + *n as usize, 1);
-            }
-        }
-    }
-    let mut offset = 0u64;
-    for (i, (name, dims, data)) in tensors.iter().enumerate() {
-        put_str(&mut out, name);
-        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-        dims.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&offset_of(i, offset).to_le_bytes());
-        offset += (data.len() as u64 * 4).div_ceil(32) * 32;
-    }
-    out.resize(out.len().div_ceil(32) * 32, 0);
-    for (_, _, data) in tensors {
-        data.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-        out.resize(out.len().div_ceil(32) * 32, 0);
-    }
-    out
-}
-
-fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[Tensor]) -> Vec<u8> {
-    gguf_bytes_at(meta, tensors, &|_, o| o)
-}
+use rotkv_tests::gguf_writer::{Meta, Tensor, gguf_bytes, gguf_bytes_at};
 
 /// A one-layer llama GGUF with `heads` query heads and one KV head of `head_dim`
 /// channels, vocabulary 8, MLP 4, small random weights.
