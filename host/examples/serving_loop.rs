@@ -21,7 +21,14 @@ fn main() -> rotkv::Result<()> {
     let mut layer = DeviceLayer::new(&dev, CacheConfig::k2v2(d), shape, LayerCalibration::identity(hkv, d), size)?;
     let mut plan = DecodePlan::new(
         &layer,
-        PlanShape { max_seqs: slots, max_q_len: 1, max_context: 256, sm_count: None, sm_scale: None },
+        PlanShape {
+            max_seqs: slots,
+            max_q_len: 1,
+            max_context: 256,
+            sm_count: None,
+            blocks_per_sm: None,
+            sm_scale: None,
+        },
     )?;
     // Step buffers, made once: this step's K/V (one token per slot), queries, output. A
     // model writes them on the device; here the host fills them once.

@@ -17,10 +17,10 @@ use crate::error::{Error, Result};
 use crate::launch::{self, BLOCK, DecodeInputs};
 use crate::reference::SeqRef;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use half::f16;
-use rotkv_kernels::layout::Format;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 use std::sync::{Arc, OnceLock};
 
@@ -38,14 +38,10 @@ struct Arg<T>(T);
 unsafe impl DeviceRepr for Arg<DecodeParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Arg<MergeParams> {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for Arg<AppendParams> {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for Arg<Format> {}
 
 struct Gpu {
     stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
+    kernels: Kernels,
 }
 
 static GPU: OnceLock<std::result::Result<Gpu, String>> = OnceLock::new();
@@ -57,9 +53,8 @@ fn gpu() -> Result<&'static Gpu> {
             return Err("no CUDA driver library on this machine".into());
         }
         let ctx = CudaContext::new(0).map_err(|e| format!("no CUDA device 0: {e:?}"))?;
-        let module =
-            ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).map_err(|e| format!("loading the PTX: {e:?}"))?;
-        Ok(Gpu { stream: ctx.default_stream(), module })
+        let kernels = Kernels::load(&ctx).map_err(|e| e.to_string())?;
+        Ok(Gpu { stream: ctx.default_stream(), kernels })
     })
     .as_ref()
     .map_err(|e| Error::Backend(format!("cuda: {e}")))
@@ -74,8 +69,8 @@ fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("cuda {what}: {e:?}"))
 }
 
-fn function(g: &Gpu, name: &str) -> Result<CudaFunction> {
-    g.module.load_function(name).map_err(err(name))
+fn function(g: &Gpu, name: &'static str) -> Result<CudaFunction> {
+    g.kernels.function(name)
 }
 
 fn launch_config(grid: [u32; 3], shared: u32) -> LaunchConfig {
@@ -162,46 +157,46 @@ pub fn append_cuda(
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
-    let fmt = p.format;
-    launch::check_format(&fmt)?;
+    launch::check_format(&p.format)?;
     let g = gpu()?;
     let s = &g.stream;
-    let (tok, flush) = launch::append_entries(fmt.head_dim)?;
     let up = err("upload");
     let side_bits: &mut [u16] = bytemuck::cast_slice_mut(side);
+    let table = if block_table.is_empty() { &[u32::MAX][..] } else { block_table };
     let mut pool_d = s.clone_htod(&*pool).map_err(&up)?;
     let mut side_d = s.clone_htod(&*side_bits).map_err(&up)?;
-    let jobs = launch::flush_jobs(p, block_table);
-    if !jobs.is_empty() {
-        let jobs_d = s.clone_htod(&jobs).map_err(&up)?;
-        let f = function(g, flush)?;
-        let (fa, hkv) = (Arg(fmt), p.num_kv_heads);
-        let mut b = s.launch_builder(&f);
-        b.arg(&fa).arg(&hkv).arg(&side_d).arg(&jobs_d).arg(&mut pool_d);
-        // SAFETY: arguments in the order and types of `append_flush`'s entry point; every
-        // job's block is in the pool (the paged layer checked the block table).
-        unsafe { b.launch(launch_config([(jobs.len() / 4) as u32, 2, 1], 0)) }.map_err(err(flush))?;
-    }
-    if p.count > 0 {
-        let (k_d, v_d, mean_d) =
-            (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
-        let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
-        let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
-        let slots_d = s.clone_htod(&launch::slot_mapping(p, block_table, protected)?).map_err(&up)?;
-        let f = function(g, tok)?;
-        let elem = launch::dtype_bytes(p.input_dtype);
-        for (first, n) in launch::token_chunks(p.count) {
-            let params = Arg(AppendParams { count: n, ..*p });
-            let skip = first as usize * p.token_stride as usize * elem;
-            let (kc, vc, sc) = (k_d.slice(skip..), v_d.slice(skip..), slots_d.slice(2 * first as usize..));
-            let mut b = s.launch_builder(&f);
-            b.arg(&params).arg(&kc).arg(&vc).arg(&mean_d).arg(&kp_d).arg(&vp_d).arg(&kr_d).arg(&vr_d).arg(&sc);
-            b.arg(&mut pool_d).arg(&mut side_d);
-            // SAFETY: arguments in the order and types of `append_tokens`'s entry point; the
-            // paged layer checked the inputs' sizes and the block table; the chunk's
-            // inputs and slot entries start `first` tokens in.
-            unsafe { b.launch(launch_config(launch::tokens_grid(&params.0), 0)) }.map_err(err(tok))?;
-        }
+    let table_d = s.clone_htod(table).map_err(&up)?;
+    let prot_d = s.clone_htod(&launch::protected_row(&p.format, protected)).map_err(&up)?;
+    let (k_d, v_d, mean_d) =
+        (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
+    let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
+    let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
+    let block_table = table_d.device_ptr(s).0;
+    let (pool_a, side_a) = (pool_d.device_ptr_mut(s).0, side_d.device_ptr_mut(s).0);
+    // SAFETY: every address is a buffer just made on `s` with what the kernels' contracts
+    // ask: the paged layer checked the inputs' sizes and the block table (its first
+    // `pages_for(new_len)` entries are blocks of the pool), the protected list is padded
+    // to the format's length.
+    unsafe {
+        g.kernels.flush(s.cu_stream(), p, &launch::FlushPtrs { block_table, side: side_a, pool: pool_a })?;
+        g.kernels.append_tokens(
+            s.cu_stream(),
+            p,
+            &launch::AppendPtrs {
+                k: k_d.device_ptr(s).0,
+                v: v_d.device_ptr(s).0,
+                key_mean: mean_d.device_ptr(s).0,
+                key_perm: kp_d.device_ptr(s).0,
+                value_perm: vp_d.device_ptr(s).0,
+                key_rot: kr_d.device_ptr(s).0,
+                value_rot: vr_d.device_ptr(s).0,
+                block_table,
+                protected: prot_d.device_ptr(s).0,
+                pool: pool_a,
+                side: side_a,
+                seq_len: 0,
+            },
+        )?;
     }
     let down = err("download");
     pool.copy_from_slice(&s.clone_dtoh(&pool_d).map_err(&down)?);
@@ -270,6 +265,22 @@ impl Kernels {
         .map_err(err(name))
     }
 
+    /// Blocks of entry point `name` (with `block` threads and `shared` bytes of dynamic
+    /// shared memory) one multiprocessor holds at once: the driver's occupancy
+    /// calculation.
+    pub fn resident_blocks(&self, name: &'static str, block: u32, shared: u32) -> Result<usize> {
+        let f = self.function(name)?;
+        if shared > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(err(name))?;
+        }
+        let n = f.occupancy_max_active_blocks_per_multiprocessor(block, shared as usize, None).map_err(err(name))?;
+        Ok(n as usize)
+    }
+
     /// Enqueues the decode kernel of [`launch::decode_launch`]`(p)` on `stream`.
     ///
     /// # Safety
@@ -329,7 +340,8 @@ impl Kernels {
         unsafe { self.launch(name, stream, [p.num_q_heads, p.num_seqs, 1], BLOCK, 0, &mut args) }
     }
 
-    /// Enqueues `append_flush` for `jobs` jobs on `stream` (nothing for none).
+    /// Enqueues `append_flush` for the append `p` on `stream` (nothing when no page
+    /// fills).
     ///
     /// # Safety
     /// As [`crate::device::raw::append_flush`], with device addresses in `stream`'s
@@ -337,25 +349,20 @@ impl Kernels {
     pub unsafe fn flush(
         &self,
         stream: cudarc::driver::sys::CUstream,
-        fmt: &Format,
-        num_kv_heads: u32,
-        jobs: u32,
+        p: &AppendParams,
         ptrs: &launch::FlushPtrs,
     ) -> Result<()> {
-        if jobs == 0 {
-            return Ok(());
-        }
-        let name = launch::append_entries(fmt.head_dim)?.1;
-        let (mut f, mut h, mut x) = (*fmt, num_kv_heads, *ptrs);
+        let Some(grid) = launch::flush_grid(p) else { return Ok(()) };
+        let name = launch::append_entries(p.format.head_dim)?.1;
+        let (mut a, mut x) = (*p, *ptrs);
         let mut args = [
-            (&mut f as *mut Format).cast(),
-            (&mut h as *mut u32).cast(),
+            (&mut a as *mut AppendParams).cast(),
+            (&mut x.block_table as *mut u64).cast(),
             (&mut x.side as *mut u64).cast(),
-            (&mut x.jobs as *mut u64).cast(),
             (&mut x.pool as *mut u64).cast(),
         ];
         // SAFETY: `append_flush`'s parameters in order; forwarded contract.
-        unsafe { self.launch(name, stream, [jobs, 2, 1], BLOCK, 0, &mut args) }
+        unsafe { self.launch(name, stream, grid, BLOCK, 0, &mut args) }
     }
 
     /// Enqueues `append_tokens` on `stream`, in launches of at most 65,535 tokens.
@@ -371,15 +378,9 @@ impl Kernels {
     ) -> Result<()> {
         let name = launch::append_entries(p.format.head_dim)?.0;
         let elem = launch::dtype_bytes(p.input_dtype) as u64;
-        for (first, n) in launch::token_chunks(p.count) {
+        for (first, mut cp) in launch::token_chunks(p) {
             let skip = first as u64 * p.token_stride as u64 * elem;
-            let mut cp = AppendParams { count: n, ..*p };
-            let mut x = launch::AppendPtrs {
-                k: ptrs.k + skip,
-                v: ptrs.v + skip,
-                slots: ptrs.slots + 8 * first as u64,
-                ..*ptrs
-            };
+            let mut x = launch::AppendPtrs { k: ptrs.k + skip, v: ptrs.v + skip, ..*ptrs };
             let mut args = [
                 (&mut cp as *mut AppendParams).cast(),
                 (&mut x.k as *mut u64).cast(),
@@ -389,12 +390,14 @@ impl Kernels {
                 (&mut x.value_perm as *mut u64).cast(),
                 (&mut x.key_rot as *mut u64).cast(),
                 (&mut x.value_rot as *mut u64).cast(),
-                (&mut x.slots as *mut u64).cast(),
+                (&mut x.block_table as *mut u64).cast(),
+                (&mut x.protected as *mut u64).cast(),
                 (&mut x.pool as *mut u64).cast(),
                 (&mut x.side as *mut u64).cast(),
+                (&mut x.seq_len as *mut u64).cast(),
             ];
-            // SAFETY: `append_tokens`'s parameters in order; the chunk's inputs and slot
-            // entries start `first` tokens in; forwarded contract.
+            // SAFETY: `append_tokens`'s parameters in order; the chunk's inputs start
+            // `first` tokens in; forwarded contract.
             unsafe { self.launch(name, stream, launch::tokens_grid(&cp), BLOCK, 0, &mut args)? };
         }
         Ok(())

@@ -7,7 +7,6 @@ use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
 use crate::reference::{self, SeqRef};
 use half::f16;
-use rotkv_kernels::append::{SLOT_NONE, SLOT_SIDE};
 use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
 use rotkv_kernels::decode_mma::{self, mma_shared_bytes};
 use rotkv_kernels::layout::{Format, Place};
@@ -86,6 +85,16 @@ pub struct DecodeLaunch {
     pub block: u32,
     /// Dynamic shared memory in bytes.
     pub shared: u32,
+}
+
+/// Splits per sequence for a fixed decode plan: enough that the launch (`per_split`
+/// blocks for each split) fills one wave of `wave` resident blocks (multiprocessors x
+/// the kernel's resident blocks per multiprocessor), no split shorter than 256 tokens
+/// of `max_context`, at most 64.
+pub fn wave_splits(max_context: usize, per_split: usize, wave: usize) -> u32 {
+    let want = wave.div_ceil(per_split.max(1));
+    let cap = max_context.div_ceil(256).clamp(1, 64);
+    want.clamp(1, cap) as u32
 }
 
 /// The decode launch for validated parameters (`num_kv_heads > 0`).
@@ -324,21 +333,27 @@ pub struct AppendPtrs {
     pub key_rot: u64,
     /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
     pub value_rot: u64,
-    /// Slot mapping, u32 `[token][2]` ([`slot_mapping`]).
-    pub slots: u64,
+    /// The sequence's block-table row, u32 (at least `pages_for(new_len)` entries).
+    pub block_table: u64,
+    /// The sequence's protected positions, u32 `[format.protected]` (ascending, padded
+    /// with `u32::MAX`; not read when the format protects none).
+    pub protected: u64,
     /// The page pool.
     pub pool: u64,
     /// The sequence's side store, f16.
     pub side: u64,
+    /// Where the device keeps the sequence's length (one u32, written with the new
+    /// length by the launch holding the last token), or 0 for none.
+    pub seq_len: u64,
 }
 
 /// Device addresses of `append_flush`'s buffers, in its entry point's order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlushPtrs {
+    /// The sequence's block-table row, u32.
+    pub block_table: u64,
     /// The sequence's side store, f16.
     pub side: u64,
-    /// Jobs, u32 `[job][4]` ([`flush_jobs`]).
-    pub jobs: u64,
     /// The page pool.
     pub pool: u64,
 }
@@ -375,13 +390,29 @@ pub fn tokens_grid(p: &AppendParams) -> [u32; 3] {
     [p.num_kv_heads, p.count, 1]
 }
 
-/// The `(first token, tokens)` chunks of an append of `count` tokens, one
-/// `append_tokens` launch each: at most [`MAX_GRID_YZ`] tokens per launch (the GPU's grid
-/// y limit). Chunk `(first, n)` launches with `count = n`, the inputs advanced by
-/// `first` tokens and the slot mapping by `2 * first` entries (the kernel reads neither
-/// `start` nor anything past its own `count` tokens).
-pub fn token_chunks(count: u32) -> impl Iterator<Item = (u32, u32)> {
-    (0..count).step_by(MAX_GRID_YZ as usize).map(move |first| (first, (count - first).min(MAX_GRID_YZ)))
+/// `append_flush` grid: (window positions whose page fills, KV heads, 2), or `None`
+/// when no page fills (nothing to launch).
+pub fn flush_grid(p: &AppendParams) -> Option<[u32; 3]> {
+    let (_, n) = rotkv_kernels::append::flush_range(p);
+    (n > 0).then_some([n, p.num_kv_heads, 2])
+}
+
+/// The `append_tokens` launches of an append `p`: at most [`MAX_GRID_YZ`] tokens each
+/// (the GPU's grid y limit), as `(first token, params)`: the chunk's `start` advanced by
+/// `first`, `count` its tokens, `new_len` the whole append's; its K/V inputs start
+/// `first` tokens in.
+pub fn token_chunks(p: &AppendParams) -> impl Iterator<Item = (u32, AppendParams)> + '_ {
+    (0..p.count).step_by(MAX_GRID_YZ as usize).map(move |first| {
+        (first, AppendParams { start: p.start + first, count: (p.count - first).min(MAX_GRID_YZ), ..*p })
+    })
+}
+
+/// A sequence's protected list as the append and decode kernels read it: `fmt.protected`
+/// entries (at least one), ascending positions padded with `u32::MAX`.
+pub fn protected_row(fmt: &Format, protected: &[u32]) -> Vec<u32> {
+    let mut row = vec![u32::MAX; (fmt.protected as usize).max(1)];
+    row.iter_mut().zip(protected).for_each(|(r, &p)| *r = p);
+    row
 }
 
 /// Bytes of one K/V input element of type `dtype` (`DTYPE_*`: 4 for f32, else 2).
@@ -389,12 +420,12 @@ pub fn dtype_bytes(dtype: u32) -> usize {
     if dtype == rotkv_kernels::params::DTYPE_F32 { 4 } else { 2 }
 }
 
-/// Blocks a layer's pool may have for [`slot_mapping`]: its pool slots
-/// `block * page_size + slot` must stay below [`SLOT_SIDE`] (2^31), the bit that marks
-/// a side row. A larger pool is refused with [`Error::Capacity`] by the paged layer and
-/// the device layer before anything is written.
-pub fn max_pool_blocks(fmt: &Format) -> usize {
-    SLOT_SIDE as usize / fmt.page_size.max(1) as usize
+/// Blocks a layer's pool may have: block-table entries are u32, and the kernels compute
+/// every pool offset in 64 bits, so any u32 block below `u32::MAX` (which stays free as
+/// a marker) is addressable. A larger pool is refused with [`Error::Capacity`] by the
+/// paged layer and the device layer before anything is written.
+pub fn max_pool_blocks(_fmt: &Format) -> usize {
+    u32::MAX as usize
 }
 
 /// Refuses a pool of `num_blocks` blocks past [`max_pool_blocks`].
@@ -402,62 +433,10 @@ pub fn check_pool_blocks(fmt: &Format, num_blocks: usize) -> Result<()> {
     let max = max_pool_blocks(fmt);
     if num_blocks > max {
         return Err(Error::Capacity(format!(
-            "a pool of {num_blocks} blocks of {} tokens: the append slot mapping addresses at most {max} blocks \
-             (2^31 token slots)",
-            fmt.page_size
+            "a pool of {num_blocks} blocks: block-table entries address at most {max} blocks"
         )));
     }
     Ok(())
-}
-
-/// `append_tokens`'s slot mapping, two entries per new token: its f16 side row
-/// ([`SLOT_SIDE`] set) or its pool slot `block * page_size + slot`, as it lives once the
-/// sequence has `p.start + p.count` tokens; then its protected row ([`SLOT_SIDE`] set)
-/// when its position is in `protected`, else [`SLOT_NONE`]. `block_table` covers every
-/// page of that length (the paged layer checked it). A pool slot at or past 2^31 (a
-/// block past [`max_pool_blocks`]) would alias the side-row bit: it is refused with
-/// [`Error::Capacity`], computed in 64 bits.
-pub fn slot_mapping(p: &AppendParams, block_table: &[u32], protected: &[u32]) -> Result<Vec<u32>> {
-    let fmt = p.format;
-    let new_len = p.start + p.count;
-    let mut out = Vec::with_capacity(2 * p.count as usize);
-    for pos in p.start..new_len {
-        let dest = match fmt.place(pos, new_len) {
-            Place::Sink { index } => SLOT_SIDE | index,
-            Place::Window { slot } => SLOT_SIDE | slot,
-            Place::Page { page, slot } => {
-                let block = block_table[page as usize];
-                let at = block as u64 * fmt.page_size as u64 + slot as u64;
-                if at >= SLOT_SIDE as u64 {
-                    return Err(Error::Capacity(format!(
-                        "block {block} is past the {} blocks the append slot mapping addresses",
-                        max_pool_blocks(&fmt)
-                    )));
-                }
-                at as u32
-            }
-        };
-        let copy = reference::protected_index(protected, pos).map_or(SLOT_NONE, |i| SLOT_SIDE | fmt.protected_row(i));
-        out.extend_from_slice(&[dest, copy]);
-    }
-    Ok(out)
-}
-
-/// `append_flush` jobs `(block, slot, kv_head, side row)`: the tokens already in the
-/// window (positions before `p.start`) whose page fills during this append, for every KV
-/// head. Its grid is `(jobs, 2)` (keys and values).
-pub fn flush_jobs(p: &AppendParams, block_table: &[u32]) -> Vec<u32> {
-    let fmt = p.format;
-    let (old, new_len) = (p.start, p.start + p.count);
-    let mut jobs = Vec::new();
-    for pos in fmt.sinks + fmt.quantized_len(old)..old {
-        if let Place::Page { page, slot } = fmt.place(pos, new_len) {
-            for h in 0..p.num_kv_heads {
-                jobs.extend_from_slice(&[block_table[page as usize], slot, h, fmt.window_row(pos)]);
-            }
-        }
-    }
-    jobs
 }
 
 /// Copies the staged rows of new tokens that stay in f16 (sinks and window, and the
@@ -614,6 +593,8 @@ mod tests {
             num_kv_heads: 1,
             start,
             count,
+            new_len: start + count,
+            num_blocks: u32::MAX,
             flags: 0,
             token_stride: 64,
             head_stride: 64,
@@ -622,35 +603,75 @@ mod tests {
     }
 
     #[test]
-    fn token_chunks_cover_any_count_within_the_grid_limit() {
-        assert_eq!(token_chunks(0).count(), 0);
-        assert_eq!(token_chunks(1).collect::<Vec<_>>(), [(0, 1)]);
-        assert_eq!(token_chunks(MAX_GRID_YZ).collect::<Vec<_>>(), [(0, MAX_GRID_YZ)]);
-        assert_eq!(token_chunks(MAX_GRID_YZ + 1).collect::<Vec<_>>(), [(0, MAX_GRID_YZ), (MAX_GRID_YZ, 1)]);
-        let n = 3 * MAX_GRID_YZ + 17;
-        let chunks: Vec<_> = token_chunks(n).collect();
-        assert_eq!(chunks.len(), 4);
-        assert!(chunks.iter().all(|&(_, c)| (1..=MAX_GRID_YZ).contains(&c)));
-        assert!(chunks.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
-        assert_eq!(chunks.iter().map(|c| c.1).sum::<u32>(), n);
+    fn wave_splits_fill_one_wave_without_tiny_splits() {
+        // H200 (132 SMs), decode_mma at 2 resident blocks: batch 8 x 8 KV heads x 1 row
+        // tile is 64 blocks per split; one wave of 264 needs 5 splits.
+        assert_eq!(wave_splits(32_768, 64, 264), 5);
+        // A wave already full: one split.
+        assert_eq!(wave_splits(32_768, 1024, 264), 1);
+        // Short contexts are not cut below 256 tokens; never more than 64 splits.
+        assert_eq!(wave_splits(1000, 1, 264), 4);
+        assert_eq!(wave_splits(1 << 24, 1, 100_000), 64);
+        assert_eq!(wave_splits(0, 0, 0), 1);
     }
 
     #[test]
-    fn slot_mapping_refuses_slots_that_would_alias_the_side_bit() {
-        let p = params(0, 300);
-        let fmt = p.format;
-        let pages = fmt.pages_for(300) as usize;
-        // The last block whose slots all stay below 2^31 is fine, and maps exactly.
-        let last = (max_pool_blocks(&fmt) - 1) as u32;
-        let slots = slot_mapping(&p, &vec![last; pages], &[]).unwrap();
-        let pool: Vec<u32> = slots.iter().step_by(2).copied().filter(|s| s & SLOT_SIDE == 0).collect();
-        assert!(!pool.is_empty());
-        assert!(pool.iter().all(|&s| s / fmt.page_size == last));
-        // One block further reaches 2^31 (the side bit); far past it the u32 product
-        // would wrap. Both are refused, not aliased.
-        for block in [last + 1, u32::MAX / fmt.page_size + 1, u32::MAX - 1] {
-            assert!(matches!(slot_mapping(&p, &vec![block; pages], &[]), Err(Error::Capacity(_))), "block {block}");
+    fn token_chunks_cover_any_count_within_the_grid_limit() {
+        let chunks = |n| token_chunks(&params(7, n)).collect::<Vec<_>>();
+        assert_eq!(chunks(0).len(), 0);
+        assert_eq!(chunks(1).iter().map(|c| (c.0, c.1.start, c.1.count)).collect::<Vec<_>>(), [(0, 7, 1)]);
+        assert_eq!(chunks(MAX_GRID_YZ).len(), 1);
+        let two = chunks(MAX_GRID_YZ + 1);
+        assert_eq!(
+            two.iter().map(|c| (c.0, c.1.start, c.1.count)).collect::<Vec<_>>(),
+            [(0, 7, MAX_GRID_YZ), (MAX_GRID_YZ, 7 + MAX_GRID_YZ, 1)]
+        );
+        let n = 3 * MAX_GRID_YZ + 17;
+        let c = chunks(n);
+        assert_eq!(c.len(), 4);
+        assert!(c.iter().all(|(_, p)| (1..=MAX_GRID_YZ).contains(&p.count) && p.new_len == 7 + n));
+        assert!(c.windows(2).all(|w| w[0].1.start + w[0].1.count == w[1].1.start && w[1].0 - w[0].0 == w[0].1.count));
+        assert_eq!(c.iter().map(|c| c.1.count).sum::<u32>(), n);
+    }
+
+    /// The device-side destination of every token (`append::destination`) against the
+    /// reference's placement (`Format::place`, `reference::protected_index`), with
+    /// shuffled tables, protected positions, and table entries past the pool skipped.
+    #[test]
+    fn device_destinations_match_the_reference_placement() {
+        use rotkv_kernels::append::{NONE, destination};
+        let mut fmt = CacheConfig::k2v2(64).format().unwrap();
+        fmt.protected = 3;
+        for (start, count) in [(0, 1), (0, 300), (3, 1), (200, 65), (150, 1000), (4, 127)] {
+            let mut p = params(start, count);
+            p.format = fmt;
+            let pages = fmt.pages_for(p.new_len) as usize;
+            let table: Vec<u32> = (0..pages as u32).map(|i| (i * 7919 + 13) % 4099).collect();
+            p.num_blocks = 4000; // entries 4000..4099 are past the pool
+            let protected = [5, 140, 700];
+            let row = protected_row(&fmt, &protected);
+            for pos in start..start + count {
+                // SAFETY: the table covers pages_for(new_len); the list has fmt.protected entries.
+                let d = unsafe { destination(&p, pos, table.as_ptr(), row.as_ptr()) };
+                let copy = reference::protected_index(&protected, pos).map_or(NONE, |i| fmt.protected_row(i));
+                assert_eq!(d.copy_row, copy, "pos {pos}");
+                match fmt.place(pos, p.new_len) {
+                    Place::Sink { index: r } | Place::Window { slot: r } => {
+                        assert_eq!((d.side_row, d.block), (r, NONE), "pos {pos}")
+                    }
+                    Place::Page { page, slot } => {
+                        let b = table[page as usize];
+                        assert_eq!(d.side_row, NONE);
+                        assert_eq!(d.block, if b < p.num_blocks { b } else { NONE }, "pos {pos}");
+                        assert_eq!(d.slot, slot);
+                    }
+                }
+            }
         }
+        // Offsets are 64-bit: the last block of the largest pool lands past 2^32 bytes,
+        // not wrapped.
+        let last = max_pool_blocks(&fmt) as u32 - 1;
+        assert!(fmt.page_offset(last, 7, 8) > u32::MAX as usize);
         assert!(check_pool_blocks(&fmt, max_pool_blocks(&fmt)).is_ok());
         assert!(matches!(check_pool_blocks(&fmt, max_pool_blocks(&fmt) + 1), Err(Error::Capacity(_))));
     }

@@ -267,6 +267,8 @@ pub fn append<T: KvElement>(
         num_kv_heads: hkv as u32,
         start: len as u32,
         count: tokens as u32,
+        new_len: new_len as u32,
+        num_blocks: blocks as u32,
         flags: config.flags() | calib.flags(),
         token_stride: (hkv * d) as u32,
         head_stride: d as u32,

@@ -10,13 +10,16 @@ use half::f16;
 use rotkv_kernels::append::{append_flush, append_tokens};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::decode_mma::decode_mma;
-use rotkv_kernels::layout::Format;
 use rotkv_kernels::merge::decode_merge;
 use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
 
 /// Multiprocessors of the emulated device (drives the split count only).
 pub const SIM_SMS: usize = 4;
+
+/// Decode blocks an emulated multiprocessor holds at once (the occupancy a plan
+/// assumes on the emulator; a GPU asks its driver).
+pub const SIM_RESIDENT_BLOCKS: usize = 2;
 
 /// Decode attention through the emulated `decode_split` and `decode_merge` kernels.
 pub fn decode_sim(
@@ -277,20 +280,16 @@ pub fn append_sim(
     v: &[u8],
 ) -> Result<()> {
     launch::check_format(&p.format)?;
-    let jobs = launch::flush_jobs(p, block_table);
-    let slots = launch::slot_mapping(p, block_table, protected)?;
+    let protected = launch::protected_row(&p.format, protected);
+    let table = if block_table.is_empty() { &[u32::MAX][..] } else { block_table };
     let side: &mut [u16] = bytemuck::cast_slice_mut(side);
     let (pool, side) = (addr(pool.as_mut_ptr()), addr(side.as_mut_ptr()));
-    // SAFETY: the paged layer validated the inputs' sizes, the block table (every job's
-    // and slot's block is in the pool) and the side store; `jobs` and `slots` live
-    // through the calls.
+    let block_table = addr(table.as_ptr());
+    // SAFETY: the paged layer validated the inputs' sizes, the block table (every entry
+    // of `pages_for(new_len)` is a block of the pool) and the side store; the padded
+    // protected list lives through the calls.
     unsafe {
-        flush_raw(
-            &p.format,
-            p.num_kv_heads,
-            (jobs.len() / 4) as u32,
-            &FlushPtrs { side, jobs: addr(jobs.as_ptr()), pool },
-        )?;
+        flush_raw(p, &FlushPtrs { block_table, side, pool })?;
         append_tokens_raw(
             p,
             &AppendPtrs {
@@ -301,31 +300,32 @@ pub fn append_sim(
                 value_perm: addr(calib.value_perm.as_ptr()),
                 key_rot: addr(rotation_ptr(&calib.key_rotation)),
                 value_rot: addr(rotation_ptr(&calib.value_rotation)),
-                slots: addr(slots.as_ptr()),
+                block_table,
+                protected: addr(protected.as_ptr()),
                 pool,
                 side,
+                seq_len: 0,
             },
         )
     }
 }
 
-/// Runs `append_flush` for `jobs` jobs on the emulator over raw addresses (nothing for
-/// none): grid `(jobs, 2)`, one warp per block.
+/// Runs `append_flush` on the emulator over raw addresses for the append `p` (`p.start`
+/// the length before it): grid [`launch::flush_grid`], one warp per block; nothing when
+/// no page fills.
 ///
 /// # Safety
 /// The buffers at `ptrs` are live host buffers as `append_flush`'s `# Safety` section
-/// asks, with `jobs` quadruples, and nothing else accesses them during the call.
-pub unsafe fn flush_raw(fmt: &Format, num_kv_heads: u32, jobs: u32, ptrs: &FlushPtrs) -> Result<()> {
-    if jobs == 0 {
-        return Ok(());
-    }
+/// asks for `p`, and nothing else accesses them during the call.
+pub unsafe fn flush_raw(p: &AppendParams, ptrs: &FlushPtrs) -> Result<()> {
+    let Some(grid) = launch::flush_grid(p) else { return Ok(()) };
     let ptrs = *ptrs;
     macro_rules! run {
         ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
-            match fmt.head_dim {
-                $($d => sim::launch([jobs, 2, 1], BLOCK, 0, |c: &SimCtx<'_>| {
+            match p.format.head_dim {
+                $($d => sim::launch(grid, BLOCK, 0, |c: &SimCtx<'_>| {
                     // SAFETY: forwarded contract.
-                    unsafe { append_flush::<_, $d, $v>(c, fmt, num_kv_heads, ptr(ptrs.side), ptr(ptrs.jobs), ptr(ptrs.pool)) }
+                    unsafe { append_flush::<_, $d, $v>(c, p, ptr(ptrs.block_table), ptr(ptrs.side), ptr(ptrs.pool)) }
                 })
                 .map_err(|e| Error::Backend(format!("sim append_flush: {e}"))),)*
                 other => Err(Error::Unsupported(format!("head_dim {other}"))),
@@ -343,16 +343,15 @@ pub unsafe fn flush_raw(fmt: &Format, num_kv_heads: u32, jobs: u32, ptrs: &Flush
 /// asks for `p`, and nothing else accesses them during the call.
 pub unsafe fn append_tokens_raw(p: &AppendParams, ptrs: &AppendPtrs) -> Result<()> {
     let elem = launch::dtype_bytes(p.input_dtype) as u64;
-    for (first, n) in launch::token_chunks(p.count) {
-        let cp = AppendParams { count: n, ..*p };
+    for (first, cp) in launch::token_chunks(p) {
         let skip = first as u64 * p.token_stride as u64 * elem;
-        let ptrs = AppendPtrs { k: ptrs.k + skip, v: ptrs.v + skip, slots: ptrs.slots + 8 * first as u64, ..*ptrs };
+        let ptrs = AppendPtrs { k: ptrs.k + skip, v: ptrs.v + skip, ..*ptrs };
         macro_rules! run {
             ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
                 match p.format.head_dim {
                     $($d => sim::launch(launch::tokens_grid(&cp), BLOCK, 0, |c: &SimCtx<'_>| {
-                        // SAFETY: forwarded contract; the chunk's inputs and slot entries
-                        // start `first` tokens in.
+                        // SAFETY: forwarded contract; the chunk's inputs start `first`
+                        // tokens in.
                         unsafe {
                             append_tokens::<_, $d, $v>(
                                 c,
@@ -364,9 +363,11 @@ pub unsafe fn append_tokens_raw(p: &AppendParams, ptrs: &AppendPtrs) -> Result<(
                                 ptr(ptrs.value_perm),
                                 ptr(ptrs.key_rot),
                                 ptr(ptrs.value_rot),
-                                ptr(ptrs.slots),
+                                ptr(ptrs.block_table),
+                                ptr(ptrs.protected),
                                 ptr(ptrs.pool),
                                 ptr(ptrs.side),
+                                ptr(ptrs.seq_len),
                             )
                         }
                     })

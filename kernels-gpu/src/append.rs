@@ -5,24 +5,68 @@
 //! permutation and rounds to f16 (the stored row); then, as the token's slot mapping says,
 //! either stores that row in the f16 side store (sinks and recent window) or quantizes it
 //! into its page slot (group min/max by shuffles, f16 scale and zero, codes, packing).
-//! `append_flush` quantizes window rows that leave the window during an append (a page of
-//! the ring fills), reading them from the side store; it runs before `append_tokens`,
-//! which may overwrite those ring rows.
+//! Where each token goes is computed on the device from the sequence's block table and
+//! protected list ([`destination`]), so an append uploads nothing but new block-table
+//! entries. `append_flush` quantizes window rows that leave the window during an append
+//! (a page of the ring fills), reading them from the side store; it runs before
+//! `append_tokens`, which may overwrite those ring rows.
 
 use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
-use crate::layout::{Format, clip_range, div};
+use crate::layout::{Format, Place, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{
     AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES,
 };
 
-/// Bit of a slot-mapping entry that marks an f16 side-store row (the other bits are the
-/// row, as `Format::side_row_at` numbers them); without it the entry is the pool slot
-/// `block * page_size + slot`.
-pub const SLOT_SIDE: u32 = 1 << 31;
-/// The second entry of a token's slot mapping when it needs no protected copy.
-pub const SLOT_NONE: u32 = u32::MAX;
+/// Where a token's f16 rows and codes go: resolved on the device from the sequence's
+/// block table and protected list (no host-made slot mapping; offsets in 64 bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dest {
+    /// The f16 side row (sink or window ring row), or `NONE` for a quantized token.
+    pub side_row: u32,
+    /// The physical block of a quantized token (`NONE` otherwise, or when the table
+    /// entry is past the pool: then nothing is written).
+    pub block: u32,
+    /// Its slot in the page.
+    pub slot: u32,
+    /// The side row of its protected copy, or `NONE`.
+    pub copy_row: u32,
+}
+
+/// "None" in a [`Dest`] field, and the padding of a protected list.
+pub const NONE: u32 = u32::MAX;
+
+/// Where position `pos` goes when the sequence will hold `p.new_len` tokens.
+///
+/// # Safety
+/// `block_table` valid for `p.format.pages_for(p.new_len)` entries; `protected` for
+/// `p.format.protected` entries (ascending positions padded with [`NONE`]; unused when
+/// `p.format.protected == 0`).
+#[inline(always)]
+pub unsafe fn destination(p: &AppendParams, pos: u32, block_table: *const u32, protected: *const u32) -> Dest {
+    let fmt = &p.format;
+    let mut d = Dest { side_row: NONE, block: NONE, slot: 0, copy_row: NONE };
+    match fmt.place(pos, p.new_len) {
+        Place::Sink { index } => d.side_row = index,
+        Place::Window { slot } => d.side_row = slot,
+        Place::Page { page, slot } => {
+            // SAFETY: page < pages_for(new_len) (contract).
+            let block = unsafe { *block_table.add(page as usize) };
+            if block < p.num_blocks {
+                d.block = block;
+            }
+            d.slot = slot;
+        }
+    }
+    for i in 0..fmt.protected {
+        // SAFETY: i < fmt.protected entries (contract).
+        if unsafe { *protected.add(i as usize) } == pos {
+            d.copy_row = fmt.protected_row(i);
+        }
+    }
+    d
+}
 
 /// Fused append of new tokens: stored f16 rows, then f16 side rows or page slots.
 ///
@@ -31,18 +75,20 @@ pub const SLOT_NONE: u32 = u32::MAX;
 /// `h < p.num_kv_heads`, `c < D`; `key_mean` for `Hkv * D` reads; `key_perm` and
 /// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `key_rot` (with
 /// `FLAG_DENSE_KEYS`) and `value_rot` (with `FLAG_DENSE_VALUES`) for `Hkv * D * D`
-/// (unused, and may be null, without the flag); `slot_mapping` for
-/// `2 * p.count` entries: per token a side row below `p.format.side_rows()` or a pool
-/// slot whose block is inside `pool`, then [`SLOT_NONE`] or a side row; `pool` a 16-byte aligned pool of `p.format`'s head-pages
-/// with `p.num_kv_heads` heads per block; `side` a side store of
-/// `p.format.side_elems(p.num_kv_heads)` f16 entries. `D == 32 * V == p.format.head_dim`.
-/// Grid `(Hkv, count, 1)`, 32 threads.
+/// (unused, and may be null, without the flag); `block_table` and `protected` as
+/// [`destination`] asks; `pool` a 16-byte aligned pool of `p.num_blocks` blocks of
+/// `p.format`'s head-pages with `p.num_kv_heads` heads per block; `side` a side store of
+/// `p.format.side_elems(p.num_kv_heads)` f16 entries; `seq_len` null or one writable
+/// u32. `D == 32 * V == p.format.head_dim`. Grid `(Hkv, count, 1)`, 32 threads.
 ///
 /// # Parameters
-/// Token `t` (position `p.start + t`) goes where `slot_mapping[2t]` says: [`SLOT_SIDE`]
-/// plus a side row, or a pool slot; a protected position's f16 rows are also copied to
-/// the side row `slot_mapping[2t + 1]` (with [`SLOT_SIDE`]; [`SLOT_NONE`] for none). Keys
-/// and values both.
+/// Token `t` is position `p.start + t` of a sequence that holds `p.new_len` tokens after
+/// the append; it goes where [`destination`] says: its f16 side row (sink or window), or
+/// its page slot through the block table; a protected position's f16 rows are also
+/// copied to its protected side row. Keys and values both. A table entry at or past
+/// `p.num_blocks` is skipped (never written out of the pool). The launch that holds the
+/// last token (`p.start + p.count == p.new_len`) stores `p.new_len` at `seq_len` (when
+/// not null): the device keeps the sequence length, with no upload.
 ///
 /// # Thread mapping
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
@@ -50,7 +96,8 @@ pub const SLOT_NONE: u32 = u32::MAX;
 /// shuffles and `D * V` multiply-adds per lane), gathers the permutation with
 /// indexed shuffles and rounds to f16; then it stores its channels of the side row, or
 /// quantizes them with the group's lanes (`quantize_lanes`: the group's min and max by
-/// shuffles, f16 scale and zero, packed codes). Keys first, then values.
+/// shuffles, f16 scale and zero, packed codes). Keys first, then values. Lane 0 of block
+/// `(0, 0)` writes the length.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
@@ -63,9 +110,11 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     value_perm: *const u16,
     key_rot: *const f32,
     value_rot: *const f32,
-    slot_mapping: *const u32,
+    block_table: *const u32,
+    protected: *const u32,
     pool: *mut u8,
     side: *mut u16,
+    seq_len: *mut u32,
 ) {
     /// Element `i` of an input of type `dtype`.
     ///
@@ -86,8 +135,12 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     let [h, t, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
     let src = t as usize * p.token_stride as usize + h as usize * p.head_stride as usize + lane * V;
-    // SAFETY: t < p.count entries of two.
-    let (dest, copy) = unsafe { (*slot_mapping.add(2 * t as usize), *slot_mapping.add(2 * t as usize + 1)) };
+    // SAFETY: the table and list as the contract gives them.
+    let dest = unsafe { destination(p, p.start + t, block_table, protected) };
+    if h == 0 && t == 0 && lane == 0 && !seq_len.is_null() && p.start + p.count == p.new_len {
+        // SAFETY: one writable u32 (contract).
+        unsafe { *seq_len = p.new_len };
+    }
     for value in [false, true] {
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
@@ -111,61 +164,78 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
         let perm = if value { value_perm } else { key_perm };
         let y = unsafe { permute_warp(ctx, &x, perm.add(h as usize * D)) };
         let stored: [u16; V] = core::array::from_fn(|c| f32_to_f16(y[c]));
-        for row in [dest, copy] {
-            if row != SLOT_NONE && row & SLOT_SIDE != 0 {
-                let at = fmt.side_row_at(h, value, row & !SLOT_SIDE) + lane * V;
+        for row in [dest.side_row, dest.copy_row] {
+            if row != NONE {
+                let at = fmt.side_row_at(h, value, row) + lane * V;
                 for (c, &s) in stored.iter().enumerate() {
-                    // SAFETY: the row is a side row (contract); lane * V + c < D.
+                    // SAFETY: a side row below side_rows(); lane * V + c < D.
                     unsafe { *side.add(at + c) = s };
                 }
             }
         }
-        if dest & SLOT_SIDE == 0 {
-            let (block, slot) = (div(dest, fmt.page_size), dest & (fmt.page_size - 1));
-            // SAFETY: the slot's block is inside the pool (contract).
-            unsafe { quantize_lanes::<C, V>(ctx, fmt, p.num_kv_heads, value, &stored, pool, block, slot, h) };
+        if dest.block != NONE {
+            // SAFETY: the block is below p.num_blocks, inside the pool (contract).
+            unsafe { quantize_lanes::<C, V>(ctx, fmt, p.num_kv_heads, value, &stored, pool, dest.block, dest.slot, h) };
         }
     }
 }
 
-/// Quantizes window rows into page slots: job `j` moves side row `jobs[4j + 3]` of KV head
-/// `jobs[4j + 2]` into slot `jobs[4j + 1]` of block `jobs[4j]`; keys for `blockIdx.y == 0`,
-/// values for 1.
+/// Window positions of a sequence of `p.start` tokens whose page fills when it grows
+/// to `p.new_len`: `[first, first + n)` as `(first, n)`. Those rows are quantized from
+/// the side store by [`append_flush`] before [`append_tokens`] may overwrite their ring
+/// rows.
+#[inline]
+pub const fn flush_range(p: &AppendParams) -> (u32, u32) {
+    let fmt = &p.format;
+    let first = fmt.sinks + fmt.quantized_len(p.start);
+    let end = fmt.sinks + fmt.quantized_len(p.new_len);
+    let end = if end < p.start { end } else { p.start };
+    (first, end.saturating_sub(first))
+}
+
+/// Quantizes the window rows that leave the window during an append (see
+/// [`flush_range`]): block `(i, h, kv)` moves position `first + i` of KV head `h` from its
+/// window ring row into its page slot; keys for `kv == 0`, values for 1.
 ///
 /// # Safety
-/// `side` a side store of `fmt.side_elems(num_kv_heads)` f16 entries; `jobs` valid for
-/// `4 * jobs` entries, each block inside `pool`, each head below `num_kv_heads`, each row
-/// below `fmt.side_rows()`; `pool` a 16-byte aligned pool of `fmt`'s head-pages with
-/// `num_kv_heads` heads per block. `D == 32 * V == fmt.head_dim`. Grid `(jobs, 2, 1)`,
-/// 32 threads.
+/// `block_table` valid for `p.format.pages_for(p.new_len)` entries; `side` a side store
+/// of `p.format.side_elems(p.num_kv_heads)` f16 entries; `pool` a 16-byte aligned pool of
+/// `p.num_blocks` blocks of `p.format`'s head-pages with `p.num_kv_heads` heads per
+/// block. `D == 32 * V == p.format.head_dim`. Grid `(n, Hkv, 2)` with `(first, n) =
+/// flush_range(p)`, 32 threads.
 ///
 /// # Parameters
-/// The rows are the stored f16 rows, so the codes equal those a one-shot append writes.
+/// `p.start` is the length before the append, `p.new_len` after it. The rows are the
+/// stored f16 rows, so the codes equal those a one-shot append writes. A table entry at
+/// or past `p.num_blocks` is skipped.
 ///
 /// # Thread mapping
-/// Block `(j, kv)`, one warp; lane `i` reads channels `[i * V, (i + 1) * V)` of the row
+/// Block `(i, h, kv)`, one warp; lane `i` reads channels `[i * V, (i + 1) * V)` of the row
 /// and quantizes them with its group's lanes (`quantize_lanes`, as `append_tokens` does).
 #[inline(always)]
 pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
     ctx: &C,
-    fmt: &Format,
-    num_kv_heads: u32,
+    p: &AppendParams,
+    block_table: *const u32,
     side: *const u16,
-    jobs: *const u32,
     pool: *mut u8,
 ) {
-    let [job, value, _] = ctx.block_idx();
+    let fmt = &p.format;
+    let [i, head, value] = ctx.block_idx();
     let value = value != 0;
     let lane = ctx.lane() as usize;
+    let pos = flush_range(p).0 + i;
+    let Place::Page { page, slot } = fmt.place(pos, p.new_len) else { return };
+    // SAFETY: page < pages_for(new_len) (contract).
+    let block = unsafe { *block_table.add(page as usize) };
+    if block >= p.num_blocks {
+        return;
+    }
+    let at = fmt.side_row_at(head, value, fmt.window_row(pos)) + lane * V;
     // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
-    let (block, slot, head, row) = unsafe {
-        let s = jobs.add(4 * job as usize);
-        (*s, *s.add(1), *s.add(2), *s.add(3))
-    };
-    let at = fmt.side_row_at(head, value, row) + lane * V;
     let stored: [u16; V] = core::array::from_fn(|c| unsafe { *side.add(at + c) });
-    // SAFETY: the job's block is inside the pool (contract).
-    unsafe { quantize_lanes::<C, V>(ctx, fmt, num_kv_heads, value, &stored, pool, block, slot, head) };
+    // SAFETY: the block is inside the pool (checked above).
+    unsafe { quantize_lanes::<C, V>(ctx, fmt, p.num_kv_heads, value, &stored, pool, block, slot, head) };
 }
 
 /// Quantizes one stored row held by a warp (lane `i`: channels `[i * V, (i + 1) * V)`, f16
@@ -274,7 +344,6 @@ macro_rules! for_each_append {
 mod entry {
     use super::{append_flush, append_tokens};
     use crate::ctx::Nvptx;
-    use crate::layout::Format;
     use crate::params::AppendParams;
 
     macro_rules! append_entries {
@@ -293,14 +362,17 @@ mod entry {
                 value_perm: *const u16,
                 key_rot: *const f32,
                 value_rot: *const f32,
-                slot_mapping: *const u32,
+                block_table: *const u32,
+                protected: *const u32,
                 pool: *mut u8,
                 side: *mut u16,
+                seq_len: *mut u32,
             ) {
                 // SAFETY: forwarded contract.
                 unsafe {
                     append_tokens::<_, $d, $v>(
-                        &Nvptx, &p, k, v, key_mean, key_perm, value_perm, key_rot, value_rot, slot_mapping, pool, side,
+                        &Nvptx, &p, k, v, key_mean, key_perm, value_perm, key_rot, value_rot, block_table, protected,
+                        pool, side, seq_len,
                     )
                 }
             }
@@ -311,14 +383,13 @@ mod entry {
             /// See [`append_flush`].
             #[unsafe(no_mangle)]
             pub unsafe extern "ptx-kernel" fn $flush(
-                fmt: Format,
-                num_kv_heads: u32,
+                p: AppendParams,
+                block_table: *const u32,
                 side: *const u16,
-                jobs: *const u32,
                 pool: *mut u8,
             ) {
                 // SAFETY: forwarded contract.
-                unsafe { append_flush::<_, $d, $v>(&Nvptx, &fmt, num_kv_heads, side, jobs, pool) }
+                unsafe { append_flush::<_, $d, $v>(&Nvptx, &p, block_table, side, pool) }
             }
         )*};
     }

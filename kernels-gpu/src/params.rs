@@ -34,10 +34,18 @@ pub struct AppendParams {
     pub format: Format,
     /// KV heads of the layer.
     pub num_kv_heads: u32,
-    /// Position of the first new token (the sequence length before the append).
+    /// Position of the first token of this launch (for `append_flush`: the sequence
+    /// length before the append).
     pub start: u32,
-    /// Number of new tokens.
+    /// Number of tokens of this launch.
     pub count: u32,
+    /// The sequence length once the whole append is done (where every token lives
+    /// depends on it: `Format::place(pos, new_len)`). A long append is launched in
+    /// chunks that share it.
+    pub new_len: u32,
+    /// Blocks in the layer's pool: a block-table entry at or past it is not written
+    /// (the device cannot report an error; the host checks the tables it builds).
+    pub num_blocks: u32,
     /// `FLAG_*` bits.
     pub flags: u32,
     /// Elements between consecutive tokens of the K and V inputs.

@@ -44,14 +44,15 @@ fn sim_append_past_the_grid_limit() {
     assert_eq!(out[0].1, out[1].1);
 }
 
-/// A pool past the 2^31 token slots the append slot mapping addresses is refused before
-/// anything is allocated or written.
+/// A pool past what u32 block-table entries address is refused before anything is
+/// allocated or written (the kernels compute pool offsets in 64 bits, so there is no
+/// smaller limit).
 #[test]
-fn pool_past_the_slot_index_space_is_refused() {
+fn pool_past_the_block_index_space_is_refused() {
     let config = CacheConfig::k2v2(64);
     let fmt = config.format().unwrap();
     let max = rotkv::launch::max_pool_blocks(&fmt);
-    assert_eq!(max * fmt.page_size as usize, 1 << 31);
+    assert_eq!(max, u32::MAX as usize);
     let shape =
         |n| CacheShape { layers: 1, num_kv_heads: 1, num_q_heads: 1, max_seqs: 1, max_tokens: 64, num_blocks: Some(n) };
     assert!(matches!(KvCache::new(config, shape(max + 1), Backend::Cpu), Err(Error::Capacity(_))));
@@ -168,7 +169,14 @@ impl Twin {
 fn one_plan_many_steps_match_the_reference() {
     let slots = 3;
     let mut t = Twin::new(2, 6, slots);
-    let shape = PlanShape { max_seqs: slots, max_q_len: 4, max_context: 256, sm_count: None, sm_scale: None };
+    let shape = PlanShape {
+        max_seqs: slots,
+        max_q_len: 4,
+        max_context: 256,
+        sm_count: None,
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
     let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
     let grids: Vec<_> = (1..=4).map(|q| plan.grid(&t.layer, q)).collect();
     let mut outs: Vec<DeviceBuffer<f32>> = (1..=4).map(|q| t.dev.alloc(slots * q * 6 * D).unwrap()).collect();
@@ -228,13 +236,56 @@ fn one_plan_many_steps_match_the_reference() {
             }
         }
     }
-    // A steady-state append of one token per sequence allocates and waits for nothing
-    // (it uploads its slot mapping and the new length: a few bytes).
-    let (kd, vd) = (t.dev.upload(&rows(2 * D, 99)).unwrap(), t.dev.upload(&rows(2 * D, 98)).unwrap());
-    let before = t.dev.counters();
-    t.layer.append(0, 1, &kd, &vd, 2 * D).unwrap();
-    let d = delta(before, t.dev.counters());
-    assert_eq!((d.allocations, d.downloads, d.synchronizations), (0, 0, 0), "{d:?}");
+}
+
+/// Steady-state appends of one token allocate, download and wait for nothing, and
+/// upload nothing but the block-table entry of a page the sequence takes: the kernels
+/// place each token from the tables on the device and store the new length there (which
+/// the next decode reads).
+#[test]
+fn steady_state_appends_upload_only_new_table_entries() {
+    let config = CacheConfig { window: 16, ..CacheConfig::k2v2(D) };
+    let mut t = Twin::with_config(config, 2, 4, 2);
+    let slots = 2;
+    let (a, b) = (t.add(), t.add());
+    t.append(b, 30, false);
+    let shape = PlanShape {
+        max_seqs: slots,
+        max_q_len: 1,
+        max_context: 256,
+        sm_count: None,
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
+    let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
+    let fmt = config.format().unwrap();
+    let stride = 2 * D;
+    let mut took = 0;
+    for i in 0..200 {
+        let (k, v) = (rows(stride, 500 + i), rows(stride, 900 + i));
+        let (kd, vd) = (t.dev.upload(&k).unwrap(), t.dev.upload(&v).unwrap());
+        let len = t.layer.len(a).unwrap() as u32;
+        let before = t.dev.counters();
+        t.layer.append(a, 1, &kd, &vd, stride).unwrap();
+        let d = delta(before, t.dev.counters());
+        let new_page = fmt.pages_for(len + 1) > fmt.pages_for(len);
+        took += new_page as usize;
+        assert_eq!(
+            (d.allocations, d.downloads, d.synchronizations, d.uploads),
+            (0, 0, 0, new_page as usize),
+            "append at {len}: {d:?}"
+        );
+        t.host.append(0, a, 1, &k, &v).unwrap();
+    }
+    assert!(took >= 2, "the appends crossed {took} page boundaries");
+    let q = t.queries(slots, 1);
+    let qd = t.dev.upload(&q).unwrap();
+    let mut out = t.dev.alloc::<f32>(q.len()).unwrap();
+    plan.run(&t.layer, 1, &qd, &mut out).unwrap();
+    let mut got = vec![0f32; q.len()];
+    t.dev.read(&out, &mut got).unwrap();
+    let err = rel_err(&got, &t.reference(slots, 1, &q));
+    assert!(err < DEVICE_TOL, "after single-token appends: relative error {err}");
 }
 
 /// f16 output equals the f32 output rounded to f16 (the merge writes what it computed).
@@ -243,7 +294,14 @@ fn f16_output() {
     let mut t = Twin::new(1, 4, 2);
     let s = t.add();
     t.append(s, 70, false);
-    let shape = PlanShape { max_seqs: 2, max_q_len: 2, max_context: 100, sm_count: Some(8), sm_scale: None };
+    let shape = PlanShape {
+        max_seqs: 2,
+        max_q_len: 2,
+        max_context: 100,
+        sm_count: Some(8),
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
     let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
     let q = t.queries(2, 2);
     let qd = t.dev.upload(&q).unwrap();
@@ -284,7 +342,8 @@ fn two_shards_equal_the_whole_layer() {
         .unwrap()
     };
     let (k, v, q) = (rows(n * hkv * D, 1), rows(n * hkv * D, 2), rows(hq * D, 3));
-    let shape = PlanShape { max_seqs: 1, max_q_len: 1, max_context: 128, sm_count: None, sm_scale: None };
+    let shape =
+        PlanShape { max_seqs: 1, max_q_len: 1, max_context: 128, sm_count: None, blocks_per_sm: None, sm_scale: None };
     let run = |layer: &mut DeviceLayer, k: &[f32], v: &[f32], q: &[f32]| {
         let s = layer.add_sequence().unwrap();
         let (kd, vd) = (dev.upload(k).unwrap(), dev.upload(v).unwrap());
@@ -318,6 +377,7 @@ fn device_errors() {
         max_q_len,
         max_context,
         sm_count: None,
+        blocks_per_sm: None,
         sm_scale: None,
     };
     assert!(matches!(DecodePlan::new(&t.layer, bad_plan(4, 1, 100)), Err(Error::Capacity(_))));
@@ -366,23 +426,33 @@ fn device_errors() {
     assert_eq!(dev.counters().launches, before.launches, "nothing was enqueued");
     dev.write(&mut q3, 0, &rows(3 * 4 * D, 5)).unwrap();
     plan.run(&t.layer, 1, &q3, &mut o3).unwrap();
-    // Protecting an appended position is refused; a future one is taken.
-    assert!(matches!(t.layer.protect(s0, &[10]), Err(Error::Value(_))));
-    assert!(matches!(t.layer.protect(s0, &[45]), Err(Error::Capacity(_)))); // k2v2 keeps none
+    // k2v2 keeps no protected positions: refused, appended or not.
+    assert!(matches!(t.layer.protect(s0, &[10]), Err(Error::Capacity(_))));
+    assert!(matches!(t.layer.protect(s0, &[45]), Err(Error::Capacity(_))));
 }
 
-/// Protected positions (detected sinks) on the device: protected before they arrive,
-/// read from their f16 rows once their page is quantized.
+/// Protected positions (detected sinks) on the device: protected before they arrive, or
+/// after, while still in the f16 window (rows copied on the device); read from their f16
+/// rows once their page is quantized. A quantized position is refused.
 #[test]
 fn protected_positions_match_the_reference() {
-    let config = CacheConfig { protected: 2, ..CacheConfig::k2v2(D) };
-    let mut t = Twin::with_config(config, 1, 4, 2);
+    let config = CacheConfig { protected: 4, ..CacheConfig::k2v2(D) };
+    let mut t = Twin::with_config(config, 2, 4, 2);
     let s = t.add();
-    t.layer.protect(s, &[10, 50]).unwrap();
-    t.host.protect(0, s, &[10, 50]).unwrap();
-    t.append(s, 120, false);
-    t.append(s, 100, true);
-    let shape = PlanShape { max_seqs: 2, max_q_len: 1, max_context: 256, sm_count: None, sm_scale: None };
+    t.layer.protect(s, &[10]).unwrap();
+    t.host.protect(0, s, &[10]).unwrap();
+    t.append(s, 40, false);
+    let before = t.dev.counters();
+    t.layer.protect(s, &[30, 50]).unwrap();
+    let d = delta(before, t.dev.counters());
+    // Position 30 is appended: its K and V rows of both heads are copied on the device.
+    assert_eq!((d.device_copies, d.uploads, d.downloads, d.launches), (4, 1, 0, 0), "{d:?}");
+    t.host.protect(0, s, &[30, 50]).unwrap();
+    t.append(s, 180, true);
+    assert!(matches!(t.layer.protect(s, &[60]), Err(Error::Value(_))), "position 60 is quantized");
+    assert_eq!(t.host.protected(0, s).unwrap(), &[10, 30, 50]);
+    let shape =
+        PlanShape { max_seqs: 2, max_q_len: 1, max_context: 256, sm_count: None, blocks_per_sm: None, sm_scale: None };
     let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
     let q = t.queries(2, 1);
     let qd = t.dev.upload(&q).unwrap();

@@ -43,7 +43,14 @@ fn case(
         layer.append(s, context, &kv, &kv, hkv * d)?;
     }
     drop(kv);
-    let shape = PlanShape { max_seqs: batch, max_q_len: 4, max_context: context, sm_count: None, sm_scale: None };
+    let shape = PlanShape {
+        max_seqs: batch,
+        max_q_len: 4,
+        max_context: context,
+        sm_count: None,
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
     let mut plan = DecodePlan::new(&layer, shape)?;
     let mut out = Vec::new();
     for q_len in [1, 4] {

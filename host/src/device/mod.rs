@@ -39,17 +39,18 @@
 //! # Copies
 //!
 //! A decode step ([`DecodePlan::run`]) launches two kernels and nothing else. An append
-//! uploads its slot mapping (8 bytes per token), the window rows it flushes (16 bytes
-//! per row and KV head, on page fills), the sequence's new length (4 bytes) and new
-//! block-table entries when it takes a block: small writes on the same stream, no
-//! synchronization. (A device-side slot computation would remove them; not done yet.)
+//! launches `append_flush` (when a page of the window fills) and `append_tokens`; the
+//! kernels find every token's place from the block table and protected list already on
+//! the device and store the new length there, so the only upload is the block-table
+//! entry of a page the sequence takes (4 bytes, once per `page_size` tokens), on the
+//! same stream, with no synchronization.
 
 pub mod raw;
 
 use crate::config::{CacheConfig, LayerCalibration};
 use crate::error::{Error, Result};
 use crate::launch::{self, AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
-use crate::paged::{LayerShape, MAX_Q_LEN, gpu_split_count};
+use crate::paged::{LayerShape, MAX_Q_LEN};
 use crate::{KvElement, SeqId};
 use bytemuck::Pod;
 use rotkv_kernels::decode::MAX_GROUP;
@@ -157,6 +158,23 @@ impl Device {
             Kind::Sim => crate::sim::SIM_SMS,
             #[cfg(feature = "cuda")]
             Kind::Cuda { sms, .. } => *sms,
+        }
+    }
+
+    /// Blocks of the decode launch `l` that one multiprocessor holds at once: the
+    /// driver's occupancy calculation for the entry point on a GPU (registers, shared
+    /// memory, block size); on the emulator [`crate::sim::SIM_RESIDENT_BLOCKS`].
+    pub fn resident_blocks(&self, fmt: &Format, l: &launch::DecodeLaunch) -> Result<usize> {
+        match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => {
+                let _ = (fmt, l);
+                Ok(crate::sim::SIM_RESIDENT_BLOCKS)
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda { kernels, .. } => {
+                kernels.resident_blocks(launch::decode_entry(fmt, l.kernel)?, l.block, l.shared)
+            }
         }
     }
 
@@ -303,6 +321,35 @@ impl Device {
         }
     }
 
+    /// Copies elements `[from, from + n)` of `buf` to `[to, to + n)` on the device (the
+    /// ranges must not overlap).
+    fn copy_within<T: Pod>(&self, buf: &mut DeviceBuffer<T>, from: usize, to: usize, n: usize) -> Result<()> {
+        self.check_buffer(buf, "the buffer")?;
+        let inside = |a: usize| a.checked_add(n).is_some_and(|e| e <= buf.len);
+        if !inside(from) || !inside(to) || from.abs_diff(to) < n {
+            return Err(Error::Shape(format!("copying {n} elements from {from} to {to} in a buffer of {}", buf.len)));
+        }
+        bump(&self.0.stats.device_copies);
+        let bytes = n * size_of::<T>();
+        match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => {
+                let Mem::Host(m) = &mut buf.mem else { return Err(Error::Backend("buffer of another kind".into())) };
+                let b = bytemuck::cast_slice_mut::<u128, u8>(m);
+                let (f, t) = (from * size_of::<T>(), to * size_of::<T>());
+                b.copy_within(f..f + bytes, t);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            // SAFETY: both ranges are inside `buf` (checked above), a live allocation of
+            // this device's context; the copy is ordered on its stream.
+            Kind::Cuda { stream, .. } => unsafe {
+                cudarc::driver::result::memcpy_dtod_async(buf.addr_at(to), buf.addr_at(from), bytes, stream.cu_stream())
+            }
+            .map_err(|e| Error::Backend(format!("cuda copy: {e:?}"))),
+        }
+    }
+
     /// Median seconds per call of `f` (which enqueues work) over `iters` calls after
     /// `warmup`: timed on the stream with CUDA events on a GPU (each call between two
     /// events), by the wall clock on the emulator.
@@ -431,8 +478,7 @@ pub struct DeviceLayer {
     vperm_inv: DeviceBuffer<u16>,
     key_rot: DeviceBuffer<f32>,
     value_rot: DeviceBuffer<f32>,
-    slots: DeviceBuffer<u32>,
-    jobs: DeviceBuffer<u32>,
+    num_blocks: usize,
     seqs: Vec<Option<SeqState>>,
     free_blocks: Vec<u32>,
     id: u64,
@@ -500,8 +546,7 @@ impl DeviceLayer {
             vperm_inv: device.upload(&calib.value_perm_inverse(d))?,
             key_rot: rot(&calib.key_rotation)?,
             value_rot: rot(&calib.value_rotation)?,
-            slots: device.alloc(2 * 64)?,
-            jobs: device.alloc(4 * 64)?,
+            num_blocks,
             device: device.clone(),
             config,
             fmt,
@@ -566,23 +611,34 @@ impl DeviceLayer {
         Ok(self.seq(seq)?.len)
     }
 
-    /// Protects `positions` of `seq` (as [`crate::KvCache::protect`]), here only
-    /// positions not appended yet (the device copy of rows already in the window is not
-    /// implemented): protect detected sinks before their tokens are appended.
+    /// Protects `positions` of `seq` (as [`crate::KvCache::protect`]): the ascending list
+    /// extends the sequence's; a position already appended must still be in the f16
+    /// window (its rows are copied to the protected rows on the device, a few
+    /// device-to-device copies), a later one is stored there when it arrives. Refused
+    /// with an error, changing nothing, as `KvCache::protect` refuses.
     pub fn protect(&mut self, seq: SeqId, positions: &[u32]) -> Result<()> {
         let s = self.seq(seq)?;
         let new: Vec<u32> = s.protected.iter().chain(positions).copied().collect();
-        if let Some(&p) = positions.iter().find(|&&p| (p as usize) < s.len) {
-            return Err(Error::Value(format!(
-                "position {p} is already appended: the device layer protects positions before they arrive"
-            )));
-        }
-        // The host checks (ascending, not a sink, room) on an empty scratch side store.
+        // The host checks (ascending, not a sink, room, not quantized yet) on a scratch
+        // side store.
         let mut scratch = vec![half::f16::ZERO; self.fmt.side_elems(self.shape.num_kv_heads as u32)];
         crate::paged::protect(&self.config, &self.shape, &mut scratch, s.len, &s.protected, &new)?;
+        let (old, len) = (s.protected.len(), s.len);
         let np = self.fmt.protected as usize;
         let mut row = vec![u32::MAX; np];
         row[..new.len()].copy_from_slice(&new);
+        let dev = self.device.clone();
+        let base = seq * self.fmt.side_elems(self.shape.num_kv_heads as u32);
+        let d = self.fmt.head_dim as usize;
+        for (i, &pos) in new.iter().enumerate().skip(old).filter(|&(_, &p)| (p as usize) < len) {
+            for h in 0..self.shape.num_kv_heads as u32 {
+                for value in [false, true] {
+                    let from = base + self.fmt.side_row_at(h, value, self.fmt.window_row(pos));
+                    let to = base + self.fmt.side_row_at(h, value, self.fmt.protected_row(i as u32));
+                    dev.copy_within(&mut self.sides, from, to, d)?;
+                }
+            }
+        }
         self.device.write(&mut self.protected, seq * np, &row)?;
         self.seqs[seq].as_mut().expect("checked above").protected = new;
         Ok(())
@@ -646,39 +702,28 @@ impl DeviceLayer {
             num_kv_heads: hkv as u32,
             start: len as u32,
             count: tokens as u32,
+            new_len: new_len as u32,
+            num_blocks: self.num_blocks as u32,
             flags: self.config.flags() | self.calib.flags(),
             token_stride: token_stride as u32,
             head_stride: d as u32,
             input_dtype: T::DTYPE,
         };
-        let slots = launch::slot_mapping(&p, &table, &s.protected)?;
-        let jobs = launch::flush_jobs(&p, &table);
         // Nothing fails past this point but the device itself.
         let dev = self.device.clone();
         if fresh > 0 {
             dev.write(&mut self.tables, seq * self.max_blocks + have, &table[have..])?;
         }
-        if self.slots.len() < slots.len() {
-            self.slots = dev.alloc(slots.len().next_power_of_two())?;
-        }
-        if self.jobs.len() < jobs.len() {
-            self.jobs = dev.alloc(jobs.len().next_power_of_two())?;
-        }
-        dev.write(&mut self.slots, 0, &slots)?;
-        dev.write(&mut self.jobs, 0, &jobs)?;
+        let np = self.fmt.protected as usize;
         let side = self.sides.addr_at(seq * self.fmt.side_elems(hkv as u32));
+        let block_table = self.tables.addr_at(seq * self.max_blocks);
         // SAFETY: every address is a live buffer of this device with the sizes the
-        // kernels' contracts ask: the pool holds every block of `table` (taken from its
-        // free list), the side store is the slot's, `slots` and `jobs` were just written
-        // for this append, k and v were checked for `tokens` rows at `token_stride`.
+        // kernels' contracts ask: the table row holds every block of `table` (taken from
+        // the pool's free list, written above), the protected row is the slot's padded
+        // list, the side store and the length are the slot's, k and v were checked for
+        // `tokens` rows at `token_stride`.
         unsafe {
-            raw::append_flush(
-                &dev,
-                &self.fmt,
-                hkv as u32,
-                (jobs.len() / 4) as u32,
-                &FlushPtrs { side, jobs: self.jobs.addr(), pool: self.pool.addr() },
-            )?;
+            raw::append_flush(&dev, &p, &FlushPtrs { block_table, side, pool: self.pool.addr() })?;
             raw::append_tokens(
                 &dev,
                 &p,
@@ -690,13 +735,14 @@ impl DeviceLayer {
                     value_perm: self.value_perm.addr(),
                     key_rot: self.key_rot.addr(),
                     value_rot: self.value_rot.addr(),
-                    slots: self.slots.addr(),
+                    block_table,
+                    protected: self.protected.addr_at(seq * np),
                     pool: self.pool.addr(),
                     side,
+                    seq_len: self.lens.addr_at(seq),
                 },
             )?;
         }
-        dev.write(&mut self.lens, seq, &[new_len as u32])?;
         self.free_blocks.truncate(self.free_blocks.len() - fresh);
         let s = self.seqs[seq].as_mut().expect("checked above");
         s.table = table;
@@ -716,6 +762,10 @@ pub struct PlanShape {
     pub max_context: usize,
     /// Multiprocessors to fill; `None` takes [`Device::sm_count`].
     pub sm_count: Option<usize>,
+    /// Decode blocks one multiprocessor holds at once; `None` takes
+    /// [`Device::resident_blocks`] (the driver's occupancy calculation on a GPU). The
+    /// split count targets one full wave: `sm_count * blocks_per_sm` blocks.
+    pub blocks_per_sm: Option<usize>,
     /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
     pub sm_scale: Option<f32>,
 }
@@ -769,9 +819,18 @@ impl DecodePlan {
         if !sm_scale.is_finite() || sm_scale <= 0.0 {
             return Err(Error::Value(format!("softmax scale {sm_scale} must be finite and positive")));
         }
-        let (hkv, hq) = (layer.shape.num_kv_heads, layer.shape.num_q_heads);
+        let hq = layer.shape.num_q_heads;
         let sms = shape.sm_count.unwrap_or(layer.device.sm_count()).max(1);
-        let num_splits = gpu_split_count(shape.max_context, shape.max_seqs, hkv, sms);
+        // One full wave of resident blocks: the q_len-1 launch's blocks per split, the
+        // kernel's occupancy on this device.
+        let one = launch::decode_launch(&Self::params(layer, shape.max_seqs, 1, sm_scale, 1));
+        let per_sm = match shape.blocks_per_sm {
+            Some(n) => n,
+            None => layer.device.resident_blocks(&layer.fmt, &one)?,
+        }
+        .max(1);
+        let per_split = one.grid.iter().map(|&x| x as usize).product::<usize>();
+        let num_splits = launch::wave_splits(shape.max_context, per_split, sms * per_sm);
         for q_len in 1..=shape.max_q_len {
             let z = launch::decode_launch(&Self::params(layer, shape.max_seqs, num_splits, sm_scale, q_len)).grid[2];
             if z > launch::MAX_GRID_YZ || shape.max_seqs * q_len > launch::MAX_GRID_YZ as usize {

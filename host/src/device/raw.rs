@@ -2,16 +2,17 @@
 //! kernels on device addresses (`CUdeviceptr` values on a GPU, host addresses on the
 //! emulator; [`super::DeviceBuffer::addr`] gives them), enqueued on the [`Device`]'s
 //! stream. For a stack that owns its pools, tables and workspaces. Launch shapes are
-//! those of [`crate::launch`]; the host-side helpers that fill the metadata are
-//! [`crate::launch::slot_mapping`] and [`crate::launch::flush_jobs`]. On cuda the same
-//! operations on a caller's raw `CUstream` are the methods of `crate::cuda::Kernels`.
+//! those of [`crate::launch`]. An append needs no host-made metadata: the kernels find
+//! every token's place from the sequence's block table and protected list on the
+//! device (`rotkv_kernels::append::destination`), and can keep the sequence length on
+//! the device too ([`crate::launch::AppendPtrs::seq_len`]). On cuda the same operations
+//! on a caller's raw `CUstream` are the methods of `crate::cuda::Kernels`.
 //!
 //! Nothing here checks a buffer: the `# Safety` contracts are the kernels' own.
 
 use super::{Device, Kind, bump};
 use crate::error::Result;
 use crate::launch::{AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
-use rotkv_kernels::layout::Format;
 use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 
 /// Enqueues the decode kernel of [`crate::launch::decode_launch`]`(p)` (`decode_split`
@@ -58,46 +59,44 @@ pub unsafe fn merge(device: &Device, p: &MergeParams, ptrs: &MergePtrs) -> Resul
     }
 }
 
-/// Enqueues `append_flush` for `jobs` jobs (nothing for none): the window rows of one
-/// sequence whose page fills, from [`crate::launch::flush_jobs`].
+/// Enqueues `append_flush` for the append `p` (`p.start` the length before it,
+/// `p.new_len` after): the window rows whose page fills, quantized from the side store
+/// (nothing is launched when none does; grid [`crate::launch::flush_grid`]).
 ///
 /// # Safety
-/// As `rotkv_kernels::append::append_flush` asks: `ptrs.jobs` holds `jobs` quadruples
-/// whose blocks are in the pool at `ptrs.pool` and whose rows are in the side store at
-/// `ptrs.side` (`fmt.side_elems(num_kv_heads)` f16); all live allocations of `device`.
-/// It must run before the same append's [`append_tokens`] (same stream: it does).
-pub unsafe fn append_flush(
-    device: &Device,
-    fmt: &Format,
-    num_kv_heads: u32,
-    jobs: u32,
-    ptrs: &FlushPtrs,
-) -> Result<()> {
-    if jobs == 0 {
+/// As `rotkv_kernels::append::append_flush` asks: `ptrs.block_table` the sequence's
+/// table with at least `p.format.pages_for(p.new_len)` entries, `ptrs.side` its side
+/// store (`p.format.side_elems(p.num_kv_heads)` f16), `ptrs.pool` a 16-byte aligned pool
+/// of `p.num_blocks` blocks; all live allocations of `device`. Table entries at or past
+/// `p.num_blocks` are skipped, never written. It must run before the same append's
+/// [`append_tokens`] (same stream: it does).
+pub unsafe fn append_flush(device: &Device, p: &AppendParams, ptrs: &FlushPtrs) -> Result<()> {
+    if crate::launch::flush_grid(p).is_none() {
         return Ok(());
     }
     bump(&device.0.stats.launches);
     match &device.0.kind {
         // SAFETY: forwarded contract.
         #[cfg(feature = "sim")]
-        Kind::Sim => unsafe { crate::sim::flush_raw(fmt, num_kv_heads, jobs, ptrs) },
+        Kind::Sim => unsafe { crate::sim::flush_raw(p, ptrs) },
         // SAFETY: forwarded contract.
         #[cfg(feature = "cuda")]
-        Kind::Cuda { stream, kernels, .. } => unsafe {
-            kernels.flush(stream.cu_stream(), fmt, num_kv_heads, jobs, ptrs)
-        },
+        Kind::Cuda { stream, kernels, .. } => unsafe { kernels.flush(stream.cu_stream(), p, ptrs) },
     }
 }
 
-/// Enqueues `append_tokens` for `p.count` tokens of one sequence, in launches of at
-/// most 65,535 tokens.
+/// Enqueues `append_tokens` for `p.count` tokens of one sequence (positions `p.start ..`,
+/// the sequence holding `p.new_len` tokens after the append), in launches of at most
+/// 65,535 tokens.
 ///
 /// # Safety
 /// As `rotkv_kernels::append::append_tokens` asks for `p`: K and V of `p.input_dtype`
 /// valid for `p.count` tokens at `p.token_stride`, the layer's calibration buffers, the
-/// slot mapping of [`crate::launch::slot_mapping`] for this append (2 entries per token;
-/// its pool slots in the pool), the pool and the sequence's side store; all live
-/// allocations of `device`.
+/// sequence's block table (at least `p.format.pages_for(p.new_len)` entries) and
+/// protected list (`p.format.protected` entries, ascending, padded with `u32::MAX`), the
+/// pool (`p.num_blocks` blocks, 16-byte aligned), the sequence's side store and, unless
+/// 0, one u32 for its length; all live allocations of `device`. Table entries at or past
+/// `p.num_blocks` are skipped, never written.
 pub unsafe fn append_tokens(device: &Device, p: &AppendParams, ptrs: &AppendPtrs) -> Result<()> {
     bump(&device.0.stats.launches);
     match &device.0.kind {
