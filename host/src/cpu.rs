@@ -1233,7 +1233,7 @@ fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usi
     let mut x = vec![0f32; d];
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
         let (row, i) = (r / g, r % g);
-        let at = seq * p.q_seq_stride as usize + (row * hq + kv_head * g + i) * d;
+        let at = seq * p.q_seq_stride as usize + row * p.q_token_stride as usize + (kv_head * g + i) * d;
         x.iter_mut().zip(&q[at..at + d]).for_each(|(x, q)| *x = q * p.sm_scale);
         rotate_into(&mut x, calib.rotation(false, kv_head, d, p.flags), kperm, o);
     }

@@ -10,7 +10,7 @@ use half::f16;
 use rotkv_kernels::decode::{MAX_GROUP, decode_shared_bytes};
 use rotkv_kernels::decode_mma::{self, mma_shared_bytes};
 use rotkv_kernels::layout::{Format, Place};
-use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
+use rotkv_kernels::params::{AppendParams, DTYPE_F32, DecodeParams, MergeParams};
 
 /// Threads per block of the one-warp kernels (append, `decode_split`, merge).
 pub const BLOCK: u32 = 32;
@@ -173,7 +173,8 @@ impl DecodeInputs {
             )));
         }
         let q_len = p.q_len as usize;
-        if q_len == 0 || q.len() != s * p.q_seq_stride as usize || p.q_seq_stride as usize != q_len * hq * d {
+        let dense = p.q_seq_stride as usize == q_len * hq * d && p.q_token_stride as usize == hq * d;
+        if q_len == 0 || q.len() != s * p.q_seq_stride as usize || !dense || p.q_dtype != DTYPE_F32 {
             return Err(Error::Shape(format!("q has {} elements for {s} sequences of {q_len} x {hq} x {d}", q.len())));
         }
         if let Some((i, x)) = seqs.iter().enumerate().find(|(_, x)| x.len < q_len) {
@@ -264,6 +265,7 @@ impl DecodeInputs {
             head_dim: p.format.head_dim,
             num_splits: p.num_splits,
             flags: p.flags,
+            out_row_stride: p.num_q_heads * p.format.head_dim,
         };
         (mp, [p.num_q_heads, rows, 1])
     }

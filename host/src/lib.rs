@@ -171,3 +171,22 @@ impl KvElement for bf16 {
         bf16::to_f32(self)
     }
 }
+
+/// An element type the device decode writes its output in: f32, f16 or bf16 (rounded to
+/// nearest even from the f32 result).
+pub trait OutputElement: bytemuck::Pod {
+    /// The `decode_merge` flag that selects it (`FLAG_OUTPUT_*`, 0 for f32).
+    const FLAG: u32;
+}
+impl OutputElement for f32 {
+    const FLAG: u32 = 0;
+}
+impl OutputElement for f16 {
+    const FLAG: u32 = rotkv_kernels::params::FLAG_OUTPUT_F16;
+}
+impl OutputElement for bf16 {
+    const FLAG: u32 = rotkv_kernels::params::FLAG_OUTPUT_BF16;
+}
+
+/// Both output-type flags of `decode_merge`.
+pub(crate) const OUTPUT_FLAGS: u32 = rotkv_kernels::params::FLAG_OUTPUT_F16 | rotkv_kernels::params::FLAG_OUTPUT_BF16;

@@ -411,6 +411,8 @@ pub fn decode<T: KvElement>(
         flags: config.flags() | calib.flags(),
         sm_scale,
         q_seq_stride: (q_len * hq * d) as u32,
+        q_token_stride: (hq * d) as u32,
+        q_dtype: rotkv_kernels::params::DTYPE_F32,
         q_len: q_len as u32,
     };
     if seqs.is_empty() {

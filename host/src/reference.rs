@@ -450,7 +450,7 @@ pub fn decode_partials(
             for qh in 0..hq {
                 let kvh = qh / group;
                 let (_, kperm, _) = calib.head(kvh, d);
-                let qo = s * p.q_seq_stride as usize + (row * hq + qh) * d;
+                let qo = s * p.q_seq_stride as usize + row * p.q_token_stride as usize + qh * d;
                 let qr = rotate_query(&q[qo..qo + d], calib.rotation(false, kvh, d, p.flags), kperm);
                 for split in 0..p.num_splits {
                     let (b, e) = p.split_range(split, seq.len as u32);

@@ -11,7 +11,7 @@ use rotkv_kernels::append::{append_flush, append_tokens};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::decode_mma::decode_mma;
 use rotkv_kernels::merge::decode_merge;
-use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, MergeParams};
+use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
 
 /// Multiprocessors of the emulated device (drives the split count only).
@@ -36,24 +36,12 @@ pub fn decode_sim(
     decode_merge_sim(&mp, &m, &l, &o, &inputs.vperm_inv, calib.value_rotation.as_deref(), out)
 }
 
-/// Element types `decode_merge` can write: f32 and f16.
-pub trait MergeOutput: bytemuck::Pod {
-    /// Whether this is f16 (sets `FLAG_OUTPUT_F16`).
-    const F16: bool;
-}
-impl MergeOutput for f32 {
-    const F16: bool = false;
-}
-impl MergeOutput for f16 {
-    const F16: bool = true;
-}
-
 /// Runs the `decode_merge` kernel: partials `m`, `l` (`[seq][q_head][split]`), `o`
 /// (`[seq][q_head][split][head_dim]`, stored value order), the inverse value
 /// permutations `vperm_inv` (`[kv_head][head_dim]`) and, when `p.flags` has
 /// `FLAG_DENSE_VALUES`, the learned value rotations `value_rot`
 /// (`[kv_head][head_dim][head_dim]`) into `out` (`[seq][q_head][head_dim]`).
-pub fn decode_merge_sim<O: MergeOutput>(
+pub fn decode_merge_sim<O: crate::OutputElement>(
     p: &MergeParams,
     m: &[f32],
     l: &[f32],
@@ -70,12 +58,15 @@ pub fn decode_merge_sim<O: MergeOutput>(
         ("m", m.len(), s * h * n),
         ("l", l.len(), s * h * n),
         ("o", o.len(), s * h * n * d),
-        ("out", out.len(), s * h * d),
+        ("out", out.len(), s.saturating_sub(1) * p.out_row_stride as usize + h * d),
     ];
     for (what, got, expect) in want {
         if got != expect {
             return Err(Error::Shape(format!("{what} has {got} elements, expected {expect}")));
         }
+    }
+    if (p.out_row_stride as usize) < h * d {
+        return Err(Error::Shape(format!("output row stride {} below {h} heads x {d}", p.out_row_stride)));
     }
     if vperm_inv.len() != p.num_kv_heads as usize * d || vperm_inv.iter().any(|&c| c as usize >= d) {
         return Err(Error::Calibration(format!(
@@ -94,7 +85,7 @@ pub fn decode_merge_sim<O: MergeOutput>(
             )));
         }
     };
-    let p = MergeParams { flags: (p.flags & !FLAG_OUTPUT_F16) | if O::F16 { FLAG_OUTPUT_F16 } else { 0 }, ..*p };
+    let p = MergeParams { flags: (p.flags & !crate::OUTPUT_FLAGS) | O::FLAG, ..*p };
     let ptrs = MergePtrs {
         m: addr(m.as_ptr()),
         l: addr(l.as_ptr()),

@@ -16,7 +16,7 @@ use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, Place, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{
-    AppendParams, DTYPE_BF16, DTYPE_F16, FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES,
+    AppendParams, FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES, load_elem,
 };
 
 /// Where a token's f16 rows and codes go: resolved on the device from the sequence's
@@ -116,21 +116,6 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     side: *mut u16,
     seq_len: *mut u32,
 ) {
-    /// Element `i` of an input of type `dtype`.
-    ///
-    /// # Safety
-    /// `x` valid for element `i` of that type.
-    #[inline(always)]
-    unsafe fn load(x: *const u8, dtype: u32, i: usize) -> f32 {
-        // SAFETY: forwarded contract.
-        unsafe {
-            match dtype {
-                DTYPE_F16 => f16_to_f32(*x.cast::<u16>().add(i)),
-                DTYPE_BF16 => f32::from_bits((*x.cast::<u16>().add(i) as u32) << 16),
-                _ => *x.cast::<f32>().add(i),
-            }
-        }
-    }
     let fmt = &p.format;
     let [h, t, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
@@ -145,9 +130,9 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
             if value {
-                load(v, p.input_dtype, src + c)
+                load_elem(v, p.input_dtype, src + c)
             } else {
-                load(k, p.input_dtype, src + c) - *key_mean.add(h as usize * D + lane * V + c)
+                load_elem(k, p.input_dtype, src + c) - *key_mean.add(h as usize * D + lane * V + c)
             }
         });
         let (dense, hadamard, rot) = if value {

@@ -11,7 +11,7 @@ use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, Place};
 use crate::math::{exp_neg, f16_to_f32};
-use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS};
+use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS, load_elem};
 
 /// Largest GQA group (query heads per KV head) the kernel holds in registers.
 pub const MAX_GROUP: usize = 8;
@@ -184,8 +184,9 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// Split-K decode partials of one (KV head, sequence, split).
 ///
 /// # Safety
-/// With `S = p.num_seqs`, `Hq = p.num_q_heads`, `N = p.num_splits`: `q` valid for
-/// `S` rows of `p.q_seq_stride` f32 (`Hq * D` used); `block_tables` for
+/// With `S = p.num_seqs`, `Hq = p.num_q_heads`, `N = p.num_splits`: `q` valid (of
+/// `p.q_dtype`) at `s * p.q_seq_stride + t * p.q_token_stride + h * D + c` for `s < S`,
+/// `t < p.q_len`, `h < Hq`, `c < D`; `block_tables` for
 /// `S * p.block_table_stride` entries, each used entry a block of `pool`; `seq_lens` for
 /// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits, 16-byte aligned;
 /// `protected` for `S * p.format.protected` positions (each sequence's ascending list,
@@ -219,7 +220,7 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32, const VB: u32>(
     ctx: &C,
     p: &DecodeParams,
-    q: *const f32,
+    q: *const u8,
     pool: *const u8,
     block_tables: *const u32,
     seq_lens: *const u32,
@@ -253,9 +254,11 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         if h >= g {
             continue;
         }
-        let row =
-            unsafe { q.add(seq as usize * p.q_seq_stride as usize + (qi as usize * hq + kvh as usize * g + h) * D) };
-        let mut x: [f32; V] = core::array::from_fn(|v| unsafe { *row.add(lane as usize * V + v) } * p.sm_scale);
+        let row = seq as usize * p.q_seq_stride as usize
+            + qi as usize * p.q_token_stride as usize
+            + (kvh as usize * g + h) * D
+            + lane as usize * V;
+        let mut x: [f32; V] = core::array::from_fn(|v| unsafe { load_elem(q, p.q_dtype, row + v) } * p.sm_scale);
         if p.flags & FLAG_DENSE_KEYS != 0 {
             x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
         } else if p.flags & FLAG_ROTATE_KEYS != 0 {
@@ -418,7 +421,7 @@ mod entry {
             #[unsafe(no_mangle)]
             pub unsafe extern "ptx-kernel" fn $name(
                 p: DecodeParams,
-                q: *const f32,
+                q: *const u8,
                 pool: *const u8,
                 block_tables: *const u32,
                 seq_lens: *const u32,

@@ -39,7 +39,7 @@
 use crate::ctx::{Ctx, WARP};
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::math::{exp2_neg, fma, h2f, pack_f16x2};
-use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS};
+use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS, load_elem};
 
 /// Warps per block.
 pub const WARPS: u32 = 4;
@@ -196,8 +196,9 @@ fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
 /// Split-K decode partials on tensor cores for one (KV head, sequence, split, row tile).
 ///
 /// # Safety
-/// As `decode_split` (crate::decode), with the query and output rows of
-/// [`DecodeParams`] (`[seq][q_len][q_head][D]`, `p.q_seq_stride` between sequences);
+/// As `decode_split` (crate::decode), with the query rows of [`DecodeParams`]
+/// (`p.q_dtype`; `p.q_seq_stride` between sequences, `p.q_token_stride` between query
+/// tokens, heads `D` apart) and the partials `[seq][q_len][q_head][split]`;
 /// additionally `D == p.format.head_dim == 32 * V == 16 * NKS == 8 * NVT`, key and value
 /// bits `KB`, `VB`, `NG == D / p.format.group_size` groups with
 /// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
@@ -235,7 +236,7 @@ pub unsafe fn decode_mma<
 >(
     ctx: &C,
     p: &DecodeParams,
-    q: *const f32,
+    q: *const u8,
     pool: *const u8,
     block_tables: *const u32,
     seq_lens: *const u32,
@@ -280,12 +281,13 @@ pub unsafe fn decode_mma<
         let row = r0 + r;
         let valid = row < rows_total;
         let (i, h) = (row / gqa, row % gqa);
-        let src = seq as usize * p.q_seq_stride as usize + ((i * hq + kvh * gqa + h) as usize) * D;
+        let src = seq as usize * p.q_seq_stride as usize
+            + i as usize * p.q_token_stride as usize
+            + ((kvh * gqa + h) as usize) * D
+            + lane as usize * V;
         let scale = p.sm_scale * LOG2E;
         let mut x: [f32; V] =
-            core::array::from_fn(
-                |v| if valid { (unsafe { *q.add(src + lane as usize * V + v) }) * scale } else { 0.0 },
-            );
+            core::array::from_fn(|v| if valid { (unsafe { load_elem(q, p.q_dtype, src + v) }) * scale } else { 0.0 });
         if p.flags & FLAG_DENSE_KEYS != 0 {
             x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
         } else if p.flags & FLAG_ROTATE_KEYS != 0 {
@@ -710,7 +712,7 @@ mod entry {
             #[unsafe(no_mangle)]
             pub unsafe extern "ptx-kernel" fn $name(
                 p: DecodeParams,
-                q: *const f32,
+                q: *const u8,
                 pool: *const u8,
                 block_tables: *const u32,
                 seq_lens: *const u32,

@@ -5,7 +5,7 @@
 use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp};
 use crate::math::{exp_neg, f32_to_f16};
-use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
+use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_BF16, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
 
 /// Merges the partials of one `(query head, sequence)` and writes its attention output
 /// in the original value channels.
@@ -15,8 +15,8 @@ use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, Merg
 /// valid for `S * H * N` reads, `o` for `S * H * N * D`, `vperm_inv` for
 /// `p.num_kv_heads * D` (each row a permutation of `0..D`), `value_rot` for
 /// `p.num_kv_heads * D * D` when `p.flags` has `FLAG_DENSE_VALUES` (else unused), `out`
-/// for `S * H * D` writes (4 or 2 bytes each)
-/// not aliased by the inputs; `D == p.head_dim`, `V * 32 == D`. The grid must be
+/// for writes at `s * p.out_row_stride + h * D + c` (`s < S`, `h < H`, `c < D`; 4 or 2
+/// bytes each) not aliased by the inputs; `D == p.head_dim`, `V * 32 == D`. The grid must be
 /// `(H, S, 1)` with 32 threads per block.
 ///
 /// # Parameters
@@ -28,7 +28,8 @@ use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, Merg
 ///   channel `vperm_inv[c]`;
 /// - `value_rot`: `[kv_head][D][D]` learned value rotations `R` (the output is
 ///   `unpermute(o') R^T`);
-/// - `out`: `[seq][q_head][D]`, f32, or f16 when `p.flags` has `FLAG_OUTPUT_F16`.
+/// - `out`: `[seq][q_head][D]` with rows `p.out_row_stride` apart, f32, or f16 with
+///   `FLAG_OUTPUT_F16`, or bf16 (round to nearest even) with `FLAG_OUTPUT_BF16`.
 ///
 /// # Thread mapping
 /// Block `(x, y)` = (query head, sequence), one warp. Lane `i` owns channels
@@ -97,14 +98,26 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     } else if p.flags & FLAG_ROTATE_VALUES != 0 {
         fwht_warp(ctx, &mut x);
     }
-    let at = row * D + lane * V;
+    let at = seq as usize * p.out_row_stride as usize + qh as usize * D + lane * V;
     for (v, &xv) in x.iter().enumerate() {
         if p.flags & FLAG_OUTPUT_F16 != 0 {
             unsafe { *out.cast::<u16>().add(at + v) = f32_to_f16(xv) };
+        } else if p.flags & FLAG_OUTPUT_BF16 != 0 {
+            unsafe { *out.cast::<u16>().add(at + v) = f32_to_bf16(xv) };
         } else {
             unsafe { *out.cast::<f32>().add(at + v) = xv };
         }
     }
+}
+
+/// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN).
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
 /// Calls `$m!(name, head_dim, values_per_lane)` for every merge instantiation.

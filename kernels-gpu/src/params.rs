@@ -10,20 +10,38 @@ use crate::layout::Format;
 pub const FLAG_ROTATE_KEYS: u32 = 1 << 0;
 /// Values are rotated by the Hadamard transform before quantization.
 pub const FLAG_ROTATE_VALUES: u32 = 1 << 1;
-/// `decode_merge` writes f16 outputs (else f32).
+/// `decode_merge` writes f16 outputs (else f32, or bf16 with [`FLAG_OUTPUT_BF16`]).
 pub const FLAG_OUTPUT_F16: u32 = 1 << 2;
+/// `decode_merge` writes bf16 outputs (round to nearest even).
+pub const FLAG_OUTPUT_BF16: u32 = 1 << 5;
 /// Keys are rotated by a dense per-head `D x D` matrix (a learned rotation) instead of
 /// the Hadamard transform; the kernels get the matrices as `[kv_head][D][D]` f32.
 pub const FLAG_DENSE_KEYS: u32 = 1 << 3;
 /// Values are rotated by a dense per-head matrix (see [`FLAG_DENSE_KEYS`]).
 pub const FLAG_DENSE_VALUES: u32 = 1 << 4;
 
-/// Element type of the K/V inputs of `append_tokens`: f32.
+/// Element type of the K/V inputs of `append_tokens` and of the decode queries: f32.
 pub const DTYPE_F32: u32 = 0;
-/// Element type of the K/V inputs of `append_tokens`: IEEE f16.
+/// Element type of the K/V inputs and queries: IEEE f16.
 pub const DTYPE_F16: u32 = 1;
-/// Element type of the K/V inputs of `append_tokens`: bf16.
+/// Element type of the K/V inputs and queries: bf16.
 pub const DTYPE_BF16: u32 = 2;
+
+/// Element `i` of an input of type `dtype` (`DTYPE_*`; anything else reads f32), as f32.
+///
+/// # Safety
+/// `x` valid for element `i` of that type.
+#[inline(always)]
+pub unsafe fn load_elem(x: *const u8, dtype: u32, i: usize) -> f32 {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match dtype {
+            DTYPE_F16 => crate::math::f16_to_f32(*x.cast::<u16>().add(i)),
+            DTYPE_BF16 => f32::from_bits((*x.cast::<u16>().add(i) as u32) << 16),
+            _ => *x.cast::<f32>().add(i),
+        }
+    }
+}
 
 /// Parameters of the fused append (rotate, quantize, pack, store) of new tokens of one
 /// sequence and one layer.
@@ -81,9 +99,15 @@ pub struct DecodeParams {
     pub flags: u32,
     /// Softmax scale applied to `q . k`.
     pub sm_scale: f32,
-    /// Elements between consecutive sequences of the query (and of the output):
-    /// `q_len * num_q_heads * head_dim` for a dense batch.
+    /// Elements between consecutive sequences of the query: `q_len * q_token_stride`
+    /// for a dense batch.
     pub q_seq_stride: u32,
+    /// Elements between consecutive query tokens of one sequence (`num_q_heads *
+    /// head_dim` dense; more for a row of a fused QKV projection). Heads are `head_dim`
+    /// apart.
+    pub q_token_stride: u32,
+    /// Element type of the queries (`DTYPE_*`).
+    pub q_dtype: u32,
     /// Query tokens per sequence (1 for plain decode; more for speculative decoding's
     /// verification rows). Every sequence of the batch holds at least `q_len` tokens.
     pub q_len: u32,
@@ -104,9 +128,12 @@ pub struct MergeParams {
     /// Splits per sequence.
     pub num_splits: u32,
     /// `FLAG_*` bits: `FLAG_ROTATE_VALUES` or `FLAG_DENSE_VALUES` (the output is rotated
-    /// back by the FWHT or the transposed learned rotation) and `FLAG_OUTPUT_F16` (the
-    /// output is f16, else f32).
+    /// back by the FWHT or the transposed learned rotation) and `FLAG_OUTPUT_F16` or
+    /// `FLAG_OUTPUT_BF16` (the output's type, else f32).
     pub flags: u32,
+    /// Elements between consecutive output rows (a row is one query token of one
+    /// sequence: `num_q_heads` heads, `head_dim` apart); `num_q_heads * head_dim` dense.
+    pub out_row_stride: u32,
 }
 
 impl DecodeParams {

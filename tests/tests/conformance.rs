@@ -345,6 +345,8 @@ fn split_partials_merge_to_the_unsplit_result() {
             flags: config.flags(),
             sm_scale: 0.125,
             q_seq_stride: 6 * 64,
+            q_token_stride: 6 * 64,
+            q_dtype: rotkv_kernels::params::DTYPE_F32,
             q_len: 1,
         };
         let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
@@ -936,6 +938,8 @@ fn row_partials_mask_causally_and_merge_to_the_unsplit_result() {
         flags: config.flags(),
         sm_scale: 0.125,
         q_seq_stride: (q_len * 6 * 64) as u32,
+        q_token_stride: 6 * 64,
+        q_dtype: rotkv_kernels::params::DTYPE_F32,
         q_len: q_len as u32,
     };
     let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);

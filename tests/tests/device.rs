@@ -63,7 +63,7 @@ fn pool_past_the_block_index_space_is_refused() {
 // The device API on the emulated device.
 
 use rotkv::device::{Counters, DecodePlan, Device, DeviceBuffer, DeviceLayer, LayerSize, PlanShape};
-use rotkv::f16;
+use rotkv::{bf16, f16};
 
 /// Device tolerance of the tensor-core decode kernel against the f64 reference (as in
 /// conformance.rs: f32 accumulation, f16 probabilities in the MMA).
@@ -429,6 +429,73 @@ fn device_errors() {
     // k2v2 keeps no protected positions: refused, appended or not.
     assert!(matches!(t.layer.protect(s0, &[10]), Err(Error::Capacity(_))));
     assert!(matches!(t.layer.protect(s0, &[45]), Err(Error::Capacity(_))));
+}
+
+/// f16 and bf16 queries, bf16 output, and query/output rows with gaps (a fused QKV
+/// row, an output with other columns): the same attention as dense f32 rows of the same
+/// (rounded) queries, and the gaps of the output untouched.
+#[test]
+fn query_and_output_types_and_row_strides() {
+    let mut t = Twin::new(2, 6, 2);
+    let (a, b) = (t.add(), t.add());
+    t.append(a, 90, false);
+    t.append(b, 33, true);
+    let shape = PlanShape {
+        max_seqs: 2,
+        max_q_len: 3,
+        max_context: 100,
+        sm_count: Some(8),
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
+    let mut plan = DecodePlan::new(&t.layer, shape).unwrap();
+    let q_len = 3;
+    let row = 6 * D;
+    let rows_n = 2 * q_len;
+    let q = t.queries(2, q_len);
+    // Queries rounded to f16 (and to bf16): the reference gets the rounded values.
+    let q16: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+    let qb: Vec<bf16> = q.iter().map(|&x| bf16::from_f32(x)).collect();
+    let want16 = t.reference(2, q_len, &q16.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+    let wantb = t.reference(2, q_len, &qb.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+    // Strided: each query row inside a wider row (as a fused QKV projection writes it),
+    // each output row inside a wider row prefilled with a sentinel.
+    let (qs, os) = (row + 2 * 2 * D + 8, row + 40);
+    let mut wide = vec![f16::from_f32(7.0); (rows_n - 1) * qs + row];
+    for r in 0..rows_n {
+        wide[r * qs..r * qs + row].copy_from_slice(&q16[r * row..(r + 1) * row]);
+    }
+    let qd16 = t.dev.upload(&wide).unwrap();
+    let sentinel = bf16::from_f32(-3.5);
+    let mut ob = t.dev.upload(&vec![sentinel; (rows_n - 1) * os + row]).unwrap();
+    plan.run_strided(&t.layer, q_len, &qd16, qs, &mut ob, os).unwrap();
+    let mut got = vec![bf16::ZERO; ob.len()];
+    t.dev.read(&ob, &mut got).unwrap();
+    let mut dense = Vec::new();
+    for r in 0..rows_n {
+        dense.extend(got[r * os..r * os + row].iter().map(|x| x.to_f32()));
+        if r + 1 < rows_n {
+            assert!(got[r * os + row..(r + 1) * os].iter().all(|&x| x == sentinel), "row {r}: gap written");
+        }
+    }
+    // bf16 output: 2^-8 relative rounding on top of the kernel's error.
+    let err = rel_err(&dense, &want16);
+    assert!(err < DEVICE_TOL + 4e-3, "f16 strided queries, bf16 strided output: {err}");
+    // bf16 queries, dense f32 output.
+    let qdb = t.dev.upload(&qb).unwrap();
+    let mut o32 = t.dev.alloc::<f32>(q.len()).unwrap();
+    plan.run(&t.layer, q_len, &qdb, &mut o32).unwrap();
+    let mut g32 = vec![0f32; q.len()];
+    t.dev.read(&o32, &mut g32).unwrap();
+    let err = rel_err(&g32, &wantb);
+    assert!(err < DEVICE_TOL, "bf16 queries: {err}");
+    // Bad strides and short buffers are refused before anything is enqueued.
+    let before = t.dev.counters().launches;
+    assert!(matches!(plan.run_strided(&t.layer, q_len, &qd16, row - 1, &mut ob, os), Err(Error::Shape(_))));
+    assert!(matches!(plan.run_strided(&t.layer, q_len, &qd16, qs + 1, &mut ob, os), Err(Error::Shape(_))));
+    assert!(matches!(plan.run_strided(&t.layer, q_len, &qd16, qs, &mut ob, os + 1), Err(Error::Shape(_))));
+    assert!(matches!(plan.run_strided(&t.layer, q_len, &qd16, usize::MAX / 2, &mut ob, os), Err(Error::Shape(_))));
+    assert_eq!(t.dev.counters().launches, before);
 }
 
 /// Protected positions (detected sinks) on the device: protected before they arrive, or

@@ -94,6 +94,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             flags: config.flags() | calib.flags(),
             sm_scale: 1.0 / (d as f32).sqrt(),
             q_seq_stride: (q_len * hq * d) as u32,
+            q_token_stride: (hq * d) as u32,
+            q_dtype: rotkv_kernels::params::DTYPE_F32,
             q_len: q_len as u32,
         };
         let seqs: Vec<SeqRef<'_>> = (0..2)
@@ -131,6 +133,7 @@ fn sim_decode_split_and_merge_match_the_reference() {
             head_dim: d as u32,
             num_splits: splits,
             flags: config.flags() | calib.flags(),
+            out_row_stride: (hq * d) as u32,
         };
         let mut out = vec![0f32; 2 * q_len * hq * d];
         rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, calib.value_rotation.as_deref(), &mut out).unwrap();

@@ -72,6 +72,7 @@ fn sim_decode_merge_matches_the_reference() {
             num_kv_heads: hkv as u32,
             head_dim: d as u32,
             num_splits: splits as u32,
+            out_row_stride: (hq * d) as u32,
             flags: match back {
                 Back::None => 0,
                 Back::Hadamard => FLAG_ROTATE_VALUES,
@@ -113,6 +114,7 @@ fn sim_decode_merge_writes_f16_when_asked() {
         num_kv_heads: 1,
         head_dim: 128,
         num_splits: 4,
+        out_row_stride: 3 * 128,
         flags: FLAG_ROTATE_VALUES,
     };
     let mut wide = vec![0f32; 3 * 128];
@@ -126,7 +128,15 @@ fn sim_decode_merge_writes_f16_when_asked() {
 
 #[test]
 fn sim_decode_merge_rejects_bad_sizes() {
-    let p = MergeParams { num_seqs: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 64, num_splits: 2, flags: 0 };
+    let p = MergeParams {
+        num_seqs: 1,
+        num_q_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+        num_splits: 2,
+        flags: 0,
+        out_row_stride: 2 * 64,
+    };
     let mut out = vec![0f32; 128];
     let inv: Vec<u16> = (0..64).collect();
     assert!(rotkv::sim::decode_merge_sim(&p, &[0.0; 3], &[0.0; 4], &[0.0; 256], &inv, None, &mut out).is_err());

@@ -51,11 +51,11 @@ use crate::config::{CacheConfig, LayerCalibration};
 use crate::error::{Error, Result};
 use crate::launch::{self, AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
 use crate::paged::{LayerShape, MAX_Q_LEN};
-use crate::{KvElement, SeqId};
+use crate::{KvElement, OutputElement, SeqId};
 use bytemuck::Pod;
 use rotkv_kernels::decode::MAX_GROUP;
 use rotkv_kernels::layout::Format;
-use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_OUTPUT_F16, MergeParams};
+use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -784,18 +784,6 @@ pub struct DecodePlan {
     o: DeviceBuffer<f32>,
 }
 
-/// Output element types of a decode: f32 and f16.
-pub trait DecodeOutput: Pod {
-    /// Whether this is f16.
-    const F16: bool;
-}
-impl DecodeOutput for f32 {
-    const F16: bool = false;
-}
-impl DecodeOutput for half::f16 {
-    const F16: bool = true;
-}
-
 impl DecodePlan {
     /// A plan for decoding `layer`'s slots `0 .. shape.max_seqs`.
     pub fn new(layer: &DeviceLayer, shape: PlanShape) -> Result<Self> {
@@ -862,6 +850,8 @@ impl DecodePlan {
             flags: layer.config.flags() | layer.calib.flags(),
             sm_scale,
             q_seq_stride: (q_len * hq * d) as u32,
+            q_token_stride: (hq * d) as u32,
+            q_dtype: rotkv_kernels::params::DTYPE_F32,
             q_len: q_len as u32,
         }
     }
@@ -880,15 +870,46 @@ impl DecodePlan {
     }
 
     /// Decodes the last `q_len` tokens of every sequence in slots `0 .. max_seqs` of
-    /// `layer`: `q` (f32) and `out` are `[max_seqs][q_len][num_q_heads][head_dim]`
-    /// (rows as [`crate::paged::decode`]; a free slot's rows are zero). Enqueues two
-    /// launches; allocates, copies and waits for nothing.
-    pub fn run<O: DecodeOutput>(
+    /// `layer`: `q` (f32, f16 or bf16) and `out` (f32, f16 or bf16) are dense
+    /// `[max_seqs][q_len][num_q_heads][head_dim]` (rows as [`crate::paged::decode`]; a
+    /// free slot's rows are zero), exactly that many elements each. Enqueues two
+    /// launches; allocates, copies and waits for nothing. [`DecodePlan::run_strided`]
+    /// takes rows with gaps.
+    pub fn run<Q: KvElement, O: OutputElement>(
         &mut self,
         layer: &DeviceLayer,
         q_len: usize,
-        q: &DeviceBuffer<f32>,
+        q: &DeviceBuffer<Q>,
         out: &mut DeviceBuffer<O>,
+    ) -> Result<()> {
+        let row = layer.shape.num_q_heads * layer.config.head_dim;
+        let n = self.shape.max_seqs * q_len * row;
+        if (1..=self.shape.max_q_len).contains(&q_len) && (q.len() != n || out.len() != n) {
+            return Err(Error::Shape(format!(
+                "q has {} and out {} elements, expected {} slots x {q_len} tokens x {row} = {n}",
+                q.len(),
+                out.len(),
+                self.shape.max_seqs
+            )));
+        }
+        self.run_strided(layer, q_len, q, row, out, row)
+    }
+
+    /// [`DecodePlan::run`] with query and output rows (one query token of one slot:
+    /// `num_q_heads` heads of `head_dim`, contiguous) `q_row_stride` and
+    /// `out_row_stride` elements apart: row `s * q_len + t` for token `t` of slot `s`,
+    /// as a fused QKV projection or an attention output with other columns lays them
+    /// out. Each buffer must hold `(max_seqs * q_len - 1) * stride + num_q_heads *
+    /// head_dim` elements or more.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_strided<Q: KvElement, O: OutputElement>(
+        &mut self,
+        layer: &DeviceLayer,
+        q_len: usize,
+        q: &DeviceBuffer<Q>,
+        q_row_stride: usize,
+        out: &mut DeviceBuffer<O>,
+        out_row_stride: usize,
     ) -> Result<()> {
         if layer.id != self.layer {
             return Err(Error::Shape("the plan was made for another layer".into()));
@@ -897,17 +918,23 @@ impl DecodePlan {
             return Err(Error::Value(format!("q_len {q_len}: the plan takes 1 to {}", self.shape.max_q_len)));
         }
         let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
-        let n = self.shape.max_seqs * q_len * hq * d;
+        let rows = self.shape.max_seqs * q_len;
         let dev = &layer.device;
         dev.check_buffer(q, "q")?;
         dev.check_buffer(out, "out")?;
-        if q.len() != n || out.len() != n {
-            return Err(Error::Shape(format!(
-                "q has {} and out {} elements, expected {} slots x {q_len} tokens x {hq} heads x {d} = {n}",
-                q.len(),
-                out.len(),
-                self.shape.max_seqs
-            )));
+        for (what, len, stride) in [("q", q.len(), q_row_stride), ("out", out.len(), out_row_stride)] {
+            if stride < hq * d || stride.checked_mul(q_len).is_none_or(|x| x > u32::MAX as usize) {
+                return Err(Error::Shape(format!(
+                    "{what} row stride {stride}: at least {hq} heads x {d}, and {q_len} rows of it within u32"
+                )));
+            }
+            let need = (rows - 1) * stride + hq * d;
+            if len < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {len} elements; {} slots x {q_len} tokens at row stride {stride} need {need}",
+                    self.shape.max_seqs
+                )));
+            }
         }
         for (slot, s) in layer.seqs.iter().enumerate() {
             let Some(s) = s else { continue };
@@ -930,14 +957,20 @@ impl DecodePlan {
                 return Err(Error::Shape(format!("sequence {slot} holds {} tokens, fewer than q_len {q_len}", s.len)));
             }
         }
-        let p = Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len);
+        let p = DecodeParams {
+            q_seq_stride: (q_len * q_row_stride) as u32,
+            q_token_stride: q_row_stride as u32,
+            q_dtype: Q::DTYPE,
+            ..Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len)
+        };
         let mp = MergeParams {
             num_seqs: p.num_seqs * p.q_len,
             num_q_heads: p.num_q_heads,
             num_kv_heads: p.num_kv_heads,
             head_dim: p.format.head_dim,
             num_splits: p.num_splits,
-            flags: (p.flags & !FLAG_OUTPUT_F16) | if O::F16 { FLAG_OUTPUT_F16 } else { 0 },
+            flags: (p.flags & !crate::OUTPUT_FLAGS) | O::FLAG,
+            out_row_stride: out_row_stride as u32,
         };
         // SAFETY: all buffers belong to this device and have the kernels' sizes: the
         // layer's were allocated for `max_seqs >= p.num_seqs` slots, block tables of
