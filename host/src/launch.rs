@@ -214,7 +214,14 @@ impl DecodeInputs {
             protected[i * np..i * np + x.protected.len()].copy_from_slice(x.protected);
         }
         Ok(Self {
-            params: DecodeParams { block_table_stride: stride as u32, ..*p },
+            params: DecodeParams {
+                block_table_stride: stride as u32,
+                num_blocks: (pool.len() / (p.num_kv_heads as usize * fmt.page_bytes() as usize).max(1))
+                    .try_into()
+                    .unwrap_or(u32::MAX),
+                max_len: seqs.iter().map(|x| x.len as u32).max().unwrap_or(0),
+                ..*p
+            },
             tables,
             lens: seqs.iter().map(|x| x.len as u32).collect(),
             sides,

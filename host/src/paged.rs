@@ -413,6 +413,8 @@ pub fn decode<T: KvElement>(
         q_seq_stride: (q_len * hq * d) as u32,
         q_token_stride: (hq * d) as u32,
         q_dtype: rotkv_kernels::params::DTYPE_F32,
+        num_blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+        max_len: max_len as u32,
         q_len: q_len as u32,
     };
     if seqs.is_empty() {

@@ -75,8 +75,8 @@ unsafe fn value_row<const V: usize, const VB: u32>(
             unsafe { f16_lane::<V>(side, fmt.side_row_at(kvh, true, row), lane as usize) }
         }
         Place::Page { page, slot } => {
-            // SAFETY: the host checked the block-table entry against the pool.
-            let base = unsafe { pool.add(fmt.page_offset(*table.add(page as usize), kvh, p.num_kv_heads)) };
+            // SAFETY: the entry is clamped into the pool (`DecodeParams::block`).
+            let base = unsafe { pool.add(fmt.page_offset(p.block(*table.add(page as usize)), kvh, p.num_kv_heads)) };
             // SAFETY: inside the head-page.
             let (scale, zero) = unsafe { lane_params(fmt, base, true, slot, lane, V as u32) };
             let codes = unsafe { lane_codes::<V, VB>(base.add(fmt.value_codes_at(slot) as usize), lane) };
@@ -187,8 +187,10 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
 /// With `S = p.num_seqs`, `Hq = p.num_q_heads`, `N = p.num_splits`: `q` valid (of
 /// `p.q_dtype`) at `s * p.q_seq_stride + t * p.q_token_stride + h * D + c` for `s < S`,
 /// `t < p.q_len`, `h < Hq`, `c < D`; `block_tables` for
-/// `S * p.block_table_stride` entries, each used entry a block of `pool`; `seq_lens` for
-/// `S` lengths (each >= 1); `sides` for `S * side_elems` f16 bits, 16-byte aligned;
+/// `S * p.block_table_stride` entries with `p.block_table_stride >=
+/// pages_for(p.max_len)` (entries are clamped below `p.num_blocks`, so a wrong entry
+/// reads another block, never outside the pool); `seq_lens` for `S` lengths (each >= 1;
+/// clamped to `p.max_len`); `pool` holding `p.num_blocks` blocks; `sides` for `S * side_elems` f16 bits, 16-byte aligned;
 /// `protected` for `S * p.format.protected` positions (each sequence's ascending list,
 /// padded with `u32::MAX`; unused when `p.format.protected` is 0);
 /// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `key_rot`
@@ -242,7 +244,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     let g = (hq / (p.num_kv_heads as usize).max(1)).clamp(1, MAX_GROUP);
     let groups = fmt.groups() as usize;
     // SAFETY (all raw accesses below): inside the sizes of the `# Safety` contract.
-    let len = unsafe { *seq_lens.add(seq as usize) };
+    let len = p.clamp_len(unsafe { *seq_lens.add(seq as usize) });
     let table = unsafe { block_tables.add(seq as usize * p.block_table_stride as usize) };
     let side = unsafe { sides.add(seq as usize * fmt.side_elems(p.num_kv_heads)) };
     let prot = unsafe { protected.add(seq as usize * fmt.protected as usize) };
@@ -313,7 +315,8 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
                     (unsafe { side.add(fmt.side_row_at(kvh, false, r)) }.cast::<u8>(), core::ptr::null(), 0)
                 }
                 Place::Page { page, slot } => {
-                    let base = unsafe { pool.add(fmt.page_offset(*table.add(page as usize), kvh, p.num_kv_heads)) };
+                    let base =
+                        unsafe { pool.add(fmt.page_offset(p.block(*table.add(page as usize)), kvh, p.num_kv_heads)) };
                     (unsafe { base.add(fmt.key_codes_at(slot) as usize) }, base, slot)
                 }
             };

@@ -261,7 +261,7 @@ pub unsafe fn decode_mma<
     let r0 = rt * ROWS;
     let gsize = D as u32 / NG as u32;
     // SAFETY (every raw access below): inside the sizes of the `# Safety` contract.
-    let len = unsafe { *seq_lens.add(seq as usize) };
+    let len = p.clamp_len(unsafe { *seq_lens.add(seq as usize) });
     let table = unsafe { block_tables.add(seq as usize * p.block_table_stride as usize) };
     let side = unsafe { sides.add(seq as usize * fmt.side_elems(p.num_kv_heads)) };
     let prot = unsafe { protected.add(seq as usize * fmt.protected as usize) };
@@ -476,7 +476,7 @@ pub unsafe fn decode_mma<
     let load = |tile: u32| -> Raw<NG> {
         let rel = tile * TILE;
         let slot0 = (rel & (fmt.page_size - 1)) as usize;
-        let blk = unsafe { *table.add((rel >> page_shift) as usize) };
+        let blk = p.block(unsafe { *table.add((rel >> page_shift) as usize) });
         let base = unsafe { pool.add(blk as usize * head_stride + head_base) };
         let mut r = Raw::<NG>::default();
         for nt in 0..2 {

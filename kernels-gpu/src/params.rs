@@ -108,6 +108,13 @@ pub struct DecodeParams {
     pub q_token_stride: u32,
     /// Element type of the queries (`DTYPE_*`).
     pub q_dtype: u32,
+    /// Blocks in the pool: a block-table entry at or past it is read as the last block
+    /// (what only the device can see is clamped, never read out of bounds; the host
+    /// checks the tables it builds).
+    pub num_blocks: u32,
+    /// Longest sequence: a length read on the device is clamped to it, and
+    /// `block_table_stride` covers its pages.
+    pub max_len: u32,
     /// Query tokens per sequence (1 for plain decode; more for speculative decoding's
     /// verification rows). Every sequence of the batch holds at least `q_len` tokens.
     pub q_len: u32,
@@ -137,6 +144,18 @@ pub struct MergeParams {
 }
 
 impl DecodeParams {
+    /// A block-table entry as the decode kernels use it: clamped below `num_blocks`.
+    #[inline(always)]
+    pub const fn block(&self, entry: u32) -> u32 {
+        let last = self.num_blocks.saturating_sub(1);
+        if entry < last { entry } else { last }
+    }
+    /// A sequence length read on the device as the decode kernels use it: at most
+    /// `max_len`.
+    #[inline(always)]
+    pub const fn clamp_len(&self, len: u32) -> u32 {
+        if len < self.max_len { len } else { self.max_len }
+    }
     /// Tokens per split for a sequence of `len` tokens: `ceil(len / num_splits)`.
     #[inline]
     pub const fn split_len(&self, len: u32) -> u32 {

@@ -347,6 +347,8 @@ fn split_partials_merge_to_the_unsplit_result() {
             q_seq_stride: 6 * 64,
             q_token_stride: 6 * 64,
             q_dtype: rotkv_kernels::params::DTYPE_F32,
+            num_blocks: u32::MAX,
+            max_len: u32::MAX,
             q_len: 1,
         };
         let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
@@ -940,6 +942,8 @@ fn row_partials_mask_causally_and_merge_to_the_unsplit_result() {
         q_seq_stride: (q_len * 6 * 64) as u32,
         q_token_stride: 6 * 64,
         q_dtype: rotkv_kernels::params::DTYPE_F32,
+        num_blocks: u32::MAX,
+        max_len: u32::MAX,
         q_len: q_len as u32,
     };
     let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);

@@ -96,6 +96,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             q_seq_stride: (q_len * hq * d) as u32,
             q_token_stride: (hq * d) as u32,
             q_dtype: rotkv_kernels::params::DTYPE_F32,
+            num_blocks: u32::MAX,
+            max_len: u32::MAX,
             q_len: q_len as u32,
         };
         let seqs: Vec<SeqRef<'_>> = (0..2)

@@ -852,6 +852,8 @@ impl DecodePlan {
             q_seq_stride: (q_len * hq * d) as u32,
             q_token_stride: (hq * d) as u32,
             q_dtype: rotkv_kernels::params::DTYPE_F32,
+            num_blocks: layer.num_blocks as u32,
+            max_len: layer.size.max_tokens as u32,
             q_len: q_len as u32,
         }
     }
