@@ -42,6 +42,7 @@ unsafe impl DeviceRepr for Arg<MergeParams> {}
 struct Gpu {
     stream: Arc<CudaStream>,
     kernels: Kernels,
+    sms: usize,
 }
 
 static GPU: OnceLock<std::result::Result<Gpu, String>> = OnceLock::new();
@@ -54,7 +55,11 @@ fn gpu() -> Result<&'static Gpu> {
         }
         let ctx = CudaContext::new(0).map_err(|e| format!("no CUDA device 0: {e:?}"))?;
         let kernels = Kernels::load(&ctx).map_err(|e| e.to_string())?;
-        Ok(Gpu { stream: ctx.default_stream(), kernels })
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| format!("multiprocessor count: {e:?}"))?
+            .max(1) as usize;
+        Ok(Gpu { stream: ctx.default_stream(), kernels, sms })
     })
     .as_ref()
     .map_err(|e| Error::Backend(format!("cuda: {e}")))
@@ -63,6 +68,12 @@ fn gpu() -> Result<&'static Gpu> {
 /// Whether a CUDA driver and device are present (the PTX is loaded on first use).
 pub fn available() -> bool {
     gpu().is_ok()
+}
+
+/// Multiprocessors of device 0 (the host-buffer path's split count), or an error
+/// without a GPU.
+pub fn sm_count() -> Result<usize> {
+    Ok(gpu()?.sms)
 }
 
 fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {

@@ -396,9 +396,8 @@ pub fn decode<T: KvElement>(
             Backend::Cpu => cpu::default_splits(max_len, seqs.len(), hkv, rayon::current_num_threads()),
             #[cfg(feature = "sim")]
             Backend::Sim => gpu_split_count(max_len, seqs.len(), hkv, crate::sim::SIM_SMS),
-            // An H100/H200 has 132 SMs; the count only steers the split heuristic.
             #[cfg(feature = "cuda")]
-            Backend::Cuda => gpu_split_count(max_len, seqs.len(), hkv, 132),
+            Backend::Cuda => gpu_split_count(max_len, seqs.len(), hkv, crate::cuda::sm_count()?),
         },
     };
     let params = DecodeParams {
