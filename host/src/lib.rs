@@ -6,12 +6,14 @@
 //!   [`CacheConfig::k4v4`].
 //! - [`KvCache`]: the paged cache a serving stack holds (append, decode, free).
 //! - [`paged`]: the same two operations over caller-owned pools and block tables.
-//! - [`reference`](mod@reference): the scalar f64 oracle; [`cpu`]: the fast CPU backend; `sim`
-//!   (feature `sim`): the device kernels on the SIMT emulator; `cuda` (feature `cuda`):
-//!   the device kernels on a GPU over host buffers (a test path); `device` (features
-//!   `sim`, `cuda`): the GPU API, a layer's cache in device memory, append and decode
-//!   through a fixed decode plan (`device::DecodePlan`) on the caller's stream; `launch`:
-//!   the launch planning both device backends share.
+//! - [`backend`]: host memory, the backends behind the paged API:
+//!   [`reference`](mod@reference) (the scalar f64 oracle), [`cpu`] (the fast CPU
+//!   backend), `sim` (feature `sim`: the device kernels on the SIMT emulator), `cuda`
+//!   (feature `cuda`: the PTX through cudarc; over host buffers a test path);
+//! - `device` (features `sim`, `cuda`): device memory, the GPU API: a layer's cache on
+//!   the device, append and decode through a fixed decode plan (`device::DecodePlan`) on
+//!   the caller's stream, raw entry points; [`launch`]: the launch planning both device
+//!   backends share.
 //!
 //! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
 //! returns an [`Error`] that says what was wrong; a failed call changes nothing.
@@ -45,11 +47,9 @@
 //! # Ok::<(), rotkv::Error>(())
 //! ```
 
+pub mod backend;
 pub mod cache;
 pub mod config;
-pub mod cpu;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 #[cfg(any(feature = "sim", feature = "cuda"))]
 pub mod device;
 pub mod error;
@@ -59,9 +59,12 @@ pub mod launch;
 #[cfg(feature = "model")]
 pub mod model;
 pub mod paged;
-pub mod reference;
+
+pub use backend::{cpu, reference};
+#[cfg(feature = "cuda")]
+pub use backend::cuda;
 #[cfg(feature = "sim")]
-pub mod sim;
+pub use backend::sim;
 
 pub use cache::{CacheShape, KvCache, SeqId};
 pub use config::{CacheConfig, HeadRotation, LayerCalibration, Rotation};

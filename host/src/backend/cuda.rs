@@ -28,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 pub use cudarc;
 
 /// The device code, as `cargo xtask ptx` wrote it.
-pub static PTX: &str = include_str!("../ptx/rotkv.ptx");
+pub static PTX: &str = include_str!("../../ptx/rotkv.ptx");
 
 /// A `#[repr(C)]` parameter block passed by value to a kernel.
 #[repr(transparent)]
