@@ -60,11 +60,11 @@ pub mod launch;
 pub mod model;
 pub mod paged;
 
-pub use backend::{cpu, reference};
 #[cfg(feature = "cuda")]
 pub use backend::cuda;
 #[cfg(feature = "sim")]
 pub use backend::sim;
+pub use backend::{cpu, reference};
 
 pub use cache::{CacheShape, KvCache, SeqId};
 pub use config::{CacheConfig, HeadRotation, LayerCalibration, Rotation};

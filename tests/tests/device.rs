@@ -65,6 +65,17 @@ fn pool_past_the_block_index_space_is_refused() {
 use rotkv::device::{Counters, DecodePlan, Device, DeviceBuffer, DeviceLayer, LayerSize, PlanShape};
 use rotkv::{bf16, f16};
 
+/// The device these tests run on: the emulated device, or with `ROTKV_TEST_DEVICE=cuda`
+/// (the GPU bundle's second run of this binary) a new stream on GPU 0; the tests then
+/// run the same device API on the GPU (the counters count on both).
+fn test_device() -> Device {
+    if std::env::var("ROTKV_TEST_DEVICE").as_deref() == Ok("cuda") {
+        let ctx = rotkv::cuda::cudarc::driver::CudaContext::new(0).expect("ROTKV_TEST_DEVICE=cuda needs GPU 0");
+        return Device::cuda(ctx.new_stream().expect("a stream")).expect("the device API on GPU 0");
+    }
+    Device::sim()
+}
+
 /// Device tolerance of the tensor-core decode kernel against the f64 reference (as in
 /// conformance.rs: f32 accumulation, f16 probabilities in the MMA).
 const DEVICE_TOL: f64 = 3e-3;
@@ -103,7 +114,7 @@ impl Twin {
         Self::with_config(CacheConfig::k2v2(D), hkv, hq, max_seqs)
     }
     fn with_config(config: CacheConfig, hkv: usize, hq: usize, max_seqs: usize) -> Self {
-        let dev = Device::sim();
+        let dev = test_device();
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
         let size = LayerSize { max_seqs, max_tokens: 256, num_blocks: None };
         let layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, D), size).unwrap();
@@ -329,7 +340,7 @@ fn f16_output() {
 fn two_shards_equal_the_whole_layer() {
     let (hkv, hq, n) = (2, 6, 90);
     let config = CacheConfig::k2v2(D);
-    let dev = Device::sim();
+    let dev = test_device();
     let size = LayerSize { max_seqs: 1, max_tokens: 128, num_blocks: None };
     let make = |hkv, hq| {
         DeviceLayer::new(
