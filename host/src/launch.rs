@@ -41,15 +41,14 @@ pub fn mma_instantiated(fmt: &Format) -> bool {
     rotkv_kernels::for_each_decode_mma!(any)
 }
 
-/// The launch-planning rule: the tensor-core kernel wherever it is instantiated and the
-/// tile has at least 3 query rows (GQA heads x query tokens); with one or two rows the
-/// MMA would waste 14 or 15 of its 16 rows and the CUDA-core kernel does less work.
-pub fn decode_kernel(fmt: &Format, gqa: u32, q_len: u32) -> DecodeKernel {
-    if mma_instantiated(fmt) && gqa * q_len >= 3 {
-        DecodeKernel::Mma { groups: fmt.groups() }
-    } else {
-        DecodeKernel::Split
-    }
+/// The launch-planning rule: the tensor-core kernel wherever it is instantiated, for any
+/// number of query rows (GQA heads x query tokens). With one or two rows the MMA wastes
+/// most of its 16 rows, but its cost per token is in unpacking codes, not in rows: read
+/// from the SASS (`cargo xtask sass`), `decode_mma` spends ~30 warp-instructions per
+/// (token, KV head) at head_dim 128 and `decode_split` several hundred whatever the group,
+/// so the CUDA-core kernel serves only what `decode_mma` does not instantiate.
+pub fn decode_kernel(fmt: &Format) -> DecodeKernel {
+    if mma_instantiated(fmt) { DecodeKernel::Mma { groups: fmt.groups() } } else { DecodeKernel::Split }
 }
 
 /// Refuses what the device kernels do not implement: variance normalization (KVarN
@@ -100,7 +99,7 @@ pub fn wave_splits(max_context: usize, per_split: usize, wave: usize) -> u32 {
 /// The decode launch for validated parameters (`num_kv_heads > 0`).
 pub fn decode_launch(p: &DecodeParams) -> DecodeLaunch {
     let gqa = p.num_q_heads / p.num_kv_heads.max(1);
-    let kernel = decode_kernel(&p.format, gqa, p.q_len);
+    let kernel = decode_kernel(&p.format);
     let z = p.num_splits as usize * z_factor(kernel, gqa as usize, p.q_len as usize);
     let (block, shared) = match kernel {
         DecodeKernel::Split => (BLOCK, decode_shared_bytes(&p.format, MAX_GROUP as u32)),
@@ -180,7 +179,7 @@ impl DecodeInputs {
         if let Some((i, x)) = seqs.iter().enumerate().find(|(_, x)| x.len < q_len) {
             return Err(Error::Shape(format!("sequence {i} has {} tokens, fewer than q_len {q_len}", x.len)));
         }
-        let kernel = decode_kernel(&fmt, (hq / hkv) as u32, p.q_len);
+        let kernel = decode_kernel(&fmt);
         let z = p.num_splits as usize * z_factor(kernel, hq / hkv, q_len);
         if s > MAX_GRID_YZ as usize || z > MAX_GRID_YZ as usize || s * q_len > MAX_GRID_YZ as usize {
             return Err(Error::Capacity(format!(
