@@ -77,6 +77,27 @@ pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
     }
 }
 
+/// Two f16 products in one `u32` (`a * b` per 16-bit half, rounded once to nearest
+/// even): one `mul.rn.f16x2` on the device; elsewhere the exact f32 product (11 x 11
+/// significand bits fit in 24) rounded to f16, which is the same value.
+#[inline(always)]
+pub fn hmul2(a: u32, b: u32) -> u32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r: u32;
+        // SAFETY: a pure arithmetic instruction (sm_53+).
+        unsafe {
+            core::arch::asm!("mul.rn.f16x2 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, options(pure, nomem, nostack))
+        };
+        r
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        let h = |w: u32, hi: bool| f16_to_f32(if hi { (w >> 16) as u16 } else { w as u16 });
+        pack_f16x2(h(a, false) * h(b, false), h(a, true) * h(b, true))
+    }
+}
+
 /// IEEE binary16 bits to f32: one `cvt.f32.f16` on the device, [`f16_to_f32`] elsewhere.
 #[inline(always)]
 pub fn h2f(h: u16) -> f32 {
