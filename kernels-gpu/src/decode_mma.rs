@@ -17,16 +17,22 @@
 //! the CUDA-core kernel would, up to the f16 rounding of the query. Per token and group
 //! the score is `scale * acc + zero * sum(q over the group)`, applied on the accumulators.
 //!
-//! **Values** `O = P' V`: `P' = p * scale` per token and group (the A fragment, built from
-//! the score accumulators without leaving registers), value codes of two tokens joined
-//! into one register (`low half` of token a, `high half` of token b) and unpacked by the
-//! same masks into B; `sum p * zero` per group is accumulated beside and added at the end.
+//! **Values** `O = P' V`: `P = f16(p)` packed from the score accumulators without leaving
+//! registers, `P' = P * scale` per token and group in f16x2 (the A fragment), value codes
+//! of two tokens joined into one register (`low half` of token a, `high half` of token b)
+//! and unpacked by the same masks into B. One more MMA per tile, `P` times a B whose
+//! columns are the value zeros per group or ones, sums `p * zero` per group and the
+//! weights `p` over the tile's tokens for every row at once.
 //!
 //! **f16 rows** (sinks, the recent window, protected positions) run first through the
 //! same tiles with plain f16 fragments (the query in natural channel order), so the online
-//! softmax sees one stream. Tokens of a split are walked in tiles of 16 (two n-tiles of 8
-//! for the scores, one k-step for the values), tile `k` by warp `k mod WARPS`; the warps
-//! merge their `(m, l, o)` in shared memory at the end.
+//! softmax sees one stream. Quantized tokens are walked in tiles of 16 (two n-tiles of 8
+//! for the scores, one k-step for the values). The steady state is an unmasked loop over
+//! chunks of [`chunk_tiles`] tiles (32 or 64 tokens) with one online-softmax update per
+//! chunk, chunk `k` by warp `k mod WARPS`, the next chunk's loads issued while the current
+//! one is computed; tiles that need a mask (a split's ends, causal limits of multi-token
+//! queries, protected positions) go one at a time through a second, masked loop. The
+//! warps merge their `(m, l, o)` in shared memory at the end.
 //!
 //! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
 //! and the fragment counts are compile-time constants of each entry point
@@ -337,7 +343,7 @@ fn zl_parts<C: Ctx, const NG: usize>(ctx: &C, zl: &[f32; 4]) -> ([[f32; NG]; 2],
         } else {
             // Period 4: columns z0, z1, l, l; lanes t even hold z0, z1, odd l, l.
             let (y0, y1) = (ctx.shfl_xor(x0, 1), ctx.shfl_xor(x1, 1));
-            let even = t % 2 == 0;
+            let even = t & 1 == 0;
             z[r][0] = if even { x0 } else { y0 };
             z[r][clamp_idx(1, NG)] = if even { x1 } else { y1 };
             l[r] = if even { y0 } else { x0 };
@@ -430,8 +436,9 @@ fn fast_chunks<
 /// Setup: warp `w` rotates query rows `w, w + 4, w + 8, w + 12` of the tile (lane `i`
 /// owns channels `[i * V, (i + 1) * V)`, as `decode_split`), then the block writes the
 /// two sets of A fragments to shared memory and each lane keeps the quantized set in
-/// registers. Main loop: warp `w` takes tiles `w, w + 4, ...` of the f16 rows, then of
-/// the quantized pages; lane `(g, t) = (lane / 4, lane % 4)` loads key codes of tokens
+/// registers. Main loop: warp `w` takes tiles `w, w + 4, ...` of the f16 rows, then
+/// chunks `w, w + 4, ...` of the quantized pages' unmasked range, then tiles `w, w + 4,
+/// ...` of the rest; lane `(g, t) = (lane / 4, lane % 4)` loads key codes of tokens
 /// `tile_token(0, g)` and `tile_token(1, g)` (32-bit words `t, t + 4, ...`), value codes,
 /// scales and zeros of tokens `4t .. 4t + 4`, and holds rows `g` and `g + 8` of the score
 /// and output accumulators. End: the warps' partials merge in shared memory; thread `i`

@@ -219,6 +219,21 @@ mod tests {
     }
 
     #[test]
+    fn hmul2_rounds_each_half_product_once() {
+        let vals: std::vec::Vec<u16> = (0..0x7c00u16).step_by(97).chain([0x0001, 0x03ff, 0x3c00, 0x7bff]).collect();
+        for (i, &a) in vals.iter().enumerate() {
+            let b = vals[(i * 7 + 3) % vals.len()];
+            let c = vals[(i * 13 + 5) % vals.len()] | 0x8000;
+            let want = |x: u16, y: u16| {
+                half::f16::from_f64(half::f16::from_bits(x).to_f64() * half::f16::from_bits(y).to_f64()).to_bits()
+            };
+            let r = hmul2(a as u32 | (c as u32) << 16, b as u32 | (b as u32) << 16);
+            assert_eq!(r as u16, want(a, b), "{a:#06x} * {b:#06x}");
+            assert_eq!((r >> 16) as u16, want(c, b), "{c:#06x} * {b:#06x}");
+        }
+    }
+
+    #[test]
     fn f16_conversion_is_exact_for_every_value() {
         for h in 0..=u16::MAX {
             let got = f16_to_f32(h);
