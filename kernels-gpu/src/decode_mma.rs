@@ -17,16 +17,22 @@
 //! the CUDA-core kernel would, up to the f16 rounding of the query. Per token and group
 //! the score is `scale * acc + zero * sum(q over the group)`, applied on the accumulators.
 //!
-//! **Values** `O = P' V`: `P' = p * scale` per token and group (the A fragment, built from
-//! the score accumulators without leaving registers), value codes of two tokens joined
-//! into one register (`low half` of token a, `high half` of token b) and unpacked by the
-//! same masks into B; `sum p * zero` per group is accumulated beside and added at the end.
+//! **Values** `O = P' V`: `P = f16(p)` packed from the score accumulators without leaving
+//! registers, `P' = P * scale` per token and group in f16x2 (the A fragment), value codes
+//! of two tokens joined into one register (`low half` of token a, `high half` of token b)
+//! and unpacked by the same masks into B. One more MMA per tile, `P` times a B whose
+//! columns are the value zeros per group or ones, sums `p * zero` per group and the
+//! weights `p` over the tile's tokens for every row at once.
 //!
 //! **f16 rows** (sinks, the recent window, protected positions) run first through the
 //! same tiles with plain f16 fragments (the query in natural channel order), so the online
-//! softmax sees one stream. Tokens of a split are walked in tiles of 16 (two n-tiles of 8
-//! for the scores, one k-step for the values), tile `k` by warp `k mod WARPS`; the warps
-//! merge their `(m, l, o)` in shared memory at the end.
+//! softmax sees one stream. Quantized tokens are walked in tiles of 16 (two n-tiles of 8
+//! for the scores, one k-step for the values). The steady state is an unmasked loop over
+//! chunks of [`chunk_tiles`] tiles (32 or 64 tokens) with one online-softmax update per
+//! chunk, chunk `k` by warp `k mod WARPS`, the next chunk's loads issued while the current
+//! one is computed; tiles that need a mask (a split's ends, causal limits of multi-token
+//! queries, protected positions) go one at a time through a second, masked loop. The
+//! warps merge their `(m, l, o)` in shared memory at the end.
 //!
 //! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
 //! and the fragment counts are compile-time constants of each entry point
@@ -38,7 +44,7 @@
 
 use crate::ctx::{Ctx, WARP};
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
-use crate::math::{exp2_neg, fma, h2f, pack_f16x2};
+use crate::math::{exp2_neg, fma, h2f, hmul2, pack_f16x2};
 use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS, load_elem};
 
 /// Warps per block.
@@ -137,43 +143,53 @@ impl<const NG: usize> Default for Raw<NG> {
     }
 }
 
-/// Online-softmax state of the lane's two rows (`g` and `g + 8`), log2 domain.
+/// Online-softmax state of the lane's two rows (`g` and `g + 8`), log2 domain: the running
+/// max `m` and the lane's part of the f16 rows' weight sum `l` (the quantized tiles sum
+/// their weights on the tensor cores, in the `zl` accumulator of [`values`]).
 struct Soft {
     m: [f32; 2],
     l: [f32; 2],
 }
 
-/// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`; a
-/// warp-uniform `interior` tile needs no mask) and
-/// updates the online softmax: the running max per row over the warp, the rescaling of
-/// `o` and `z` when it grows, and `s` replaced by `p = 2^(s - m)`.
+/// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`): `-inf`
+/// where the token does not count or lies past the row's causal limit.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
-    ctx: &C,
-    st: &mut Soft,
-    s: &mut [[f32; 4]; 2],
-    tok: &Tok,
-    lim: [u32; 2],
-    interior: bool,
-    o: &mut [[f32; 4]; NVT],
-    z: &mut [[f32; NG]; 2],
-) {
-    if !interior {
-        for nt in 0..2 {
-            for c in 0..4 {
-                let k = 2 * nt + (c & 1);
-                if !tok.ok[k] || tok.pos[k] >= lim[c / 2] {
-                    s[nt][c] = f32::NEG_INFINITY;
-                }
+fn mask(s: &mut [[f32; 4]; 2], tok: &Tok, lim: [u32; 2]) {
+    for nt in 0..2 {
+        for c in 0..4 {
+            let k = 2 * nt + (c & 1);
+            if !tok.ok[k] || tok.pos[k] >= lim[c / 2] {
+                s[nt][c] = f32::NEG_INFINITY;
             }
         }
     }
+}
+
+/// One online-softmax update over `U` tiles of 16 tokens: the scores are `s * scale`
+/// (`scale > 0`, a power of two); the running max per row over the warp, the rescaling of
+/// `o`, `zl` and `l` when it grows, and `s` replaced by `p = 2^(s * scale - m)`.
+/// `masked`: some scores may be `-inf` (a row may have no token yet); `add_l`: add the
+/// weights to `st.l` (the f16 rows; quantized tiles sum them on the tensor cores).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn softmax<C: Ctx, const U: usize, const NVT: usize>(
+    ctx: &C,
+    st: &mut Soft,
+    s: &mut [[[f32; 4]; 2]; U],
+    scale: f32,
+    masked: bool,
+    add_l: bool,
+    o: &mut [[f32; 4]; NVT],
+    zl: &mut [f32; 4],
+) {
     for r in 0..2 {
-        let mut mx = s[0][2 * r].max(s[0][2 * r + 1]).max(s[1][2 * r].max(s[1][2 * r + 1]));
+        let mut mx = f32::NEG_INFINITY;
+        for su in s.iter() {
+            mx = mx.max(su[0][2 * r].max(su[0][2 * r + 1]).max(su[1][2 * r].max(su[1][2 * r + 1])));
+        }
         mx = mx.max(ctx.shfl_xor(mx, 1));
         mx = mx.max(ctx.shfl_xor(mx, 2));
-        let mn = st.m[r].max(mx);
+        let mn = st.m[r].max(mx * scale);
         if mn > st.m[r] {
             let corr = exp2_neg(st.m[r] - mn);
             st.l[r] *= corr;
@@ -181,15 +197,220 @@ fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
                 ot[2 * r] *= corr;
                 ot[2 * r + 1] *= corr;
             }
-            z[r].iter_mut().for_each(|x| *x *= corr);
+            zl[2 * r] *= corr;
+            zl[2 * r + 1] *= corr;
             st.m[r] = mn;
         }
-        let base = if st.m[r] == f32::NEG_INFINITY { 0.0 } else { st.m[r] };
-        for sn in s.iter_mut() {
-            sn[2 * r] = exp2_neg(sn[2 * r] - base);
-            sn[2 * r + 1] = exp2_neg(sn[2 * r + 1] - base);
-            st.l[r] += sn[2 * r] + sn[2 * r + 1];
+        // A finite score makes the max finite, so only masked tiles need the guard.
+        let base = if masked && st.m[r] == f32::NEG_INFINITY { 0.0 } else { st.m[r] };
+        for su in s.iter_mut() {
+            for sn in su.iter_mut() {
+                sn[2 * r] = exp2_neg(fma(sn[2 * r], scale, -base));
+                sn[2 * r + 1] = exp2_neg(fma(sn[2 * r + 1], scale, -base));
+                if add_l {
+                    st.l[r] += sn[2 * r] + sn[2 * r + 1];
+                }
+            }
         }
+    }
+}
+
+/// Scores of `U` quantized tiles in query units (`* 2^(24 - k)` gives the log2-domain
+/// logits): per k-step the query fragment is read once from shared memory for every tile
+/// and n-tile; per token and group `scale * acc + zero * qsum'` on the accumulators, with
+/// `qsum'` the query sums in the same units.
+#[inline(always)]
+fn scores<C: Ctx, const U: usize, const KB: u32, const NG: usize, const NKS: usize>(
+    ctx: &C,
+    aq: *const u32,
+    raw: &[Raw<NG>; U],
+    qsp: &[[f32; NG]; 2],
+) -> [[[f32; 4]; 2]; U] {
+    let lane = ctx.lane() as usize;
+    let nbk = NKS * KB as usize / 8;
+    let ks_per_block = (per_half(KB) / 2) as usize;
+    let gsize = NKS * 16 / NG;
+    let mut sg = [[[[0f32; 4]; 2]; NG]; U];
+    for b in 0..nbk {
+        let gi = clamp_idx(b * (128 / KB as usize) / gsize, NG);
+        let w: [[u32; 2]; U] = core::array::from_fn(|u| [raw[u].kw[0][b & 3], raw[u].kw[1][b & 3]]);
+        let x: [[u32; 2]; U] = core::array::from_fn(|u| w[u].map(|wv| wv >> (KB * direct(KB))));
+        for st in 0..ks_per_block {
+            let ks = clamp_idx(b * ks_per_block + st, NKS);
+            // SAFETY: the fragment area holds NKS x 32 lanes x 4 words.
+            let a: [u32; 4] = core::array::from_fn(|r| unsafe { *aq.add((ks * WARP as usize + lane) * 4 + r) });
+            let j = 2 * st as u32;
+            for u in 0..U {
+                for nt in 0..2 {
+                    let bf = [extract(KB, w[u][nt], x[u][nt], j), extract(KB, w[u][nt], x[u][nt], j + 1)];
+                    sg[u][gi][nt] = ctx.mma_m16n8k16(a, bf, sg[u][gi][nt]);
+                }
+            }
+        }
+    }
+    let mut s = [[[0f32; 4]; 2]; U];
+    for u in 0..U {
+        for gi in 0..NG {
+            let ksc = f16x4([raw[u].ks[gi][0], raw[u].ks[gi][1]]);
+            let kz = f16x4([raw[u].ks[gi][2], raw[u].ks[gi][3]]);
+            for nt in 0..2 {
+                for c in 0..4 {
+                    let tk = 2 * nt + (c & 1);
+                    let acc = if gi == 0 { kz[tk] * qsp[c / 2][gi] } else { fma(kz[tk], qsp[c / 2][gi], s[u][nt][c]) };
+                    s[u][nt][c] = fma(sg[u][gi][nt][c], ksc[tk], acc);
+                }
+            }
+        }
+    }
+    s
+}
+
+/// Four f16 (two words) to f32.
+#[inline(always)]
+fn f16x4(w: [u32; 2]) -> [f32; 4] {
+    [h2f(w[0] as u16), h2f((w[0] >> 16) as u16), h2f(w[1] as u16), h2f((w[1] >> 16) as u16)]
+}
+
+/// f16 one, twice.
+const ONES_F16X2: u32 = 0x3c00_3c00;
+
+/// `P' V` of one quantized tile from its weights `p` (score layout): `P = f16(p)` once,
+/// `P' = P * scale` per group in f16x2, value codes of tokens (4t, 4t+1) and (4t+2, 4t+3)
+/// joined per 16-bit half into B. One more MMA sums the weights and the weights times the
+/// value zeros: `zl`'s B column `n` is the zeros of group `n % 2^ceil(log2(NG + 1))` below
+/// `NG`, ones (the weight sum `l`) at and above it; see [`zl_parts`].
+#[inline(always)]
+fn values<C: Ctx, const VB: u32, const NG: usize, const NVT: usize>(
+    ctx: &C,
+    p: &[[f32; 4]; 2],
+    raw: &Raw<NG>,
+    o: &mut [[f32; 4]; NVT],
+    zl: &mut [f32; 4],
+) {
+    let g = ctx.lane() as usize / 4;
+    let pa = [
+        pack_f16x2(p[0][0], p[0][1]),
+        pack_f16x2(p[0][2], p[0][3]),
+        pack_f16x2(p[1][0], p[1][1]),
+        pack_f16x2(p[1][2], p[1][3]),
+    ];
+    let col = g % zl_period(NG);
+    let mut bz = [ONES_F16X2; 2];
+    for (gi, v) in raw.vs.iter().enumerate() {
+        if col == gi {
+            bz = [v[2], v[3]];
+        }
+    }
+    *zl = ctx.mma_m16n8k16(pa, bz, *zl);
+    let a: [[u32; 4]; NG] = core::array::from_fn(|gi| {
+        let v = &raw.vs[gi];
+        [hmul2(pa[0], v[0]), hmul2(pa[1], v[0]), hmul2(pa[2], v[1]), hmul2(pa[3], v[1])]
+    });
+    let cph_v = per_half(VB) as usize;
+    let nh = NVT / cph_v;
+    let gsize = NVT * 8 / NG;
+    for h in 0..nh {
+        let [wa, wb] = raw.vw[h & 3];
+        let (xa, xb) = (wa >> (VB * direct(VB)), wb >> (VB * direct(VB)));
+        let gi = clamp_idx(h * (128 / VB as usize) / gsize, NG);
+        for ev in 0..cph_v {
+            let bf = [extract(VB, wa, xa, ev as u32), extract(VB, wb, xb, ev as u32)];
+            let n = clamp_idx(h * cph_v + ev, NVT);
+            o[n] = ctx.mma_m16n8k16(a[gi], bf, o[n]);
+        }
+    }
+}
+
+/// Columns per period of the `zl` accumulator: `NG` zero columns then weight-sum
+/// columns, a power of two so that lane `t`'s columns `2t, 2t + 1` fall on one pattern.
+const fn zl_period(ng: usize) -> usize {
+    if ng < 2 { 2 } else { 4 }
+}
+
+/// From the `zl` accumulator: per row (`g`, `g + 8`) the weights times the value zeros
+/// per group and the weight sum, for every lane (a shuffle with lane `t ^ 1` where a
+/// lane's two columns do not hold all of them).
+#[inline(always)]
+fn zl_parts<C: Ctx, const NG: usize>(ctx: &C, zl: &[f32; 4]) -> ([[f32; NG]; 2], [f32; 2]) {
+    let t = ctx.lane() % 4;
+    let mut z = [[0f32; NG]; 2];
+    let mut l = [0f32; 2];
+    for r in 0..2 {
+        let (x0, x1) = (zl[2 * r], zl[2 * r + 1]);
+        if NG < 2 {
+            z[r][0] = x0;
+            l[r] = x1;
+        } else {
+            // Period 4: columns z0, z1, l, l; lanes t even hold z0, z1, odd l, l.
+            let (y0, y1) = (ctx.shfl_xor(x0, 1), ctx.shfl_xor(x1, 1));
+            let even = t & 1 == 0;
+            z[r][0] = if even { x0 } else { y0 };
+            z[r][clamp_idx(1, NG)] = if even { x1 } else { y1 };
+            l[r] = if even { y0 } else { x0 };
+        }
+    }
+    (z, l)
+}
+
+/// Tiles per chunk of the unmasked steady-state loop (one online-softmax update per
+/// chunk): as many as ptxas keeps in registers without spilling (measured with `cargo
+/// xtask sass`): four (64 tokens) at head_dim 64 with 2-bit values, two (32 tokens) for
+/// most of head_dim 128, one for 4-bit values at head_dim 64 or with two groups per head
+/// at 128.
+pub const fn chunk_tiles(head_dim: u32, value_bits: u32, groups: u32) -> u32 {
+    if value_bits == 4 && (head_dim == 64 || groups > 1) {
+        1
+    } else if head_dim == 64 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The unmasked steady state (section 4a of [`decode_mma`]): chunks `warp, warp + WARPS,
+/// ...` below `nchunks` of `U` tiles each, chunk `c` starting at tile `f0 + U c`. Each
+/// iteration computes the chunk's scores, issues the next chunk's loads (tile by tile as
+/// the registers of the current one free up; the last chunk reloads itself, so there is
+/// no branch), runs one softmax update for all `U` tiles and their `P' V`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn fast_chunks<
+    C: Ctx,
+    const KB: u32,
+    const VB: u32,
+    const NG: usize,
+    const NKS: usize,
+    const NVT: usize,
+    const U: usize,
+>(
+    (ctx, aq, qsp, unscale_q): (&C, *const u32, &[[f32; NG]; 2], f32),
+    load: &impl Fn(u32) -> Raw<NG>,
+    f0: u32,
+    nchunks: u32,
+    st: &mut Soft,
+    o: &mut [[f32; 4]; NVT],
+    zl: &mut [f32; 4],
+) {
+    let mut c = ctx.thread_idx() / WARP;
+    if c >= nchunks {
+        return;
+    }
+    let rel = |c: u32, u: usize| (f0 + U as u32 * c + u as u32) * TILE;
+    let mut cur: [Raw<NG>; U] = core::array::from_fn(|u| load(rel(c, u)));
+    while c < nchunks {
+        let mut s = scores::<C, U, KB, NG, NKS>(ctx, aq, &cur, qsp);
+        let cn = (c + WARPS).min(nchunks - 1);
+        let mut ahead = [Raw::<NG>::default(); U];
+        ahead[0] = load(rel(cn, 0));
+        softmax::<C, U, NVT>(ctx, st, &mut s, unscale_q, false, false, o, zl);
+        for u in 0..U {
+            values::<C, VB, NG, NVT>(ctx, &s[u], &cur[u], o, zl);
+            if u + 1 < U {
+                ahead[clamp_idx(u + 1, U)] = load(rel(cn, u + 1));
+            }
+        }
+        cur = ahead;
+        c += WARPS;
     }
 }
 
@@ -199,6 +420,8 @@ fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
 /// As `decode_split` (crate::decode), with the query rows of [`DecodeParams`]
 /// (`p.q_dtype`; `p.q_seq_stride` between sequences, `p.q_token_stride` between query
 /// tokens, heads `D` apart) and the partials `[seq][q_len][q_head][split]`;
+/// unlike there, block-table entries are not clamped: each used entry must be a block
+/// of the pool (below `p.num_blocks`);
 /// additionally `D == p.format.head_dim == 32 * V == 16 * NKS == 8 * NVT`, key and value
 /// bits `KB`, `VB`, `NG == D / p.format.group_size` groups with
 /// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
@@ -216,8 +439,9 @@ fn softmax<C: Ctx, const NVT: usize, const NG: usize>(
 /// Setup: warp `w` rotates query rows `w, w + 4, w + 8, w + 12` of the tile (lane `i`
 /// owns channels `[i * V, (i + 1) * V)`, as `decode_split`), then the block writes the
 /// two sets of A fragments to shared memory and each lane keeps the quantized set in
-/// registers. Main loop: warp `w` takes tiles `w, w + 4, ...` of the f16 rows, then of
-/// the quantized pages; lane `(g, t) = (lane / 4, lane % 4)` loads key codes of tokens
+/// registers. Main loop: warp `w` takes tiles `w, w + 4, ...` of the f16 rows, then
+/// chunks `w, w + 4, ...` of the quantized pages' unmasked range, then tiles `w, w + 4,
+/// ...` of the rest; lane `(g, t) = (lane / 4, lane % 4)` loads key codes of tokens
 /// `tile_token(0, g)` and `tile_token(1, g)` (32-bit words `t, t + 4, ...`), value codes,
 /// scales and zeros of tokens `4t .. 4t + 4`, and holds rows `g` and `g + 8` of the score
 /// and output accumulators. End: the warps' partials merge in shared memory; thread `i`
@@ -367,7 +591,10 @@ pub unsafe fn decode_mma<
         if row < rows_total { p.row_len(len, row / gqa) } else { len }
     });
     let unscale_h = pow2(-k);
+    // Quantized scores come in query units: `* unscale_q` is the log2-domain logit; the
+    // query sums are taken into the same units (exact powers of two).
     let unscale_q = pow2(24 - k);
+    let qsp: [[f32; NG]; 2] = qs.map(|r| r.map(|x| x * pow2(k - 24)));
 
     let (begin, end) = p.split_range(split, len);
     let (sinks, nq) = (fmt.sinks, fmt.quantized_len(len));
@@ -393,7 +620,7 @@ pub unsafe fn decode_mma<
 
     let mut st = Soft { m: [f32::NEG_INFINITY; 2], l: [0.0; 2] };
     let mut o = [[0f32; 4]; NVT];
-    let mut zs = [[0f32; NG]; 2];
+    let mut zl = [0f32; 4];
     let cph_v = per_half(VB) as usize;
 
     // 3. f16 rows: sinks, protected positions, window.
@@ -425,11 +652,13 @@ pub unsafe fn decode_mma<
                     if ok { unsafe { [*krow.add(c).cast::<u32>(), *krow.add(c + 8).cast::<u32>()] } } else { [0, 0] };
                 *sn = ctx.mma_m16n8k16(a, b, *sn);
             }
-            sn.iter_mut().for_each(|x| *x *= unscale_h);
         }
         let toks: [(u32, u32, bool); 4] = core::array::from_fn(|j| f16_row(f0 + 4 * t + j as u32));
         let tok = Tok { pos: toks.map(|x| x.0), ok: toks.map(|x| x.2) };
-        softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, false, &mut o, &mut zs);
+        mask(&mut s, &tok, lim);
+        let mut su = [s];
+        softmax::<C, 1, NVT>(ctx, &mut st, &mut su, unscale_h, true, true, &mut o, &mut zl);
+        let [s] = su;
         let a = [
             pack_f16x2(s[0][0], s[0][1]),
             pack_f16x2(s[0][2], s[0][3]),
@@ -455,67 +684,89 @@ pub unsafe fn decode_mma<
     }
 
     // 4. Quantized pages, tiles of 16 tokens aligned to the first quantized position.
-    // Every offset inside a head-page that does not depend on the tile, computed once
-    // (the layout functions divide by the group size).
+    // Per-lane byte offsets inside a head-page that do not depend on the tile, computed
+    // once; code widths are constants, so a tile's loads sit at constant offsets from
+    // three pointers.
     let page_shift = fmt.page_size.trailing_zeros();
-    let kcb = fmt.key_code_bytes() as usize;
-    let vcb = fmt.value_code_bytes() as usize;
+    let psz = fmt.page_size as usize;
+    let kcb = D * KB as usize / 8;
+    let vcb = D * VB as usize / 8;
     let page_bytes = fmt.page_bytes() as usize;
     let head_stride = p.num_kv_heads as usize * page_bytes;
-    let head_base = kvh as usize * page_bytes;
-    let vcodes = fmt.value_codes_at(0) as usize;
-    let koff: [[usize; 2]; NG] = core::array::from_fn(|gi| {
-        [fmt.scale_at(false, gi as u32, 0) as usize, fmt.zero_at(false, gi as u32, 0) as usize]
-    });
-    let voff: [[usize; 2]; NG] = core::array::from_fn(|gi| {
-        [fmt.scale_at(true, gi as u32, 0) as usize, fmt.zero_at(true, gi as u32, 0) as usize]
-    });
-    // One tile's raw bytes for this lane, loaded one iteration ahead of their use.
+    let pool_h = unsafe { pool.add(kvh as usize * page_bytes) };
+    let klane = tile_token(0, g) as usize * kcb + 4 * t as usize;
+    let slane = psz * (kcb + vcb) + 8 * t as usize;
+    let vlane = psz * kcb + 4 * t as usize * vcb + 2 * g as usize;
+    // Bytes between the f16 arrays of one group's scales and the next (FORMAT.md): key
+    // scales, key zeros, value scales, value zeros, NG groups each.
+    let gstride = 2 * psz;
     let nbk = D * KB as usize / 128;
     let nh = D * VB as usize / 128;
-    let load = |tile: u32| -> Raw<NG> {
-        let rel = tile * TILE;
+    // One tile's raw bytes for this lane; `rel` is the tile's first quantized position.
+    let load = |rel: u32| -> Raw<NG> {
+        let blk = unsafe { *table.add((rel >> page_shift) as usize) };
+        let pb = unsafe { pool_h.add(blk as usize * head_stride) };
         let slot0 = (rel & (fmt.page_size - 1)) as usize;
-        let blk = p.block(unsafe { *table.add((rel >> page_shift) as usize) });
-        let base = unsafe { pool.add(blk as usize * head_stride + head_base) };
         let mut r = Raw::<NG>::default();
+        let kp = unsafe { pb.add(slot0 * kcb + klane) };
         for nt in 0..2 {
-            let kp = unsafe { base.add((slot0 + tile_token(nt as u32, g) as usize) * kcb).cast::<u32>() };
             for b in 0..nbk {
-                r.kw[nt][b & 3] = unsafe { *kp.add(4 * b + t as usize) };
+                r.kw[nt][b & 3] = unsafe { *kp.add(2 * nt * kcb + 16 * b).cast::<u32>() };
             }
         }
-        let sl = slot0 + 4 * t as usize;
+        // Scales and zeros of tokens 4t .. 4t + 4: 8 bytes, 8-byte aligned.
+        let sp = unsafe { pb.add(2 * slot0 + slane) };
         let ld2 = |at: usize| -> [u32; 2] {
-            let pp = unsafe { base.add(at + 2 * sl).cast::<u32>() };
-            unsafe { [*pp, *pp.add(1)] }
+            let x = unsafe { *sp.add(at).cast::<u64>() };
+            [x as u32, (x >> 32) as u32]
         };
         for gi in 0..NG {
-            let (a, b, c, d) = (ld2(koff[gi][0]), ld2(koff[gi][1]), ld2(voff[gi][0]), ld2(voff[gi][1]));
+            let (a, b) = (ld2(gi * gstride), ld2((NG + gi) * gstride));
+            let (c, d) = (ld2((2 * NG + gi) * gstride), ld2((3 * NG + gi) * gstride));
             r.ks[gi] = [a[0], a[1], b[0], b[1]];
             r.vs[gi] = [c[0], c[1], d[0], d[1]];
         }
-        let vbase = unsafe { base.add(vcodes + sl * vcb) };
+        let vp = unsafe { pb.add(slot0 * vcb + vlane) };
         for h in 0..nh {
-            let hw =
-                |j: usize| -> u32 { unsafe { *vbase.add(j * vcb + 2 * (8 * h + g as usize)).cast::<u16>() as u32 } };
+            let hw = |j: usize| -> u32 { unsafe { *vp.add(j * vcb + 16 * h).cast::<u16>() as u32 } };
             r.vw[h & 3] = [hw(0) | hw(1) << 16, hw(2) | hw(3) << 16];
         }
         r
     };
-    let f16x4 = |w: [u32; 2]| -> [f32; 4] {
-        [h2f(w[0] as u16), h2f((w[0] >> 16) as u16), h2f(w[1] as u16), h2f((w[1] >> 16) as u16)]
-    };
     if lo_pos < hi_pos {
         let first = (lo_pos - qbeg) / TILE;
         let last = (hi_pos - qbeg).div_ceil(TILE);
-        let min_lim = lim[0].min(lim[1]);
+        // 4a. The steady state: chunks of `ut` tiles (one softmax update; see
+        // [`chunk_tiles`]) that need no mask: inside the split, below every row's causal
+        // limit, and no protected position in the split. Chunk `c` is tiles
+        // `f0 + ut c ..`, taken by warp `c mod WARPS`. Block-uniform: the smallest causal
+        // limit of the tile's rows is that of its first row.
+        let min_lim = p.row_len(len, r0 / gqa);
+        let fast_end = hi_pos.min(min_lim);
+        let ut = chunk_tiles(D as u32, VB, NG as u32);
+        let f0 = (lo_pos - qbeg).div_ceil(ut * TILE) * ut;
+        let f1 = if fast_end > qbeg { (fast_end - qbeg) / (ut * TILE) * ut } else { 0 };
+        let (f0, f1) = if p_lo == p_hi && f1 > f0 { (f0, f1) } else { (last, last) };
+        let nchunks = (f1 - f0) / ut;
+        let cur_args = (ctx, aq_sh.cast_const(), &qsp, unscale_q);
+        if ut == 4 {
+            fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else if ut == 2 {
+            fast_chunks::<C, KB, VB, NG, NKS, NVT, 2>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else {
+            fast_chunks::<C, KB, VB, NG, NKS, NVT, 1>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
+        }
+        // 4b. Every other tile (the split's ends, tiles under a causal limit, protected
+        // positions, a split too short for a chunk), one at a time with masks: tiles
+        // [first, f0) then [f1, last), tile i of them by warp i mod WARPS.
+        let n_head = f0 - first;
+        let n_masked = n_head + (last - f1);
+        let tile_of = |i: u32| if i < n_head { first + i } else { f1 + i - n_head };
         let mut pn = p_lo;
-        let mut tile = first + warp;
-        let mut raw = if tile < last { load(tile) } else { Raw::default() };
-        while tile < last {
-            let next = tile + WARPS;
-            let ahead = if next < last { load(next) } else { raw };
+        let mut i = warp;
+        while i < n_masked {
+            let tile = tile_of(i);
+            let raw = load(tile * TILE);
             let t0 = qbeg + tile * TILE;
             // Protected positions of this tile (read as f16 rows above).
             while pn < p_hi && unsafe { *prot.add(pn as usize) } < t0 {
@@ -531,38 +782,7 @@ pub unsafe fn decode_mma<
                 pmask |= 1 << (pp - t0);
                 jp += 1;
             }
-            // Scores: each k-step's query fragment read once from shared memory for both
-            // n-tiles.
-            let mut sg = [[[0f32; 4]; 2]; NG];
-            for b in 0..nbk {
-                let w = [raw.kw[0][b & 3], raw.kw[1][b & 3]];
-                let x = [w[0] >> (KB * direct(KB)), w[1] >> (KB * direct(KB))];
-                let gi = clamp_idx(b * (128 / KB as usize) / gsize as usize, NG);
-                for s in 0..ks_per_block {
-                    let ks = clamp_idx(b * ks_per_block + s, NKS);
-                    let a: [u32; 4] =
-                        core::array::from_fn(|r| unsafe { *aq_sh.add((ks * WARP as usize + lane as usize) * 4 + r) });
-                    let j = 2 * s as u32;
-                    for nt in 0..2 {
-                        let bf = [extract(KB, w[nt], x[nt], j), extract(KB, w[nt], x[nt], j + 1)];
-                        sg[gi][nt] = ctx.mma_m16n8k16(a, bf, sg[gi][nt]);
-                    }
-                }
-            }
-            let mut s = [[0f32; 4]; 2];
-            for gi in 0..NG {
-                let ksc = f16x4([raw.ks[gi][0], raw.ks[gi][1]]);
-                let kz = f16x4([raw.ks[gi][2], raw.ks[gi][3]]);
-                for nt in 0..2 {
-                    for c in 0..4 {
-                        let tk = 2 * nt + (c & 1);
-                        s[nt][c] = fma(sg[gi][nt][c], ksc[tk] * unscale_q, fma(kz[tk], qs[c / 2][gi], s[nt][c]));
-                    }
-                }
-            }
-            // Only tiles at the split's ends, with protected positions or under a causal
-            // limit mask anything.
-            let interior = t0 >= lo_pos && t0 + TILE <= hi_pos && pmask == 0 && t0 + TILE <= min_lim;
+            let [mut s] = scores::<C, 1, KB, NG, NKS>(ctx, aq_sh, &[raw], &qsp);
             let tok = Tok {
                 pos: core::array::from_fn(|j| t0 + 4 * t + j as u32),
                 ok: core::array::from_fn(|j| {
@@ -570,47 +790,21 @@ pub unsafe fn decode_mma<
                     pos >= lo_pos && pos < hi_pos && pmask & (1 << (4 * t + j as u32)) == 0
                 }),
             };
-            softmax::<C, NVT, NG>(ctx, &mut st, &mut s, &tok, lim, interior, &mut o, &mut zs);
-            // Values: P' = p * scale per group; codes of tokens (4t, 4t+1) and (4t+2, 4t+3)
-            // joined per 16-bit half.
-            let mut a = [[0u32; 4]; NG];
-            for (gi, ag) in a.iter_mut().enumerate() {
-                let vsc = f16x4([raw.vs[gi][0], raw.vs[gi][1]]);
-                let vz = f16x4([raw.vs[gi][2], raw.vs[gi][3]]);
-                *ag = [
-                    pack_f16x2(s[0][0] * vsc[0], s[0][1] * vsc[1]),
-                    pack_f16x2(s[0][2] * vsc[0], s[0][3] * vsc[1]),
-                    pack_f16x2(s[1][0] * vsc[2], s[1][1] * vsc[3]),
-                    pack_f16x2(s[1][2] * vsc[2], s[1][3] * vsc[3]),
-                ];
-                for r in 0..2 {
-                    let z = fma(s[0][2 * r], vz[0], fma(s[0][2 * r + 1], vz[1], zs[r][gi]));
-                    zs[r][gi] = fma(s[1][2 * r], vz[2], fma(s[1][2 * r + 1], vz[3], z));
-                }
-            }
-            for h in 0..nh {
-                let [wa, wb] = raw.vw[h & 3];
-                let (xa, xb) = (wa >> (VB * direct(VB)), wb >> (VB * direct(VB)));
-                let gi = clamp_idx(h * (128 / VB as usize) / gsize as usize, NG);
-                for ev in 0..cph_v {
-                    let bf = [extract(VB, wa, xa, ev as u32), extract(VB, wb, xb, ev as u32)];
-                    let n = clamp_idx(h * cph_v + ev, NVT);
-                    o[n] = ctx.mma_m16n8k16(a[gi], bf, o[n]);
-                }
-            }
-            raw = ahead;
-            tile = next;
+            mask(&mut s, &tok, lim);
+            let mut su = [s];
+            softmax::<C, 1, NVT>(ctx, &mut st, &mut su, unscale_q, true, false, &mut o, &mut zl);
+            values::<C, VB, NG, NVT>(ctx, &su[0], &raw, &mut o, &mut zl);
+            i += WARPS;
         }
     }
 
-    // 5. The warp's partials: sums over the row's four lanes, values back to units.
+    // 5. The warp's partials: the f16 rows' weight sums over the row's four lanes, plus
+    // the quantized tiles' (already summed over the row by the MMA), values back to units.
+    let (zs, lq) = zl_parts::<C, NG>(ctx, &zl);
     for r in 0..2 {
         st.l[r] += ctx.shfl_xor(st.l[r], 1);
         st.l[r] += ctx.shfl_xor(st.l[r], 2);
-        for zg in zs[r].iter_mut() {
-            *zg += ctx.shfl_xor(*zg, 1);
-            *zg += ctx.shfl_xor(*zg, 2);
-        }
+        st.l[r] += lq[r];
     }
     ctx.sync_threads(); // everyone is done with the query area
     let mo = qf;

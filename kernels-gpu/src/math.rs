@@ -77,6 +77,27 @@ pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
     }
 }
 
+/// Two f16 products in one `u32` (`a * b` per 16-bit half, rounded once to nearest
+/// even): one `mul.rn.f16x2` on the device; elsewhere the exact f32 product (11 x 11
+/// significand bits fit in 24) rounded to f16, which is the same value.
+#[inline(always)]
+pub fn hmul2(a: u32, b: u32) -> u32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r: u32;
+        // SAFETY: a pure arithmetic instruction (sm_53+).
+        unsafe {
+            core::arch::asm!("mul.rn.f16x2 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, options(pure, nomem, nostack))
+        };
+        r
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        let h = |w: u32, hi: bool| f16_to_f32(if hi { (w >> 16) as u16 } else { w as u16 });
+        pack_f16x2(h(a, false) * h(b, false), h(a, true) * h(b, true))
+    }
+}
+
 /// IEEE binary16 bits to f32: one `cvt.f32.f16` on the device, [`f16_to_f32`] elsewhere.
 #[inline(always)]
 pub fn h2f(h: u16) -> f32 {
@@ -195,6 +216,21 @@ mod tests {
         assert_eq!(f64_to_f16(1e6), 0x7c00);
         assert_eq!(f64_to_f16(-1e6), 0xfc00);
         assert_eq!(f64_to_f16(1e-30), 0);
+    }
+
+    #[test]
+    fn hmul2_rounds_each_half_product_once() {
+        let vals: std::vec::Vec<u16> = (0..0x7c00u16).step_by(97).chain([0x0001, 0x03ff, 0x3c00, 0x7bff]).collect();
+        for (i, &a) in vals.iter().enumerate() {
+            let b = vals[(i * 7 + 3) % vals.len()];
+            let c = vals[(i * 13 + 5) % vals.len()] | 0x8000;
+            let want = |x: u16, y: u16| {
+                half::f16::from_f64(half::f16::from_bits(x).to_f64() * half::f16::from_bits(y).to_f64()).to_bits()
+            };
+            let r = hmul2(a as u32 | (c as u32) << 16, b as u32 | (b as u32) << 16);
+            assert_eq!(r as u16, want(a, b), "{a:#06x} * {b:#06x}");
+            assert_eq!((r >> 16) as u16, want(c, b), "{c:#06x} * {b:#06x}");
+        }
     }
 
     #[test]

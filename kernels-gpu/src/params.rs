@@ -108,9 +108,10 @@ pub struct DecodeParams {
     pub q_token_stride: u32,
     /// Element type of the queries (`DTYPE_*`).
     pub q_dtype: u32,
-    /// Blocks in the pool: a block-table entry at or past it is read as the last block
-    /// (what only the device can see is clamped, never read out of bounds; the host
-    /// checks the tables it builds).
+    /// Blocks in the pool: `decode_split` reads a block-table entry at or past it as
+    /// the last block (never out of bounds). `decode_mma` does not clamp (the `min` and
+    /// its register cost a spill at head_dim 128): its callers keep every entry below
+    /// it, as the typed API does by building the tables itself.
     pub num_blocks: u32,
     /// Longest sequence: a length read on the device is clamped to it, and
     /// `block_table_stride` covers its pages.

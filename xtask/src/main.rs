@@ -482,10 +482,12 @@ fn build_ptx() -> Result<String, Step> {
 /// `__launch_bounds__`): for each `(entry-point prefix, threads per block, blocks per SM)`
 /// the entry gets `.maxntid` and `.minnctapersm` between its parameter list and its body,
 /// so ptxas sizes registers for that many resident blocks. `decode_mma` runs 128-thread
-/// blocks (`rotkv_kernels::decode_mma::THREADS`); 4 blocks (16 warps) per SM at head_dim
-/// 64 keep it at 128 registers without spilling. (At head_dim 128, 3 blocks per SM spill
-/// 72-528 bytes: it is left at ptxas' choice, 2 blocks, with no local memory.)
-const TUNING: &[(&str, u32, u32)] = &[("rotkv_decode_mma_d64_", 128, 4)];
+/// blocks (`rotkv_kernels::decode_mma::THREADS`); at head_dim 64, 2 blocks (8 warps) per
+/// SM let ptxas use up to 255 registers, which the 64-token chunks of the steady-state loop
+/// need to keep two chunks of raw bytes in registers without spilling (the gpu_decode
+/// head_dim-64 case launches 8 warps per SM anyway). At head_dim 128 ptxas' own choice is
+/// 2 blocks (up to 255 registers), with no local memory.
+const TUNING: &[(&str, u32, u32)] = &[("rotkv_decode_mma_d64_", 128, 2)];
 
 fn tuning_directives(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);

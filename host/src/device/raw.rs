@@ -23,9 +23,10 @@ use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
 /// `# Safety` section (`rotkv_kernels::decode::decode_split`,
 /// `rotkv_kernels::decode_mma::decode_mma`) asks for `p`: queries for `p.num_seqs`
 /// sequences of `p.q_len` rows, block tables of `p.block_table_stride >=
-/// pages_for(p.max_len)` entries, a pool of `p.num_blocks` blocks (the kernels clamp
-/// each table entry below `p.num_blocks` and each length `lens[s]` to `p.max_len`, so
-/// wrong values on the device read wrong data, never outside these buffers), side stores and protected lists per sequence,
+/// pages_for(p.max_len)` entries, every entry a block of the pool of `p.num_blocks`
+/// blocks (the kernels clamp each length `lens[s]` to `p.max_len`, and `decode_split`
+/// also each table entry; `decode_mma`, the kernel the planning picks for head_dim 64
+/// and 128, trusts the entries: a wrong one reads outside the pool), side stores and protected lists per sequence,
 /// partials for `p.num_seqs * p.q_len * p.num_q_heads * p.num_splits` rows; the pool and
 /// side stores 16-byte aligned; none of it written by other work while this runs.
 pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
