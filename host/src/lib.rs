@@ -11,7 +11,8 @@
 //!   the device kernels on a GPU over host buffers (a test path); `device` (features
 //!   `sim`, `cuda`): the GPU API, a layer's cache in device memory, append and decode
 //!   through a fixed decode plan (`device::DecodePlan`) on the caller's stream; `launch`:
-//!   the launch planning both device backends share.
+//!   the launch planning both device backends share; `candle` (feature `candle`): append
+//!   and decode over candle `Tensor`s with CPU storage, through a [`KvCache`].
 //!
 //! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
 //! returns an [`Error`] that says what was wrong; a failed call changes nothing.
@@ -46,6 +47,8 @@
 //! ```
 
 pub mod cache;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]
