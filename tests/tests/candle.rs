@@ -166,6 +166,9 @@ fn strided_and_offset_views_equal_contiguous_tensors() {
     assert_eq!(tensor_bits::<f32>(&x), tensor_bits::<f32>(&y));
 }
 
+/// Which kind of `Error` a bad input must give.
+type Kind = fn(&Error) -> bool;
+
 fn is_shape(e: &Error) -> bool {
     matches!(e, Error::Shape(_))
 }
@@ -184,7 +187,7 @@ fn every_bad_input_is_an_error_and_changes_nothing() {
     let dev = &Device::Cpu;
     let zeros = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, dev).unwrap();
 
-    let bad_appends: Vec<(&str, Tensor, Tensor, fn(&Error) -> bool)> = vec![
+    let bad_appends: Vec<(&str, Tensor, Tensor, Kind)> = vec![
         ("k f64", good.to_dtype(DType::F64).unwrap(), good.clone(), is_unsupported),
         ("both f64", good.to_dtype(DType::F64).unwrap(), good.to_dtype(DType::F64).unwrap(), is_unsupported),
         ("both u32", zeros(&[10, HKV, D], DType::U32), zeros(&[10, HKV, D], DType::U32), is_unsupported),
@@ -216,7 +219,7 @@ fn every_bad_input_is_an_error_and_changes_nothing() {
     assert_eq!((c.len(0, seq).unwrap(), c.free_blocks()), (10, free));
 
     let q = tensor(&rows(Data::Normal, HQ, D, 2), (1, HQ, D));
-    let bad_queries: Vec<(&str, Tensor, fn(&Error) -> bool)> = vec![
+    let bad_queries: Vec<(&str, Tensor, Kind)> = vec![
         ("f64", q.to_dtype(DType::F64).unwrap(), is_unsupported),
         ("i64", zeros(&[1, HQ, D], DType::I64), is_unsupported),
         ("rank 2", q.reshape((1, HQ * D)).unwrap(), is_shape),
