@@ -14,6 +14,8 @@
 //!   the device, append and decode through a fixed decode plan (`device::DecodePlan`) on
 //!   the caller's stream, raw entry points; [`launch`]: the launch planning both device
 //!   backends share.
+//! - `candle` (feature `candle`): append and decode over candle `Tensor`s with CPU
+//!   storage, through a [`KvCache`].
 //!
 //! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
 //! returns an [`Error`] that says what was wrong; a failed call changes nothing.
@@ -49,6 +51,8 @@
 
 pub mod backend;
 pub mod cache;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod config;
 #[cfg(any(feature = "sim", feature = "cuda"))]
 pub mod device;
