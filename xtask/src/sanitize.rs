@@ -7,9 +7,13 @@
 //! - fuzz: [`FUZZ_ITERS`] mutated calibration files and ten times as many GGUF files
 //!   (read, tokenizer, model load, a forward pass), reusing the test binary the suite
 //!   just built.
-//! - Miri (nightly, Tree Borrows): the kernel crate's layout, f16 and emulator unit
-//!   tests, and the host's buffer, slot-mapping, block-split, GGUF and small-cache tests
-//!   ([`MIRI_KERNEL_TESTS`], [`MIRI_HOST_TESTS`]).
+//! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored): the kernel
+//!   crate's layout and emulator unit tests, and the host's buffer, slot-mapping,
+//!   split-count, unpack-order and small-cache tests (append and decode on the
+//!   reference and the portable cpu path) ([`MIRI_KERNEL_TESTS`], [`MIRI_HOST_TESTS`]).
+//!   Not under Miri: the AVX2 kernels (runtime detection finds no AVX2 under Miri, so
+//!   the portable path runs), the integration suites (hours when interpreted), the
+//!   CUDA backend (a foreign library).
 //! - ASan (nightly, `-Zsanitizer=address -Zbuild-std`): `tests/api.rs` and
 //!   `tests/properties.rs` (reference, cpu and the emulated device kernels) with
 //!   [`ASAN_PROPTEST_CASES`] random cases, in its own target directory.
@@ -22,19 +26,13 @@ pub const FUZZ_ITERS: &str = "50000";
 /// Kernel-crate unit tests (name filters) run under Miri.
 pub const MIRI_KERNEL_TESTS: &[&str] = &[
     "layout::",
-    "math::tests::f16_rounding_is_to_nearest_even",
     "sim::tests::misaligned_load16_is_an_error",
     "sim::tests::indices_barriers_and_shuffles",
     "sim::tests::shfl_idx_u32_moves_raw_bits",
 ];
 /// Host unit tests (name filters) run under Miri.
-pub const MIRI_HOST_TESTS: &[&str] = &[
-    "cache::tests",
-    "paged::tests",
-    "launch::tests",
-    "cpu::tests::unpack_order_is_a_permutation_within_groups",
-    "model::gguf::tests",
-];
+pub const MIRI_HOST_TESTS: &[&str] =
+    &["cache::tests", "paged::tests", "launch::tests", "cpu::tests::unpack_order_is_a_permutation_within_groups"];
 /// Random operation sequences of the property test under ASan.
 pub const ASAN_PROPTEST_CASES: &str = "4";
 
@@ -109,12 +107,13 @@ fn runs(args: &[&str]) -> bool {
 
 fn miri() -> Result<(), Step> {
     nightly_component("miri", || runs(&["cargo", "miri", "--version"]))?;
-    let flags = "-Zmiri-tree-borrows";
+    // rayon's global pool threads never exit (by design): their leak is not checked.
+    let flags = "-Zmiri-tree-borrows -Zmiri-ignore-leaks";
     let mut setup = nightly(&["cargo", "miri", "setup"]);
     setup.env("MIRIFLAGS", flags);
     status(setup).map_err(|e| Step::Skipped(format!("cargo miri setup: {e}")))?;
     for (package, tests) in [("rotkv-kernels", MIRI_KERNEL_TESTS), ("rotkv", MIRI_HOST_TESTS)] {
-        let mut c = nightly(&["cargo", "miri", "test", "-p", package, "--lib", "--"]);
+        let mut c = nightly(&["cargo", "miri", "test", "-p", package, "--features", "sim", "--lib", "--"]);
         c.args(tests).env("MIRIFLAGS", flags);
         status(c)?;
     }
