@@ -51,7 +51,9 @@ fn explicit_split_counts_are_cut_to_what_the_length_can_use() {
         CacheShape { layers: 1, num_kv_heads: 2, num_q_heads: 8, max_seqs: 2, max_tokens: 64, num_blocks: None };
     let (k, v) = (rows(Data::Keys, 20 * 2, 64, 1), rows(Data::Normal, 20 * 2, 64, 2));
     let q = rows(Data::Normal, 2 * 8, 64, 3);
-    for backend in [Backend::Reference, Backend::Cpu, Backend::Sim] {
+    // The cut is made in `paged::decode`, before any backend; the emulated kernels
+    // (minutes for 20 splits here) take the same count.
+    for backend in [Backend::Reference, Backend::Cpu] {
         let mut cache = KvCache::new(config, shape, backend).unwrap();
         let seqs: Vec<_> = (0..2).map(|_| cache.add_sequence().unwrap()).collect();
         for &s in &seqs {
@@ -64,7 +66,7 @@ fn explicit_split_counts_are_cut_to_what_the_length_can_use() {
         assert_eq!(out, want, "{backend:?}: 1024 splits of 20 tokens are 20 splits");
         // 1024 splits' partials would be 2 x 8 x 1024 x 66 floats (4.3 MB).
         assert!(
-            huge <= fit.max(1 << 20) * 2,
+            huge <= fit.max(1 << 16) * 2,
             "{backend:?}: largest allocation {huge} bytes with 1024 splits, {fit} with 20"
         );
     }
