@@ -14,9 +14,12 @@
 //!   Not under Miri: the AVX2 kernels (runtime detection finds no AVX2 under Miri, so
 //!   the portable path runs), the integration suites (hours when interpreted), the
 //!   CUDA backend (a foreign library).
-//! - ASan (nightly, `-Zsanitizer=address -Zbuild-std`): `tests/api.rs` and
-//!   `tests/properties.rs` (reference, cpu and the emulated device kernels) with
-//!   [`ASAN_PROPTEST_CASES`] random cases, in its own target directory.
+//! - ASan (nightly, `-Zsanitizer=address -Zbuild-std`, its own target directory): the
+//!   host crate's unit tests (AVX2 against portable cpu kernels, a small cache on
+//!   reference and cpu, slot mappings, the emulator's launches). With
+//!   `ROTKV_ASAN_SUITES=1`: `tests/api.rs` and `tests/properties.rs` (reference, cpu and
+//!   the emulated device kernels, [`ASAN_PROPTEST_CASES`] random cases) instead, which
+//!   is far past the CI budget on two cores.
 
 use crate::{Step, cargo, nightly, root, tally};
 use std::time::Instant;
@@ -134,9 +137,18 @@ fn asan() -> Result<(), Step> {
     };
     nightly_component("rust-src", library)?;
     let target = "x86_64-unknown-linux-gnu";
-    let mut c = nightly(&["cargo", "test", "-Zbuild-std", "--target", target, "-p", "rotkv-tests"]);
-    c.args(["--test", "api", "--test", "properties"])
-        .env("RUSTFLAGS", "-Zsanitizer=address")
+    // The host's unit tests: the AVX2 and portable cpu kernels against each other,
+    // append and decode through a small cache (reference, cpu), slot mappings, the
+    // emulator's launch code. (The api and property suites under ASan need cudarc and
+    // the whole test crate rebuilt instrumented: about 27 minutes here, past the budget;
+    // run them by hand with `cargo xtask sanitize` after setting ROTKV_ASAN_SUITES=1.)
+    let mut c = nightly(&["cargo", "test", "-Zbuild-std", "--target", target]);
+    if std::env::var_os("ROTKV_ASAN_SUITES").is_some() {
+        c.args(["-p", "rotkv-tests", "--test", "api", "--test", "properties"]);
+    } else {
+        c.args(["-p", "rotkv", "--features", "sim", "--lib"]);
+    }
+    c.env("RUSTFLAGS", "-Zsanitizer=address")
         .env("RUSTDOCFLAGS", "-Zsanitizer=address")
         .env("CARGO_TARGET_DIR", root().join("target/asan"))
         .env("PROPTEST_CASES", ASAN_PROPTEST_CASES);
