@@ -37,8 +37,10 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
         // f16 baseline layout: [seq][kv_head][ctx][d].
         let mut k16 = vec![f16::ZERO; BATCH * hkv * ctx * d];
         let mut v16 = k16.clone();
+        let mut seqs = Vec::with_capacity(BATCH);
         for b in 0..BATCH {
             let s = cache.add_sequence().expect("slot");
+            seqs.push(s);
             let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
             let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
             cache.append(0, s, ctx, &k, &v).expect("append");
@@ -49,7 +51,6 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
                 v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = f16::from_f32(*x));
             }
         }
-        let seqs: Vec<usize> = (0..BATCH).collect();
         let q = synthetic_rows(BATCH * hq, d, 77);
         let mut out = vec![0f32; BATCH * hq * d];
         let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");

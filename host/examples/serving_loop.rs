@@ -45,7 +45,7 @@ fn main() -> rotkv::Result<()> {
 
     // (arrival step, prompt tokens, tokens to generate)
     let requests = [(0, 100, 6), (0, 40, 3), (2, 120, 5), (4, 10, 4), (6, 60, 2)];
-    let mut live: Vec<(usize, usize)> = Vec::new(); // (slot, tokens left)
+    let mut live: Vec<(rotkv::SeqId, usize)> = Vec::new(); // (sequence, tokens left)
     println!("step  live  lens                 allocs  uploads  downloads  syncs  launches (this decode)");
     for step in 0..10 {
         for &(_, prompt, generate) in requests.iter().filter(|r| r.0 == step) {
@@ -71,7 +71,8 @@ fn main() -> rotkv::Result<()> {
             device_copies: after.device_copies - before.device_copies,
         };
         assert_eq!(d, Counters { launches: 2, ..Counters::default() }, "a decode step only launches");
-        let lens: Vec<String> = (0..slots).map(|s| layer.len(s).map_or("-".into(), |l| l.to_string())).collect();
+        let lens: Vec<String> =
+            (0..slots).map(|s| layer.len(rotkv::SeqId::from_slot(s)).map_or("-".into(), |l| l.to_string())).collect();
         println!(
             "{step:>4}  {:>4}  {:<20} {:>6}  {:>7}  {:>9}  {:>5}  {:>8}",
             live.len(),

@@ -27,8 +27,62 @@ pub struct CacheShape {
     pub num_blocks: Option<usize>,
 }
 
-/// Identifies a live sequence of a [`KvCache`].
-pub type SeqId = usize;
+/// Identifies a live sequence of a [`KvCache`]: its slot, the slot's generation (which
+/// grows each time the slot is reused) and the cache that made it. A freed id (even once
+/// its slot is reused) and an id of another cache are [`Error::UnknownSequence`].
+///
+/// A [`crate::device::DeviceLayer`]'s ids name only a slot (generation 0, no cache):
+/// see [`SeqId::from_slot`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqId {
+    slot: usize,
+    generation: u64,
+    cache: u64,
+}
+
+impl SeqId {
+    /// An id that names slot `slot` only: what a `DeviceLayer` hands out and accepts.
+    /// No [`KvCache`] accepts it (their generations start at 1).
+    pub const fn from_slot(slot: usize) -> Self {
+        Self { slot, generation: 0, cache: 0 }
+    }
+    /// The sequence's slot (its index among the cache's `max_seqs`).
+    pub const fn slot(self) -> usize {
+        self.slot
+    }
+    /// How many times the slot had been taken when this id was made (from 1 in a
+    /// [`KvCache`]; 0 for [`SeqId::from_slot`]).
+    pub const fn generation(self) -> u64 {
+        self.generation
+    }
+}
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.slot)
+    }
+}
+
+/// The most bytes a [`KvCache`] may ask for (the 128 TiB of a 48-bit address space).
+pub(crate) const MAX_CACHE_BYTES: usize = 1 << 47;
+
+/// Identities of caches: a [`SeqId`] carries its cache's, so ids of other caches are refused.
+static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A zeroed vector of `n` elements, or [`Error::Capacity`] when the allocator refuses it
+/// (rather than aborting the process).
+pub(crate) fn try_zeroed<T: bytemuck::Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
+    bytemuck::allocation::try_zeroed_vec(n)
+        .map_err(|()| Error::Capacity(format!("could not allocate {what}: {n} elements of {} bytes", size_of::<T>())))
+}
+
+/// `v` repeated `n` times, or [`Error::Capacity`] when the allocator refuses the vector.
+fn try_repeat<T: Clone>(v: T, n: usize, what: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|e| Error::Capacity(format!("could not allocate {what} for {n} entries: {e}")))?;
+    out.resize(n, v);
+    Ok(out)
+}
 
 #[derive(Clone, Debug)]
 struct Seq {
@@ -57,12 +111,20 @@ pub struct KvCache {
     pools: Vec<paged::PoolBuffer>,
     sides: Vec<Vec<f16>>,
     seqs: Vec<Option<Seq>>,
+    /// Per slot: the generation of its live (or last) sequence.
+    generations: Vec<u64>,
     free_blocks: Vec<u32>,
     sm_scale: Option<f32>,
+    /// This cache's identity, carried by its [`SeqId`]s.
+    id: u64,
 }
 
 impl KvCache {
     /// Allocates the pools and side stores; every layer starts with identity calibration.
+    ///
+    /// Every size product (blocks, pool and side-store bytes, layers) is checked: one past
+    /// the format's index space or the address space is [`Error::Capacity`], and so is an
+    /// allocation the system refuses (nothing is aborted).
     pub fn new(config: CacheConfig, shape: CacheShape, backend: Backend) -> Result<Self> {
         let format = config.format()?;
         let layer = LayerShape { num_kv_heads: shape.num_kv_heads, num_q_heads: shape.num_q_heads };
@@ -73,23 +135,51 @@ impl KvCache {
         if shape.max_tokens > u32::MAX as usize / 2 {
             return Err(Error::Capacity(format!("max_tokens {} is past the format's limit", shape.max_tokens)));
         }
+        let too_big = |what: &str| Error::Capacity(format!("{what} of {shape:?} overflows the address space"));
         let per_seq = format.pages_for(shape.max_tokens as u32) as usize;
-        let num_blocks = shape.num_blocks.unwrap_or(per_seq * shape.max_seqs);
+        let num_blocks = match shape.num_blocks {
+            Some(n) => n,
+            None => per_seq.checked_mul(shape.max_seqs).ok_or_else(|| too_big("the blocks"))?,
+        };
         crate::launch::check_pool_blocks(&format, num_blocks)?;
         let pool = paged::pool_bytes(&config, &layer, num_blocks)?;
         let side = paged::side_elems(&config, &layer)?;
+        let sides = side.checked_mul(shape.max_seqs).ok_or_else(|| too_big("the side stores"))?;
         let calib = LayerCalibration::identity(shape.num_kv_heads, config.head_dim);
+        // All layers' pools, side stores and calibrations, and the per-sequence
+        // bookkeeping, in bytes: past the 128 TiB of a 48-bit address space no
+        // allocation can succeed.
+        let layer_overhead = 8 * shape.num_kv_heads * config.head_dim
+            + size_of::<LayerCalibration>()
+            + size_of::<paged::PoolBuffer>()
+            + size_of::<Vec<f16>>();
+        let per_layer = sides.checked_mul(2).and_then(|b| b.checked_add(pool)?.checked_add(layer_overhead));
+        per_layer
+            .and_then(|b| b.checked_mul(shape.layers))
+            .and_then(|b| b.checked_add(shape.max_seqs.checked_mul(size_of::<Option<Seq>>() + 8)?))
+            .filter(|&b| b <= MAX_CACHE_BYTES)
+            .ok_or_else(|| too_big("the pools and side stores"))?;
+        let mut pools = Vec::new();
+        let mut side_stores = Vec::new();
+        pools.try_reserve_exact(shape.layers).map_err(|_| too_big("the layer list"))?;
+        side_stores.try_reserve_exact(shape.layers).map_err(|_| too_big("the layer list"))?;
+        for _ in 0..shape.layers {
+            pools.push(paged::PoolBuffer::try_new(pool)?);
+            side_stores.push(try_zeroed::<f16>(sides, "a layer's side stores")?);
+        }
         Ok(Self {
             config,
             format,
             shape,
             backend,
-            calib: vec![calib; shape.layers],
-            pools: vec![paged::PoolBuffer::new(pool); shape.layers],
-            sides: vec![vec![f16::ZERO; side * shape.max_seqs]; shape.layers],
-            seqs: vec![None; shape.max_seqs],
+            calib: try_repeat(calib, shape.layers, "the layer calibrations")?,
+            pools,
+            sides: side_stores,
+            seqs: try_repeat(None, shape.max_seqs, "the sequence slots")?,
+            generations: try_zeroed(shape.max_seqs, "the sequence generations")?,
             free_blocks: (0..num_blocks as u32).rev().collect(),
             sm_scale: None,
+            id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -113,6 +203,12 @@ impl KvCache {
     /// Blocks not held by any sequence.
     pub fn free_blocks(&self) -> usize {
         self.free_blocks.len()
+    }
+    /// A layer's page pool and side stores (`[max_seqs]` of [`paged::side_elems`]), as
+    /// stored: for checks that compare backends byte for byte, and for debugging.
+    pub fn layer_bytes(&self, layer: usize) -> Result<(&[u8], &[f16])> {
+        self.check_layer(layer)?;
+        Ok((self.pools[layer].bytes(), &self.sides[layer]))
     }
 
     /// Sets the softmax scale of decode (default `1 / sqrt(head_dim)`).
@@ -157,7 +253,7 @@ impl KvCache {
                 "sequence {seq} holds tokens of layer {layer}; set its mean first"
             )));
         }
-        self.seqs[seq].as_mut().expect("checked above").key_means[layer] = Some(mean.to_vec());
+        self.seqs[seq.slot()].as_mut().expect("checked above").key_means[layer] = Some(mean.to_vec());
         Ok(())
     }
 
@@ -170,13 +266,21 @@ impl KvCache {
     pub fn protect(&mut self, layer: usize, seq: SeqId, positions: &[u32]) -> Result<()> {
         self.check_layer(layer)?;
         let shape = self.layer_shape();
-        let s = self.seqs.get(seq).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq))?;
+        self.seq(seq)?;
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= self.shape.max_tokens) {
+            return Err(Error::Value(format!(
+                "position {p} can never be appended: the cache holds at most {} tokens per sequence",
+                self.shape.max_tokens
+            )));
+        }
+        let slot = seq.slot();
+        let s = self.seqs[slot].as_ref().expect("checked above");
         let old = &s.protected[layer];
         let new: Vec<u32> = old.iter().chain(positions).copied().collect();
-        let se = self.format.side_elems(self.shape.num_kv_heads as u32);
-        let side = &mut self.sides[layer][seq * se..(seq + 1) * se];
+        let se = self.side_elems();
+        let side = &mut self.sides[layer][slot * se..(slot + 1) * se];
         paged::protect(&self.config, &shape, side, s.lens[layer], old, &new)?;
-        self.seqs[seq].as_mut().expect("checked above").protected[layer] = new;
+        self.seqs[slot].as_mut().expect("checked above").protected[layer] = new;
         Ok(())
     }
 
@@ -186,25 +290,27 @@ impl KvCache {
         Ok(&self.seq(seq)?.protected[layer])
     }
 
-    /// Starts a new, empty sequence.
+    /// Starts a new, empty sequence in the lowest free slot, with a new generation.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
-        let id = self
+        let slot = self
             .seqs
             .iter()
             .position(Option::is_none)
             .ok_or_else(|| Error::Capacity(format!("all {} sequence slots are live", self.shape.max_seqs)))?;
-        self.seqs[id] = Some(Seq {
+        self.seqs[slot] = Some(Seq {
             block_table: Vec::new(),
             lens: vec![0; self.shape.layers],
             key_means: vec![None; self.shape.layers],
             protected: vec![Vec::new(); self.shape.layers],
         });
-        Ok(id)
+        self.generations[slot] += 1;
+        Ok(SeqId { slot, generation: self.generations[slot], cache: self.id })
     }
 
     /// Frees a sequence and returns its blocks to the pool.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
-        let s = self.seqs.get_mut(seq).and_then(Option::take).ok_or(Error::UnknownSequence(seq))?;
+        self.seq(seq)?;
+        let s = self.seqs[seq.slot()].take().expect("checked above");
         self.free_blocks.extend(s.block_table.iter().rev());
         Ok(())
     }
@@ -243,7 +349,8 @@ impl KvCache {
         let fresh = self.free_blocks.split_off(self.free_blocks.len() - need);
         let mut table = self.seq(seq)?.block_table.clone();
         table.extend(fresh.iter().rev());
-        let se = self.format.side_elems(self.shape.num_kv_heads as u32);
+        let slot = seq.slot();
+        let se = self.side_elems();
         let own;
         let calib = match &self.seq(seq)?.key_means[layer] {
             Some(mean) => {
@@ -252,7 +359,7 @@ impl KvCache {
             }
             None => &self.calib[layer],
         };
-        let protected = &self.seqs[seq].as_ref().expect("checked above").protected[layer];
+        let protected = &self.seqs[slot].as_ref().expect("checked above").protected[layer];
         let result = paged::append(
             self.backend,
             &self.config,
@@ -260,7 +367,7 @@ impl KvCache {
             &self.layer_shape(),
             self.pools[layer].bytes_mut(),
             &table,
-            &mut self.sides[layer][seq * se..(seq + 1) * se],
+            &mut self.sides[layer][slot * se..(slot + 1) * se],
             protected,
             len,
             tokens,
@@ -269,7 +376,7 @@ impl KvCache {
         );
         match result {
             Ok(n) => {
-                let s = self.seqs[seq].as_mut().expect("checked above");
+                let s = self.seqs[slot].as_mut().expect("checked above");
                 s.block_table = table;
                 s.lens[layer] = n;
                 Ok(())
@@ -352,14 +459,17 @@ impl KvCache {
         num_splits: Option<u32>,
     ) -> Result<()> {
         self.check_layer(layer)?;
-        let se = self.format.side_elems(self.shape.num_kv_heads as u32);
+        if let Some((i, s)) = seqs.iter().enumerate().find(|&(i, s)| seqs[..i].contains(s)) {
+            return Err(Error::Shape(format!("sequence {s} appears twice in the batch (entry {i})")));
+        }
+        let se = self.side_elems();
         let refs = seqs
             .iter()
             .map(|&id| {
                 let s = self.seq(id)?;
                 Ok(SeqRef {
                     block_table: &s.block_table,
-                    side: &self.sides[layer][id * se..(id + 1) * se],
+                    side: &self.sides[layer][id.slot() * se..(id.slot() + 1) * se],
                     len: s.lens[layer],
                     protected: &s.protected[layer],
                 })
@@ -387,7 +497,58 @@ impl KvCache {
         }
         Ok(())
     }
+    /// The live sequence `seq` names: of this cache, its slot live, of that slot's
+    /// current generation.
     fn seq(&self, seq: SeqId) -> Result<&Seq> {
-        self.seqs.get(seq).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq))
+        let live = seq.cache == self.id && self.generations.get(seq.slot) == Some(&seq.generation);
+        live.then(|| self.seqs[seq.slot].as_ref()).flatten().ok_or(Error::UnknownSequence(seq.slot))
+    }
+    /// f16 elements of one sequence's side store in one layer (checked in `new`).
+    fn side_elems(&self) -> usize {
+        self.format.side_elems(self.shape.num_kv_heads as u32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Small enough for Miri (`cargo xtask ci` runs these under it).
+    use super::*;
+
+    #[test]
+    fn zeroed_buffers_are_aligned_zero_and_fallible() {
+        let p = paged::PoolBuffer::try_new(100).unwrap();
+        assert_eq!(p.bytes().len(), 112);
+        assert!(p.bytes().iter().all(|&b| b == 0));
+        assert!((p.bytes().as_ptr() as usize).is_multiple_of(paged::POOL_ALIGN));
+        let v: Vec<f16> = try_zeroed(7, "test").unwrap();
+        assert_eq!(v, vec![f16::ZERO; 7]);
+        assert!(try_zeroed::<f16>(0, "test").unwrap().is_empty());
+        assert!(matches!(try_zeroed::<u128>(usize::MAX / 8, "test"), Err(Error::Capacity(_))));
+        assert!(matches!(try_repeat(0u64, usize::MAX / 4, "test"), Err(Error::Capacity(_))));
+    }
+
+    #[test]
+    fn small_cache_round_trip_with_stale_ids() {
+        let config = CacheConfig { window: 16, page_size: 16, ..CacheConfig::k2v2(64) };
+        let shape =
+            CacheShape { layers: 1, num_kv_heads: 1, num_q_heads: 2, max_seqs: 2, max_tokens: 48, num_blocks: None };
+        let kv: Vec<f32> = (0..40 * 64).map(|i| ((i * 7 % 33) as f32 - 16.0) / 8.0).collect();
+        let q: Vec<f32> = (0..2 * 64).map(|i| ((i * 5 % 17) as f32 - 8.0) / 8.0).collect();
+        let mut outs = Vec::new();
+        for backend in [Backend::Reference, Backend::Cpu] {
+            let mut cache = KvCache::new(config, shape, backend).unwrap();
+            let a = cache.add_sequence().unwrap();
+            cache.free_sequence(a).unwrap();
+            let b = cache.add_sequence().unwrap();
+            assert_eq!((a.slot(), a.generation(), b.generation()), (b.slot(), 1, 2));
+            assert_eq!(cache.append(0, a, 1, &kv[..64], &kv[..64]), Err(Error::UnknownSequence(0)));
+            cache.append(0, b, 40, &kv, &kv).unwrap();
+            let mut out = vec![0f32; q.len()];
+            cache.decode_with(0, &[b], &q, &mut out, Some(3)).unwrap();
+            assert!(out.iter().all(|x| x.is_finite()));
+            outs.push(out);
+        }
+        let err = outs[0].iter().zip(&outs[1]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-3, "cpu and reference differ by {err}");
     }
 }

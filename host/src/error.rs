@@ -15,7 +15,8 @@ pub enum Error {
     /// The cache or the sequence has no room left.
     #[error("capacity exceeded: {0}")]
     Capacity(String),
-    /// A sequence id that is not live.
+    /// A sequence id that is not live: never handed out, freed (its slot may hold a
+    /// newer sequence), or from another cache. Holds the id's slot.
     #[error("unknown sequence {0}")]
     UnknownSequence(usize),
     /// A layer index past the cache's layers.
@@ -35,6 +36,17 @@ pub enum Error {
         block: u32,
         /// Blocks in the pool.
         num_blocks: usize,
+    },
+    /// A block used twice by the block tables of one call: repeated in one table, or
+    /// held by two sequences of a batch (see the contract in [`crate::paged`]).
+    #[error("block table entry {index} is block {block}, which is used {detail}")]
+    AliasedBlock {
+        /// Position in the block table.
+        index: usize,
+        /// The block.
+        block: u32,
+        /// Where else it is used.
+        detail: String,
     },
     /// Bad calibration data (a permutation that is not one, a non-finite mean).
     #[error("invalid calibration: {0}")]

@@ -5,7 +5,16 @@
 //! [`protect`]). [`crate::KvCache`] is built on [`append`], [`decode`] and [`protect`].
 //!
 //! Each checks everything (shapes, values, block tables, protected lists) before any
-//! backend touches a byte: a call that returns an error has written nothing. Learned
+//! backend touches a byte: a call that returns an error has written nothing.
+//!
+//! The caller's contract for the block tables it owns: every entry a call uses (the
+//! first [`blocks_for`]`(len)` of a table) is a block of that pool, no block appears
+//! twice in one table, and no block is held by two live sequences of one pool. The
+//! first two are checked on every call ([`Error::AliasedBlock`] for a repeat), and
+//! [`decode`] checks the third across the sequences of its batch (so a sequence may
+//! appear at most once per batch); an [`append`] sees one table only, so two
+//! sequences' tables that share a block are the caller's to prevent (a
+//! [`crate::KvCache`] hands every block to one sequence only). Learned
 //! rotations are checked for size, finiteness and unit rows and columns per call (which
 //! keeps every stored channel in f16 range); their full orthogonality is checked by
 //! [`LayerCalibration::check_orthogonal`], which [`crate::KvCache::set_calibration`]
@@ -28,8 +37,17 @@ pub struct LayerShape {
     pub num_q_heads: usize,
 }
 
+/// Most KV or query heads of a layer (real models have at most a few hundred).
+pub const MAX_HEADS: usize = 1 << 16;
+
 impl LayerShape {
     pub(crate) fn check(&self) -> Result<()> {
+        if self.num_kv_heads > MAX_HEADS || self.num_q_heads > MAX_HEADS {
+            return Err(Error::Capacity(format!(
+                "{} query heads and {} KV heads: at most {MAX_HEADS} of each",
+                self.num_q_heads, self.num_kv_heads
+            )));
+        }
         if self.num_kv_heads == 0 || self.num_q_heads == 0 || !self.num_q_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::Shape(format!(
                 "{} query heads must be a positive multiple of {} KV heads",
@@ -52,6 +70,12 @@ impl PoolBuffer {
     pub fn new(bytes: usize) -> Self {
         PoolBuffer(vec![0u128; bytes.div_ceil(16)])
     }
+    /// As [`PoolBuffer::new`], but a size the system cannot allocate is
+    /// [`Error::Capacity`] instead of an abort. The memory is not touched (zero pages
+    /// from the allocator).
+    pub fn try_new(bytes: usize) -> Result<Self> {
+        Ok(PoolBuffer(crate::cache::try_zeroed(bytes.div_ceil(16), "a page pool")?))
+    }
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {
         bytemuck::cast_slice(&self.0)
@@ -62,14 +86,28 @@ impl PoolBuffer {
     }
 }
 
-/// Bytes of a pool of `num_blocks` blocks.
+/// Bytes of a pool of `num_blocks` blocks ([`Error::Capacity`] past `isize::MAX`).
 pub fn pool_bytes(config: &CacheConfig, shape: &LayerShape, num_blocks: usize) -> Result<usize> {
-    Ok(num_blocks * shape.num_kv_heads * config.format()?.page_bytes() as usize)
+    let fmt = config.format()?;
+    shape.check()?;
+    num_blocks
+        .checked_mul(shape.num_kv_heads)
+        .and_then(|n| n.checked_mul(fmt.page_bytes() as usize))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::Capacity(format!(
+                "a pool of {num_blocks} blocks x {} KV heads x {} bytes overflows the address space",
+                shape.num_kv_heads,
+                fmt.page_bytes()
+            ))
+        })
 }
 
 /// f16 elements of one sequence's side store for one layer.
 pub fn side_elems(config: &CacheConfig, shape: &LayerShape) -> Result<usize> {
-    Ok(config.format()?.side_elems(shape.num_kv_heads as u32))
+    let fmt = config.format()?;
+    shape.check()?;
+    Ok(fmt.side_elems(shape.num_kv_heads as u32))
 }
 
 /// Blocks a sequence of `len` tokens needs in its block table.
@@ -90,7 +128,21 @@ fn num_blocks(fmt: &Format, shape: &LayerShape, pool: &[u8]) -> Result<usize> {
     Ok(pool_len / per_block)
 }
 
-fn check_block_table(table: &[u32], needed: usize, num_blocks: usize) -> Result<()> {
+/// One bit per block of a pool: the blocks the tables of one call use so far.
+struct BlockSet(Vec<u64>);
+
+impl BlockSet {
+    fn new(num_blocks: usize) -> Self {
+        // calloc'd: a pool of n blocks holds at least n * 64 bytes, so this is under
+        // 1/500 of it, and only the words the tables touch are written.
+        BlockSet(vec![0; num_blocks.div_ceil(64)])
+    }
+}
+
+/// Checks the first `needed` entries of the `seq`th table of a call: present, inside a
+/// pool of `num_blocks` blocks, and not used already by this table or an earlier one of
+/// the call (`used`).
+fn check_block_table(table: &[u32], needed: usize, num_blocks: usize, seq: usize, used: &mut BlockSet) -> Result<()> {
     if table.len() < needed {
         return Err(Error::Capacity(format!("block table has {} entries, the sequence needs {needed}", table.len())));
     }
@@ -98,6 +150,16 @@ fn check_block_table(table: &[u32], needed: usize, num_blocks: usize) -> Result<
         if block as usize >= num_blocks {
             return Err(Error::BlockTable { index, block, num_blocks });
         }
+        let (word, bit) = (block as usize / 64, 1u64 << (block % 64));
+        if used.0[word] & bit != 0 {
+            let owner = if table[..index].contains(&block) {
+                format!("twice in the block table of sequence {seq} of the call")
+            } else {
+                format!("by sequence {seq} of the call and an earlier one")
+            };
+            return Err(Error::AliasedBlock { index, block, detail: owner });
+        }
+        used.0[word] |= bit;
     }
     Ok(())
 }
@@ -149,6 +211,12 @@ pub fn protect(
     }
     if len > u32::MAX as usize / 2 {
         return Err(Error::Capacity(format!("sequence of {len} tokens")));
+    }
+    if let Some(&p) = new.iter().find(|&&p| p as usize >= u32::MAX as usize / 2) {
+        return Err(Error::Value(format!(
+            "position {p} can never be appended (a sequence holds fewer than {} tokens)",
+            u32::MAX / 2
+        )));
     }
     check_protected(&fmt, new)?;
     if !new.starts_with(old) {
@@ -257,7 +325,8 @@ pub fn append<T: KvElement>(
     }
     let blocks = num_blocks(&fmt, shape, pool)?;
     crate::launch::check_pool_blocks(&fmt, blocks)?;
-    check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks)?;
+    let mut used = BlockSet::new(blocks);
+    check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks, 0, &mut used)?;
     check_protected(&fmt, protected)?;
     let (k_in, v_in) = (k, v);
     let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
@@ -303,7 +372,8 @@ pub const MAX_Q_LEN: usize = 64;
 pub struct DecodeOptions {
     /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
     pub sm_scale: Option<f32>,
-    /// Splits per sequence (1 to 1024); `None` lets the backend choose.
+    /// Splits per sequence (1 to 1024; a count past the longest sequence's tokens is cut
+    /// to that, since the extra splits would be empty); `None` lets the backend choose.
     pub num_splits: Option<u32>,
     /// Query tokens per sequence (1 to [`MAX_Q_LEN`]): 1 for plain decode, more for the
     /// verification rows of speculative decoding or a chunk of new tokens. They are the
@@ -349,6 +419,7 @@ pub fn decode<T: KvElement>(
     if !(1..=MAX_Q_LEN).contains(&q_len) {
         return Err(Error::Value(format!("q_len {q_len}: 1 to {MAX_Q_LEN} query tokens per sequence")));
     }
+    let mut used = BlockSet::new(blocks);
     for (i, s) in seqs.iter().enumerate() {
         if s.len == 0 {
             return Err(Error::Shape(format!("sequence {i} of the batch has no tokens")));
@@ -369,7 +440,7 @@ pub fn decode<T: KvElement>(
                 fmt.side_elems(hkv as u32)
             )));
         }
-        check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, blocks)?;
+        check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, blocks, i, &mut used)?;
         check_protected(&fmt, s.protected)?;
     }
     let rows = seqs.len() * q_len;
@@ -389,7 +460,10 @@ pub fn decode<T: KvElement>(
     }
     let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
     let num_splits = match options.num_splits {
-        Some(n) if (1..=1024).contains(&n) => n,
+        // Splits of `ceil(len / n)` tokens: past one split per token of the longest
+        // sequence they are all empty, so the count is cut there (the same result, and
+        // the partials stay proportional to the work).
+        Some(n) if (1..=1024).contains(&n) => n.min(max_len.max(1) as u32),
         Some(n) => return Err(Error::Value(format!("num_splits {n} (1 to 1024)"))),
         None => match backend {
             Backend::Reference => 1,

@@ -3,7 +3,7 @@
 
 use rotkv::paged::{self, DecodeOptions, LayerShape};
 use rotkv::reference::SeqRef;
-use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, bf16, f16};
+use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, SeqId, bf16, f16};
 use rotkv_tests::{Data, Store, backends, rel_err, rows, small_config};
 
 fn shape(max_seqs: usize, max_tokens: usize) -> CacheShape {
@@ -11,7 +11,7 @@ fn shape(max_seqs: usize, max_tokens: usize) -> CacheShape {
 }
 
 /// Decodes `seqs` in layer `layer` and returns the output.
-fn decode(cache: &KvCache, layer: usize, seqs: &[usize], q: &[f32]) -> Vec<f32> {
+fn decode(cache: &KvCache, layer: usize, seqs: &[SeqId], q: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; q.len()];
     cache.decode(layer, seqs, q, &mut out).unwrap();
     out
@@ -103,7 +103,7 @@ fn inputs_in_f16_and_bf16_are_accepted() {
 
 /// Everything observable about a cache: lengths, free blocks, and a decode of each
 /// live sequence in each layer.
-fn observe(cache: &KvCache, seqs: &[usize]) -> (Vec<usize>, usize, Vec<Vec<f32>>) {
+fn observe(cache: &KvCache, seqs: &[SeqId]) -> (Vec<usize>, usize, Vec<Vec<f32>>) {
     let q = rows(Data::Normal, 6, 64, 99);
     let lens = seqs.iter().flat_map(|&s| (0..2).map(move |l| (l, s))).map(|(l, s)| cache.len(l, s).unwrap()).collect();
     let outs = (0..2)
@@ -151,7 +151,7 @@ fn every_error_is_reported_and_changes_nothing() {
             ("inf", cache.append(0, s, 1, ok, &inf)),
             ("huge", cache.append(0, s, 1, &huge, ok)),
             ("layer", cache.append(2, s, 1, ok, ok)),
-            ("unknown seq", cache.append(0, 7, 1, ok, ok)),
+            ("unknown seq", cache.append(0, SeqId::from_slot(7), 1, ok, ok)),
             ("max tokens", cache.append(0, s, 101, &k[..101 * 128], &v[..101 * 128])),
             // 12 blocks of 16: sequence s holds 5; t cannot take 9 more.
             ("pool full", cache.append(0, t, 160, &k[..160 * 128], &v[..160 * 128])),
@@ -182,13 +182,13 @@ fn every_error_is_reported_and_changes_nothing() {
         cases.push(("decode short q", cache.decode(0, &[s], &q[..10], &mut out)));
         cases.push(("decode short out", cache.decode(0, &[s], &q, &mut out[..10])));
         cases.push(("decode empty seq", cache.decode(0, &[t], &q, &mut out)));
-        cases.push(("decode unknown seq", cache.decode(0, &[9], &q, &mut out)));
+        cases.push(("decode unknown seq", cache.decode(0, &[SeqId::from_slot(9)], &q, &mut out)));
         cases.push(("decode layer", cache.decode(5, &[s], &q, &mut out)));
         cases.push(("decode splits", cache.decode_with(0, &[s], &q, &mut out, Some(0))));
         let mut qn = q.clone();
         qn[0] = f32::NAN;
         cases.push(("decode nan q", cache.decode(0, &[s], &qn, &mut out)));
-        cases.push(("free unknown", cache.free_sequence(9)));
+        cases.push(("free unknown", cache.free_sequence(SeqId::from_slot(9))));
         for (name, r) in &cases {
             let e = r.as_ref().expect_err(name);
             assert!(!e.to_string().is_empty(), "{name}");

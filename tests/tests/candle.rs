@@ -5,7 +5,7 @@
 #![cfg(feature = "candle")]
 
 use candle_core::{DType, Device, Tensor, WithDType};
-use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, KvElement, bf16, f16};
+use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, KvElement, SeqId, bf16, f16};
 use rotkv_tests::{Data, rows};
 
 #[path = "../../host/examples/candle_attention.rs"]
@@ -47,7 +47,7 @@ fn both<T: WithDType>(v: &[f32], shape: (usize, usize, usize)) -> (Tensor, Vec<T
 fn direct_decode<T: WithDType + KvElement>(
     c: &KvCache,
     layer: usize,
-    seqs: &[usize],
+    seqs: &[SeqId],
     q_len: usize,
     q: &[T],
 ) -> Vec<u64> {
@@ -211,7 +211,10 @@ fn every_bad_input_is_an_error_and_changes_nothing() {
     // Errors of the cache itself come through unchanged.
     let e = rotkv::candle::append(&mut c, 2, seq, &good, &good).unwrap_err();
     assert_eq!(e, Error::Layer { layer: 2, layers: 2 });
-    assert_eq!(rotkv::candle::append(&mut c, 0, 7, &good, &good).unwrap_err(), Error::UnknownSequence(7));
+    assert_eq!(
+        rotkv::candle::append(&mut c, 0, SeqId::from_slot(7), &good, &good).unwrap_err(),
+        Error::UnknownSequence(7)
+    );
     let big = zeros(&[400, HKV, D], DType::F32);
     assert!(matches!(rotkv::candle::append(&mut c, 0, seq, &big, &big).unwrap_err(), Error::Capacity(_)));
     let nan = (good.clone() * f64::NAN).unwrap();
@@ -239,7 +242,7 @@ fn every_bad_input_is_an_error_and_changes_nothing() {
     assert!(is_shape(&rotkv::candle::decode_tokens(&c, 0, &[seq], usize::MAX, &q3).unwrap_err()));
     let q11 = zeros(&[11, HQ, D], DType::F32);
     assert!(rotkv::candle::decode_tokens(&c, 0, &[seq], 11, &q11).is_err(), "longer than the sequence");
-    assert_eq!(rotkv::candle::decode(&c, 0, &[5], &q).unwrap_err(), Error::UnknownSequence(5));
+    assert_eq!(rotkv::candle::decode(&c, 0, &[SeqId::from_slot(5)], &q).unwrap_err(), Error::UnknownSequence(5));
     assert_eq!(rotkv::candle::decode(&c, 3, &[seq], &q).unwrap_err(), Error::Layer { layer: 3, layers: 2 });
     // And the good call still works after all that.
     assert_eq!(rotkv::candle::decode(&c, 0, &[seq], &q).unwrap().dims(), &[1, HQ, D]);

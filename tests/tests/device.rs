@@ -2,7 +2,7 @@
 //! mapping's capacity check.
 
 use rotkv::paged::{self, LayerShape};
-use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration};
+use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, SeqId};
 
 fn rows(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -107,6 +107,8 @@ struct Twin {
     hkv: usize,
     hq: usize,
     seed: u64,
+    /// The host cache's id of each slot's live sequence (the device layer's id is the slot).
+    host_ids: Vec<Option<SeqId>>,
 }
 
 impl Twin {
@@ -121,16 +123,22 @@ impl Twin {
         let cs =
             CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs, max_tokens: 256, num_blocks: None };
         let host = KvCache::new(config, cs, Backend::Reference).unwrap();
-        Twin { dev, layer, host, hkv, hq, seed: 7 }
+        Twin { dev, layer, host, hkv, hq, seed: 7, host_ids: vec![None; max_seqs] }
     }
     fn add(&mut self) -> usize {
         let a = self.layer.add_sequence().unwrap();
-        assert_eq!(self.host.add_sequence().unwrap(), a);
-        a
+        let h = self.host.add_sequence().unwrap();
+        assert_eq!(h.slot(), a.slot());
+        self.host_ids[a.slot()] = Some(h);
+        a.slot()
+    }
+    /// The host cache's id of slot `seq`.
+    fn hid(&self, seq: usize) -> SeqId {
+        self.host_ids[seq].expect("a live slot")
     }
     fn free(&mut self, seq: usize) {
-        self.layer.free_sequence(seq).unwrap();
-        self.host.free_sequence(seq).unwrap();
+        self.layer.free_sequence(SeqId::from_slot(seq)).unwrap();
+        self.host.free_sequence(self.host_ids[seq].take().expect("a live slot")).unwrap();
     }
     /// Appends `n` random tokens, f32 or f16 on the device, with a padded token stride.
     fn append(&mut self, seq: usize, n: usize, half: bool) {
@@ -145,15 +153,15 @@ impl Twin {
             let (kh, vh): (Vec<f16>, Vec<f16>) =
                 (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
             let (kd, vd) = (self.dev.upload(&kh).unwrap(), self.dev.upload(&vh).unwrap());
-            self.layer.append(seq, n, &kd, &vd, stride).unwrap();
+            self.layer.append(SeqId::from_slot(seq), n, &kd, &vd, stride).unwrap();
             let to16 = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<_>>();
-            self.host.append(0, seq, n, &to16(dense(&k)), &to16(dense(&v))).unwrap();
+            self.host.append(0, self.hid(seq), n, &to16(dense(&k)), &to16(dense(&v))).unwrap();
         } else {
             let (kd, vd) = (self.dev.upload(&k).unwrap(), self.dev.upload(&v).unwrap());
-            self.layer.append(seq, n, &kd, &vd, stride).unwrap();
-            self.host.append(0, seq, n, &dense(&k), &dense(&v)).unwrap();
+            self.layer.append(SeqId::from_slot(seq), n, &kd, &vd, stride).unwrap();
+            self.host.append(0, self.hid(seq), n, &dense(&k), &dense(&v)).unwrap();
         }
-        assert_eq!(self.layer.len(seq).unwrap(), self.host.len(0, seq).unwrap());
+        assert_eq!(self.layer.len(SeqId::from_slot(seq)).unwrap(), self.host.len(0, self.hid(seq)).unwrap());
     }
     fn queries(&mut self, slots: usize, q_len: usize) -> Vec<f32> {
         self.seed += 1;
@@ -164,9 +172,10 @@ impl Twin {
         let row = q_len * self.hq * D;
         let mut want = vec![0f32; slots * row];
         for s in 0..slots {
-            if self.host.len(0, s).is_ok_and(|l| l > 0) {
+            let Some(id) = self.host_ids[s] else { continue };
+            if self.host.len(0, id).is_ok_and(|l| l > 0) {
                 let out = &mut want[s * row..(s + 1) * row];
-                self.host.decode_tokens(0, &[s], q_len, &q[s * row..(s + 1) * row], out).unwrap();
+                self.host.decode_tokens(0, &[id], q_len, &q[s * row..(s + 1) * row], out).unwrap();
             }
         }
         want
@@ -242,7 +251,7 @@ fn one_plan_many_steps_match_the_reference() {
         // Free slots' rows are zero.
         let row = q_len * 6 * D;
         for s in 0..slots {
-            if t.layer.len(s).map_or(true, |l| l == 0) {
+            if t.layer.len(SeqId::from_slot(s)).map_or(true, |l| l == 0) {
                 assert!(got[s * row..(s + 1) * row].iter().all(|&x| x == 0.0), "step {i}: free slot {s}");
             }
         }
@@ -275,9 +284,9 @@ fn steady_state_appends_upload_only_new_table_entries() {
     for i in 0..200 {
         let (k, v) = (rows(stride, 500 + i), rows(stride, 900 + i));
         let (kd, vd) = (t.dev.upload(&k).unwrap(), t.dev.upload(&v).unwrap());
-        let len = t.layer.len(a).unwrap() as u32;
+        let len = t.layer.len(SeqId::from_slot(a)).unwrap() as u32;
         let before = t.dev.counters();
-        t.layer.append(a, 1, &kd, &vd, stride).unwrap();
+        t.layer.append(SeqId::from_slot(a), 1, &kd, &vd, stride).unwrap();
         let d = delta(before, t.dev.counters());
         let new_page = fmt.pages_for(len + 1) > fmt.pages_for(len);
         took += new_page as usize;
@@ -286,7 +295,7 @@ fn steady_state_appends_upload_only_new_table_entries() {
             (0, 0, 0, new_page as usize),
             "append at {len}: {d:?}"
         );
-        t.host.append(0, a, 1, &k, &v).unwrap();
+        t.host.append(0, t.hid(a), 1, &k, &v).unwrap();
     }
     assert!(took >= 2, "the appends crossed {took} page boundaries");
     let q = t.queries(slots, 1);
@@ -399,20 +408,26 @@ fn device_errors() {
     let (k, v) = (dev.upload(&rows(40 * D, 1)).unwrap(), dev.upload(&rows(40 * D, 2)).unwrap());
     // Inputs too short for the tokens and stride; a stride below a token's size; a
     // buffer of another device; too many tokens; an unknown sequence.
-    assert!(matches!(t.layer.append(s0, 41, &k, &v, D), Err(Error::Shape(_))));
-    assert!(matches!(t.layer.append(s0, 30, &k, &v, 2 * D + 1), Err(Error::Shape(_))));
-    assert!(matches!(t.layer.append(s0, 2, &k, &v, D - 1), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(SeqId::from_slot(s0), 41, &k, &v, D), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(SeqId::from_slot(s0), 30, &k, &v, 2 * D + 1), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(SeqId::from_slot(s0), 2, &k, &v, D - 1), Err(Error::Shape(_))));
     let k_other = other.upload(&rows(40 * D, 1)).unwrap();
-    assert!(t.layer.append(s0, 2, &k_other, &v, D).is_err());
-    assert!(matches!(t.layer.append(7, 2, &k, &v, D), Err(Error::UnknownSequence(7))));
+    assert!(t.layer.append(SeqId::from_slot(s0), 2, &k_other, &v, D).is_err());
+    assert!(matches!(t.layer.append(SeqId::from_slot(7), 2, &k, &v, D), Err(Error::UnknownSequence(7))));
     let before = dev.counters();
     assert!(matches!(
-        t.layer.append(s0, 300, &dev.alloc::<f32>(300 * D).unwrap(), &dev.alloc::<f32>(300 * D).unwrap(), D),
+        t.layer.append(
+            SeqId::from_slot(s0),
+            300,
+            &dev.alloc::<f32>(300 * D).unwrap(),
+            &dev.alloc::<f32>(300 * D).unwrap(),
+            D
+        ),
         Err(Error::Capacity(_))
     ));
     assert_eq!(dev.counters().launches, before.launches);
-    t.layer.append(s0, 40, &k, &v, D).unwrap();
-    t.layer.append(s1, 3, &k, &v, D).unwrap();
+    t.layer.append(SeqId::from_slot(s0), 40, &k, &v, D).unwrap();
+    t.layer.append(SeqId::from_slot(s1), 3, &k, &v, D).unwrap();
     // A plan too small for the batch (slot 1 is live), lengths beyond the plan, q_len
     // beyond the plan or a sequence, wrong sizes, another layer.
     let q = dev.alloc::<f32>(3 * 4 * 4 * D).unwrap();
@@ -438,8 +453,8 @@ fn device_errors() {
     dev.write(&mut q3, 0, &rows(3 * 4 * D, 5)).unwrap();
     plan.run(&t.layer, 1, &q3, &mut o3).unwrap();
     // k2v2 keeps no protected positions: refused, appended or not.
-    assert!(matches!(t.layer.protect(s0, &[10]), Err(Error::Capacity(_))));
-    assert!(matches!(t.layer.protect(s0, &[45]), Err(Error::Capacity(_))));
+    assert!(matches!(t.layer.protect(SeqId::from_slot(s0), &[10]), Err(Error::Capacity(_))));
+    assert!(matches!(t.layer.protect(SeqId::from_slot(s0), &[45]), Err(Error::Capacity(_))));
 }
 
 /// f16 and bf16 queries, bf16 output, and query/output rows with gaps (a fused QKV
@@ -517,18 +532,18 @@ fn protected_positions_match_the_reference() {
     let config = CacheConfig { protected: 4, ..CacheConfig::k2v2(D) };
     let mut t = Twin::with_config(config, 2, 4, 2);
     let s = t.add();
-    t.layer.protect(s, &[10]).unwrap();
-    t.host.protect(0, s, &[10]).unwrap();
+    t.layer.protect(SeqId::from_slot(s), &[10]).unwrap();
+    t.host.protect(0, t.hid(s), &[10]).unwrap();
     t.append(s, 40, false);
     let before = t.dev.counters();
-    t.layer.protect(s, &[30, 50]).unwrap();
+    t.layer.protect(SeqId::from_slot(s), &[30, 50]).unwrap();
     let d = delta(before, t.dev.counters());
     // Position 30 is appended: its K and V rows of both heads are copied on the device.
     assert_eq!((d.device_copies, d.uploads, d.downloads, d.launches), (4, 1, 0, 0), "{d:?}");
-    t.host.protect(0, s, &[30, 50]).unwrap();
+    t.host.protect(0, t.hid(s), &[30, 50]).unwrap();
     t.append(s, 180, true);
-    assert!(matches!(t.layer.protect(s, &[60]), Err(Error::Value(_))), "position 60 is quantized");
-    assert_eq!(t.host.protected(0, s).unwrap(), &[10, 30, 50]);
+    assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[60]), Err(Error::Value(_))), "position 60 is quantized");
+    assert_eq!(t.host.protected(0, t.hid(s)).unwrap(), &[10, 30, 50]);
     let shape =
         PlanShape { max_seqs: 2, max_q_len: 1, max_context: 256, sm_count: None, blocks_per_sm: None, sm_scale: None };
     let mut plan = DecodePlan::new(&t.layer, shape).unwrap();

@@ -653,7 +653,7 @@ fn per_sequence_key_means() {
         nan[9] = f32::NAN;
         assert!(matches!(cache.set_sequence_key_mean(0, a, &nan), Err(rotkv::Error::Value(_))));
         assert!(cache.set_sequence_key_mean(1, a, &mean).is_err());
-        assert!(cache.set_sequence_key_mean(0, 7, &mean).is_err());
+        assert!(cache.set_sequence_key_mean(0, rotkv::SeqId::from_slot(7), &mean).is_err());
         cache.set_sequence_key_mean(0, a, &mean).unwrap();
         let n = if rotkv_tests::emulated(backend) { 40 } else { 200 };
         for s in [a, b] {

@@ -273,3 +273,183 @@ fn generate_with_too_many_steps_is_an_error() {
         rotkv::model::generate(&m, &[1, 2], usize::MAX, rotkv::CacheConfig::k2v2(64), rotkv::Backend::Cpu).unwrap_err();
     assert!(matches!(e, Error::Capacity(_)) && e.to_string().contains("too many tokens"), "{e}");
 }
+
+// ---- the cache and the paged API: aliased blocks, stale ids, sizes -------------------
+
+use rotkv::paged::{self, DecodeOptions, LayerShape};
+use rotkv::reference::SeqRef;
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, SeqId, f16};
+use rotkv_tests::{Data, backends, rows};
+
+fn seq_ref<'a>(table: &'a [u32], side: &'a [f16], len: usize) -> SeqRef<'a> {
+    SeqRef { block_table: table, side, len, protected: &[] }
+}
+
+#[test]
+fn aliased_block_tables_are_refused_before_anything_is_written() {
+    let config = CacheConfig { window: 16, page_size: 16, ..CacheConfig::k2v2(64) };
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 2 };
+    let calib = LayerCalibration::identity(2, 64);
+    let (k, v) = (rows(Data::Keys, 60 * 2, 64, 1), rows(Data::Normal, 60 * 2, 64, 2));
+    let q = rows(Data::Normal, 2 * 2, 64, 3);
+    for backend in backends() {
+        let mut pool = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, 6).unwrap());
+        let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+        let mut side2 = side.clone();
+        // 60 tokens need 2 pages: one table that repeats a block.
+        let (pool0, side0) = (pool.clone(), side.clone());
+        let r =
+            paged::append(backend, &config, &calib, &shape, pool.bytes_mut(), &[3, 3], &mut side, &[], 0, 60, &k, &v);
+        assert!(matches!(r, Err(Error::AliasedBlock { index: 1, block: 3, .. })), "{backend:?}: {r:?}");
+        assert!(r.unwrap_err().to_string().contains("twice in the block table"));
+        assert_eq!((&pool, &side), (&pool0, &side0), "{backend:?}: a refused append wrote");
+        // Entries past the pages the length needs are not looked at.
+        paged::append(backend, &config, &calib, &shape, pool.bytes_mut(), &[3, 1, 3], &mut side, &[], 0, 60, &k, &v)
+            .unwrap();
+        paged::append(backend, &config, &calib, &shape, pool.bytes_mut(), &[0, 4], &mut side2, &[], 0, 60, &k, &v)
+            .unwrap();
+        let mut out = vec![0f32; q.len()];
+        let decode = |seqs: &[SeqRef<'_>], out: &mut [f32]| {
+            let q = &q[..seqs.len() * 2 * 64];
+            paged::decode(backend, &config, &calib, &shape, pool.bytes(), seqs, q, out, DecodeOptions::default())
+        };
+        decode(&[seq_ref(&[3, 1], &side, 60), seq_ref(&[0, 4], &side2, 60)], &mut out).unwrap();
+        let before = out.clone();
+        // Two sequences of a batch sharing block 1, and a table repeating a block.
+        for (tables, index, block) in [([[3u32, 1], [1, 4]], 0, 1), ([[3, 1], [0, 0]], 1, 0)] {
+            let r = decode(&[seq_ref(&tables[0], &side, 60), seq_ref(&tables[1], &side2, 60)], &mut out);
+            assert!(
+                matches!(r, Err(Error::AliasedBlock { index: i, block: b, .. }) if i == index && b == block),
+                "{backend:?} {tables:?}: {r:?}"
+            );
+            assert_eq!(out, before, "a refused decode wrote its output");
+        }
+        // The cache: a sequence twice in one batch.
+        let cshape =
+            CacheShape { layers: 1, num_kv_heads: 2, num_q_heads: 2, max_seqs: 2, max_tokens: 64, num_blocks: None };
+        let mut cache = KvCache::new(config, cshape, backend).unwrap();
+        let s = cache.add_sequence().unwrap();
+        cache.append(0, s, 60, &k, &v).unwrap();
+        let e = cache.decode(0, &[s, s], &q, &mut out).unwrap_err();
+        assert!(matches!(e, Error::Shape(_)) && e.to_string().contains("appears twice"), "{e}");
+    }
+}
+
+#[test]
+fn freed_and_foreign_sequence_ids_are_refused() {
+    let config = CacheConfig { window: 16, page_size: 16, protected: 2, ..CacheConfig::k2v2(64) };
+    let cshape =
+        CacheShape { layers: 1, num_kv_heads: 2, num_q_heads: 2, max_seqs: 2, max_tokens: 64, num_blocks: None };
+    let (k, v) = (rows(Data::Keys, 40 * 2, 64, 1), rows(Data::Normal, 40 * 2, 64, 2));
+    let q = &rows(Data::Normal, 2, 64, 3);
+    for backend in backends() {
+        let mut cache = KvCache::new(config, cshape, backend).unwrap();
+        let mut other = KvCache::new(config, cshape, backend).unwrap();
+        let old = cache.add_sequence().unwrap();
+        cache.append(0, old, 20, &k[..20 * 128], &v[..20 * 128]).unwrap();
+        cache.free_sequence(old).unwrap();
+        let new = cache.add_sequence().unwrap();
+        assert_eq!(new.slot(), old.slot(), "the slot is reused");
+        assert_ne!(new, old);
+        cache.append(0, new, 40, &k, &v).unwrap();
+        let foreign = other.add_sequence().unwrap();
+        assert_eq!(foreign.slot(), new.slot());
+        let mut want = vec![0f32; q.len()];
+        cache.decode(0, &[new], q, &mut want).unwrap();
+        let free_blocks = cache.free_blocks();
+        for id in [old, foreign, SeqId::from_slot(new.slot())] {
+            let mut out = vec![0f32; q.len()];
+            let results = [
+                cache.append(0, id, 1, &k[..128], &v[..128]).map(|_| ()),
+                cache.len(0, id).map(|_| ()),
+                cache.is_empty(id).map(|_| ()),
+                cache.protect(0, id, &[50]),
+                cache.protected(0, id).map(|_| ()),
+                cache.set_sequence_key_mean(0, id, &[0.0; 128]),
+                cache.decode(0, &[id], q, &mut out),
+                cache.free_sequence(id),
+            ];
+            for r in results {
+                assert_eq!(r, Err(Error::UnknownSequence(new.slot())), "{backend:?} {id:?}");
+            }
+        }
+        // Nothing changed: the live sequence still holds its tokens and blocks.
+        assert_eq!(cache.len(0, new), Ok(40));
+        assert_eq!(cache.protected(0, new), Ok(&[][..]));
+        assert_eq!(cache.free_blocks(), free_blocks);
+        let mut out = vec![0f32; q.len()];
+        cache.decode(0, &[new], q, &mut out).unwrap();
+        assert_eq!(out, want);
+    }
+}
+
+#[test]
+fn cache_and_pool_sizes_past_memory_are_capacity_errors() {
+    let config = CacheConfig::k2v2(128);
+    let base =
+        CacheShape { layers: 1, num_kv_heads: 8, num_q_heads: 32, max_seqs: 1, max_tokens: 64, num_blocks: None };
+    let capacity = |shape: CacheShape| match KvCache::new(config, shape, Backend::Cpu) {
+        Err(e @ Error::Capacity(_)) => e.to_string(),
+        Err(e) => panic!("{shape:?}: {e}"),
+        Ok(c) => panic!("{shape:?}: a cache of {} bytes", c.memory_bytes()),
+    };
+    // A pool far past the index space, layers and slots whose products overflow.
+    capacity(CacheShape { num_blocks: Some(u32::MAX as usize), ..base });
+    capacity(CacheShape { num_blocks: Some(usize::MAX), ..base });
+    capacity(CacheShape { layers: 1 << 40, ..base });
+    capacity(CacheShape { layers: usize::MAX, ..base });
+    capacity(CacheShape { max_seqs: 1 << 60, ..base });
+    capacity(CacheShape { max_seqs: usize::MAX, ..base });
+    capacity(CacheShape { num_kv_heads: 1 << 40, num_q_heads: 1 << 40, ..base });
+    // 2^31 - 1 tokens: a legal size of about 150 GB that this machine cannot allocate is
+    // an error, not an abort (where it can, the pages are not touched).
+    match KvCache::new(config, CacheShape { max_tokens: (1 << 31) - 1, ..base }, Backend::Cpu) {
+        Err(Error::Capacity(e)) => assert!(e.contains("could not allocate"), "{e}"),
+        Err(e) => panic!("{e}"),
+        Ok(c) => assert!(c.memory_bytes() > 100 << 30),
+    }
+    // The sizing functions of the paged API.
+    let huge = LayerShape { num_kv_heads: 1 << 40, num_q_heads: 1 << 40 };
+    assert!(matches!(paged::pool_bytes(&config, &huge, 1 << 30), Err(Error::Capacity(_))));
+    let wide = LayerShape { num_kv_heads: (1 << 32) + 1, num_q_heads: (1 << 32) + 1 };
+    assert!(matches!(paged::side_elems(&config, &wide), Err(Error::Capacity(_))));
+    let ok = LayerShape { num_kv_heads: 8, num_q_heads: 32 };
+    assert!(matches!(paged::pool_bytes(&config, &ok, usize::MAX / 2), Err(Error::Capacity(_))));
+    assert_eq!(paged::pool_bytes(&config, &ok, 2).unwrap(), 2 * 8 * config.format().unwrap().page_bytes() as usize);
+}
+
+#[test]
+fn protected_positions_that_can_never_come_are_refused() {
+    let config = CacheConfig { protected: 4, ..CacheConfig::k2v2(64) };
+    let cshape =
+        CacheShape { layers: 1, num_kv_heads: 1, num_q_heads: 1, max_seqs: 1, max_tokens: 200, num_blocks: None };
+    for backend in backends() {
+        let mut cache = KvCache::new(config, cshape, backend).unwrap();
+        let s = cache.add_sequence().unwrap();
+        for bad in [&[u32::MAX][..], &[200], &[10, 1 << 31]] {
+            let e = cache.protect(0, s, bad).unwrap_err();
+            assert!(matches!(e, Error::Value(_)) && e.to_string().contains("can never be appended"), "{bad:?}: {e}");
+            assert_eq!(cache.protected(0, s), Ok(&[][..]), "a refused protect kept a position");
+        }
+        cache.protect(0, s, &[10, 199]).unwrap();
+        assert_eq!(cache.protected(0, s), Ok(&[10, 199][..]));
+    }
+    // The paged API refuses positions past the format's length limit.
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: 1 };
+    let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+    let e = paged::protect(&config, &shape, &mut side, 0, &[], &[u32::MAX]).unwrap_err();
+    assert!(e.to_string().contains("can never be appended"), "{e}");
+}
+
+#[test]
+fn gguf_duplicate_names_are_refused() {
+    let (meta, mut tensors) = llama_gguf(2, 64);
+    let dup = tensors[1].clone();
+    tensors.push(dup);
+    let e = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap_err();
+    assert!(e.to_string().contains("output_norm.weight appears twice"), "{e}");
+    let (mut meta, tensors) = llama_gguf(2, 64);
+    meta.push(("llama.block_count", Meta::U32(7)));
+    let e = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap_err();
+    assert!(e.to_string().contains("llama.block_count appears twice"), "{e}");
+}

@@ -40,6 +40,7 @@
 //!   on local memory in a decode entry point marked `no_local_memory` or a modeled
 //!   bandwidth fraction below an enforced floor.
 
+mod sanitize;
 mod sass;
 
 use std::path::{Path, PathBuf};
@@ -59,11 +60,12 @@ fn main() -> ExitCode {
         }
         .map_err(|e| e.to_string()),
         Some("gpu-bundle") => gpu_bundle(),
+        Some("sanitize") => sanitize::run(),
         Some("fetch") => fetch().map_err(|e| e.to_string()),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | sanitize | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -177,6 +179,8 @@ fn ci() -> Result<(), String> {
     tally("ptxas", ptxas(), &mut failed, &mut skipped);
     println!("\n==> static SASS performance gate: cargo xtask sass");
     tally("sass", sass::sass(None), &mut failed, &mut skipped);
+    // Fuzzing, Miri and AddressSanitizer (xtask/src/sanitize.rs).
+    sanitize::steps(&mut failed, &mut skipped);
 
     println!();
     if !skipped.is_empty() {

@@ -327,8 +327,10 @@ fn decode_throughput(out: &mut Out, l0: &eval::LayerTile) -> Result<(), CliError
     let bar = progress(batch, "filling 8 x 8K cache");
     let mut k16 = vec![f16::ZERO; batch * hkv * ctx * d];
     let mut v16 = k16.clone();
+    let mut seqs = Vec::with_capacity(batch);
     for b in 0..batch {
         let s = cache.add_sequence()?;
+        seqs.push(s);
         let order: Vec<usize> = (0..ctx).map(|i| (i + 97 * b) % t).collect();
         let k: Vec<f32> = order.iter().flat_map(|&p| l0.k[p * row..(p + 1) * row].iter().copied()).collect();
         let v: Vec<f32> = order.iter().flat_map(|&p| l0.v[p * row..(p + 1) * row].iter().copied()).collect();
@@ -342,7 +344,6 @@ fn decode_throughput(out: &mut Out, l0: &eval::LayerTile) -> Result<(), CliError
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let seqs: Vec<usize> = (0..batch).collect();
     let q: Vec<f32> = (0..batch).flat_map(|b| l0.q[(t - 1 - b) * hq * d..(t - b) * hq * d].iter().copied()).collect();
     let mut attn = vec![0f32; batch * hq * d];
     let mut attn16 = attn.clone();

@@ -585,13 +585,14 @@ impl DeviceLayer {
             .position(Option::is_none)
             .ok_or_else(|| Error::Capacity(format!("all {} sequence slots are live", self.size.max_seqs)))?;
         self.seqs[id] = Some(SeqState { table: Vec::new(), len: 0, protected: Vec::new() });
-        Ok(id)
+        Ok(SeqId::from_slot(id))
     }
 
     /// Frees a sequence: its blocks go back to the pool and its slot's length becomes 0
     /// on the device (a 4-byte write, plus its protected list when it had one).
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
         let s = self.seq(seq)?;
+        let seq = seq.slot();
         let had_protected = !s.protected.is_empty();
         let was_empty = s.len == 0;
         if !was_empty {
@@ -618,6 +619,7 @@ impl DeviceLayer {
     /// with an error, changing nothing, as `KvCache::protect` refuses.
     pub fn protect(&mut self, seq: SeqId, positions: &[u32]) -> Result<()> {
         let s = self.seq(seq)?;
+        let seq = seq.slot();
         let new: Vec<u32> = s.protected.iter().chain(positions).copied().collect();
         // The host checks (ascending, not a sink, room, not quantized yet) on a scratch
         // side store.
@@ -645,7 +647,7 @@ impl DeviceLayer {
     }
 
     fn seq(&self, seq: SeqId) -> Result<&SeqState> {
-        self.seqs.get(seq).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq))
+        self.seqs.get(seq.slot()).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq.slot()))
     }
 
     /// Appends `tokens` tokens to `seq` from device buffers `k` and `v` (f32, f16 or
@@ -661,6 +663,7 @@ impl DeviceLayer {
         token_stride: usize,
     ) -> Result<usize> {
         let s = self.seq(seq)?;
+        let seq = seq.slot();
         let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
         let len = s.len;
         if tokens == 0 {

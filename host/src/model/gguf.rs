@@ -247,7 +247,11 @@ impl Gguf {
         for _ in 0..n_kv {
             let key = c.string()?;
             let kind = c.u32()?;
-            metadata.insert(key, c.value(kind, 0)?);
+            let value = c.value(kind, 0)?;
+            if metadata.contains_key(&key) {
+                return Err(Error::Input(format!("GGUF metadata key {key} appears twice")));
+            }
+            metadata.insert(key, value);
         }
         let mut tensors = HashMap::new();
         for _ in 0..n_tensors {
@@ -259,6 +263,9 @@ impl Gguf {
             let dims = (0..n_dims).map(|_| c.u64()).collect::<Result<Vec<_>>>()?;
             let kind = c.u32()?;
             let offset = c.u64()?;
+            if tensors.contains_key(&name) {
+                return Err(Error::Input(format!("GGUF tensor {name} appears twice")));
+            }
             tensors.insert(name, TensorInfo { dims, kind, offset });
         }
         let align = match metadata.get("general.alignment") {
