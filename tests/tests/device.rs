@@ -543,6 +543,9 @@ fn protected_positions_match_the_reference() {
     t.host.protect(0, t.hid(s), &[30, 50]).unwrap();
     t.append(s, 180, true);
     assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[60]), Err(Error::Value(_))), "position 60 is quantized");
+    // A position past the layer's max_tokens can never come: refused, nothing taken.
+    assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[256]), Err(Error::Value(_))));
+    assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[u32::MAX]), Err(Error::Value(_))));
     assert_eq!(t.host.protected(0, t.hid(s)).unwrap(), &[10, 30, 50]);
     let shape =
         PlanShape { max_seqs: 2, max_q_len: 1, max_context: 256, sm_count: None, blocks_per_sm: None, sm_scale: None };

@@ -620,6 +620,12 @@ impl DeviceLayer {
     pub fn protect(&mut self, seq: SeqId, positions: &[u32]) -> Result<()> {
         let s = self.seq(seq)?;
         let seq = seq.slot();
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= self.size.max_tokens) {
+            return Err(Error::Value(format!(
+                "position {p} can never be appended: the layer holds at most {} tokens per sequence",
+                self.size.max_tokens
+            )));
+        }
         let new: Vec<u32> = s.protected.iter().chain(positions).copied().collect();
         // The host checks (ascending, not a sink, room, not quantized yet) on a scratch
         // side store.
