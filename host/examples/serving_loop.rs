@@ -71,8 +71,7 @@ fn main() -> rotkv::Result<()> {
             device_copies: after.device_copies - before.device_copies,
         };
         assert_eq!(d, Counters { launches: 2, ..Counters::default() }, "a decode step only launches");
-        let lens: Vec<String> =
-            (0..slots).map(|s| layer.len(rotkv::SeqId::from_slot(s)).map_or("-".into(), |l| l.to_string())).collect();
+        let lens: Vec<String> = (0..slots).map(|s| layer.slot_len(s).map_or("-".into(), |l| l.to_string())).collect();
         println!(
             "{step:>4}  {:>4}  {:<20} {:>6}  {:>7}  {:>9}  {:>5}  {:>8}",
             live.len(),

@@ -31,8 +31,8 @@ pub struct CacheShape {
 /// grows each time the slot is reused) and the cache that made it. A freed id (even once
 /// its slot is reused) and an id of another cache are [`Error::UnknownSequence`].
 ///
-/// A [`crate::device::DeviceLayer`]'s ids name only a slot (generation 0, no cache):
-/// see [`SeqId::from_slot`].
+/// A [`crate::device::DeviceLayer`] hands out ids of the same kind (slot, generation, the
+/// layer's identity) and refuses stale and foreign ones the same way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SeqId {
     slot: usize,
@@ -41,10 +41,15 @@ pub struct SeqId {
 }
 
 impl SeqId {
-    /// An id that names slot `slot` only: what a `DeviceLayer` hands out and accepts.
-    /// No [`KvCache`] accepts it (their generations start at 1).
+    /// An id that names slot `slot` only (generation 0, no cache): no [`KvCache`] or
+    /// `DeviceLayer` accepts it (their generations start at 1); for tests of refusals.
     pub const fn from_slot(slot: usize) -> Self {
         Self { slot, generation: 0, cache: 0 }
+    }
+    /// An id of generation `generation` of slot `slot` in the cache or layer `owner`.
+    #[cfg(any(feature = "sim", feature = "cuda"))]
+    pub(crate) const fn new(slot: usize, generation: u64, owner: u64) -> Self {
+        Self { slot, generation, cache: owner }
     }
     /// The sequence's slot (its index among the cache's `max_seqs`).
     pub const fn slot(self) -> usize {

@@ -107,8 +107,10 @@ struct Twin {
     hkv: usize,
     hq: usize,
     seed: u64,
-    /// The host cache's id of each slot's live sequence (the device layer's id is the slot).
+    /// The host cache's id of each slot's live sequence.
     host_ids: Vec<Option<SeqId>>,
+    /// The device layer's id of each slot's live sequence.
+    dev_ids: Vec<Option<SeqId>>,
 }
 
 impl Twin {
@@ -123,21 +125,26 @@ impl Twin {
         let cs =
             CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs, max_tokens: 256, num_blocks: None };
         let host = KvCache::new(config, cs, Backend::Reference).unwrap();
-        Twin { dev, layer, host, hkv, hq, seed: 7, host_ids: vec![None; max_seqs] }
+        Twin { dev, layer, host, hkv, hq, seed: 7, host_ids: vec![None; max_seqs], dev_ids: vec![None; max_seqs] }
     }
     fn add(&mut self) -> usize {
         let a = self.layer.add_sequence().unwrap();
         let h = self.host.add_sequence().unwrap();
         assert_eq!(h.slot(), a.slot());
         self.host_ids[a.slot()] = Some(h);
+        self.dev_ids[a.slot()] = Some(a);
         a.slot()
+    }
+    /// The device layer's id of slot `seq`.
+    fn did(&self, seq: usize) -> SeqId {
+        self.dev_ids[seq].expect("a live slot")
     }
     /// The host cache's id of slot `seq`.
     fn hid(&self, seq: usize) -> SeqId {
         self.host_ids[seq].expect("a live slot")
     }
     fn free(&mut self, seq: usize) {
-        self.layer.free_sequence(SeqId::from_slot(seq)).unwrap();
+        self.layer.free_sequence(self.dev_ids[seq].take().expect("a live slot")).unwrap();
         self.host.free_sequence(self.host_ids[seq].take().expect("a live slot")).unwrap();
     }
     /// Appends `n` random tokens, f32 or f16 on the device, with a padded token stride.
@@ -153,15 +160,15 @@ impl Twin {
             let (kh, vh): (Vec<f16>, Vec<f16>) =
                 (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
             let (kd, vd) = (self.dev.upload(&kh).unwrap(), self.dev.upload(&vh).unwrap());
-            self.layer.append(SeqId::from_slot(seq), n, &kd, &vd, stride).unwrap();
+            self.layer.append(self.did(seq), n, &kd, &vd, stride).unwrap();
             let to16 = |x: Vec<f32>| x.into_iter().map(f16::from_f32).collect::<Vec<_>>();
             self.host.append(0, self.hid(seq), n, &to16(dense(&k)), &to16(dense(&v))).unwrap();
         } else {
             let (kd, vd) = (self.dev.upload(&k).unwrap(), self.dev.upload(&v).unwrap());
-            self.layer.append(SeqId::from_slot(seq), n, &kd, &vd, stride).unwrap();
+            self.layer.append(self.did(seq), n, &kd, &vd, stride).unwrap();
             self.host.append(0, self.hid(seq), n, &dense(&k), &dense(&v)).unwrap();
         }
-        assert_eq!(self.layer.len(SeqId::from_slot(seq)).unwrap(), self.host.len(0, self.hid(seq)).unwrap());
+        assert_eq!(self.layer.len(self.did(seq)).unwrap(), self.host.len(0, self.hid(seq)).unwrap());
     }
     fn queries(&mut self, slots: usize, q_len: usize) -> Vec<f32> {
         self.seed += 1;
@@ -251,7 +258,7 @@ fn one_plan_many_steps_match_the_reference() {
         // Free slots' rows are zero.
         let row = q_len * 6 * D;
         for s in 0..slots {
-            if t.layer.len(SeqId::from_slot(s)).map_or(true, |l| l == 0) {
+            if t.layer.slot_len(s).is_none_or(|l| l == 0) {
                 assert!(got[s * row..(s + 1) * row].iter().all(|&x| x == 0.0), "step {i}: free slot {s}");
             }
         }
@@ -284,9 +291,9 @@ fn steady_state_appends_upload_only_new_table_entries() {
     for i in 0..200 {
         let (k, v) = (rows(stride, 500 + i), rows(stride, 900 + i));
         let (kd, vd) = (t.dev.upload(&k).unwrap(), t.dev.upload(&v).unwrap());
-        let len = t.layer.len(SeqId::from_slot(a)).unwrap() as u32;
+        let len = t.layer.len(t.did(a)).unwrap() as u32;
         let before = t.dev.counters();
-        t.layer.append(SeqId::from_slot(a), 1, &kd, &vd, stride).unwrap();
+        t.layer.append(t.did(a), 1, &kd, &vd, stride).unwrap();
         let d = delta(before, t.dev.counters());
         let new_page = fmt.pages_for(len + 1) > fmt.pages_for(len);
         took += new_page as usize;
@@ -408,26 +415,20 @@ fn device_errors() {
     let (k, v) = (dev.upload(&rows(40 * D, 1)).unwrap(), dev.upload(&rows(40 * D, 2)).unwrap());
     // Inputs too short for the tokens and stride; a stride below a token's size; a
     // buffer of another device; too many tokens; an unknown sequence.
-    assert!(matches!(t.layer.append(SeqId::from_slot(s0), 41, &k, &v, D), Err(Error::Shape(_))));
-    assert!(matches!(t.layer.append(SeqId::from_slot(s0), 30, &k, &v, 2 * D + 1), Err(Error::Shape(_))));
-    assert!(matches!(t.layer.append(SeqId::from_slot(s0), 2, &k, &v, D - 1), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(t.did(s0), 41, &k, &v, D), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(t.did(s0), 30, &k, &v, 2 * D + 1), Err(Error::Shape(_))));
+    assert!(matches!(t.layer.append(t.did(s0), 2, &k, &v, D - 1), Err(Error::Shape(_))));
     let k_other = other.upload(&rows(40 * D, 1)).unwrap();
-    assert!(t.layer.append(SeqId::from_slot(s0), 2, &k_other, &v, D).is_err());
+    assert!(t.layer.append(t.did(s0), 2, &k_other, &v, D).is_err());
     assert!(matches!(t.layer.append(SeqId::from_slot(7), 2, &k, &v, D), Err(Error::UnknownSequence(7))));
     let before = dev.counters();
     assert!(matches!(
-        t.layer.append(
-            SeqId::from_slot(s0),
-            300,
-            &dev.alloc::<f32>(300 * D).unwrap(),
-            &dev.alloc::<f32>(300 * D).unwrap(),
-            D
-        ),
+        t.layer.append(t.did(s0), 300, &dev.alloc::<f32>(300 * D).unwrap(), &dev.alloc::<f32>(300 * D).unwrap(), D),
         Err(Error::Capacity(_))
     ));
     assert_eq!(dev.counters().launches, before.launches);
-    t.layer.append(SeqId::from_slot(s0), 40, &k, &v, D).unwrap();
-    t.layer.append(SeqId::from_slot(s1), 3, &k, &v, D).unwrap();
+    t.layer.append(t.did(s0), 40, &k, &v, D).unwrap();
+    t.layer.append(t.did(s1), 3, &k, &v, D).unwrap();
     // A plan too small for the batch (slot 1 is live), lengths beyond the plan, q_len
     // beyond the plan or a sequence, wrong sizes, another layer.
     let q = dev.alloc::<f32>(3 * 4 * 4 * D).unwrap();
@@ -453,8 +454,8 @@ fn device_errors() {
     dev.write(&mut q3, 0, &rows(3 * 4 * D, 5)).unwrap();
     plan.run(&t.layer, 1, &q3, &mut o3).unwrap();
     // k2v2 keeps no protected positions: refused, appended or not.
-    assert!(matches!(t.layer.protect(SeqId::from_slot(s0), &[10]), Err(Error::Capacity(_))));
-    assert!(matches!(t.layer.protect(SeqId::from_slot(s0), &[45]), Err(Error::Capacity(_))));
+    assert!(matches!(t.layer.protect(t.did(s0), &[10]), Err(Error::Capacity(_))));
+    assert!(matches!(t.layer.protect(t.did(s0), &[45]), Err(Error::Capacity(_))));
 }
 
 /// f16 and bf16 queries, bf16 output, and query/output rows with gaps (a fused QKV
@@ -524,6 +525,36 @@ fn query_and_output_types_and_row_strides() {
     assert_eq!(t.dev.counters().launches, before);
 }
 
+/// A freed sequence's id (also once its slot is taken again), another layer's id and a
+/// bare slot are refused with `UnknownSequence`, changing nothing.
+#[test]
+fn stale_and_foreign_sequence_ids_are_refused() {
+    let mut t = Twin::new(1, 4, 2);
+    let mut u = Twin::new(1, 4, 2);
+    let a = t.add();
+    t.append(a, 5, false);
+    let old = t.did(a);
+    t.free(a);
+    assert_eq!(t.add(), a, "the slot is reused");
+    let foreign = {
+        let s = u.add();
+        u.did(s)
+    };
+    assert_eq!(foreign.slot(), a);
+    let (k, v) = (t.dev.upload(&rows(4 * D, 1)).unwrap(), t.dev.upload(&rows(4 * D, 2)).unwrap());
+    let before = t.dev.counters();
+    for id in [old, foreign, SeqId::from_slot(a)] {
+        assert!(matches!(t.layer.append(id, 1, &k, &v, D), Err(Error::UnknownSequence(_))), "{id:?}");
+        assert!(matches!(t.layer.len(id), Err(Error::UnknownSequence(_))));
+        assert!(matches!(t.layer.protect(id, &[]), Err(Error::UnknownSequence(_))));
+        assert!(matches!(t.layer.free_sequence(id), Err(Error::UnknownSequence(_))));
+    }
+    assert_eq!(t.dev.counters(), before, "nothing was enqueued");
+    assert_eq!(t.layer.len(t.did(a)).unwrap(), 0);
+    assert_eq!(t.layer.slot_len(a), Some(0));
+    assert_eq!(t.layer.slot_len(1), None);
+}
+
 /// Protected positions (detected sinks) on the device: protected before they arrive, or
 /// after, while still in the f16 window (rows copied on the device); read from their f16
 /// rows once their page is quantized. A quantized position is refused.
@@ -532,20 +563,20 @@ fn protected_positions_match_the_reference() {
     let config = CacheConfig { protected: 4, ..CacheConfig::k2v2(D) };
     let mut t = Twin::with_config(config, 2, 4, 2);
     let s = t.add();
-    t.layer.protect(SeqId::from_slot(s), &[10]).unwrap();
+    t.layer.protect(t.did(s), &[10]).unwrap();
     t.host.protect(0, t.hid(s), &[10]).unwrap();
     t.append(s, 40, false);
     let before = t.dev.counters();
-    t.layer.protect(SeqId::from_slot(s), &[30, 50]).unwrap();
+    t.layer.protect(t.did(s), &[30, 50]).unwrap();
     let d = delta(before, t.dev.counters());
     // Position 30 is appended: its K and V rows of both heads are copied on the device.
     assert_eq!((d.device_copies, d.uploads, d.downloads, d.launches), (4, 1, 0, 0), "{d:?}");
     t.host.protect(0, t.hid(s), &[30, 50]).unwrap();
     t.append(s, 180, true);
-    assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[60]), Err(Error::Value(_))), "position 60 is quantized");
+    assert!(matches!(t.layer.protect(t.did(s), &[60]), Err(Error::Value(_))), "position 60 is quantized");
     // A position past the layer's max_tokens can never come: refused, nothing taken.
-    assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[256]), Err(Error::Value(_))));
-    assert!(matches!(t.layer.protect(SeqId::from_slot(s), &[u32::MAX]), Err(Error::Value(_))));
+    assert!(matches!(t.layer.protect(t.did(s), &[256]), Err(Error::Value(_))));
+    assert!(matches!(t.layer.protect(t.did(s), &[u32::MAX]), Err(Error::Value(_))));
     assert_eq!(t.host.protected(0, t.hid(s)).unwrap(), &[10, 30, 50]);
     let shape =
         PlanShape { max_seqs: 2, max_q_len: 1, max_context: 256, sm_count: None, blocks_per_sm: None, sm_scale: None };

@@ -2,7 +2,7 @@
 //! memory**: the paged layer validates every call, then hands host buffers (pool, block
 //! tables, side stores) to one of these.
 //!
-//! - [`reference`]: the scalar f64 oracle;
+//! - [`reference`](mod@reference): the scalar f64 oracle;
 //! - [`cpu`]: the fast CPU implementation of the same format;
 //! - `sim` (feature `sim`): the device kernels run by the SIMT emulator over these host
 //!   buffers, and the raw emulated launches the device API uses;

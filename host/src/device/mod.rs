@@ -20,9 +20,9 @@
 //!
 //! # The batch
 //!
-//! Sequence `s` of a layer lives in slot `s` (its [`SeqId`], the lowest free slot when
-//! it is added). A plan for `max_seqs` sequences decodes slots `0 .. max_seqs` every
-//! step: queries and outputs are `[max_seqs][q_len][num_q_heads][head_dim]`, row block
+//! A sequence of a layer lives in slot `SeqId::slot` (the lowest free slot when it is
+//! added; its id also carries the slot's generation, so a freed id is refused). A plan
+//! for `max_seqs` sequences decodes slots `0 .. max_seqs` every step: queries and outputs are `[max_seqs][q_len][num_q_heads][head_dim]`, row block
 //! `s` belonging to slot `s`; a free slot has length 0 on the device and its output rows
 //! are zero. A changing batch is sequences added and freed between steps.
 //!
@@ -105,6 +105,10 @@ struct Inner {
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Set in the owner field of a [`DeviceLayer`]'s [`SeqId`]s, so that no id of a
+/// `KvCache` (whose identities count from 1 without it) names a device layer.
+const LAYER_ID_TAG: u64 = 1 << 63;
 
 /// A device and the stream its work is enqueued on (cheap to clone: a shared handle).
 #[derive(Clone)]
@@ -452,6 +456,7 @@ pub struct LayerSize {
 
 #[derive(Clone, Debug)]
 struct SeqState {
+    id: SeqId,
     table: Vec<u32>,
     len: usize,
     protected: Vec<u32>,
@@ -480,6 +485,7 @@ pub struct DeviceLayer {
     value_rot: DeviceBuffer<f32>,
     num_blocks: usize,
     seqs: Vec<Option<SeqState>>,
+    generations: Vec<u64>,
     free_blocks: Vec<u32>,
     id: u64,
 }
@@ -555,6 +561,7 @@ impl DeviceLayer {
             size,
             max_blocks,
             seqs: vec![None; size.max_seqs],
+            generations: vec![0; size.max_seqs],
             free_blocks: (0..num_blocks as u32).rev().collect(),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
@@ -577,15 +584,26 @@ impl DeviceLayer {
         self.free_blocks.len()
     }
 
-    /// Starts an empty sequence in the lowest free slot; its id is the slot.
+    /// Starts an empty sequence in the lowest free slot (`SeqId::slot`, its row block
+    /// in a decode plan's batch). The id also carries the slot's generation and this
+    /// layer's identity: once the sequence is freed, or on another layer, it is refused
+    /// with [`Error::UnknownSequence`].
     pub fn add_sequence(&mut self) -> Result<SeqId> {
-        let id = self
+        let slot = self
             .seqs
             .iter()
             .position(Option::is_none)
             .ok_or_else(|| Error::Capacity(format!("all {} sequence slots are live", self.size.max_seqs)))?;
-        self.seqs[id] = Some(SeqState { table: Vec::new(), len: 0, protected: Vec::new() });
-        Ok(SeqId::from_slot(id))
+        self.generations[slot] += 1;
+        let id = SeqId::new(slot, self.generations[slot], LAYER_ID_TAG | self.id);
+        self.seqs[slot] = Some(SeqState { id, table: Vec::new(), len: 0, protected: Vec::new() });
+        Ok(id)
+    }
+
+    /// Tokens of the sequence in slot `slot`, or `None` for a free slot (the batch's
+    /// bookkeeping: which rows of a plan's output belong to a live sequence).
+    pub fn slot_len(&self, slot: usize) -> Option<usize> {
+        self.seqs.get(slot).and_then(Option::as_ref).map(|s| s.len)
     }
 
     /// Frees a sequence: its blocks go back to the pool and its slot's length becomes 0
@@ -653,7 +671,11 @@ impl DeviceLayer {
     }
 
     fn seq(&self, seq: SeqId) -> Result<&SeqState> {
-        self.seqs.get(seq.slot()).and_then(Option::as_ref).ok_or(Error::UnknownSequence(seq.slot()))
+        self.seqs
+            .get(seq.slot())
+            .and_then(Option::as_ref)
+            .filter(|s| s.id == seq)
+            .ok_or(Error::UnknownSequence(seq.slot()))
     }
 
     /// Appends `tokens` tokens to `seq` from device buffers `k` and `v` (f32, f16 or
