@@ -152,9 +152,10 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
     let shape =
         CacheShape { layers: 1, num_kv_heads: HKV, num_q_heads: HQ, max_seqs: 2, max_tokens: total, num_blocks: None };
     let mut caches = [KvCache::new(config, shape, Backend::Cpu)?, KvCache::new(config, shape, Backend::Reference)?];
-    let seqs = [caches[0].add_sequence()?, caches[0].add_sequence()?];
-    for c in &mut caches[1..] {
-        assert_eq!([c.add_sequence()?, c.add_sequence()?], seqs);
+    // Each cache's own ids of the two sequences (an id names its cache).
+    let mut ids = Vec::new();
+    for c in &mut caches {
+        ids.push([c.add_sequence()?, c.add_sequence()?]);
     }
     let (mut cpu_exact, mut ref_exact, mut cpu_ref) = (Err2::default(), Err2::default(), Err2::default());
     // The unquantized history candle attends over: per sequence, k and v `[n, HKV, D]`.
@@ -163,11 +164,11 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
     // decode of both sequences at once.
     let mut spec_q = Vec::new();
     let mut spec_exact = Vec::new();
-    for (&seq, &n) in seqs.iter().zip(&PROMPTS) {
+    for (s, &n) in PROMPTS.iter().enumerate() {
         let x = rng.tensor(n, HIDDEN, 1.0)?;
         let (q, k, v) = qkv(w, &x, &(0..n).collect::<Vec<_>>())?;
-        for c in &mut caches {
-            rotkv::candle::append(c, 0, seq, &k, &v)?;
+        for (c, id) in caches.iter_mut().zip(&ids) {
+            rotkv::candle::append(c, 0, id[s], &k, &v)?;
         }
         for i in n - SPEC..n {
             let row = q.get(i)?;
@@ -179,7 +180,8 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
     let q = Tensor::cat(&spec_q, 0)?; // [2 * SPEC, HQ, D], seqs[0]'s rows first
     let outs: Vec<Tensor> = caches
         .iter()
-        .map(|c| project_out(w, &rotkv::candle::decode_tokens(c, 0, &seqs, SPEC, &q)?))
+        .zip(&ids)
+        .map(|(c, id)| project_out(w, &rotkv::candle::decode_tokens(c, 0, id, SPEC, &q)?))
         .collect::<Res<_>>()?;
     let exact = project_out(w, &Tensor::stack(&spec_exact, 0)?)?;
     cpu_exact.add(&outs[0], &exact)?;
@@ -191,16 +193,19 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         let positions: Vec<usize> = PROMPTS.iter().map(|&p| p + step).collect();
         let x = rng.tensor(2, HIDDEN, 1.0)?;
         let (q, k, v) = qkv(w, &x, &positions)?;
-        for (i, &seq) in seqs.iter().enumerate() {
+        for i in 0..2 {
             let (ki, vi) = (k.narrow(0, i, 1)?, v.narrow(0, i, 1)?);
-            for c in &mut caches {
-                rotkv::candle::append(c, 0, seq, &ki, &vi)?;
+            for (c, id) in caches.iter_mut().zip(&ids) {
+                rotkv::candle::append(c, 0, id[i], &ki, &vi)?;
             }
             let grown = (Tensor::cat(&[&hist[i].0, &ki], 0)?, Tensor::cat(&[&hist[i].1, &vi], 0)?);
             hist[i] = grown;
         }
-        let outs: Vec<Tensor> =
-            caches.iter().map(|c| project_out(w, &rotkv::candle::decode(c, 0, &seqs, &q)?)).collect::<Res<_>>()?;
+        let outs: Vec<Tensor> = caches
+            .iter()
+            .zip(&ids)
+            .map(|(c, id)| project_out(w, &rotkv::candle::decode(c, 0, id, &q)?))
+            .collect::<Res<_>>()?;
         let rows: Vec<Tensor> =
             (0..2).map(|i| exact_attention(&q.get(i)?, &hist[i].0, &hist[i].1)).collect::<Res<_>>()?;
         let exact = project_out(w, &Tensor::stack(&rows, 0)?)?;
@@ -208,7 +213,7 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         ref_exact.add(&outs[1], &exact)?;
         cpu_ref.add(&outs[0], &outs[1])?;
     }
-    let lens: Vec<usize> = seqs.iter().map(|&s| caches[0].len(0, s)).collect::<rotkv::Result<_>>()?;
+    let lens: Vec<usize> = ids[0].iter().map(|&s| caches[0].len(0, s)).collect::<rotkv::Result<_>>()?;
     println!(
         "{name}: lens {lens:?}, {} query rows; rel. L2 error vs exact f32 attention: cpu {:.4}, reference {:.4}; \
          cpu vs reference {:.2e}",

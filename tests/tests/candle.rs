@@ -61,43 +61,44 @@ fn direct_decode<T: WithDType + KvElement>(
 fn round_trip<T: WithDType + KvElement>() {
     for config in [CacheConfig::k2v2(D), CacheConfig::k4v4(D)] {
         let (mut via, mut direct) = (cache(config), cache(config));
+        // Each cache's own ids (an id names its cache); the same slots.
         let seqs = [via.add_sequence().unwrap(), via.add_sequence().unwrap()];
-        assert_eq!([direct.add_sequence().unwrap(), direct.add_sequence().unwrap()], seqs);
+        let dseqs = [direct.add_sequence().unwrap(), direct.add_sequence().unwrap()];
+        assert_eq!(dseqs.map(SeqId::slot), seqs.map(SeqId::slot));
         // Prompts of 300 and 150 tokens, then 3 single tokens each: pages flush.
-        for (i, (&seq, n)) in seqs.iter().zip([300, 150]).enumerate() {
+        for (i, ((&seq, &dseq), n)) in seqs.iter().zip(&dseqs).zip([300, 150]).enumerate() {
             let (kt, k) = both::<T>(&rows(Data::Keys, n * HKV, D, 10 + i as u64), (n, HKV, D));
             let (vt, v) = both::<T>(&rows(Data::Normal, n * HKV, D, 20 + i as u64), (n, HKV, D));
             for layer in 0..2 {
                 rotkv::candle::append(&mut via, layer, seq, &kt, &vt).unwrap();
-                direct.append(layer, seq, n, &k, &v).unwrap();
+                direct.append(layer, dseq, n, &k, &v).unwrap();
             }
         }
         for step in 0..3u64 {
-            for &seq in &seqs {
+            for (&seq, &dseq) in seqs.iter().zip(&dseqs) {
                 let (kt, k) = both::<T>(&rows(Data::Keys, HKV, D, 30 + step), (1, HKV, D));
                 let (vt, v) = both::<T>(&rows(Data::Normal, HKV, D, 40 + step), (1, HKV, D));
                 rotkv::candle::append(&mut via, 1, seq, &kt, &vt).unwrap();
-                direct.append(1, seq, 1, &k, &v).unwrap();
+                direct.append(1, dseq, 1, &k, &v).unwrap();
             }
             let (qt, q) = both::<T>(&rows(Data::Normal, 2 * HQ, D, 50 + step), (2, HQ, D));
             let out = rotkv::candle::decode(&via, 1, &seqs, &qt).unwrap();
             assert_eq!(out.dims(), &[2, HQ, D]);
             assert_eq!(
                 tensor_bits::<T>(&out),
-                direct_decode(&direct, 1, &seqs, 1, &q),
+                direct_decode(&direct, 1, &dseqs, 1, &q),
                 "{:?}",
                 <T as WithDType>::DTYPE
             );
         }
         // Multi-token decode: the last 4 tokens of both sequences, in layer 0.
         let (qt, q) = both::<T>(&rows(Data::Normal, 8 * HQ, D, 60), (8, HQ, D));
-        let order = [seqs[1], seqs[0]];
-        let out = rotkv::candle::decode_tokens(&via, 0, &order, 4, &qt).unwrap();
-        assert_eq!(tensor_bits::<T>(&out), direct_decode(&direct, 0, &order, 4, &q));
+        let out = rotkv::candle::decode_tokens(&via, 0, &[seqs[1], seqs[0]], 4, &qt).unwrap();
+        assert_eq!(tensor_bits::<T>(&out), direct_decode(&direct, 0, &[dseqs[1], dseqs[0]], 4, &q));
         // Both caches hold the same tokens: equal decodes in every layer with f32 queries.
         let q = rows(Data::Normal, 2 * HQ, D, 70);
         for layer in 0..2 {
-            assert_eq!(direct_decode(&via, layer, &seqs, 1, &q), direct_decode(&direct, layer, &seqs, 1, &q));
+            assert_eq!(direct_decode(&via, layer, &seqs, 1, &q), direct_decode(&direct, layer, &dseqs, 1, &q));
         }
         assert_eq!(via.free_blocks(), direct.free_blocks());
     }
