@@ -581,7 +581,9 @@ fn calibration_feeds_the_perplexity_harness() {
     let err = model::perplexity(&m, &windows, &methods, &none, &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("calibration"), "{err}");
     // Calibrated, on the CPU and on the emulated GPU kernels: the same perplexities up to
-    // rounding (the two backends write the same bytes but at rounding ties).
+    // rounding. The emulated decode runs on tensor cores (f16 query and probabilities,
+    // within 3e-3 of the reference), so the mean NLL per token (here ~80 nats: random
+    // weights) is compared, to 2e-2 nats (seen: 2e-3 for f16, 6e-3 for k2v2).
     let mut results = Vec::new();
     for backend in [Backend::Cpu, Backend::Sim] {
         let opts = PplOptions { backend, calibration: Some(cal.clone()), chunk: 1 };
@@ -589,7 +591,7 @@ fn calibration_feeds_the_perplexity_harness() {
     }
     for (a, b) in results[0].iter().zip(&results[1]) {
         assert!(a.ppl.is_finite() && a.ppl > 1.0, "{}: {}", a.method.name, a.ppl);
-        assert!((a.ppl / b.ppl - 1.0).abs() < 1e-3, "{}: cpu {} sim {}", a.method.name, a.ppl, b.ppl);
+        assert!((a.ppl.ln() - b.ppl.ln()).abs() < 2e-2, "{}: cpu {} sim {}", a.method.name, a.ppl, b.ppl);
     }
     // The calibration changes what the quantized cache holds, so the perplexity moves;
     // so do learned rotations and protected sinks.
