@@ -362,4 +362,57 @@ pub mod gguf_writer {
     pub fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[Tensor]) -> Vec<u8> {
         gguf_bytes_at(meta, tensors, &|_, o| o)
     }
+
+    /// A one-layer llama model: `heads` query heads and `kv_heads` KV heads of `head_dim`
+    /// channels, vocabulary 8, MLP 4, small random weights from `seed` (norm weights
+    /// near 1). No tokenizer: add [`tiny_tokenizer`] where one is needed.
+    pub fn tiny_llama(
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        seed: u64,
+    ) -> (Vec<(&'static str, Meta)>, Vec<Tensor>) {
+        let (dim, kvd, ffn, vocab) = (heads * head_dim, kv_heads * head_dim, 4usize, 8usize);
+        let mut r = crate::Rng::new(seed);
+        let mut t = |name: &str, dims: &[usize]| {
+            let n: usize = dims.iter().product();
+            let data = (0..n).map(|_| 0.1 * r.normal() + if dims.len() == 1 { 1.0 } else { 0.0 }).collect();
+            (name.to_string(), dims.iter().map(|&d| d as u64).collect(), data)
+        };
+        let tensors = vec![
+            t("token_embd.weight", &[dim, vocab]),
+            t("output_norm.weight", &[dim]),
+            t("blk.0.attn_norm.weight", &[dim]),
+            t("blk.0.attn_q.weight", &[dim, dim]),
+            t("blk.0.attn_k.weight", &[dim, kvd]),
+            t("blk.0.attn_v.weight", &[dim, kvd]),
+            t("blk.0.attn_output.weight", &[dim, dim]),
+            t("blk.0.ffn_norm.weight", &[dim]),
+            t("blk.0.ffn_gate.weight", &[dim, ffn]),
+            t("blk.0.ffn_up.weight", &[dim, ffn]),
+            t("blk.0.ffn_down.weight", &[ffn, dim]),
+        ];
+        let meta = vec![
+            ("general.architecture", Meta::Str("llama".into())),
+            ("llama.embedding_length", Meta::U32(dim as u32)),
+            ("llama.block_count", Meta::U32(1)),
+            ("llama.attention.head_count", Meta::U32(heads as u32)),
+            ("llama.attention.head_count_kv", Meta::U32(kv_heads as u32)),
+            ("llama.rope.dimension_count", Meta::U32(head_dim as u32)),
+            ("llama.feed_forward_length", Meta::U32(ffn as u32)),
+            ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
+        ];
+        (meta, tensors)
+    }
+
+    /// A GPT-2-style BPE tokenizer of [`tiny_llama`]'s 8 tokens (two merges).
+    pub fn tiny_tokenizer() -> Vec<(&'static str, Meta)> {
+        let tokens: Vec<String> = ["a", "b", "c", " ", "ab", "abc", "1", "2"].map(String::from).to_vec();
+        vec![
+            ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
+            ("tokenizer.ggml.pre", Meta::Str("smollm".into())),
+            ("tokenizer.ggml.tokens", Meta::Strs(tokens)),
+            ("tokenizer.ggml.merges", Meta::Strs(vec!["a b".into(), "ab c".into()])),
+        ]
+    }
 }

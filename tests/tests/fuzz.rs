@@ -17,7 +17,7 @@ use rotkv::model::gguf::Gguf;
 use rotkv::model::llama::{ExactAttention, Llama, Row};
 use rotkv::model::tokenizer::Tokenizer;
 use rotkv_tests::Rng;
-use rotkv_tests::gguf_writer::{Meta, gguf_bytes};
+use rotkv_tests::gguf_writer::{gguf_bytes, tiny_llama, tiny_tokenizer};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 fn iterations() -> usize {
@@ -99,41 +99,8 @@ fn fuzz(name: &str, weight: usize, seeds: &[Vec<u8>], target: impl Fn(&[u8])) {
 
 /// A small llama GGUF with a tokenizer: `heads` query heads, `kv` KV heads, head_dim 8.
 fn model_seed(heads: usize, kv: usize) -> Vec<u8> {
-    let (hd, vocab, ffn) = (8usize, 8usize, 4usize);
-    let (dim, kvd) = (heads * hd, kv * hd);
-    let mut r = Rng::new(3);
-    let mut t = |name: &str, dims: &[usize]| {
-        let n: usize = dims.iter().product();
-        let data = (0..n).map(|_| 0.1 * r.normal() + if dims.len() == 1 { 1.0 } else { 0.0 }).collect();
-        (name.to_string(), dims.iter().map(|&d| d as u64).collect(), data)
-    };
-    let tensors = vec![
-        t("token_embd.weight", &[dim, vocab]),
-        t("output_norm.weight", &[dim]),
-        t("blk.0.attn_norm.weight", &[dim]),
-        t("blk.0.attn_q.weight", &[dim, dim]),
-        t("blk.0.attn_k.weight", &[dim, kvd]),
-        t("blk.0.attn_v.weight", &[dim, kvd]),
-        t("blk.0.attn_output.weight", &[dim, dim]),
-        t("blk.0.ffn_norm.weight", &[dim]),
-        t("blk.0.ffn_gate.weight", &[dim, ffn]),
-        t("blk.0.ffn_up.weight", &[dim, ffn]),
-        t("blk.0.ffn_down.weight", &[ffn, dim]),
-    ];
-    let tokens: Vec<String> = ["a", "b", "c", " ", "ab", "abc", "1", "2"].map(String::from).to_vec();
-    let meta = vec![
-        ("general.architecture", Meta::Str("llama".into())),
-        ("llama.embedding_length", Meta::U32(dim as u32)),
-        ("llama.block_count", Meta::U32(1)),
-        ("llama.attention.head_count", Meta::U32(heads as u32)),
-        ("llama.attention.head_count_kv", Meta::U32(kv as u32)),
-        ("llama.feed_forward_length", Meta::U32(ffn as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
-        ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
-        ("tokenizer.ggml.pre", Meta::Str("smollm".into())),
-        ("tokenizer.ggml.tokens", Meta::Strs(tokens)),
-        ("tokenizer.ggml.merges", Meta::Strs(vec!["a b".into(), "ab c".into()])),
-    ];
+    let (mut meta, tensors) = tiny_llama(heads, kv, 8, 3);
+    meta.extend(tiny_tokenizer());
     gguf_bytes(&meta, &tensors)
 }
 

@@ -8,42 +8,12 @@ use rotkv::model::gguf::Gguf;
 use rotkv::model::llama::{ExactAttention, Llama, Row};
 use rotkv::{Error, LayerCalibration};
 use rotkv_tests::Rng;
-use rotkv_tests::gguf_writer::{Meta, Tensor, gguf_bytes, gguf_bytes_at};
+use rotkv_tests::gguf_writer::{Meta, Tensor, gguf_bytes, gguf_bytes_at, tiny_llama};
 
 /// A one-layer llama GGUF with `heads` query heads and one KV head of `head_dim`
-/// channels, vocabulary 8, MLP 4, small random weights.
+/// channels (see [`tiny_llama`]).
 fn llama_gguf(heads: usize, head_dim: usize) -> (Vec<(&'static str, Meta)>, Vec<Tensor>) {
-    let (dim, kvd, ffn, vocab) = (heads * head_dim, head_dim, 4usize, 8usize);
-    let mut r = Rng::new(head_dim as u64);
-    let mut t = |name: &str, dims: &[usize]| {
-        let n: usize = dims.iter().product();
-        let data = (0..n).map(|_| 0.1 * r.normal() + if dims.len() == 1 { 1.0 } else { 0.0 }).collect();
-        (name.to_string(), dims.iter().map(|&d| d as u64).collect(), data)
-    };
-    let tensors = vec![
-        t("token_embd.weight", &[dim, vocab]),
-        t("output_norm.weight", &[dim]),
-        t("blk.0.attn_norm.weight", &[dim]),
-        t("blk.0.attn_q.weight", &[dim, dim]),
-        t("blk.0.attn_k.weight", &[dim, kvd]),
-        t("blk.0.attn_v.weight", &[dim, kvd]),
-        t("blk.0.attn_output.weight", &[dim, dim]),
-        t("blk.0.ffn_norm.weight", &[dim]),
-        t("blk.0.ffn_gate.weight", &[dim, ffn]),
-        t("blk.0.ffn_up.weight", &[dim, ffn]),
-        t("blk.0.ffn_down.weight", &[ffn, dim]),
-    ];
-    let meta = vec![
-        ("general.architecture", Meta::Str("llama".into())),
-        ("llama.embedding_length", Meta::U32(dim as u32)),
-        ("llama.block_count", Meta::U32(1)),
-        ("llama.attention.head_count", Meta::U32(heads as u32)),
-        ("llama.attention.head_count_kv", Meta::U32(1)),
-        ("llama.rope.dimension_count", Meta::U32(head_dim as u32)),
-        ("llama.feed_forward_length", Meta::U32(ffn as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
-    ];
-    (meta, tensors)
+    tiny_llama(heads, 1, head_dim, head_dim as u64)
 }
 
 // ---- finding 1: head dimensions -------------------------------------------------------

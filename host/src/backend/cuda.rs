@@ -240,6 +240,20 @@ impl Kernels {
         Ok(x)
     }
 
+    /// [`Kernels::function`], opted in to `shared` bytes of dynamic shared memory where
+    /// that is above the 48 KiB default.
+    fn function_with_shared(&self, name: &'static str, shared: u32) -> Result<CudaFunction> {
+        let f = self.function(name)?;
+        if shared > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(err(name))?;
+        }
+        Ok(f)
+    }
+
     /// Launches `name` with `args` (pointers to each argument's value, in order).
     ///
     /// # Safety
@@ -254,14 +268,7 @@ impl Kernels {
         shared: u32,
         args: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
-        let f = self.function(name)?;
-        if shared > 48 * 1024 {
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(err(name))?;
-        }
+        let f = self.function_with_shared(name, shared)?;
         // SAFETY: forwarded contract.
         unsafe {
             cudarc::driver::result::launch_kernel(
@@ -280,14 +287,7 @@ impl Kernels {
     /// shared memory) one multiprocessor holds at once: the driver's occupancy
     /// calculation.
     pub fn resident_blocks(&self, name: &'static str, block: u32, shared: u32) -> Result<usize> {
-        let f = self.function(name)?;
-        if shared > 48 * 1024 {
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(err(name))?;
-        }
+        let f = self.function_with_shared(name, shared)?;
         let n = f.occupancy_max_active_blocks_per_multiprocessor(block, shared as usize, None).map_err(err(name))?;
         Ok(n as usize)
     }
