@@ -114,6 +114,7 @@ fn ensure_component(name: &str, probe: &[&str]) -> Result<(), String> {
 fn ci() -> Result<(), String> {
     let mut failed = Vec::new();
     let mut skipped = Vec::new();
+    let mut clock = Clock::new();
 
     match ensure_component("rustfmt", &["fmt", "--version"]) {
         Ok(()) => {
@@ -128,6 +129,7 @@ fn ci() -> Result<(), String> {
             skipped.push("format");
         }
     }
+    clock.lap("format");
     match ensure_component("clippy", &["clippy", "--version"]) {
         Ok(()) => {
             let mut c = cargo();
@@ -141,18 +143,21 @@ fn ci() -> Result<(), String> {
             skipped.push("clippy");
         }
     }
+    clock.lap("clippy");
     // Documentation builds without warnings (broken or private intra-doc links).
     let mut c = cargo();
     c.args(["doc", "--no-deps", "--workspace", "--all-features"]).env("RUSTDOCFLAGS", "-D warnings");
     if !run("docs", c)? {
         failed.push("docs");
     }
+    clock.lap("docs");
     let mut c = cargo();
     c.args(["test", "--workspace", "--all-features"]);
     let (ok, mut counts) = run_tests(c)?;
     if !ok {
         failed.push("tests");
     }
+    clock.lap("tests (build and run)");
     // The real model: fetch it (SKIPPED when offline), then the slow perplexity test the
     // suite leaves out (`#[ignore]`), with its output shown.
     println!("\n==> real model: cargo xtask fetch");
@@ -167,20 +172,27 @@ fn ci() -> Result<(), String> {
         // The tests that ran here were counted as ignored by the suite above.
         counts = (counts.0 + more.0, counts.1 + more.1, (counts.2 + more.2).saturating_sub(more.0 + more.1));
     }
+    clock.lap("real model");
     // The GPU test once more with its output shown: it says SKIPPED without a driver.
     let mut c = cargo();
     c.args(["test", "--quiet", "-p", "rotkv-tests", "--test", "cuda", "--", "--nocapture"]);
     if !run("GPU presence (cuda backend)", c)? {
         failed.push("cuda");
     }
+    clock.lap("cuda presence");
     println!("\n==> PTX freshness: cargo xtask ptx --check");
     tally("ptx", ptx(true), &mut failed, &mut skipped);
+    clock.lap("ptx freshness");
     println!("\n==> ptxas: cargo xtask ptxas");
     tally("ptxas", ptxas(), &mut failed, &mut skipped);
+    clock.lap("ptxas");
     println!("\n==> static SASS performance gate: cargo xtask sass");
     tally("sass", sass::sass(None), &mut failed, &mut skipped);
     // Fuzzing, Miri and AddressSanitizer (xtask/src/sanitize.rs).
-    sanitize::steps(&mut failed, &mut skipped);
+    clock.lap("sass gate");
+    let sanitizers = sanitize::steps(&mut failed, &mut skipped);
+    clock.steps.extend(sanitizers);
+    clock.print();
 
     println!();
     if !skipped.is_empty() {
@@ -192,6 +204,34 @@ fn ci() -> Result<(), String> {
     // The summed test counts of every test binary, as the closing line.
     println!("tests: {} passed, {} failed, {} skipped", counts.0, counts.1, counts.2);
     if failed.is_empty() { Ok(()) } else { Err(verdict) }
+}
+
+/// Wall time of each `ci` step, printed as a table at the end (CI's budget is measured
+/// from these).
+struct Clock {
+    start: std::time::Instant,
+    last: std::time::Instant,
+    steps: Vec<(&'static str, f64)>,
+}
+
+impl Clock {
+    fn new() -> Self {
+        let now = std::time::Instant::now();
+        Self { start: now, last: now, steps: Vec::new() }
+    }
+    /// Records the time since the previous lap as step `name`'s.
+    fn lap(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.steps.push((name, (now - self.last).as_secs_f64()));
+        self.last = now;
+    }
+    fn print(&self) {
+        println!("\nwall time per step:");
+        for (name, secs) in &self.steps {
+            println!("{name:>24}: {secs:>6.0} s");
+        }
+        println!("{:>24}: {:>6.0} s", "total", self.start.elapsed().as_secs_f64());
+    }
 }
 
 /// Records how a step that needs an external tool ended: prints `SKIPPED: <step>: <why>`
