@@ -13,7 +13,7 @@
 
 use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
-use crate::layout::{Format, Place, clip_range, div};
+use crate::layout::{Format, SIDE_PAGE, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{
     AppendParams, FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES, load_elem,
@@ -47,17 +47,17 @@ pub const NONE: u32 = u32::MAX;
 pub unsafe fn destination(p: &AppendParams, pos: u32, block_table: *const u32, protected: *const u32) -> Dest {
     let fmt = &p.format;
     let mut d = Dest { side_row: NONE, block: NONE, slot: 0, copy_row: NONE };
-    match fmt.place(pos, p.new_len) {
-        Place::Sink { index } => d.side_row = index,
-        Place::Window { slot } => d.side_row = slot,
-        Place::Page { page, slot } => {
-            // SAFETY: page < pages_for(new_len) (contract).
-            let block = unsafe { *block_table.add(page as usize) };
-            if block < p.num_blocks {
-                d.block = block;
-            }
-            d.slot = slot;
+    // (The scalar form of `place`: an enum here ends up in local memory on the device.)
+    let (page, row) = fmt.locate(pos, p.new_len);
+    if page == SIDE_PAGE {
+        d.side_row = row;
+    } else {
+        // SAFETY: page < pages_for(new_len) (contract).
+        let block = unsafe { *block_table.add(page as usize) };
+        if block < p.num_blocks {
+            d.block = block;
         }
+        d.slot = row;
     }
     for i in 0..fmt.protected {
         // SAFETY: i < fmt.protected entries (contract).
@@ -126,7 +126,11 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
         // SAFETY: one writable u32 (contract).
         unsafe { *seq_len = p.new_len };
     }
-    for value in [false, true] {
+    // Keys, then values. (A range, not a loop over `[false, true]`: an array iterator
+    // whose loop is not unrolled lives in local memory on the device, and a closure
+    // called twice is not inlined.)
+    for half in 0..2 {
+        let value = half == 1;
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
             if value {
@@ -149,7 +153,9 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
         let perm = if value { value_perm } else { key_perm };
         let y = unsafe { permute_warp(ctx, &x, perm.add(h as usize * D)) };
         let stored: [u16; V] = core::array::from_fn(|c| f32_to_f16(y[c]));
-        for row in [dest.side_row, dest.copy_row] {
+        // The side row, then the protected copy's row (a range again, see above).
+        for which in 0..2 {
+            let row = if which == 0 { dest.side_row } else { dest.copy_row };
             if row != NONE {
                 let at = fmt.side_row_at(h, value, row) + lane * V;
                 for (c, &s) in stored.iter().enumerate() {
@@ -210,7 +216,10 @@ pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
     let value = value != 0;
     let lane = ctx.lane() as usize;
     let pos = flush_range(p).0 + i;
-    let Place::Page { page, slot } = fmt.place(pos, p.new_len) else { return };
+    let (page, slot) = fmt.locate(pos, p.new_len);
+    if page == SIDE_PAGE {
+        return;
+    }
     // SAFETY: page < pages_for(new_len) (contract).
     let block = unsafe { *block_table.add(page as usize) };
     if block >= p.num_blocks {

@@ -9,7 +9,7 @@
 
 use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
-use crate::layout::{Format, Place};
+use crate::layout::{Format, SIDE_PAGE};
 use crate::math::{exp_neg, f16_to_f32};
 use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS, load_elem};
 
@@ -54,14 +54,37 @@ unsafe fn lane_codes<const V: usize, const BITS: u32>(codes: *const u8, lane: u3
     core::array::from_fn(|v| ((word >> (v as u32 * BITS)) & mask) as f32)
 }
 
+/// Where a token's row is, as plain scalars (an enum here would live in local memory on
+/// the device): an f16 side-store row `row` when `page == SIDE`, else slot `row` of
+/// logical page `page`.
+#[derive(Clone, Copy)]
+struct Loc {
+    page: u32,
+    row: u32,
+}
+
+/// `Loc::page` of a side-store row.
+const SIDE: u32 = SIDE_PAGE;
+
+impl Loc {
+    /// The location of position `pos` of a sequence of `len` tokens (protected positions
+    /// not yet resolved).
+    #[inline(always)]
+    fn of(fmt: &Format, pos: u32, len: u32) -> Loc {
+        let (page, row) = fmt.locate(pos, len);
+        Loc { page, row }
+    }
+}
+
 /// The lane's `V` stored-order values of one token (dequantized for pages).
 ///
 /// # Safety
-/// As [`key_row`].
+/// `loc` must name a side row of the sequence's side store `side` or a slot of a page of
+/// its block table `table` (entries are clamped into the pool).
 #[inline(always)]
 unsafe fn value_row<const V: usize, const VB: u32>(
     p: &DecodeParams,
-    place: Place,
+    loc: Loc,
     table: *const u32,
     side: *const u16,
     pool: *const u8,
@@ -69,20 +92,16 @@ unsafe fn value_row<const V: usize, const VB: u32>(
     lane: u32,
 ) -> [f32; V] {
     let fmt = &p.format;
-    match place {
-        Place::Sink { index: row } | Place::Window { slot: row } => {
-            // SAFETY: the row lies in the sequence's side store.
-            unsafe { f16_lane::<V>(side, fmt.side_row_at(kvh, true, row), lane as usize) }
-        }
-        Place::Page { page, slot } => {
-            // SAFETY: the entry is clamped into the pool (`DecodeParams::block`).
-            let base = unsafe { pool.add(fmt.page_offset(p.block(*table.add(page as usize)), kvh, p.num_kv_heads)) };
-            // SAFETY: inside the head-page.
-            let (scale, zero) = unsafe { lane_params(fmt, base, true, slot, lane, V as u32) };
-            let codes = unsafe { lane_codes::<V, VB>(base.add(fmt.value_codes_at(slot) as usize), lane) };
-            codes.map(|c| c * scale + zero)
-        }
+    if loc.page == SIDE {
+        // SAFETY: the row lies in the sequence's side store.
+        return unsafe { f16_lane::<V>(side, fmt.side_row_at(kvh, true, loc.row), lane as usize) };
     }
+    // SAFETY: the entry is clamped into the pool (`DecodeParams::block`).
+    let base = unsafe { pool.add(fmt.page_offset(p.block(*table.add(loc.page as usize)), kvh, p.num_kv_heads)) };
+    // SAFETY: inside the head-page.
+    let (scale, zero) = unsafe { lane_params(fmt, base, true, loc.row, lane, V as u32) };
+    let codes = unsafe { lane_codes::<V, VB>(base.add(fmt.value_codes_at(loc.row) as usize), lane) };
+    codes.map(|c| c * scale + zero)
 }
 
 /// Tokens scored per step: one per lane.
@@ -125,7 +144,11 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
         for chunk in 0..D / 8 {
             // SAFETY: 16-byte chunk `chunk` of the D f16 values (contract).
             let w = unsafe { ctx.load16(row.add(16 * chunk)) };
-            for (k, &word) in w.iter().enumerate() {
+            // Words picked by a select chain, not `w[k]` or an iterator over `w`: either
+            // would put the array in local memory on the device (and unrolling the four
+            // words by hand makes ptxas spill at D = 64).
+            for k in 0..4 {
+                let word = pick(&w, k);
                 let x = [f16_to_f32(word as u16), f16_to_f32((word >> 16) as u16)];
                 for (i, &xi) in x.iter().enumerate() {
                     let c = chunk * 8 + k * 2 + i;
@@ -147,7 +170,9 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
     for chunk in 0..D * KB as usize / 128 {
         // SAFETY: 16-byte chunk of the token's codes (contract).
         let w = unsafe { ctx.load16(row.add(16 * chunk)) };
-        for (k, &word) in w.iter().enumerate() {
+        // Words by a select chain (see the f16 rows above).
+        for k in 0..4 {
+            let word = pick(&w, k);
             for i in 0..per_word {
                 let c = (chunk * 4 + k) * per_word + i;
                 // (Power-of-two group size: masks and shifts, no trapping division.)
@@ -178,6 +203,18 @@ unsafe fn score_token<C: Ctx, const D: usize, const KB: u32>(
                 }
             }
         }
+    }
+}
+
+/// `w[k]` for `k < 4` as a select chain (registers only; an indexed load of a local
+/// array is local memory on the device).
+#[inline(always)]
+fn pick(w: &[u32; 4], k: usize) -> u32 {
+    match k {
+        0 => w[0],
+        1 => w[1],
+        2 => w[2],
+        _ => w[3],
     }
 }
 
@@ -300,25 +337,24 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         let mut index = NONE;
         if lane < n {
             let pos = t0 + lane;
-            let mut place = fmt.place(pos, len);
-            if let Place::Page { .. } = place {
+            let mut loc = Loc::of(&fmt, pos, len);
+            if loc.page != SIDE {
                 for j in 0..fmt.protected {
                     // SAFETY: j < the list's length (contract).
                     if unsafe { *prot.add(j as usize) } == pos {
                         index = j;
-                        place = Place::Sink { index: fmt.protected_row(j) };
                     }
                 }
+                if index != NONE {
+                    loc = Loc { page: SIDE, row: fmt.protected_row(index) };
+                }
             }
-            let (row, page, slot) = match place {
-                Place::Sink { index: r } | Place::Window { slot: r } => {
-                    (unsafe { side.add(fmt.side_row_at(kvh, false, r)) }.cast::<u8>(), core::ptr::null(), 0)
-                }
-                Place::Page { page, slot } => {
-                    let base =
-                        unsafe { pool.add(fmt.page_offset(p.block(*table.add(page as usize)), kvh, p.num_kv_heads)) };
-                    (unsafe { base.add(fmt.key_codes_at(slot) as usize) }, base, slot)
-                }
+            let (row, page, slot) = if loc.page == SIDE {
+                (unsafe { side.add(fmt.side_row_at(kvh, false, loc.row)) }.cast::<u8>(), core::ptr::null(), 0)
+            } else {
+                let base =
+                    unsafe { pool.add(fmt.page_offset(p.block(*table.add(loc.page as usize)), kvh, p.num_kv_heads)) };
+                (unsafe { base.add(fmt.key_codes_at(loc.row) as usize) }, base, loc.row)
             };
             unsafe { score_token::<C, D, KB>(ctx, &fmt, row, page, slot, qs, qsum, g, &mut s) };
         }
@@ -349,14 +385,14 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         // Values: channels per lane, each token's weights (and protected index) by
         // shuffles.
         for t in 0..n {
-            let mut place = fmt.place(t0 + t, len);
+            let mut loc = Loc::of(&fmt, t0 + t, len);
             if fmt.protected > 0 {
                 let j = ctx.shfl_idx(f32::from_bits(index), t).to_bits();
                 if j != NONE {
-                    place = Place::Sink { index: fmt.protected_row(j) };
+                    loc = Loc { page: SIDE, row: fmt.protected_row(j) };
                 }
             }
-            let val = unsafe { value_row::<V, VB>(p, place, table, side, pool, kvh, lane) };
+            let val = unsafe { value_row::<V, VB>(p, loc, table, side, pool, kvh, lane) };
             for h in 0..MAX_GROUP {
                 if h < g {
                     let w = ctx.shfl_idx(s[h], t);

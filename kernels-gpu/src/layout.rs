@@ -24,6 +24,9 @@ pub const fn rem(a: u32, b: u32) -> u32 {
     }
 }
 
+/// [`Format::locate`]'s page of a side-store row.
+pub const SIDE_PAGE: u32 = u32::MAX;
+
 /// Where a token of a sequence lives, by its position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Place {
@@ -244,95 +247,28 @@ impl Format {
     /// Where the token at position `pos` of a sequence of `len` tokens lives.
     #[inline]
     pub const fn place(&self, pos: u32, len: u32) -> Place {
+        let (page, row) = self.locate(pos, len);
+        if page != SIDE_PAGE {
+            Place::Page { page, slot: row }
+        } else if pos < self.sinks {
+            Place::Sink { index: row }
+        } else {
+            Place::Window { slot: row }
+        }
+    }
+    /// [`Format::place`] as two scalars `(page, row)`: slot `row` of logical page `page`,
+    /// or side-store row `row` (a sink index or a window slot) when `page ==`
+    /// [`SIDE_PAGE`]. Device code uses this form: an enum can end up in local memory.
+    #[inline(always)]
+    pub const fn locate(&self, pos: u32, len: u32) -> (u32, u32) {
         if pos < self.sinks {
-            return Place::Sink { index: pos };
+            return (SIDE_PAGE, pos);
         }
         let rel = pos - self.sinks;
         if rel < self.quantized_len(len) {
-            Place::Page { page: div(rel, self.page_size), slot: rem(rel, self.page_size) }
+            (div(rel, self.page_size), rem(rel, self.page_size))
         } else {
-            Place::Window { slot: self.window_row(pos) }
+            (SIDE_PAGE, self.window_row(pos))
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const F: Format = Format {
-        head_dim: 128,
-        key_bits: 2,
-        value_bits: 2,
-        group_size: 128,
-        page_size: 64,
-        sinks: 4,
-        window: 128,
-        key_clip: NO_CLIP,
-        value_clip: NO_CLIP,
-        protected: 0,
-        channel_norm: 0,
-    };
-
-    #[test]
-    fn seventy_two_bytes_for_d128_k2v2_g128() {
-        assert_eq!(F.bytes_per_token(), 72);
-        assert_eq!(F.page_bytes(), 64 * 72);
-    }
-
-    #[test]
-    fn sections_tile_the_page() {
-        for (kb, vb, g) in [(2, 2, 32), (4, 2, 64), (2, 4, 128), (4, 4, 32)] {
-            let f = Format { key_bits: kb, value_bits: vb, group_size: g, ..F };
-            let (p, groups) = (f.page_size, f.groups());
-            assert_eq!(f.key_codes_at(p), f.value_codes_at(0));
-            assert_eq!(f.value_codes_at(p), f.scale_at(false, 0, 0));
-            assert_eq!(f.scale_at(false, groups - 1, p), f.zero_at(false, 0, 0));
-            assert_eq!(f.zero_at(false, groups - 1, p), f.scale_at(true, 0, 0));
-            assert_eq!(f.zero_at(true, groups - 1, p), f.page_bytes());
-            // Channel scales follow the zeros, 16-byte aligned.
-            let n = Format { channel_norm: 2, ..f };
-            assert_eq!(n.channel_scale_at(false, 0), f.page_bytes());
-            assert_eq!(n.channel_scale_at(true, n.head_dim), n.page_bytes());
-            assert_eq!(n.channel_scale_at(false, 0) % 16, 0);
-            assert_eq!(f.value_codes_at(0) % 16, 0);
-            assert_eq!(f.scale_at(false, 0, 0) % 16, 0);
-            assert_eq!(f.scale_at(true, 0, 0) % 16, 0);
-        }
-    }
-
-    #[test]
-    fn window_keeps_at_least_window_tokens() {
-        for len in 0..2000 {
-            let q = F.quantized_len(len);
-            assert_eq!(q % F.page_size, 0);
-            if len > F.sinks + F.window {
-                let w = len - F.sinks - q;
-                assert!((F.window..F.window + F.page_size).contains(&w), "len {len}");
-            } else {
-                assert_eq!(q, 0);
-            }
-        }
-    }
-
-    #[test]
-    fn places_are_distinct() {
-        let len = 1000;
-        let mut seen_window = [false; 512];
-        for pos in 0..len {
-            match F.place(pos, len) {
-                Place::Sink { index } => assert_eq!(index, pos),
-                Place::Page { page, slot } => assert_eq!(page * 64 + slot + 4, pos),
-                Place::Window { slot } => {
-                    assert!(slot >= F.sinks && slot < F.protected_row(0));
-                    assert!(!seen_window[slot as usize]);
-                    seen_window[slot as usize] = true;
-                }
-            }
-        }
-        // Protected rows come after the ring.
-        let f = Format { protected: 3, ..F };
-        assert_eq!(f.side_rows(), F.side_rows() + 3);
-        assert_eq!(f.protected_row(2), f.side_rows() - 1);
     }
 }
