@@ -324,7 +324,8 @@ pub fn paged_ops(bytes: &[u8]) {
                     cache.protect(layer_of(b), id, &[pos]).map(|()| None)
                 }
                 _ => {
-                    let seqs: Vec<SeqId> = (0..1 + c % 3).map(|j| pick(&ids[i], a.wrapping_add(j * (b | 1)))).collect();
+                    let seqs: Vec<SeqId> =
+                        (0..1 + c % 3).map(|j| pick(&ids[i], a.wrapping_add(j.wrapping_mul(b | 1)))).collect();
                     let splits = match c >> 2 & 3 {
                         0 => None,
                         1 => Some(0),

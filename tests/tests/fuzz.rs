@@ -284,8 +284,13 @@ fn seed_corpus_is_committed() {
             } else {
                 let committed = std::fs::read(&path)
                     .unwrap_or_else(|e| panic!("{}: {e} (ROTKV_WRITE_FUZZ_CORPUS=1 writes it)", path.display()));
+                // A calibration file's metadata is a hash map whose order in the header
+                // varies from run to run: those seeds compare as parsed.
+                let same = &committed == seed
+                    || target == "calibration"
+                        && Calibration::from_safetensors(&committed).ok() == Calibration::from_safetensors(seed).ok();
                 assert!(
-                    &committed == seed,
+                    same,
                     "{} differs from the seed built here (ROTKV_WRITE_FUZZ_CORPUS=1 rewrites it)",
                     path.display()
                 );
