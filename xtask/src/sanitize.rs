@@ -1,12 +1,17 @@
 //! The reliability steps of `cargo xtask ci` (also `cargo xtask sanitize`): mutation
-//! fuzzing of the file readers, Miri over the unsafe-relevant unit tests, and
-//! AddressSanitizer over the cache API and property tests. Each prints its wall time;
+//! fuzzing on stable, the cargo-fuzz targets (also `cargo xtask fuzz`), Miri over the
+//! unsafe-relevant unit tests, and AddressSanitizer over the cache API and property tests. Each prints its wall time;
 //! a step whose toolchain component cannot be installed says SKIPPED and the rest run.
 //!
 //! Budgets (measured on the 2-core CI machine, see README "Reliability"):
 //! - fuzz: [`FUZZ_ITERS`] mutated calibration files and ten times as many GGUF files
 //!   (read, tokenizer, model load, a forward pass), reusing the test binary the suite
 //!   just built.
+//! - cargo-fuzz (nightly, libFuzzer, AddressSanitizer): `cargo install --locked
+//!   cargo-fuzz` when missing, the four targets of `fuzz/` built once, then each run for
+//!   [`CARGO_FUZZ_SECONDS`] from a scratch copy of its committed corpus
+//!   (`fuzz/corpus/<target>/`, so git stays clean); a crash fails the step and names the
+//!   input libFuzzer wrote under `fuzz/artifacts/<target>/`.
 //! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored): the kernel
 //!   crate's layout and emulator unit tests, and the host's buffer, slot-mapping,
 //!   split-count, unpack-order and small-cache tests (append and decode on the
@@ -22,6 +27,7 @@
 //!   is far past the CI budget on two cores.
 
 use crate::{Step, cargo, nightly, root, tally};
+use std::path::Path;
 use std::time::Instant;
 
 /// `ROTKV_FUZZ_ITERS` in CI: mutated calibration files (GGUF files: ten times as many).
@@ -38,13 +44,18 @@ pub const MIRI_HOST_TESTS: &[&str] =
     &["cache::tests", "paged::tests", "launch::tests", "cpu::tests::unpack_order_is_a_permutation_within_groups"];
 /// Random operation sequences of the property test under ASan.
 pub const ASAN_PROPTEST_CASES: &str = "4";
+/// Seconds each cargo-fuzz target runs in CI (`cargo xtask fuzz --seconds N` for longer).
+pub const CARGO_FUZZ_SECONDS: u64 = 15;
+/// The cargo-fuzz targets (`fuzz/fuzz_targets/<name>.rs`).
+pub const CARGO_FUZZ_TARGETS: &[&str] = &["gguf", "calibration", "pool", "paged_ops"];
 
 type StepFn = fn() -> Result<(), Step>;
 
 /// Runs every step, recording failures and skips as `ci` does; returns the seconds each took.
 pub fn steps(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>) -> Vec<(&'static str, f64)> {
     let mut times = Vec::new();
-    let all: [(&'static str, StepFn); 3] = [("fuzz", fuzz), ("miri", miri), ("asan", asan)];
+    let all: [(&'static str, StepFn); 4] =
+        [("fuzz", fuzz), ("cargo-fuzz", || cargo_fuzz(CARGO_FUZZ_SECONDS)), ("miri", miri), ("asan", asan)];
     for (name, step) in all {
         println!("\n==> {name}");
         let started = Instant::now();
@@ -85,6 +96,66 @@ fn fuzz() -> Result<(), Step> {
     c.args(["test", "--workspace", "--all-features", "--test", "fuzz", "--", "--nocapture"]);
     c.env("ROTKV_FUZZ_ITERS", FUZZ_ITERS);
     status(c)
+}
+
+/// `cargo xtask fuzz [--seconds N]` and CI's cargo-fuzz step: installs cargo-fuzz when
+/// missing, builds the targets (AddressSanitizer), runs each for `seconds` from a scratch
+/// copy of its committed corpus; Failed on a crash with the input's path, Skipped where
+/// the nightly or cargo-fuzz cannot be had.
+pub fn cargo_fuzz(seconds: u64) -> Result<(), Step> {
+    if !runs(&["rustc", "--version"]) {
+        return Err(Step::Skipped("no nightly toolchain (cargo-fuzz needs one)".into()));
+    }
+    if !runs(&["cargo", "fuzz", "--version"]) {
+        let mut c = cargo();
+        c.args(["install", "--locked", "cargo-fuzz"]);
+        status(c).map_err(|e| Step::Skipped(format!("cargo-fuzz cannot be installed: {e}")))?;
+        if !runs(&["cargo", "fuzz", "--version"]) {
+            return Err(Step::Skipped("cargo-fuzz was installed but `cargo +nightly fuzz` does not run".into()));
+        }
+    }
+    // Every target of fuzz/Cargo.toml (the ones listed below).
+    status(nightly(&["cargo", "fuzz", "build"]))?;
+    let fuzz_dir = root().join("fuzz");
+    let mut crashed = Vec::new();
+    for target in CARGO_FUZZ_TARGETS {
+        let scratch = fuzz_dir.join("target/corpus").join(target);
+        let artifacts = fuzz_dir.join("artifacts").join(target);
+        for dir in [&scratch, &artifacts] {
+            let _ = std::fs::remove_dir_all(dir);
+            std::fs::create_dir_all(dir).map_err(|e| Step::Failed(format!("{}: {e}", dir.display())))?;
+        }
+        copy_files(&fuzz_dir.join("corpus").join(target), &scratch)?;
+        let mut c = nightly(&["cargo", "fuzz", "run", target]);
+        c.arg(&scratch).arg("--").args([
+            format!("-max_total_time={seconds}"),
+            "-timeout=20".into(),
+            "-print_final_stats=1".into(),
+            format!("-artifact_prefix={}/", artifacts.display()),
+        ]);
+        if let Err(e) = status(c) {
+            let inputs: Vec<String> = std::fs::read_dir(&artifacts)
+                .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path().display().to_string()).collect())
+                .unwrap_or_default();
+            println!("cargo-fuzz {target} failed ({e}); input(s): {}", inputs.join(", "));
+            crashed.push(format!("{target}: {}", inputs.join(", ")));
+        }
+    }
+    if crashed.is_empty() {
+        Ok(())
+    } else {
+        Err(Step::Failed(format!("cargo-fuzz found crashes: {}", crashed.join("; "))))
+    }
+}
+
+/// Copies the plain files of `from` into `to`.
+fn copy_files(from: &Path, to: &Path) -> Result<(), Step> {
+    let entries = std::fs::read_dir(from).map_err(|e| Step::Failed(format!("{}: {e}", from.display())))?;
+    for entry in entries.filter_map(|e| e.ok()).filter(|e| e.path().is_file()) {
+        std::fs::copy(entry.path(), to.join(entry.file_name()))
+            .map_err(|e| Step::Failed(format!("{}: {e}", entry.path().display())))?;
+    }
+    Ok(())
 }
 
 /// Installs a nightly component when `present` says it is missing; Skipped when it
