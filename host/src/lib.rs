@@ -195,5 +195,6 @@ impl OutputElement for bf16 {
     const FLAG: u32 = rotkv_kernels::params::FLAG_OUTPUT_BF16;
 }
 
-/// Both output-type flags of `decode_merge`.
+/// Both output-type flags of `decode_merge` (the device backends set them).
+#[cfg(any(feature = "sim", feature = "cuda"))]
 pub(crate) const OUTPUT_FLAGS: u32 = rotkv_kernels::params::FLAG_OUTPUT_F16 | rotkv_kernels::params::FLAG_OUTPUT_BF16;

@@ -338,6 +338,8 @@ impl Device {
         match &self.0.kind {
             #[cfg(feature = "sim")]
             Kind::Sim => {
+                // (Irrefutable when the crate is built without `cuda`.)
+                #[allow(irrefutable_let_patterns)]
                 let Mem::Host(m) = &mut buf.mem else { return Err(Error::Backend("buffer of another kind".into())) };
                 let b = bytemuck::cast_slice_mut::<u128, u8>(m);
                 let (f, t) = (from * size_of::<T>(), to * size_of::<T>());
