@@ -148,8 +148,9 @@ fn fuzz_gguf_reader_tokenizer_and_model_load() {
     }
     fuzz("gguf", 10, &seeds, |bytes| {
         let Ok(g) = Gguf::parse(bytes.to_vec()) else { return };
-        if let Ok(tok) = Tokenizer::from_gguf(&g) {
-            let ids = tok.encode("abc ab 12 cab");
+        if let Ok(tok) = Tokenizer::from_gguf(&g)
+            && let Ok(ids) = tok.encode("abc ab 12 cab")
+        {
             let _ = tok.decode(&ids);
         }
         if let Ok(m) = Llama::from_gguf(&g) {

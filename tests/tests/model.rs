@@ -9,7 +9,7 @@
 use rotkv::model::gguf::Gguf;
 use rotkv::model::llama::{CacheAttention, ExactAttention, LayerWeights, Llama, LlamaConfig, Row};
 use rotkv::model::math::Matrix;
-use rotkv::model::tokenizer::{Digits, Tokenizer};
+use rotkv::model::tokenizer::{Pre, Tokenizer};
 use rotkv::model::{self, KvMethod, PplOptions};
 use rotkv::{Backend, CacheShape, KvCache};
 use rotkv_tests::gguf_writer::{Meta, gguf_bytes};
@@ -383,8 +383,8 @@ fn gguf_written_here_loads_with_llama_rows_unpermuted() {
     }
     let tok = Tokenizer::from_gguf(&g).unwrap();
     let text = "the and then 1234 x\n\n  a";
-    let ids = tok.encode(text);
-    assert_eq!(tok.decode(&ids), text);
+    let ids = tok.encode(text).unwrap();
+    assert_eq!(tok.decode(&ids).unwrap(), text);
     // Merged: "he" (257), "Ġthe" (258), "Ġa" (260), "Ġand" (262); digits one by one ("12",
     // 263, is never formed); the space before them is a piece of its own; "\n\n  a" keeps
     // one space for "Ġa".
@@ -400,13 +400,13 @@ fn gguf_written_here_loads_with_llama_rows_unpermuted() {
 fn tokenizer_digits_and_fallback() {
     let (vocab, merges) = byte_vocab();
     let merges: Vec<&str> = merges.iter().map(String::as_str).collect();
-    let single = Tokenizer::new(vocab.clone(), &merges, Digits::Single, [None, None, None]).unwrap();
-    let pattern = Tokenizer::new(vocab, &merges, Digits::Pattern, [None, None, None]).unwrap();
+    let single = Tokenizer::new(vocab.clone(), &merges, Pre::SingleDigits, [None, None, None]).unwrap();
+    let pattern = Tokenizer::new(vocab, &merges, Pre::Gpt2, [None, None, None]).unwrap();
     // "12" merges only when digits are left to the GPT-2 pattern.
-    assert_eq!(single.encode("12").len(), 2);
-    assert_eq!(pattern.encode("12").len(), 1);
+    assert_eq!(single.encode("12").unwrap().len(), 2);
+    assert_eq!(pattern.encode("12").unwrap().len(), 1);
     for text in ["", "héllo wörld ✓", "tabs\tand\r\nlines", "x  y   z"] {
-        assert_eq!(single.decode(&single.encode(text)), text);
+        assert_eq!(single.decode(&single.encode(text).unwrap()).unwrap(), text);
     }
 }
 
@@ -487,14 +487,15 @@ fn tile_metadata(path: &std::path::Path) -> std::collections::HashMap<String, St
 #[test]
 fn smollm2_tokens_and_greedy_paris() {
     let (Some((m, tok)), Some(alice)) = (real(), text("alice29.txt")) else { return };
-    let ids = tok.encode(&alice);
+    let ids = tok.encode(&alice).unwrap();
     let meta = tile_metadata(&repo_data().join("smollm2-alice-kv-l0-l5.safetensors"));
     let want: Vec<u32> = serde_json::from_str(&meta["token_ids"]).unwrap();
     assert_eq!(&ids[..want.len()], &want[..], "token ids of the first {} tokens of alice29.txt", want.len());
-    assert_eq!(tok.decode(&ids), alice, "decoding the ids gives the text back");
-    let prompt = tok.encode("The capital of France is");
+    assert_eq!(tok.decode(&ids).unwrap(), alice, "decoding the ids gives the text back");
+    assert!(!tok.add_bos, "SmolLM2's GGUF says add_bos_token = false");
+    let prompt = tok.encode("The capital of France is").unwrap();
     let out = model::generate(&m, &prompt, 8, rotkv::CacheConfig::k2v2(64), Backend::Cpu).unwrap();
-    let continuation = tok.decode(&out);
+    let continuation = tok.decode(&out).unwrap();
     eprintln!("greedy (k2v2 cache): The capital of France is{continuation}");
     assert!(continuation.contains("Paris"), "{continuation:?}");
 }
@@ -502,7 +503,7 @@ fn smollm2_tokens_and_greedy_paris() {
 #[test]
 fn smollm2_capture_reproduces_the_tiles() {
     let (Some((m, tok)), Some(alice)) = (real(), text("alice29.txt")) else { return };
-    let ids = &tok.encode(&alice)[..2048];
+    let ids = &tok.encode(&alice).unwrap()[..2048];
     let cap = model::capture(&m, ids, &[0, 5]).unwrap();
     let check = |path: &std::path::Path, bound: f64| {
         let bytes = std::fs::read(path).unwrap();
@@ -531,7 +532,7 @@ fn smollm2_capture_reproduces_the_tiles() {
 #[ignore = "slow: SmolLM2 perplexity; cargo xtask ci runs it"]
 fn smollm2_perplexity_2x256() {
     let (Some((m, tok)), Some(text)) = (real(), text("lcet10.txt")) else { return };
-    let ids = tok.encode(&text);
+    let ids = tok.encode(&text).unwrap();
     let windows: Vec<Vec<u32>> = ids.chunks_exact(256).take(2).map(<[u32]>::to_vec).collect();
     let methods: Vec<KvMethod> = ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 64, 256).unwrap()).collect();
     let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1 };
@@ -672,20 +673,116 @@ fn per_sequence_key_means() {
     }
 }
 
+fn gguf_tokenizer(pre: &str, extra: &[(&'static str, Meta)]) -> rotkv::Result<Tokenizer> {
+    let (vocab, merges) = byte_vocab();
+    let mut meta = vec![
+        ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
+        ("tokenizer.ggml.pre", Meta::Str(pre.into())),
+        ("tokenizer.ggml.tokens", Meta::Strs(vocab)),
+        ("tokenizer.ggml.merges", Meta::Strs(merges)),
+    ];
+    meta.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+    Tokenizer::from_gguf(&Gguf::parse(gguf_bytes(&meta, &[])).unwrap())
+}
+
 #[test]
 fn unknown_pre_tokenizers_are_refused_by_name() {
-    let (vocab, merges) = byte_vocab();
-    for (pre, ok) in [("smollm", true), ("gpt-2", true), ("qwen2", false), ("llama-bpe", false)] {
-        let meta = [
-            ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
-            ("tokenizer.ggml.pre", Meta::Str(pre.into())),
-            ("tokenizer.ggml.tokens", Meta::Strs(vocab.clone())),
-            ("tokenizer.ggml.merges", Meta::Strs(merges.clone())),
-        ];
-        let g = Gguf::parse(gguf_bytes(&meta, &[])).unwrap();
-        match Tokenizer::from_gguf(&g) {
+    for (pre, ok) in [
+        ("smollm", true),
+        ("gpt-2", true),
+        ("qwen2", true),
+        ("llama-bpe", true),
+        ("deepseek-r1-qwen", true),
+        ("default", true),
+        ("tekken", false),
+        ("chameleon", false),
+    ] {
+        match gguf_tokenizer(pre, &[("tokenizer.ggml.bos_token_id", Meta::U32(3))]) {
             Ok(_) => assert!(ok, "{pre}"),
             Err(e) => assert!(!ok && e.to_string().contains(pre), "{pre}: {e}"),
         }
     }
+    let g = Gguf::parse(gguf_bytes(&[("tokenizer.ggml.model", Meta::Str("t5".into()))], &[])).unwrap();
+    assert!(matches!(Tokenizer::from_gguf(&g), Err(rotkv::Error::Unsupported(_))));
+}
+
+/// The pieces of each pre-tokenizer on text that tells them apart, derived by hand from
+/// llama.cpp's patterns: llama-3 keeps digits in runs of up to three, Qwen2 splits every
+/// digit; both take a letter run with one leading non-letter (`.x`), contractions in any
+/// case (`'S`) and newlines apart from the spaces after them; GPT-2 (after SmolLM2's
+/// single digits) keeps newlines with the spaces that follow.
+#[test]
+fn pre_tokenizers_split_as_llama_cpp() {
+    let text = "Hello world 12345 IT'S.x\n\n  y";
+    let cases: [(&str, &[&str]); 4] = [
+        ("llama-bpe", &["Hello", " world", " ", "123", "45", " IT", "'S", ".x", "\n\n", " ", " y"]),
+        ("qwen2", &["Hello", " world", " ", "1", "2", "3", "4", "5", " IT", "'S", ".x", "\n\n", " ", " y"]),
+        ("smollm", &["Hello", " world", " ", "1", "2", "3", "4", "5", " IT", "'", "S", ".", "x", "\n\n ", " y"]),
+        ("gpt-2", &["Hello", " world", " 12345", " IT", "'", "S", ".", "x", "\n\n ", " y"]),
+    ];
+    for (pre, want) in cases {
+        let tok = gguf_tokenizer(pre, &[("tokenizer.ggml.bos_token_id", Meta::U32(3))]).unwrap();
+        assert_eq!(tok.pre_tokens(text).unwrap(), want, "{pre}");
+        assert_eq!(tok.decode(&tok.encode(text).unwrap()).unwrap(), text, "{pre}");
+    }
+    // llama-3 takes a whole pre-token found in the vocabulary (ignore_merges): with the
+    // merge "Ġa n" ranked after "Ġt he", " an" is one token either way; a token whose
+    // merges are missing is found only by llama-3's whole-word lookup.
+    let (mut vocab, merges) = byte_vocab();
+    vocab.push("Ġxyz".into());
+    let merges: Vec<&str> = merges.iter().map(String::as_str).collect();
+    let llama3 = Tokenizer::new(vocab.clone(), &merges, Pre::Llama3, [None; 3]).unwrap();
+    let qwen2 = Tokenizer::new(vocab, &merges, Pre::Qwen2, [None; 3]).unwrap();
+    assert_eq!(llama3.encode(" xyz").unwrap(), [264]);
+    assert_eq!(qwen2.encode(" xyz").unwrap().len(), 4);
+}
+
+/// BOS: `tokenizer.ggml.add_bos_token` decides; without it llama.cpp's default (on for
+/// llama-3, off for other byte-level files); asked for without a BOS id is an error.
+#[test]
+fn bos_follows_the_file() {
+    let bos = ("tokenizer.ggml.bos_token_id", Meta::U32(3));
+    let t = gguf_tokenizer("llama-bpe", std::slice::from_ref(&bos)).unwrap();
+    assert_eq!((t.add_bos, t.bos_prefix()), (true, vec![3]));
+    let t = gguf_tokenizer("qwen2", std::slice::from_ref(&bos)).unwrap();
+    assert_eq!((t.add_bos, t.bos_prefix()), (false, vec![]));
+    let t = gguf_tokenizer("qwen2", &[bos.clone(), ("tokenizer.ggml.add_bos_token", Meta::Bool(true))]).unwrap();
+    assert_eq!(t.bos_prefix(), [3]);
+    let t = gguf_tokenizer("llama-bpe", &[bos, ("tokenizer.ggml.add_bos_token", Meta::Bool(false))]).unwrap();
+    assert!(t.bos_prefix().is_empty());
+    assert!(gguf_tokenizer("llama-bpe", &[]).is_err(), "BOS asked for, none named");
+}
+
+/// SentencePiece BPE (`tokenizer.ggml.model = llama`): merges by the merged token's score,
+/// `▁` for spaces and in front, bytes the vocabulary lacks as `<0xNN>` tokens.
+#[test]
+fn sentencepiece_merges_by_score_with_byte_fallback() {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    tokens.extend((0..256).map(|b| format!("<0x{b:02X}>")));
+    let pieces = ["▁", "a", "b", "c", "ab", "bc", "▁a", "▁ab", "abc"];
+    tokens.extend(pieces.iter().map(|p| p.to_string()));
+    let mut types = vec![2i64, 3, 3];
+    types.extend([6i64; 256]);
+    types.extend([1i64; 9]);
+    // Scores: "▁a" merges first, then "bc" before "▁ab" and "ab".
+    let score = |p: &str| match p {
+        "▁a" => -1.0,
+        "bc" => -2.0,
+        "▁ab" => -3.0,
+        "ab" => -4.0,
+        "abc" => -5.0,
+        _ => -100.0,
+    };
+    let scores: Vec<f64> = tokens.iter().map(|t| score(t)).collect();
+    let id = |p: &str| tokens.iter().position(|t| t == p).unwrap() as u32;
+    let ids = [Some(1), Some(2), Some(0)];
+    let tok = Tokenizer::sentencepiece(tokens.clone(), &scores, &types, true, ids).unwrap();
+    // "▁abc": ▁a first (-1), then b+c (-2): [▁a, bc].
+    assert_eq!(tok.encode("abc").unwrap(), [id("▁a"), id("bc")]);
+    // "é" is not in the vocabulary: its two UTF-8 bytes.
+    assert_eq!(tok.encode("ab é").unwrap(), [id("▁ab"), id("▁"), 3 + 0xC3, 3 + 0xA9]);
+    for text in ["abc", "ab é", "a  b\nc"] {
+        assert_eq!(tok.decode(&tok.encode(text).unwrap()).unwrap(), text);
+    }
+    assert!(tok.add_bos && tok.bos_prefix() == [1]);
 }

@@ -397,18 +397,21 @@ fn file_name(p: &std::path::Path) -> String {
     p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-/// The model, and the first `tokens` token ids of a text.
+/// The model, and the first `tokens` token ids of a text: BOS first when the model's
+/// tokenizer asks for one ([`model::tokenizer::Tokenizer::add_bos`]), then text tokens.
 fn model_and_tokens(
     model_path: &std::path::Path,
     text: &std::path::Path,
     tokens: usize,
 ) -> Result<(model::llama::Llama, Vec<u32>), CliError> {
     let (llama, tok) = load_model(model_path)?;
-    let mut ids = tok.encode(&read_text(text)?);
-    if ids.len() < tokens {
-        let why = format!("{} has {} tokens, {tokens} asked", text.display(), ids.len());
+    let mut ids = tok.bos_prefix();
+    let body = tok.encode(&read_text(text)?)?;
+    if ids.len() + body.len() < tokens {
+        let why = format!("{} has {} tokens, {tokens} asked", text.display(), ids.len() + body.len());
         return Err(CliError::Lib(rotkv::Error::Shape(why)));
     }
+    ids.extend_from_slice(&body[..tokens.saturating_sub(ids.len())]);
     ids.truncate(tokens);
     Ok((llama, ids))
 }
@@ -440,11 +443,23 @@ fn ppl(
         let max = rotkv::paged::MAX_Q_LEN;
         return Err(CliError::Lib(rotkv::Error::Value(format!("--chunk {chunk}: 1 to {max} tokens per decode step"))));
     }
-    let total = ctx.checked_mul(windows).ok_or_else(|| {
-        CliError::Lib(rotkv::Error::Capacity(format!("{windows} windows of {ctx} tokens: too many tokens to count")))
-    })?;
-    let (llama, ids) = model_and_tokens(model_path, text, total)?;
-    let wins: Vec<Vec<u32>> = ids.chunks_exact(ctx).take(windows).map(<[u32]>::to_vec).collect();
+    if ctx.checked_mul(windows).is_none() {
+        let why = format!("{windows} windows of {ctx} tokens: too many tokens to count");
+        return Err(CliError::Lib(rotkv::Error::Capacity(why)));
+    }
+    let (llama, tok) = load_model(model_path)?;
+    let bos = tok.bos_prefix();
+    if ctx <= bos.len() {
+        return Err(CliError::Lib(rotkv::Error::Shape(format!("--ctx {ctx}: no room for text after the BOS token"))));
+    }
+    // Each window: BOS (when the model asks for one), then the next ctx - 1 text tokens.
+    let per = ctx - bos.len();
+    let body = tok.encode(&read_text(text)?)?;
+    if body.len() < per * windows {
+        let why = format!("{} has {} tokens, {windows} windows of {per} asked", text.display(), body.len());
+        return Err(CliError::Lib(rotkv::Error::Shape(why)));
+    }
+    let wins: Vec<Vec<u32>> = body.chunks_exact(per).take(windows).map(|c| [&bos[..], c].concat()).collect();
     let methods =
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
@@ -551,14 +566,15 @@ fn generate(
 ) -> Result<(), CliError> {
     let backend = Backend::parse(backend)?;
     let (llama, tok) = load_model(model_path)?;
-    let ids = tok.encode(prompt);
+    let mut ids = tok.bos_prefix();
+    ids.extend(tok.encode(prompt)?);
     let total = ids.len().checked_add(tokens).ok_or_else(|| {
         let why = format!("{} prompt tokens and --tokens {tokens}: too many tokens to count", ids.len());
         CliError::Lib(rotkv::Error::Capacity(why))
     })?;
     let method = model::KvMethod::parse(kv, llama.config.head_dim, total)?;
     let new = model::generate(&llama, &ids, tokens, method.config, backend)?;
-    writeln!(out, "{prompt}{}", tok.decode(&new))?;
+    writeln!(out, "{prompt}{}", tok.decode(&new)?)?;
     Ok(())
 }
 
