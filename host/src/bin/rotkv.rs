@@ -475,7 +475,7 @@ fn ppl(
                 serde_json::json!({
                     "method": r.method.name, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
                     "vs_f16": base.map(|b| r.ppl / b - 1.0), "bits_per_element": r.method.bits_per_element(),
-                    "kv_bytes": r.kv_bytes,
+                    "kv_bytes": r.kv_bytes, "kl_vs_f16": r.kl, "top1_vs_f16": r.top1,
                 })
             })
             .collect();
@@ -495,17 +495,31 @@ fn ppl(
         backend.name(),
         started.elapsed().as_secs_f64()
     )?;
-    writeln!(out, "{:<16} {:>10} {:>9} {:>10} {:>12}", "method", "perplexity", "vs f16", "bits/elem", "KV MiB/seq")?;
+    writeln!(
+        out,
+        "{:<16} {:>10} {:>9} {:>10} {:>7} {:>10} {:>12}",
+        "method", "perplexity", "vs f16", "KL nats", "top-1", "bits/elem", "KV MiB/seq"
+    )?;
     for r in &results {
         let delta = base.map_or_else(|| "-".to_string(), |b| format!("{:+.2}%", 100.0 * (r.ppl / b - 1.0)));
+        let kl = r.kl.map_or_else(|| "-".to_string(), |k| format!("{k:.4}"));
+        let top1 = r.top1.map_or_else(|| "-".to_string(), |a| format!("{:.1}%", 100.0 * a));
         writeln!(
             out,
-            "{:<16} {:>10.3} {:>9} {:>10.2} {:>12.2}",
+            "{:<16} {:>10.3} {:>9} {:>10} {:>7} {:>10.2} {:>12.2}",
             r.method.name,
             r.ppl,
             delta,
+            kl,
+            top1,
             r.method.bits_per_element(),
             mib(r.kv_bytes)
+        )?;
+    }
+    if base.is_some() {
+        writeln!(
+            out,
+            "(KL: mean KL(f16 || method) of the next-token distribution per scored token; top-1: agreement with f16's most likely token)"
         )?;
     }
     Ok(())
