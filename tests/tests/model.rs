@@ -33,6 +33,7 @@ fn random_model(seed: u64, bias: bool) -> Llama {
         ffn: 96,
         eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: Default::default(),
     };
     let gain = |r: &mut Rng, n: usize| (0..n).map(|_| 1.0 + 0.2 * r.normal()).collect::<Vec<f32>>();
     let layers = (0..config.layers)
@@ -42,6 +43,7 @@ fn random_model(seed: u64, bias: bool) -> Llama {
             wk: matrix(&mut r, 128, 256, 0.15),
             wv: matrix(&mut r, 128, 256, 0.1),
             bias: bias.then(|| [gain(&mut r, 256), gain(&mut r, 128), gain(&mut r, 128)]),
+            qk_norm: None,
             wo: matrix(&mut r, 256, 256, 0.05),
             ffn_norm: gain(&mut r, 256),
             gate: matrix(&mut r, 96, 256, 0.1),

@@ -39,7 +39,7 @@ enum Command {
     /// Perplexity of a GGUF model on a text with each KV method, decode-faithful (token
     /// by token through the cache, or --chunk tokens per decode step).
     Ppl {
-        /// A llama or qwen2 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
+        /// A llama, qwen2 or qwen3 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file.
@@ -77,7 +77,7 @@ enum Command {
     },
     /// Calibrate key means and channel permutations per layer and KV head from a text.
     Calibrate {
-        /// A llama or qwen2 GGUF file.
+        /// A llama, qwen2 or qwen3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file (calibrate on one text, evaluate on another).
@@ -107,7 +107,7 @@ enum Command {
     /// Capture post-RoPE q, k, v and pre-RoPE k of some layers to a safetensors file
     /// (f16, Hugging Face channel order), from an exact f32 forward pass.
     Capture {
-        /// A llama or qwen2 GGUF file.
+        /// A llama, qwen2 or qwen3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file.
@@ -125,7 +125,7 @@ enum Command {
     },
     /// Greedy continuation of a prompt, decoding from the rotkv cache.
     Generate {
-        /// A llama or qwen2 GGUF file.
+        /// A llama, qwen2 or qwen3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// The prompt.

@@ -1,6 +1,7 @@
-//! A real model end to end (feature `model`): a GGUF reader, the byte-level BPE
-//! tokenizer, a llama-family forward pass on the CPU whose attention runs through the
-//! rotkv cache, perplexity measured decode-faithfully, and capture of KV tensors.
+//! A real model end to end (feature `model`): a GGUF reader, the GGUF's tokenizer (built
+//! with Hugging Face `tokenizers`), a llama / qwen2 / qwen3 forward pass on the CPU whose
+//! attention runs through the rotkv cache, perplexity (with KL divergence against the f16
+//! cache) measured decode-faithfully, and capture of KV tensors.
 
 pub mod calibrate;
 pub mod gguf;
