@@ -61,8 +61,9 @@ impl<'a> Input<'a> {
 /// forward pass over 3 tokens on whatever loads.
 pub fn gguf(bytes: &[u8]) {
     let Ok(g) = Gguf::parse(bytes.to_vec()) else { return };
-    if let Ok(tok) = Tokenizer::from_gguf(&g) {
-        let ids = tok.encode("abc ab 12 cab");
+    if let Ok(tok) = Tokenizer::from_gguf(&g)
+        && let Ok(ids) = tok.encode("abc ab 12 cab")
+    {
         let _ = tok.decode(&ids);
     }
     if let Ok(m) = Llama::from_gguf(&g) {

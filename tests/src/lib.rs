@@ -288,11 +288,15 @@ pub fn repo_data() -> std::path::PathBuf {
 /// GGUF v3 files written by the tests (model harness and hostile-input tests).
 pub mod gguf_writer {
     /// A metadata value.
+    #[derive(Clone, Debug)]
     pub enum Meta {
         U32(u32),
         F32(f32),
+        Bool(bool),
         Str(String),
         Strs(Vec<String>),
+        F32s(Vec<f32>),
+        I32s(Vec<i32>),
         /// An array of `n` booleans.
         Bools(u64),
     }
@@ -322,6 +326,22 @@ pub mod gguf_writer {
                 Meta::F32(x) => {
                     out.extend_from_slice(&6u32.to_le_bytes());
                     out.extend_from_slice(&x.to_le_bytes());
+                }
+                Meta::Bool(b) => {
+                    out.extend_from_slice(&7u32.to_le_bytes());
+                    out.push(*b as u8);
+                }
+                Meta::F32s(v) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&6u32.to_le_bytes());
+                    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                    v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+                }
+                Meta::I32s(v) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&5u32.to_le_bytes());
+                    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                    v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
                 }
                 Meta::Str(s) => {
                     out.extend_from_slice(&8u32.to_le_bytes());

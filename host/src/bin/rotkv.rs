@@ -39,7 +39,7 @@ enum Command {
     /// Perplexity of a GGUF model on a text with each KV method, decode-faithful (token
     /// by token through the cache, or --chunk tokens per decode step).
     Ppl {
-        /// A llama or qwen2 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
+        /// A llama, qwen2 or qwen3 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file.
@@ -77,7 +77,7 @@ enum Command {
     },
     /// Calibrate key means and channel permutations per layer and KV head from a text.
     Calibrate {
-        /// A llama or qwen2 GGUF file.
+        /// A llama, qwen2 or qwen3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file (calibrate on one text, evaluate on another).
@@ -107,7 +107,7 @@ enum Command {
     /// Capture post-RoPE q, k, v and pre-RoPE k of some layers to a safetensors file
     /// (f16, Hugging Face channel order), from an exact f32 forward pass.
     Capture {
-        /// A llama or qwen2 GGUF file.
+        /// A llama, qwen2 or qwen3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file.
@@ -125,7 +125,7 @@ enum Command {
     },
     /// Greedy continuation of a prompt, decoding from the rotkv cache.
     Generate {
-        /// A llama or qwen2 GGUF file.
+        /// A llama, qwen2 or qwen3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// The prompt.
@@ -397,18 +397,21 @@ fn file_name(p: &std::path::Path) -> String {
     p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-/// The model, and the first `tokens` token ids of a text.
+/// The model, and the first `tokens` token ids of a text: BOS first when the model's
+/// tokenizer asks for one ([`model::tokenizer::Tokenizer::add_bos`]), then text tokens.
 fn model_and_tokens(
     model_path: &std::path::Path,
     text: &std::path::Path,
     tokens: usize,
 ) -> Result<(model::llama::Llama, Vec<u32>), CliError> {
     let (llama, tok) = load_model(model_path)?;
-    let mut ids = tok.encode(&read_text(text)?);
-    if ids.len() < tokens {
-        let why = format!("{} has {} tokens, {tokens} asked", text.display(), ids.len());
+    let mut ids = tok.bos_prefix();
+    let body = tok.encode(&read_text(text)?)?;
+    if ids.len() + body.len() < tokens {
+        let why = format!("{} has {} tokens, {tokens} asked", text.display(), ids.len() + body.len());
         return Err(CliError::Lib(rotkv::Error::Shape(why)));
     }
+    ids.extend_from_slice(&body[..tokens.saturating_sub(ids.len())]);
     ids.truncate(tokens);
     Ok((llama, ids))
 }
@@ -440,11 +443,23 @@ fn ppl(
         let max = rotkv::paged::MAX_Q_LEN;
         return Err(CliError::Lib(rotkv::Error::Value(format!("--chunk {chunk}: 1 to {max} tokens per decode step"))));
     }
-    let total = ctx.checked_mul(windows).ok_or_else(|| {
-        CliError::Lib(rotkv::Error::Capacity(format!("{windows} windows of {ctx} tokens: too many tokens to count")))
-    })?;
-    let (llama, ids) = model_and_tokens(model_path, text, total)?;
-    let wins: Vec<Vec<u32>> = ids.chunks_exact(ctx).take(windows).map(<[u32]>::to_vec).collect();
+    if ctx.checked_mul(windows).is_none() {
+        let why = format!("{windows} windows of {ctx} tokens: too many tokens to count");
+        return Err(CliError::Lib(rotkv::Error::Capacity(why)));
+    }
+    let (llama, tok) = load_model(model_path)?;
+    let bos = tok.bos_prefix();
+    if ctx <= bos.len() {
+        return Err(CliError::Lib(rotkv::Error::Shape(format!("--ctx {ctx}: no room for text after the BOS token"))));
+    }
+    // Each window: BOS (when the model asks for one), then the next ctx - 1 text tokens.
+    let per = ctx - bos.len();
+    let body = tok.encode(&read_text(text)?)?;
+    if body.len() < per * windows {
+        let why = format!("{} has {} tokens, {windows} windows of {per} asked", text.display(), body.len());
+        return Err(CliError::Lib(rotkv::Error::Shape(why)));
+    }
+    let wins: Vec<Vec<u32>> = body.chunks_exact(per).take(windows).map(|c| [&bos[..], c].concat()).collect();
     let methods =
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
@@ -460,7 +475,7 @@ fn ppl(
                 serde_json::json!({
                     "method": r.method.name, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
                     "vs_f16": base.map(|b| r.ppl / b - 1.0), "bits_per_element": r.method.bits_per_element(),
-                    "kv_bytes": r.kv_bytes,
+                    "kv_bytes": r.kv_bytes, "kl_vs_f16": r.kl, "top1_vs_f16": r.top1,
                 })
             })
             .collect();
@@ -480,17 +495,31 @@ fn ppl(
         backend.name(),
         started.elapsed().as_secs_f64()
     )?;
-    writeln!(out, "{:<16} {:>10} {:>9} {:>10} {:>12}", "method", "perplexity", "vs f16", "bits/elem", "KV MiB/seq")?;
+    writeln!(
+        out,
+        "{:<16} {:>10} {:>9} {:>10} {:>7} {:>10} {:>12}",
+        "method", "perplexity", "vs f16", "KL nats", "top-1", "bits/elem", "KV MiB/seq"
+    )?;
     for r in &results {
         let delta = base.map_or_else(|| "-".to_string(), |b| format!("{:+.2}%", 100.0 * (r.ppl / b - 1.0)));
+        let kl = r.kl.map_or_else(|| "-".to_string(), |k| format!("{k:.4}"));
+        let top1 = r.top1.map_or_else(|| "-".to_string(), |a| format!("{:.1}%", 100.0 * a));
         writeln!(
             out,
-            "{:<16} {:>10.3} {:>9} {:>10.2} {:>12.2}",
+            "{:<16} {:>10.3} {:>9} {:>10} {:>7} {:>10.2} {:>12.2}",
             r.method.name,
             r.ppl,
             delta,
+            kl,
+            top1,
             r.method.bits_per_element(),
             mib(r.kv_bytes)
+        )?;
+    }
+    if base.is_some() {
+        writeln!(
+            out,
+            "(KL: mean KL(f16 || method) of the next-token distribution per scored token; top-1: agreement with f16's most likely token)"
         )?;
     }
     Ok(())
@@ -551,14 +580,15 @@ fn generate(
 ) -> Result<(), CliError> {
     let backend = Backend::parse(backend)?;
     let (llama, tok) = load_model(model_path)?;
-    let ids = tok.encode(prompt);
+    let mut ids = tok.bos_prefix();
+    ids.extend(tok.encode(prompt)?);
     let total = ids.len().checked_add(tokens).ok_or_else(|| {
         let why = format!("{} prompt tokens and --tokens {tokens}: too many tokens to count", ids.len());
         CliError::Lib(rotkv::Error::Capacity(why))
     })?;
     let method = model::KvMethod::parse(kv, llama.config.head_dim, total)?;
     let new = model::generate(&llama, &ids, tokens, method.config, backend)?;
-    writeln!(out, "{prompt}{}", tok.decode(&new))?;
+    writeln!(out, "{prompt}{}", tok.decode(&new)?)?;
     Ok(())
 }
 

@@ -1,6 +1,12 @@
-//! A llama-family forward pass on the CPU (llama and qwen2 GGUF files): RMSNorm, RoPE,
-//! grouped-query attention through an [`Attention`] implementation (exact f32, or the
-//! rotkv cache), SwiGLU MLP, tied or untied output.
+//! A llama-family forward pass on the CPU (llama, qwen2 and qwen3 GGUF files): RMSNorm,
+//! RoPE, grouped-query attention through an [`Attention`] implementation (exact f32, or
+//! the rotkv cache), SwiGLU MLP, tied or untied output. Per architecture: qwen2's q, k, v
+//! biases (any file that has them); qwen3's per-head RMSNorm of q and k before RoPE and
+//! its head_dim apart from `dim / heads` (`attention.key_length`); llama-3's RoPE
+//! frequency factors (the `rope_freqs.weight` tensor llama.cpp's conversion writes from
+//! `rope_scaling` of type llama3: each frequency divided by its factor) and linear RoPE
+//! scaling (`rope.scaling.type = linear`: positions divided by `rope.scaling.factor`).
+//! Other RoPE scalings (yarn, longrope) are [`Error::Unsupported`].
 //!
 //! Weights are dequantized to f32 at load time and multiplied in f32. llama GGUF files
 //! store the q and k rows permuted for ggml's interleaved RoPE (adjacent channel pairs);
@@ -27,7 +33,7 @@ pub struct LlamaConfig {
     pub heads: usize,
     /// KV heads.
     pub kv_heads: usize,
-    /// Channels per head.
+    /// Channels per head (queries, keys and values).
     pub head_dim: usize,
     /// MLP hidden size.
     pub ffn: usize,
@@ -35,6 +41,42 @@ pub struct LlamaConfig {
     pub eps: f32,
     /// RoPE base.
     pub rope_theta: f32,
+    /// RoPE frequency scaling.
+    pub rope_scaling: RopeScaling,
+}
+
+/// How RoPE's frequencies or positions are scaled.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    #[default]
+    None,
+    /// Every frequency divided by the factor, as positions divided by it
+    /// (`rope.scaling.type = linear`).
+    Linear(f32),
+    /// Frequency `i` divided by factor `i` (`head_dim / 2` factors: llama-3's
+    /// `rope_freqs.weight`).
+    FreqFactors(Vec<f32>),
+}
+
+impl LlamaConfig {
+    /// Query channels of a token: `heads * head_dim` (the hidden size for llama and
+    /// qwen2; qwen3 may differ).
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// RoPE tables `(cos, sin)` of one position, with this model's scaling.
+    pub fn rope_table(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
+        match &self.rope_scaling {
+            RopeScaling::None => rope_table(pos, self.head_dim, self.rope_theta, None),
+            // Hugging Face's linear scaling divides every inverse frequency by the factor.
+            RopeScaling::Linear(f) => {
+                rope_table(pos, self.head_dim, self.rope_theta, Some(&vec![*f; self.head_dim / 2]))
+            }
+            RopeScaling::FreqFactors(ff) => rope_table(pos, self.head_dim, self.rope_theta, Some(ff)),
+        }
+    }
 }
 
 /// One transformer layer's weights (`[out][in]` matrices).
@@ -50,6 +92,8 @@ pub struct LayerWeights {
     pub wv: Matrix,
     /// q, k, v biases (qwen2).
     pub bias: Option<[Vec<f32>; 3]>,
+    /// Per-head RMSNorm gains of q and k (`[head_dim]` each), applied before RoPE (qwen3).
+    pub qk_norm: Option<[Vec<f32>; 2]>,
     /// Attention output projection.
     pub wo: Matrix,
     /// MLP RMSNorm gain.
@@ -145,24 +189,59 @@ fn hf_order(m: Matrix, heads: usize) -> Matrix {
 }
 
 impl Llama {
-    /// Loads a llama or qwen2 model from a parsed GGUF file.
+    /// Loads a llama, qwen2 or qwen3 model from a parsed GGUF file.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch = g.get("general.architecture")?.as_str().unwrap_or("").to_string();
-        if arch != "llama" && arch != "qwen2" {
-            return Err(Error::Unsupported(format!("architecture {arch:?} (llama and qwen2 are supported)")));
+        if !["llama", "qwen2", "qwen3"].contains(&arch.as_str()) {
+            return Err(Error::Unsupported(format!("architecture {arch:?} (llama, qwen2 and qwen3 are supported)")));
         }
         let u = |k: &str| g.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
         let (dim, layers, heads) = (u("embedding_length")?, u("block_count")?, u("attention.head_count")?);
         let kv_heads = u("attention.head_count_kv").unwrap_or(heads);
-        let head_dim = u("rope.dimension_count").unwrap_or(dim / heads.max(1));
+        let head_dim = u("attention.key_length").unwrap_or(dim / heads.max(1));
         let eps = g.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f32;
         let rope_theta = g.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10000.0) as f32;
-        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads.checked_mul(head_dim) != Some(dim) {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads.checked_mul(head_dim).is_none() {
             return Err(Error::Unsupported(format!(
                 "{heads} heads, {kv_heads} KV heads, head_dim {head_dim}, dim {dim}"
             )));
         }
+        for (key, what) in [("attention.value_length", "value head_dim"), ("rope.dimension_count", "RoPE dimensions")] {
+            if let Ok(n) = u(key)
+                && n != head_dim
+            {
+                return Err(Error::Unsupported(format!("{what} {n} apart from head_dim {head_dim} ({arch}.{key})")));
+            }
+        }
         check_model_head_dim(head_dim)?;
+        let rope_scaling = match g.metadata.get(&format!("{arch}.rope.scaling.type")).and_then(|v| v.as_str()) {
+            None | Some("none") => RopeScaling::None,
+            Some("linear") => {
+                let f = g.get_f64(&format!("{arch}.rope.scaling.factor"))? as f32;
+                if !(f.is_finite() && f > 0.0) {
+                    return Err(Error::Value(format!("{arch}.rope.scaling.factor {f}")));
+                }
+                if f == 1.0 { RopeScaling::None } else { RopeScaling::Linear(f) }
+            }
+            Some(other) => {
+                return Err(Error::Unsupported(format!("RoPE scaling {other:?} (read: none, linear, llama3 factors)")));
+            }
+        };
+        let rope_scaling = if g.tensors.contains_key("rope_freqs.weight") {
+            if rope_scaling != RopeScaling::None {
+                return Err(Error::Unsupported("rope_freqs.weight together with linear RoPE scaling".into()));
+            }
+            let (ff, dims) = g.tensor_f32("rope_freqs.weight")?;
+            if dims != [head_dim as u64 / 2] {
+                return Err(Error::Shape(format!("rope_freqs.weight is {dims:?}, expected [{}]", head_dim / 2)));
+            }
+            if ff.iter().any(|&f| !(f.is_finite() && f > 0.0)) {
+                return Err(Error::Value("rope_freqs.weight holds a factor that is not positive".into()));
+            }
+            RopeScaling::FreqFactors(ff)
+        } else {
+            rope_scaling
+        };
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
             let (data, dims) = g.tensor_f32(name)?;
             if dims != [cols as u64, rows as u64] {
@@ -180,23 +259,28 @@ impl Llama {
         let embed = g.tensor_f32("token_embd.weight")?;
         let vocab = *embed.1.get(1).ok_or_else(|| Error::Shape("token_embd.weight is not a matrix".into()))? as usize;
         let embed = matrix("token_embd.weight", vocab, dim)?;
-        let kvd = kv_heads * head_dim;
+        let (kvd, qd) = (kv_heads * head_dim, heads * head_dim);
         let ffn = u("feed_forward_length")?;
         let llama = arch == "llama";
         let layers = (0..layers)
             .map(|l| {
                 let n = |s: &str| format!("blk.{l}.{s}");
-                let (mut wq, mut wk) = (matrix(&n("attn_q.weight"), dim, dim)?, matrix(&n("attn_k.weight"), kvd, dim)?);
+                let (mut wq, mut wk) = (matrix(&n("attn_q.weight"), qd, dim)?, matrix(&n("attn_k.weight"), kvd, dim)?);
                 if llama {
                     wq = hf_order(wq, heads);
                     wk = hf_order(wk, kv_heads);
                 }
                 let bias = if g.tensors.contains_key(&n("attn_q.bias")) {
                     Some([
-                        vector(&n("attn_q.bias"), dim)?,
+                        vector(&n("attn_q.bias"), qd)?,
                         vector(&n("attn_k.bias"), kvd)?,
                         vector(&n("attn_v.bias"), kvd)?,
                     ])
+                } else {
+                    None
+                };
+                let qk_norm = if arch == "qwen3" {
+                    Some([vector(&n("attn_q_norm.weight"), head_dim)?, vector(&n("attn_k_norm.weight"), head_dim)?])
                 } else {
                     None
                 };
@@ -206,7 +290,8 @@ impl Llama {
                     wk,
                     wv: matrix(&n("attn_v.weight"), kvd, dim)?,
                     bias,
-                    wo: matrix(&n("attn_output.weight"), dim, dim)?,
+                    qk_norm,
+                    wo: matrix(&n("attn_output.weight"), dim, qd)?,
                     ffn_norm: vector(&n("ffn_norm.weight"), dim)?,
                     gate: matrix(&n("ffn_gate.weight"), ffn, dim)?,
                     up: matrix(&n("ffn_up.weight"), ffn, dim)?,
@@ -216,8 +301,19 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let output =
             if g.tensors.contains_key("output.weight") { Some(matrix("output.weight", vocab, dim)?) } else { None };
-        let config =
-            LlamaConfig { arch, vocab, dim, layers: layers.len(), heads, kv_heads, head_dim, ffn, eps, rope_theta };
+        let config = LlamaConfig {
+            arch,
+            vocab,
+            dim,
+            layers: layers.len(),
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            eps,
+            rope_theta,
+            rope_scaling,
+        };
         Ok(Self { config, embed, layers, norm: vector("output_norm.weight", dim)?, output })
     }
 
@@ -237,12 +333,17 @@ impl Llama {
         if c.heads == 0
             || c.kv_heads == 0
             || !c.heads.is_multiple_of(c.kv_heads)
-            || c.heads.checked_mul(c.head_dim) != Some(c.dim)
+            || c.heads.checked_mul(c.head_dim).is_none()
         {
             return Err(Error::Unsupported(format!(
                 "{} heads, {} KV heads, head_dim {}, dim {}",
                 c.heads, c.kv_heads, c.head_dim, c.dim
             )));
+        }
+        if let RopeScaling::FreqFactors(f) = &c.rope_scaling
+            && f.len() != c.head_dim / 2
+        {
+            return Err(Error::Shape(format!("{} RoPE frequency factors for head_dim {}", f.len(), c.head_dim)));
         }
         let n = rows.len();
         if tokens.len() != n {
@@ -251,13 +352,13 @@ impl Llama {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
             return Err(Error::Value(format!("token {t} is outside the vocabulary of {}", c.vocab)));
         }
-        let (d, kvd) = (c.head_dim, c.kv_heads * c.head_dim);
+        let (d, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.q_dim());
         let mut x: Vec<f32> = tokens.iter().flat_map(|&t| self.embed.row(t as usize).iter().copied()).collect();
         let mut h = vec![0f32; n * c.dim];
-        let (mut q, mut k, mut v) = (vec![0f32; n * c.dim], vec![0f32; n * kvd], vec![0f32; n * kvd]);
-        let mut att = vec![0f32; n * c.dim];
+        let (mut q, mut k, mut v) = (vec![0f32; n * qd], vec![0f32; n * kvd], vec![0f32; n * kvd]);
+        let mut att = vec![0f32; n * qd];
         let (mut g, mut u) = (vec![0f32; n * c.ffn], vec![0f32; n * c.ffn]);
-        let tables: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().map(|r| rope_table(r.pos, d, c.rope_theta)).collect();
+        let tables: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().map(|r| c.rope_table(r.pos)).collect();
         for (l, w) in self.layers.iter().enumerate().take(n_layers) {
             rms_norm(&x, &w.attn_norm, c.eps, &mut h);
             matmul(&w.wq, &h, n, &mut q);
@@ -268,9 +369,15 @@ impl Llama {
                     dst.chunks_exact_mut(b.len()).for_each(|r| r.iter_mut().zip(b).for_each(|(o, &bb)| *o += bb));
                 }
             }
+            if let Some([nq, nk]) = &w.qk_norm {
+                // RMSNorm of each head's channels (rows of `head_dim`).
+                let (q0, k0) = (q.clone(), k.clone());
+                rms_norm(&q0, nq, c.eps, &mut q);
+                rms_norm(&k0, nk, c.eps, &mut k);
+            }
             let k_pre = if observe.is_some() { k.clone() } else { Vec::new() };
             for (r, (cos, sin)) in tables.iter().enumerate() {
-                q[r * c.dim..(r + 1) * c.dim].chunks_exact_mut(d).for_each(|hd| rope(hd, cos, sin));
+                q[r * qd..(r + 1) * qd].chunks_exact_mut(d).for_each(|hd| rope(hd, cos, sin));
                 k[r * kvd..(r + 1) * kvd].chunks_exact_mut(d).for_each(|hd| rope(hd, cos, sin));
             }
             if let Some(f) = observe.as_mut() {

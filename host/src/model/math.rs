@@ -115,12 +115,16 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// Rotary tables for one position: `(cos, sin)` of each of the `d / 2` frequencies,
-/// computed as Hugging Face does (f32 inverse frequencies `1 / theta^(2i/d)`, f32 angle
-/// `pos * inv_freq`), the cosine and sine then taken exactly.
-pub fn rope_table(pos: usize, d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+/// computed as Hugging Face does (f32 inverse frequencies `1 / theta^(2i/d)`, each divided
+/// by its factor when `factors` are given, f32 angle `pos * inv_freq`), the cosine and
+/// sine then taken exactly.
+pub fn rope_table(pos: usize, d: usize, theta: f32, factors: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
     (0..d / 2)
         .map(|i| {
-            let inv = 1.0 / theta.powf((2 * i) as f32 / d as f32);
+            let mut inv = 1.0 / theta.powf((2 * i) as f32 / d as f32);
+            if let Some(f) = factors {
+                inv /= f[i];
+            }
             let a = (pos as f32 * inv) as f64;
             (a.cos() as f32, a.sin() as f32)
         })

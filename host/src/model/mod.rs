@@ -1,6 +1,7 @@
-//! A real model end to end (feature `model`): a GGUF reader, the byte-level BPE
-//! tokenizer, a llama-family forward pass on the CPU whose attention runs through the
-//! rotkv cache, perplexity measured decode-faithfully, and capture of KV tensors.
+//! A real model end to end (feature `model`): a GGUF reader, the GGUF's tokenizer (built
+//! with Hugging Face `tokenizers`), a llama / qwen2 / qwen3 forward pass on the CPU whose
+//! attention runs through the rotkv cache, perplexity (with KL divergence against the f16
+//! cache) measured decode-faithfully, and capture of KV tensors.
 
 pub mod calibrate;
 pub mod gguf;
@@ -214,6 +215,13 @@ pub struct PplResult {
     pub tokens: usize,
     /// KV bytes of one window at full length (all layers).
     pub kv_bytes: usize,
+    /// Mean KL divergence `KL(f16 || method)` in nats per scored token, of this method's
+    /// next-token distribution from the first unquantized method's (`f16`) at the same
+    /// position; `None` when no unquantized method ran beside it.
+    pub kl: Option<f64>,
+    /// Share of scored positions whose most likely next token is the unquantized method's
+    /// (`None` as for `kl`).
+    pub top1: Option<f64>,
 }
 
 /// Options of [`perplexity`].
@@ -238,7 +246,10 @@ pub struct PplOptions {
 /// decodes their queries from the cache (one multi-token decode, each row causal), so
 /// the logits at position `t` see what the decode kernel sees (sinks and the recent
 /// window in f16, older tokens quantized). All methods and windows run as one batch.
-/// Token `t + 1` of a window is scored from the logits of position `t`.
+/// Token `t + 1` of a window is scored from the logits of position `t`. When an
+/// unquantized method (`f16`) is among `methods`, each method's next-token distribution
+/// is also compared with the first such method's at every scored position (mean KL
+/// divergence and top-1 agreement, [`PplResult::kl`]).
 /// `progress(done, positions)` is called after each step with the positions fed so far.
 pub fn perplexity(
     model: &Llama,
@@ -334,6 +345,9 @@ pub fn perplexity(
     attn.multi_token_decode = true;
     let n = methods.len() * windows.len();
     let mut nll = vec![0f64; methods.len()];
+    // KL(f16 || method) and top-1 agreement against the first unquantized method.
+    let reference = methods.iter().position(|m| !m.quantized);
+    let (mut kl, mut agree) = (vec![0f64; methods.len()], vec![0usize; methods.len()]);
     let mut t = 0;
     while t < ctx - 1 {
         // Rows `[sequence][token]`: positions t .. t + step of every window of every method.
@@ -345,6 +359,21 @@ pub fn perplexity(
         for (r, l) in rows.iter().zip(logits.chunks_exact(c.vocab)) {
             nll[r.seq / windows.len()] += neg_log_softmax(l, windows[r.seq % windows.len()][r.pos + 1] as usize);
         }
+        if let Some(m0) = reference {
+            // Row of sequence s at position p: (s * step + p - t); the reference method's
+            // sequence of window w is m0 * windows + w.
+            let rows_of = |s: usize| (s * step..(s + 1) * step).map(|i| &logits[i * c.vocab..(i + 1) * c.vocab]);
+            for w in 0..windows.len() {
+                let refs: Vec<(Vec<f64>, usize)> = rows_of(m0 * windows.len() + w).map(log_softmax).collect();
+                for m in 0..methods.len() {
+                    for ((lp, best), l) in refs.iter().zip(rows_of(m * windows.len() + w)) {
+                        let (lq, mine) = log_softmax(l);
+                        kl[m] += lp.iter().zip(&lq).map(|(&a, &b)| a.exp() * (a - b)).sum::<f64>();
+                        agree[m] += usize::from(mine == *best);
+                    }
+                }
+            }
+        }
         t += step;
         progress(t, ctx - 1);
     }
@@ -352,7 +381,8 @@ pub fn perplexity(
     methods
         .iter()
         .zip(nll)
-        .map(|(m, total)| {
+        .enumerate()
+        .map(|(i, (m, total))| {
             let mean = total / scored as f64;
             Ok(PplResult {
                 method: m.clone(),
@@ -360,6 +390,8 @@ pub fn perplexity(
                 nll: mean,
                 tokens: scored,
                 kv_bytes: m.kv_bytes(ctx, c.layers, c.kv_heads)?,
+                kl: reference.map(|_| kl[i] / scored as f64),
+                top1: reference.map(|_| agree[i] as f64 / scored as f64),
             })
         })
         .collect()
@@ -384,6 +416,15 @@ pub fn online_key_means(model: &Llama, tokens: &[u32]) -> Result<Vec<Vec<f32>>> 
     let rows: Vec<Row> = (0..tokens.len()).map(|p| Row { seq: 0, pos: p }).collect();
     model.forward(tokens, &rows, &mut ExactAttention::new(c), Some(&mut keep), c.layers)?;
     Ok(means.into_iter().map(|m| m.into_iter().map(|x| x as f32).collect()).collect())
+}
+
+/// `log softmax(logits)` in f64, and the index of the largest logit (the first of equals).
+fn log_softmax(logits: &[f32]) -> (Vec<f64>, usize) {
+    let (best, m) =
+        logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
+    let m = m as f64;
+    let lse = m + logits.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+    (logits.iter().map(|&x| x as f64 - lse).collect(), best)
 }
 
 /// `-log softmax(logits)[target]`, in f64.
