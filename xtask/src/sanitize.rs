@@ -31,7 +31,7 @@ use std::path::Path;
 use std::time::Instant;
 
 /// `ROTKV_FUZZ_ITERS` in CI: mutated calibration files (GGUF files: ten times as many).
-pub const FUZZ_ITERS: &str = "50000";
+pub const FUZZ_ITERS: &str = "20000";
 /// Kernel-crate unit tests (name filters) run under Miri.
 pub const MIRI_KERNEL_TESTS: &[&str] = &[
     "layout::",
@@ -45,7 +45,7 @@ pub const MIRI_HOST_TESTS: &[&str] =
 /// Random operation sequences of the property test under ASan.
 pub const ASAN_PROPTEST_CASES: &str = "4";
 /// Seconds each cargo-fuzz target runs in CI (`cargo xtask fuzz --seconds N` for longer).
-pub const CARGO_FUZZ_SECONDS: u64 = 15;
+pub const CARGO_FUZZ_SECONDS: u64 = 10;
 /// The cargo-fuzz targets (`fuzz/fuzz_targets/<name>.rs`).
 pub const CARGO_FUZZ_TARGETS: &[&str] = &["gguf", "calibration", "pool", "paged_ops"];
 
