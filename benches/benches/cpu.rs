@@ -1,5 +1,5 @@
 //! CPU benchmarks: decode (k2v2 against an f16 baseline and a memcpy of the f16 cache's
-//! size, all in one run), append (Hadamard and learned dense rotations), FWHT.
+//! size, all in one run), append (Hadamard and learned dense rotations), FWHT against FFHT.
 //!
 //! `cargo bench -p rotkv-benches --bench cpu` (all) or with a filter, e.g.
 //! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
@@ -135,15 +135,56 @@ fn append(c: &mut Criterion) {
     group.finish();
 }
 
+#[cfg(ffht)]
+mod ffht {
+    unsafe extern "C" {
+        /// FFHT's in-place, unnormalized transform of `2^log_n` floats (0 on success).
+        fn fht_float(buf: *mut f32, log_n: std::ffi::c_int) -> std::ffi::c_int;
+    }
+
+    /// FFHT on every row of `x` (rows of `d` floats).
+    pub fn rows(x: &mut [f32], d: usize) {
+        let log_n = d.trailing_zeros() as std::ffi::c_int;
+        for row in x.chunks_exact_mut(d) {
+            // SAFETY: `row` holds exactly 2^log_n floats, the buffer `fht_float`
+            // transforms in place; it keeps no pointer past the call.
+            let rc = unsafe { fht_float(row.as_mut_ptr(), log_n) };
+            assert_eq!(rc, 0, "fht_float({log_n})");
+        }
+    }
+}
+
+/// rotkv's FWHT (orthonormal: it also scales by `1/sqrt(d)`) against FFHT
+/// (unnormalized), row by row over 4096 rows per call, as append uses it; side by side.
 fn fwht(c: &mut Criterion) {
     let mut group = c.benchmark_group("fwht");
+    group.warm_up_time(std::time::Duration::from_millis(500));
+    group.measurement_time(std::time::Duration::from_secs(2));
+    #[cfg(not(ffht))]
+    println!("SKIPPED: FFHT sources not found (../shared/third_party/ffht): rotkv's FWHT only");
     for d in [64, 128, 256] {
         let rows = 4096;
-        let mut x = synthetic_rows(rows, d, 9);
+        let x = synthetic_rows(rows, d, 9);
         group.throughput(Throughput::Bytes((rows * d * 4) as u64));
-        group.bench_with_input(BenchmarkId::new("f32", d), &d, |b, &d| {
-            b.iter(|| x.chunks_exact_mut(d).for_each(rotkv::cpu::fwht))
+        // A fresh copy per batch (not timed): FFHT's unnormalized output grows by sqrt(d)
+        // per pass, so transforming the same buffer over and over would overflow.
+        let fresh = || x.clone();
+        let batch = criterion::BatchSize::LargeInput;
+        group.bench_with_input(BenchmarkId::new("rotkv", d), &d, |b, &d| {
+            b.iter_batched_ref(fresh, |x| x.chunks_exact_mut(d).for_each(rotkv::cpu::fwht), batch)
         });
+        #[cfg(ffht)]
+        {
+            // Same values up to the scale (checked once, so the comparison is fair).
+            let (mut a, mut f) = (synthetic_rows(2, d, 3), synthetic_rows(2, d, 3));
+            a.chunks_exact_mut(d).for_each(rotkv::cpu::fwht);
+            ffht::rows(&mut f, d);
+            let s = (d as f32).sqrt();
+            assert!(a.iter().zip(&f).all(|(a, f)| (a * s - f).abs() <= 1e-4 * (1.0 + f.abs())), "FFHT differs");
+            group.bench_with_input(BenchmarkId::new("ffht", d), &d, |b, &d| {
+                b.iter_batched_ref(fresh, |x| ffht::rows(x, d), batch)
+            });
+        }
     }
     group.finish();
 }

@@ -23,7 +23,20 @@ use rotkv_kernels::params::{AppendParams, DecodeParams};
 const CHUNK: usize = 64;
 
 /// In-place orthonormal FWHT in f32 (same definition as [`crate::reference::fwht`]).
+/// Rows of 8 to 256 values run an AVX2 kernel where the processor has it (the same
+/// additions in the same order, so bit for bit the portable result).
 pub fn fwht(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = Avx2::detect()
+        && avx2::fwht(kern, x)
+    {
+        return;
+    }
+    fwht_portable(x)
+}
+
+/// The portable [`fwht`].
+fn fwht_portable(x: &mut [f32]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
     let mut h = 1;
@@ -698,6 +711,89 @@ mod avx2 {
                 }
             }
         }
+    }
+
+    /// In-register FWHT butterflies of `8 * R` floats at `p` (strides 1, 2 and 4 inside
+    /// each register by a lane swap and a multiply-add with +-1, exact since
+    /// `x * -1 + y` rounds once like `y - x`; strides 8 and up between registers), then
+    /// a multiplication by `scale` where given.
+    ///
+    /// # Safety
+    /// `p` is valid for reads and writes of `8 * R` floats, and AVX2 and FMA are present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: Option<f32>) {
+        let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
+        let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
+        let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
+        let mut v = [_mm256_setzero_ps(); R];
+        for (r, v) in v.iter_mut().enumerate() {
+            // SAFETY: r < R: the 8 floats at 8 * r are inside the caller's 8 * R.
+            let a = unsafe { _mm256_loadu_ps(p.add(8 * r)) };
+            let a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps::<0xB1>(a));
+            let a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps::<0x4E>(a));
+            *v = _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps::<1>(a, a));
+        }
+        let mut h = 1;
+        while h < R {
+            for blk in (0..R).step_by(2 * h) {
+                for i in blk..blk + h {
+                    let (a, b) = (v[i], v[i + h]);
+                    v[i] = _mm256_add_ps(a, b);
+                    v[i + h] = _mm256_sub_ps(a, b);
+                }
+            }
+            h *= 2;
+        }
+        for (r, v) in v.iter().enumerate() {
+            let v = match scale {
+                Some(s) => _mm256_mul_ps(*v, _mm256_set1_ps(s)),
+                None => *v,
+            };
+            // SAFETY: as for the loads.
+            unsafe { _mm256_storeu_ps(p.add(8 * r), v) };
+        }
+    }
+
+    /// A row of 256 floats: two halves of 128 in registers (16 registers each, no
+    /// spills), then the stride-128 butterflies with the scale.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fwht_256(x: &mut [f32]) {
+        assert_eq!(x.len(), 256);
+        let p = x.as_mut_ptr();
+        let s = _mm256_set1_ps(1.0 / 16.0);
+        // SAFETY: both halves are 128 floats inside `x` (asserted length).
+        unsafe {
+            fwht_regs::<16>(p, None);
+            fwht_regs::<16>(p.add(128), None);
+        }
+        for i in (0..128).step_by(8) {
+            // SAFETY: i + 128 + 8 <= 256.
+            unsafe {
+                let (a, b) = (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 128)));
+                _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_add_ps(a, b), s));
+                _mm256_storeu_ps(p.add(i + 128), _mm256_mul_ps(_mm256_sub_ps(a, b), s));
+            }
+        }
+    }
+
+    /// [`super::fwht`] for rows of 8 to 256 floats; `false` (nothing done) for others.
+    #[inline(always)]
+    pub(crate) fn fwht(_proof: Avx2, x: &mut [f32]) -> bool {
+        // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+        unsafe {
+            let p = x.as_mut_ptr();
+            // SAFETY (pointers): each arm's row length is exactly 8 * R floats of `x`.
+            match x.len() {
+                8 => fwht_regs::<1>(p, Some(1.0 / 8f32.sqrt())),
+                16 => fwht_regs::<2>(p, Some(1.0 / 16f32.sqrt())),
+                32 => fwht_regs::<4>(p, Some(1.0 / 32f32.sqrt())),
+                64 => fwht_regs::<8>(p, Some(1.0 / 64f32.sqrt())),
+                128 => fwht_regs::<16>(p, Some(1.0 / 128f32.sqrt())),
+                256 => fwht_256(x),
+                _ => return false,
+            }
+        }
+        true
     }
 
     macro_rules! by_head_blocks {
@@ -1446,6 +1542,28 @@ mod tests {
                     for (a, b) in m0.iter().zip(&m1).chain(l0.iter().zip(&l1)).chain(o0.iter().zip(&o1)) {
                         assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b} ({d} {kb} {vb} {gs} g{g})");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fwht_kernels_match_portable_bit_for_bit() {
+        for n in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] {
+            let x = values(n * 3, n as u32);
+            for row in x.chunks_exact(n) {
+                let (mut a, mut b) = (row.to_vec(), row.to_vec());
+                fwht(&mut a);
+                fwht_portable(&mut b);
+                assert_eq!(
+                    a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                // And the definition (f64 reference).
+                let mut r: Vec<f64> = row.iter().map(|&v| v as f64).collect();
+                reference::fwht(&mut r);
+                for (a, r) in a.iter().zip(&r) {
+                    assert!((*a as f64 - r).abs() <= 1e-5 * (1.0 + r.abs()), "n {n}: {a} vs {r}");
                 }
             }
         }
