@@ -1,11 +1,13 @@
-//! CPU benchmarks: decode (k2v2 against an f16 baseline and a memcpy of the f16 cache's
-//! size, all in one run), append (Hadamard and learned dense rotations), FWHT against FFHT.
+//! CPU benchmarks: decode (k2v2 and k4v2, each with the exact f32 and the integer key
+//! paths, against an f16 baseline and a memcpy of the f16 cache's size, all in one run),
+//! append (Hadamard and learned dense rotations), FWHT against FFHT.
 //!
 //! `cargo bench -p rotkv-benches --bench cpu` (all) or with a filter, e.g.
 //! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
 //! to cap the context (default 32768). Throughput is bytes of cache read per step.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rotkv::paged::KeyScores;
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
 use rotkv_benches::{Shape, synthetic_rows};
 use std::hint::black_box;
@@ -24,7 +26,6 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
     let ctxs: Vec<usize> = [1024, 4096, 16384, 32768].into_iter().filter(|&c| c <= max_ctx()).collect();
     for &ctx in &ctxs {
         let Shape { hkv, hq, d, .. } = shape;
-        let config = CacheConfig::k2v2(d);
         let cshape = CacheShape {
             layers: 1,
             num_kv_heads: hkv,
@@ -33,17 +34,34 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
             max_tokens: ctx,
             num_blocks: None,
         };
-        let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
+        let q = synthetic_rows(BATCH * hq, d, 77);
+        let mut out = vec![0f32; BATCH * hq * d];
+        // The quantized caches, each with its exact and integer key paths.
+        for (name, config) in [("k2v2", CacheConfig::k2v2(d)), ("k4v2", CacheConfig::k4v2(d))] {
+            let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
+            let mut seqs = Vec::with_capacity(BATCH);
+            for b in 0..BATCH {
+                let s = cache.add_sequence().expect("slot");
+                seqs.push(s);
+                let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
+                let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
+                cache.append(0, s, ctx, &k, &v).expect("append");
+            }
+            let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
+            group.throughput(Throughput::Bytes(quant_bytes as u64));
+            for (path, keys) in [("", KeyScores::Exact), ("_int8", KeyScores::Int8), ("_int8x2", KeyScores::Int8x2)] {
+                cache.set_key_scores(keys);
+                group.bench_with_input(BenchmarkId::new(format!("{name}{path}"), ctx), &ctx, |bch, _| {
+                    bch.iter(|| cache.decode(0, &seqs, black_box(&q), &mut out).expect("decode"))
+                });
+            }
+        }
         // f16 baseline layout: [seq][kv_head][ctx][d].
         let mut k16 = vec![f16::ZERO; BATCH * hkv * ctx * d];
         let mut v16 = k16.clone();
-        let mut seqs = Vec::with_capacity(BATCH);
         for b in 0..BATCH {
-            let s = cache.add_sequence().expect("slot");
-            seqs.push(s);
             let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
             let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
-            cache.append(0, s, ctx, &k, &v).expect("append");
             for (i, (kk, vv)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
                 let (t, h) = (i / hkv, i % hkv);
                 let at = ((b * hkv + h) * ctx + t) * d;
@@ -51,22 +69,15 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
                 v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = f16::from_f32(*x));
             }
         }
-        let q = synthetic_rows(BATCH * hq, d, 77);
-        let mut out = vec![0f32; BATCH * hq * d];
-        let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
         let f16_bytes = BATCH * hkv * ctx * d * 4;
         let splits = rotkv::cpu::default_splits(ctx, BATCH, hkv, rayon::current_num_threads()) as usize;
-
-        group.throughput(Throughput::Bytes(quant_bytes as u64));
-        group.bench_with_input(BenchmarkId::new("k2v2", ctx), &ctx, |bch, _| {
-            bch.iter(|| cache.decode(0, &seqs, black_box(&q), &mut out).expect("decode"))
-        });
         group.throughput(Throughput::Bytes(f16_bytes as u64));
         group.bench_with_input(BenchmarkId::new("f16", ctx), &ctx, |bch, _| {
             bch.iter(|| rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, black_box(&q), &mut out))
         });
         // memcpy of the f16 cache's size: the machine's copy bandwidth in this run.
         let src: Vec<u8> = bytemuck_bytes(&k16).iter().chain(bytemuck_bytes(&v16)).copied().collect();
+        drop((k16, v16));
         let mut dst = vec![0u8; src.len()];
         group.bench_with_input(BenchmarkId::new("memcpy_f16_size", ctx), &ctx, |bch, _| {
             bch.iter(|| dst.copy_from_slice(black_box(&src)))
@@ -99,7 +110,8 @@ fn append(c: &mut Criterion) {
         };
         let k = synthetic_rows(tokens * hkv, d, 5);
         let v = synthetic_rows(tokens * hkv, d, 6);
-        group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * 4) as u64));
+        let (k16, v16): (Vec<f16>, Vec<f16>) =
+            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
         // "learned": the same append with dense D x D rotations (OptR's form; the Hadamard
         // matrix itself serves as the orthogonal matrix, the cost does not depend on it).
         let dense: Vec<f32> = (0..hkv)
@@ -112,24 +124,42 @@ fn append(c: &mut Criterion) {
             .collect();
         let mut learned = rotkv::LayerCalibration::identity(hkv, d);
         (learned.key_rotation, learned.value_rotation) = (Some(dense.clone()), Some(dense));
-        for (variant, calib) in [("f32_input", None), ("f32_input_learned", Some(&learned))] {
+        let fresh = |calib: Option<&rotkv::LayerCalibration>| {
+            let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
+            if let Some(c) = calib {
+                cache.set_calibration(0, c.clone()).expect("calibration");
+            }
+            cache
+        };
+        for (variant, calib, f16_input) in
+            [("f32_input", None, false), ("f32_input_learned", Some(&learned), false), ("f16_input", None, true)]
+        {
+            let elem = if f16_input { 2 } else { 4 };
+            group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * elem) as u64));
             group.bench_function(BenchmarkId::new(variant, name), |b| {
                 b.iter_batched(
-                    || {
-                        let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
-                        if let Some(c) = calib {
-                            cache.set_calibration(0, c.clone()).expect("calibration");
-                        }
-                        cache
-                    },
+                    || fresh(calib),
                     |mut cache| {
                         let s = cache.add_sequence().expect("slot");
-                        cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
+                        if f16_input {
+                            cache.append(0, s, tokens, black_box(&k16), black_box(&v16)).expect("append");
+                        } else {
+                            cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
+                        }
                         cache
                     },
                     criterion::BatchSize::LargeInput,
                 )
             });
+        }
+        // A memcpy of the keys and values given (f32 and f16), in the same run.
+        for (variant, bytes) in
+            [("memcpy_f32_input", tokens * hkv * d * 2 * 4), ("memcpy_f16_input", tokens * hkv * d * 2 * 2)]
+        {
+            let src = vec![1u8; bytes];
+            let mut dst = vec![0u8; bytes];
+            group.throughput(Throughput::Bytes(bytes as u64));
+            group.bench_function(BenchmarkId::new(variant, name), |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
         }
     }
     group.finish();
