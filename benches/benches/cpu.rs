@@ -6,6 +6,7 @@
 //! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
 //! to cap the context (default 32768). Throughput is bytes of cache read per step.
 
+use criterion::measurement::Measurement;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rotkv::paged::KeyScores;
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
@@ -18,8 +19,8 @@ fn max_ctx() -> usize {
     std::env::var("ROTKV_BENCH_MAX_CTX").ok().and_then(|s| s.parse().ok()).unwrap_or(32 * 1024)
 }
 
-fn bench_decode(c: &mut Criterion, shape: Shape) {
-    let mut group = c.benchmark_group(format!("decode/{}", shape.name));
+fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape) {
+    let mut group = c.benchmark_group(format!("{prefix}/{}", shape.name));
     group.sample_size(10);
     group.warm_up_time(std::time::Duration::from_millis(500));
     group.measurement_time(std::time::Duration::from_secs(2));
@@ -90,9 +91,82 @@ fn bytemuck_bytes(x: &[f16]) -> &[u8] {
     rotkv_benches::as_bytes(x)
 }
 
+const SHAPES: [Shape; 2] =
+    [Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 }, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 }];
+
 fn decode(c: &mut Criterion) {
-    bench_decode(c, Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 });
-    bench_decode(c, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 });
+    SHAPES.into_iter().for_each(|s| bench_decode(c, "decode", s));
+}
+
+/// The decode benchmarks again in process CPU time (`decode_cputime/...`), only when
+/// `ROTKV_BENCH_CPU_TIME` is set: on a shared machine whose other jobs take the cores,
+/// wall time measures the scheduler, CPU time the kernels.
+fn decode_cputime(c: &mut Criterion<cputime::CpuTime>) {
+    if std::env::var_os("ROTKV_BENCH_CPU_TIME").is_some() {
+        SHAPES.into_iter().for_each(|s| bench_decode(c, "decode_cputime", s));
+    }
+}
+
+mod cputime {
+    //! A criterion measurement of the process's CPU time (all threads), in nanoseconds.
+    use criterion::Throughput;
+    use criterion::measurement::{Measurement, ValueFormatter};
+
+    pub struct CpuTime;
+
+    fn now_ns() -> u64 {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the
+        // kernel knows.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        assert_eq!(rc, 0, "clock_gettime(CLOCK_PROCESS_CPUTIME_ID)");
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+
+    impl Measurement for CpuTime {
+        type Intermediate = u64;
+        type Value = u64;
+        fn start(&self) -> u64 {
+            now_ns()
+        }
+        fn end(&self, i: u64) -> u64 {
+            now_ns() - i
+        }
+        fn add(&self, a: &u64, b: &u64) -> u64 {
+            a + b
+        }
+        fn zero(&self) -> u64 {
+            0
+        }
+        fn to_f64(&self, v: &u64) -> f64 {
+            *v as f64
+        }
+        fn formatter(&self) -> &dyn ValueFormatter {
+            &CpuTimeFormatter
+        }
+    }
+
+    struct CpuTimeFormatter;
+
+    impl ValueFormatter for CpuTimeFormatter {
+        fn scale_values(&self, _typical: f64, values: &mut [f64]) -> &'static str {
+            values.iter_mut().for_each(|v| *v /= 1e6);
+            "ms (cpu)"
+        }
+        fn scale_throughputs(&self, _typical: f64, throughput: &Throughput, values: &mut [f64]) -> &'static str {
+            let per = match *throughput {
+                Throughput::Bytes(n) | Throughput::BytesDecimal(n) => n as f64,
+                Throughput::Elements(n) => n as f64,
+                Throughput::Bits(n) => n as f64 / 8.0,
+                _ => 1.0,
+            };
+            values.iter_mut().for_each(|v| *v = per / *v);
+            "GB/s (cpu)"
+        }
+        fn scale_for_machines(&self, _values: &mut [f64]) -> &'static str {
+            "ns"
+        }
+    }
 }
 
 fn append(c: &mut Criterion) {
@@ -220,4 +294,9 @@ fn fwht(c: &mut Criterion) {
 }
 
 criterion_group!(benches, decode, append, fwht);
-criterion_main!(benches);
+criterion_group! {
+    name = cpu_time;
+    config = Criterion::default().with_measurement(cputime::CpuTime);
+    targets = decode_cputime
+}
+criterion_main!(benches, cpu_time);

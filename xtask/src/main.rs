@@ -260,27 +260,23 @@ fn read_result(dir: &Path) -> Option<Result1> {
     Some(Result1 { median_ns: est["median"]["point_estimate"].as_f64()?, bytes: bench["throughput"]["Bytes"].as_f64() })
 }
 
-/// `cargo xtask bench-table [--run]`: with `--run`, first `cargo bench -p rotkv-benches
-/// --bench cpu` (every benchmark, one run); then the CPU tables from criterion's results:
-/// decode (k2v2 and k4v2 with the exact and integer key paths, the f16 baseline, memcpy),
-/// append (against a memcpy of its input) and the FWHT against FFHT, each with ratios.
-fn bench_table(run_first: bool) -> Result<(), String> {
-    if run_first {
-        let mut c = cargo();
-        c.args(["bench", "-p", "rotkv-benches", "--bench", "cpu"]);
-        if !run("cpu benchmarks", c)? {
-            return Err("cargo bench failed".into());
-        }
-    }
-    let base = root().join("target/criterion");
-    let mut groups: Vec<PathBuf> = std::fs::read_dir(&base)
-        .map_err(|e| format!("{}: {e} (run the benchmarks first)", base.display()))?
+/// One decode table from the criterion groups named `<prefix><shape>` (none: nothing).
+fn decode_table(base: &Path, prefix: &str, title: &str) -> Result<(), String> {
+    let mut groups: Vec<PathBuf> = std::fs::read_dir(base)
+        .map_err(|e| e.to_string())?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("decode_")))
+        .filter(|p| {
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.starts_with(prefix) && (prefix == "decode_cputime_" || !n.starts_with("decode_cputime_"))
+            })
+        })
         .collect();
+    if groups.is_empty() {
+        return Ok(());
+    }
     groups.sort();
     let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
-    // Decode: ms per step, and in parentheses the speedup over the f16 baseline.
     let paths = [
         ("k2v2", "k2v2 exact"),
         ("k2v2_int8", "k2v2 int8"),
@@ -289,13 +285,13 @@ fn bench_table(run_first: bool) -> Result<(), String> {
         ("k4v2_int8", "k4v2 int8"),
         ("k4v2_int8x2", "k4v2 int8x2"),
     ];
-    println!("Decode: median ms per step (speedup over f16), GB/s of cache read.\n");
+    println!("\n{title}\n");
     print!("| shape | context | f16 ms | memcpy ms | f16 GB/s | memcpy GB/s |");
     paths.iter().for_each(|(_, name)| print!(" {name} |"));
     println!(" k2v2 exact GB/s | k2v2 int8x2 GB/s |");
     println!("|---|---:|---:|---:|---:|---:|{}---:|---:|", "---:|".repeat(paths.len()));
     for g in groups {
-        let shape = g.file_name().unwrap().to_string_lossy().trim_start_matches("decode_").to_string();
+        let shape = g.file_name().unwrap().to_string_lossy().trim_start_matches(prefix).to_string();
         let mut ctxs: Vec<u64> = std::fs::read_dir(g.join("f16"))
             .map_err(|e| e.to_string())?
             .filter_map(|e| e.ok()?.file_name().to_string_lossy().parse().ok())
@@ -321,6 +317,30 @@ fn bench_table(run_first: bool) -> Result<(), String> {
             println!(" {} | {} |", rate("k2v2"), rate("k2v2_int8x2"));
         }
     }
+    Ok(())
+}
+
+/// `cargo xtask bench-table [--run]`: with `--run`, first `cargo bench -p rotkv-benches
+/// --bench cpu` (every benchmark, one run); then the CPU tables from criterion's results:
+/// decode (k2v2 and k4v2 with the exact and integer key paths, the f16 baseline, memcpy),
+/// append (against a memcpy of its input) and the FWHT against FFHT, each with ratios.
+fn bench_table(run_first: bool) -> Result<(), String> {
+    if run_first {
+        let mut c = cargo();
+        c.args(["bench", "-p", "rotkv-benches", "--bench", "cpu"]);
+        if !run("cpu benchmarks", c)? {
+            return Err("cargo bench failed".into());
+        }
+    }
+    let base = root().join("target/criterion");
+    std::fs::read_dir(&base).map_err(|e| format!("{}: {e} (run the benchmarks first)", base.display()))?;
+    let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
+    decode_table(&base, "decode_", "Decode: median ms per step (speedup over f16), GB/s of cache read.")?;
+    decode_table(
+        &base,
+        "decode_cputime_",
+        "Decode in process CPU time (`ROTKV_BENCH_CPU_TIME=1`; all threads): median CPU ms per step (ratio to f16).",
+    )?;
     // Append: GB/s of input, against a memcpy of the input's size from the same run.
     let append = base.join("append");
     if let Ok(dir) = std::fs::read_dir(&append) {
