@@ -1,11 +1,14 @@
-//! CPU benchmarks: decode (k2v2 against an f16 baseline and a memcpy of the f16 cache's
-//! size, all in one run), append (Hadamard and learned dense rotations), FWHT.
+//! CPU benchmarks: decode (k2v2 and k4v2, each with the exact f32 and the integer key
+//! paths, against an f16 baseline and a memcpy of the f16 cache's size, all in one run),
+//! append (Hadamard and learned dense rotations), FWHT against FFHT.
 //!
 //! `cargo bench -p rotkv-benches --bench cpu` (all) or with a filter, e.g.
 //! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
 //! to cap the context (default 32768). Throughput is bytes of cache read per step.
 
+use criterion::measurement::Measurement;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rotkv::paged::KeyScores;
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
 use rotkv_benches::{Shape, synthetic_rows};
 use std::hint::black_box;
@@ -16,15 +19,14 @@ fn max_ctx() -> usize {
     std::env::var("ROTKV_BENCH_MAX_CTX").ok().and_then(|s| s.parse().ok()).unwrap_or(32 * 1024)
 }
 
-fn bench_decode(c: &mut Criterion, shape: Shape) {
-    let mut group = c.benchmark_group(format!("decode/{}", shape.name));
+fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape) {
+    let mut group = c.benchmark_group(format!("{prefix}/{}", shape.name));
     group.sample_size(10);
     group.warm_up_time(std::time::Duration::from_millis(500));
     group.measurement_time(std::time::Duration::from_secs(2));
     let ctxs: Vec<usize> = [1024, 4096, 16384, 32768].into_iter().filter(|&c| c <= max_ctx()).collect();
     for &ctx in &ctxs {
         let Shape { hkv, hq, d, .. } = shape;
-        let config = CacheConfig::k2v2(d);
         let cshape = CacheShape {
             layers: 1,
             num_kv_heads: hkv,
@@ -33,17 +35,34 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
             max_tokens: ctx,
             num_blocks: None,
         };
-        let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
+        let q = synthetic_rows(BATCH * hq, d, 77);
+        let mut out = vec![0f32; BATCH * hq * d];
+        // The quantized caches, each with its exact and integer key paths.
+        for (name, config) in [("k2v2", CacheConfig::k2v2(d)), ("k4v2", CacheConfig::k4v2(d))] {
+            let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
+            let mut seqs = Vec::with_capacity(BATCH);
+            for b in 0..BATCH {
+                let s = cache.add_sequence().expect("slot");
+                seqs.push(s);
+                let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
+                let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
+                cache.append(0, s, ctx, &k, &v).expect("append");
+            }
+            let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
+            group.throughput(Throughput::Bytes(quant_bytes as u64));
+            for (path, keys) in [("", KeyScores::Exact), ("_int8", KeyScores::Int8), ("_int8x2", KeyScores::Int8x2)] {
+                cache.set_key_scores(keys);
+                group.bench_with_input(BenchmarkId::new(format!("{name}{path}"), ctx), &ctx, |bch, _| {
+                    bch.iter(|| cache.decode(0, &seqs, black_box(&q), &mut out).expect("decode"))
+                });
+            }
+        }
         // f16 baseline layout: [seq][kv_head][ctx][d].
         let mut k16 = vec![f16::ZERO; BATCH * hkv * ctx * d];
         let mut v16 = k16.clone();
-        let mut seqs = Vec::with_capacity(BATCH);
         for b in 0..BATCH {
-            let s = cache.add_sequence().expect("slot");
-            seqs.push(s);
             let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
             let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
-            cache.append(0, s, ctx, &k, &v).expect("append");
             for (i, (kk, vv)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
                 let (t, h) = (i / hkv, i % hkv);
                 let at = ((b * hkv + h) * ctx + t) * d;
@@ -51,22 +70,15 @@ fn bench_decode(c: &mut Criterion, shape: Shape) {
                 v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = f16::from_f32(*x));
             }
         }
-        let q = synthetic_rows(BATCH * hq, d, 77);
-        let mut out = vec![0f32; BATCH * hq * d];
-        let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
         let f16_bytes = BATCH * hkv * ctx * d * 4;
         let splits = rotkv::cpu::default_splits(ctx, BATCH, hkv, rayon::current_num_threads()) as usize;
-
-        group.throughput(Throughput::Bytes(quant_bytes as u64));
-        group.bench_with_input(BenchmarkId::new("k2v2", ctx), &ctx, |bch, _| {
-            bch.iter(|| cache.decode(0, &seqs, black_box(&q), &mut out).expect("decode"))
-        });
         group.throughput(Throughput::Bytes(f16_bytes as u64));
         group.bench_with_input(BenchmarkId::new("f16", ctx), &ctx, |bch, _| {
             bch.iter(|| rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, black_box(&q), &mut out))
         });
         // memcpy of the f16 cache's size: the machine's copy bandwidth in this run.
         let src: Vec<u8> = bytemuck_bytes(&k16).iter().chain(bytemuck_bytes(&v16)).copied().collect();
+        drop((k16, v16));
         let mut dst = vec![0u8; src.len()];
         group.bench_with_input(BenchmarkId::new("memcpy_f16_size", ctx), &ctx, |bch, _| {
             bch.iter(|| dst.copy_from_slice(black_box(&src)))
@@ -79,9 +91,82 @@ fn bytemuck_bytes(x: &[f16]) -> &[u8] {
     rotkv_benches::as_bytes(x)
 }
 
+const SHAPES: [Shape; 2] =
+    [Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 }, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 }];
+
 fn decode(c: &mut Criterion) {
-    bench_decode(c, Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 });
-    bench_decode(c, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 });
+    SHAPES.into_iter().for_each(|s| bench_decode(c, "decode", s));
+}
+
+/// The decode benchmarks again in process CPU time (`decode_cputime/...`), only when
+/// `ROTKV_BENCH_CPU_TIME` is set: on a shared machine whose other jobs take the cores,
+/// wall time measures the scheduler, CPU time the kernels.
+fn decode_cputime(c: &mut Criterion<cputime::CpuTime>) {
+    if std::env::var_os("ROTKV_BENCH_CPU_TIME").is_some() {
+        SHAPES.into_iter().for_each(|s| bench_decode(c, "decode_cputime", s));
+    }
+}
+
+mod cputime {
+    //! A criterion measurement of the process's CPU time (all threads), in nanoseconds.
+    use criterion::Throughput;
+    use criterion::measurement::{Measurement, ValueFormatter};
+
+    pub struct CpuTime;
+
+    fn now_ns() -> u64 {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the
+        // kernel knows.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        assert_eq!(rc, 0, "clock_gettime(CLOCK_PROCESS_CPUTIME_ID)");
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+
+    impl Measurement for CpuTime {
+        type Intermediate = u64;
+        type Value = u64;
+        fn start(&self) -> u64 {
+            now_ns()
+        }
+        fn end(&self, i: u64) -> u64 {
+            now_ns() - i
+        }
+        fn add(&self, a: &u64, b: &u64) -> u64 {
+            a + b
+        }
+        fn zero(&self) -> u64 {
+            0
+        }
+        fn to_f64(&self, v: &u64) -> f64 {
+            *v as f64
+        }
+        fn formatter(&self) -> &dyn ValueFormatter {
+            &CpuTimeFormatter
+        }
+    }
+
+    struct CpuTimeFormatter;
+
+    impl ValueFormatter for CpuTimeFormatter {
+        fn scale_values(&self, _typical: f64, values: &mut [f64]) -> &'static str {
+            values.iter_mut().for_each(|v| *v /= 1e6);
+            "ms (cpu)"
+        }
+        fn scale_throughputs(&self, _typical: f64, throughput: &Throughput, values: &mut [f64]) -> &'static str {
+            let per = match *throughput {
+                Throughput::Bytes(n) | Throughput::BytesDecimal(n) => n as f64,
+                Throughput::Elements(n) => n as f64,
+                Throughput::Bits(n) => n as f64 / 8.0,
+                _ => 1.0,
+            };
+            values.iter_mut().for_each(|v| *v = per / *v);
+            "GB/s (cpu)"
+        }
+        fn scale_for_machines(&self, _values: &mut [f64]) -> &'static str {
+            "ns"
+        }
+    }
 }
 
 fn append(c: &mut Criterion) {
@@ -99,7 +184,8 @@ fn append(c: &mut Criterion) {
         };
         let k = synthetic_rows(tokens * hkv, d, 5);
         let v = synthetic_rows(tokens * hkv, d, 6);
-        group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * 4) as u64));
+        let (k16, v16): (Vec<f16>, Vec<f16>) =
+            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
         // "learned": the same append with dense D x D rotations (OptR's form; the Hadamard
         // matrix itself serves as the orthogonal matrix, the cost does not depend on it).
         let dense: Vec<f32> = (0..hkv)
@@ -112,41 +198,105 @@ fn append(c: &mut Criterion) {
             .collect();
         let mut learned = rotkv::LayerCalibration::identity(hkv, d);
         (learned.key_rotation, learned.value_rotation) = (Some(dense.clone()), Some(dense));
-        for (variant, calib) in [("f32_input", None), ("f32_input_learned", Some(&learned))] {
+        let fresh = |calib: Option<&rotkv::LayerCalibration>| {
+            let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
+            if let Some(c) = calib {
+                cache.set_calibration(0, c.clone()).expect("calibration");
+            }
+            cache
+        };
+        for (variant, calib, f16_input) in
+            [("f32_input", None, false), ("f32_input_learned", Some(&learned), false), ("f16_input", None, true)]
+        {
+            let elem = if f16_input { 2 } else { 4 };
+            group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * elem) as u64));
             group.bench_function(BenchmarkId::new(variant, name), |b| {
                 b.iter_batched(
-                    || {
-                        let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
-                        if let Some(c) = calib {
-                            cache.set_calibration(0, c.clone()).expect("calibration");
-                        }
-                        cache
-                    },
+                    || fresh(calib),
                     |mut cache| {
                         let s = cache.add_sequence().expect("slot");
-                        cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
+                        if f16_input {
+                            cache.append(0, s, tokens, black_box(&k16), black_box(&v16)).expect("append");
+                        } else {
+                            cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
+                        }
                         cache
                     },
                     criterion::BatchSize::LargeInput,
                 )
             });
         }
+        // A memcpy of the keys and values given (f32 and f16), in the same run.
+        for (variant, bytes) in
+            [("memcpy_f32_input", tokens * hkv * d * 2 * 4), ("memcpy_f16_input", tokens * hkv * d * 2 * 2)]
+        {
+            let src = vec![1u8; bytes];
+            let mut dst = vec![0u8; bytes];
+            group.throughput(Throughput::Bytes(bytes as u64));
+            group.bench_function(BenchmarkId::new(variant, name), |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
+        }
     }
     group.finish();
 }
 
+#[cfg(ffht)]
+mod ffht {
+    unsafe extern "C" {
+        /// FFHT's in-place, unnormalized transform of `2^log_n` floats (0 on success).
+        fn fht_float(buf: *mut f32, log_n: std::ffi::c_int) -> std::ffi::c_int;
+    }
+
+    /// FFHT on every row of `x` (rows of `d` floats).
+    pub fn rows(x: &mut [f32], d: usize) {
+        let log_n = d.trailing_zeros() as std::ffi::c_int;
+        for row in x.chunks_exact_mut(d) {
+            // SAFETY: `row` holds exactly 2^log_n floats, the buffer `fht_float`
+            // transforms in place; it keeps no pointer past the call.
+            let rc = unsafe { fht_float(row.as_mut_ptr(), log_n) };
+            assert_eq!(rc, 0, "fht_float({log_n})");
+        }
+    }
+}
+
+/// rotkv's FWHT (orthonormal: it also scales by `1/sqrt(d)`) against FFHT
+/// (unnormalized), row by row over 4096 rows per call, as append uses it; side by side.
 fn fwht(c: &mut Criterion) {
     let mut group = c.benchmark_group("fwht");
+    group.warm_up_time(std::time::Duration::from_millis(500));
+    group.measurement_time(std::time::Duration::from_secs(2));
+    #[cfg(not(ffht))]
+    println!("SKIPPED: FFHT sources not found (../shared/third_party/ffht): rotkv's FWHT only");
     for d in [64, 128, 256] {
         let rows = 4096;
-        let mut x = synthetic_rows(rows, d, 9);
+        let x = synthetic_rows(rows, d, 9);
         group.throughput(Throughput::Bytes((rows * d * 4) as u64));
-        group.bench_with_input(BenchmarkId::new("f32", d), &d, |b, &d| {
-            b.iter(|| x.chunks_exact_mut(d).for_each(rotkv::cpu::fwht))
+        // A fresh copy per batch (not timed): FFHT's unnormalized output grows by sqrt(d)
+        // per pass, so transforming the same buffer over and over would overflow.
+        let fresh = || x.clone();
+        let batch = criterion::BatchSize::LargeInput;
+        group.bench_with_input(BenchmarkId::new("rotkv", d), &d, |b, &d| {
+            b.iter_batched_ref(fresh, |x| x.chunks_exact_mut(d).for_each(rotkv::cpu::fwht), batch)
         });
+        #[cfg(ffht)]
+        {
+            // Same values up to the scale (checked once, so the comparison is fair).
+            let (mut a, mut f) = (synthetic_rows(2, d, 3), synthetic_rows(2, d, 3));
+            a.chunks_exact_mut(d).for_each(rotkv::cpu::fwht);
+            ffht::rows(&mut f, d);
+            let s = (d as f32).sqrt();
+            assert!(a.iter().zip(&f).all(|(a, f)| (a * s - f).abs() <= 1e-4 * (1.0 + f.abs())), "FFHT differs");
+            group.bench_with_input(BenchmarkId::new("ffht", d), &d, |b, &d| {
+                b.iter_batched_ref(fresh, |x| ffht::rows(x, d), batch)
+            });
+        }
     }
     group.finish();
 }
 
 criterion_group!(benches, decode, append, fwht);
-criterion_main!(benches);
+criterion_group! {
+    name = cpu_time;
+    config = Criterion::default().with_measurement(cputime::CpuTime);
+    targets = decode_cputime
+}
+criterion_main!(benches, cpu_time);

@@ -120,6 +120,7 @@ pub struct KvCache {
     generations: Vec<u64>,
     free_blocks: Vec<u32>,
     sm_scale: Option<f32>,
+    key_scores: paged::KeyScores,
     /// This cache's identity, carried by its [`SeqId`]s.
     id: u64,
 }
@@ -184,6 +185,7 @@ impl KvCache {
             generations: try_zeroed(shape.max_seqs, "the sequence generations")?,
             free_blocks: (0..num_blocks as u32).rev().collect(),
             sm_scale: None,
+            key_scores: paged::KeyScores::default(),
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -223,6 +225,11 @@ impl KvCache {
         }
         self.sm_scale = Some(scale);
         Ok(())
+    }
+
+    /// Sets how the CPU backend scores quantized keys ([`paged::KeyScores`]).
+    pub fn set_key_scores(&mut self, key_scores: paged::KeyScores) {
+        self.key_scores = key_scores;
     }
 
     /// Sets a layer's calibration (key means, learned rotations, channel permutations;
@@ -489,7 +496,7 @@ impl KvCache {
             &refs,
             q,
             out,
-            DecodeOptions { sm_scale: self.sm_scale, num_splits, q_len },
+            DecodeOptions { sm_scale: self.sm_scale, num_splits, q_len, key_scores: self.key_scores },
         )
     }
 

@@ -5,8 +5,10 @@
 //!   test, PTX freshness, ptxas and the static SASS gate (`sass`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
-//! - `bench-table`: the decode benchmark table (markdown) from criterion's results in
-//!   `target/criterion` (run `cargo bench -p rotkv-benches --bench cpu -- decode` first).
+//! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
+//!   in `target/criterion`: decode (k2v2 and k4v2, exact and integer key paths, f16
+//!   baseline, memcpy), append against memcpy, FWHT against FFHT, with ratios. `--run`
+//!   first runs `cargo bench -p rotkv-benches --bench cpu` (all of them, one run).
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
 //!   `nvptx64-nvidia-cuda` target (installing `rust-src` if missing) and writes
 //!   `host/ptx/rotkv.ptx` (sm_80); `--check` fails when the committed file differs.
@@ -54,7 +56,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
-        Some("bench-table") => bench_table(),
+        Some("bench-table") => bench_table(args.get(1).map(String::as_str) == Some("--run")),
         Some("ptx") => ptx(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
         Some("ptxas") => ptxas().map_err(|e| e.to_string()),
         Some("sass") => match (args.get(1).map(String::as_str), args.get(2)) {
@@ -74,7 +76,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -307,37 +309,138 @@ fn read_result(dir: &Path) -> Option<Result1> {
     Some(Result1 { median_ns: est["median"]["point_estimate"].as_f64()?, bytes: bench["throughput"]["Bytes"].as_f64() })
 }
 
-fn bench_table() -> Result<(), String> {
-    let base = root().join("target/criterion");
-    let mut groups: Vec<PathBuf> = std::fs::read_dir(&base)
-        .map_err(|e| format!("{}: {e} (run the benchmarks first)", base.display()))?
+/// One decode table from the criterion groups named `<prefix><shape>` (none: nothing).
+fn decode_table(base: &Path, prefix: &str, title: &str) -> Result<(), String> {
+    let mut groups: Vec<PathBuf> = std::fs::read_dir(base)
+        .map_err(|e| e.to_string())?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("decode_")))
+        .filter(|p| {
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.starts_with(prefix) && (prefix == "decode_cputime_" || !n.starts_with("decode_cputime_"))
+            })
+        })
         .collect();
+    if groups.is_empty() {
+        return Ok(());
+    }
     groups.sort();
-    println!("| shape | context | k2v2 ms | f16 ms | memcpy ms | k2v2 GB/s | f16 GB/s | memcpy GB/s | k2v2 speedup |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
+    let paths = [
+        ("k2v2", "k2v2 exact"),
+        ("k2v2_int8", "k2v2 int8"),
+        ("k2v2_int8x2", "k2v2 int8x2"),
+        ("k4v2", "k4v2 exact"),
+        ("k4v2_int8", "k4v2 int8"),
+        ("k4v2_int8x2", "k4v2 int8x2"),
+    ];
+    println!("\n{title}\n");
+    print!("| shape | context | f16 ms | memcpy ms | f16 GB/s | memcpy GB/s |");
+    paths.iter().for_each(|(_, name)| print!(" {name} |"));
+    println!(" k2v2 exact GB/s | k2v2 int8x2 GB/s |");
+    println!("|---|---:|---:|---:|---:|---:|{}---:|---:|", "---:|".repeat(paths.len()));
     for g in groups {
-        let shape = g.file_name().unwrap().to_string_lossy().trim_start_matches("decode_").to_string();
-        let mut ctxs: Vec<u64> = std::fs::read_dir(g.join("k2v2"))
+        let shape = g.file_name().unwrap().to_string_lossy().trim_start_matches(prefix).to_string();
+        let mut ctxs: Vec<u64> = std::fs::read_dir(g.join("f16"))
             .map_err(|e| e.to_string())?
             .filter_map(|e| e.ok()?.file_name().to_string_lossy().parse().ok())
             .collect();
         ctxs.sort_unstable();
         for ctx in ctxs {
             let get = |f: &str| read_result(&g.join(f).join(ctx.to_string()));
-            let (Some(q), Some(h), Some(m)) = (get("k2v2"), get("f16"), get("memcpy_f16_size")) else { continue };
-            let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
-            println!(
-                "| {shape} | {ctx} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2}x |",
-                q.median_ns / 1e6,
+            let (Some(h), Some(m)) = (get("f16"), get("memcpy_f16_size")) else { continue };
+            print!(
+                "| {shape} | {ctx} | {:.2} | {:.2} | {:.1} | {:.1} |",
                 h.median_ns / 1e6,
                 m.median_ns / 1e6,
-                gbs(&q),
                 gbs(&h),
-                gbs(&m),
-                h.median_ns / q.median_ns
+                gbs(&m)
             );
+            for (id, _) in paths {
+                match get(id) {
+                    Some(q) => print!(" {:.2} ({:.2}x) |", q.median_ns / 1e6, h.median_ns / q.median_ns),
+                    None => print!(" - |"),
+                }
+            }
+            let rate = |id: &str| get(id).map_or("-".to_string(), |r| format!("{:.1}", gbs(&r)));
+            println!(" {} | {} |", rate("k2v2"), rate("k2v2_int8x2"));
+        }
+    }
+    Ok(())
+}
+
+/// `cargo xtask bench-table [--run]`: with `--run`, first `cargo bench -p rotkv-benches
+/// --bench cpu` (every benchmark, one run); then the CPU tables from criterion's results:
+/// decode (k2v2 and k4v2 with the exact and integer key paths, the f16 baseline, memcpy),
+/// append (against a memcpy of its input) and the FWHT against FFHT, each with ratios.
+fn bench_table(run_first: bool) -> Result<(), String> {
+    if run_first {
+        let mut c = cargo();
+        c.args(["bench", "-p", "rotkv-benches", "--bench", "cpu"]);
+        if !run("cpu benchmarks", c)? {
+            return Err("cargo bench failed".into());
+        }
+    }
+    let base = root().join("target/criterion");
+    std::fs::read_dir(&base).map_err(|e| format!("{}: {e} (run the benchmarks first)", base.display()))?;
+    let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
+    decode_table(&base, "decode_", "Decode: median ms per step (speedup over f16), GB/s of cache read.")?;
+    decode_table(
+        &base,
+        "decode_cputime_",
+        "Decode in process CPU time (`ROTKV_BENCH_CPU_TIME=1`; all threads): median CPU ms per step (ratio to f16).",
+    )?;
+    // Append: GB/s of input, against a memcpy of the input's size from the same run.
+    let append = base.join("append");
+    if let Ok(dir) = std::fs::read_dir(&append) {
+        let mut variants: Vec<String> = dir
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n != "report" && !n.starts_with("memcpy"))
+            .collect();
+        variants.sort();
+        println!(
+            "\nAppend (rotate, quantize, pack a 4096-token prefill): median ms, GB/s of input, share of memcpy.\n"
+        );
+        println!("| variant | shape | ms | GB/s | memcpy of the input GB/s | vs memcpy |");
+        println!("|---|---|---:|---:|---:|---:|");
+        for v in variants {
+            let mut shapes: Vec<String> = std::fs::read_dir(append.join(&v))
+                .map_err(|e| e.to_string())?
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n != "report")
+                .collect();
+            shapes.sort();
+            for sh in shapes {
+                let Some(r) = read_result(&append.join(&v).join(&sh)) else { continue };
+                let input = if v.starts_with("f16") { "memcpy_f16_input" } else { "memcpy_f32_input" };
+                let m = read_result(&append.join(input).join(&sh));
+                let (mg, ratio) = match &m {
+                    Some(m) => (format!("{:.1}", gbs(m)), format!("{:.0}%", 100.0 * m.median_ns / r.median_ns)),
+                    None => ("-".into(), "-".into()),
+                };
+                println!("| {v} | {sh} | {:.2} | {:.2} | {mg} | {ratio} |", r.median_ns / 1e6, gbs(&r));
+            }
+        }
+    }
+    // FWHT against FFHT.
+    let fwht = base.join("fwht");
+    if fwht.join("rotkv").exists() {
+        println!("\nFWHT, 4096 rows per call: median us, GB/s; rotkv / FFHT speed.\n");
+        println!("| row | rotkv us | FFHT us | rotkv GB/s | FFHT GB/s | rotkv vs FFHT |");
+        println!("|---:|---:|---:|---:|---:|---:|");
+        for d in [64, 128, 256] {
+            let Some(r) = read_result(&fwht.join("rotkv").join(d.to_string())) else { continue };
+            match read_result(&fwht.join("ffht").join(d.to_string())) {
+                Some(f) => println!(
+                    "| {d} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x |",
+                    r.median_ns / 1e3,
+                    f.median_ns / 1e3,
+                    gbs(&r),
+                    gbs(&f),
+                    f.median_ns / r.median_ns
+                ),
+                None => println!("| {d} | {:.1} | SKIPPED | {:.1} | - | - |", r.median_ns / 1e3, gbs(&r)),
+            }
         }
     }
     Ok(())

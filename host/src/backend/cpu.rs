@@ -23,7 +23,20 @@ use rotkv_kernels::params::{AppendParams, DecodeParams};
 const CHUNK: usize = 64;
 
 /// In-place orthonormal FWHT in f32 (same definition as [`crate::reference::fwht`]).
+/// Rows of 8 to 256 values run an AVX2 kernel where the processor has it (the same
+/// additions in the same order, so bit for bit the portable result).
 pub fn fwht(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = Avx2::detect()
+        && avx2::fwht(kern, x)
+    {
+        return;
+    }
+    fwht_portable(x)
+}
+
+/// The portable [`fwht`].
+fn fwht_portable(x: &mut [f32]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
     let mut h = 1;
@@ -155,9 +168,26 @@ pub fn stored_row(src: &[f32], mean: Option<&[f32]>, rot: HeadRotation<'_>, perm
     out
 }
 
+/// [`quantize_row`] compiled for AVX2 where the processor has it: `f64::round` becomes an
+/// inline SSE4.1 sequence (`roundsd` toward zero of `x + copysign(0.49999999999999994,
+/// x)`, the same result) instead of a libm call per code, and the f16 conversions F16C.
+fn quantize_row_best(row: &[f16], bits: u32, group: usize, clip_q16: u32, codes: &mut [u8], params: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if Avx2::detect().is_some() {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn quantize_row_avx2(row: &[f16], bits: u32, group: usize, clip: u32, codes: &mut [u8], params: &mut [u8]) {
+            quantize_row(row, bits, group, clip, codes, params)
+        }
+        // SAFETY: AVX2, FMA and F16C were detected, the callee's target features.
+        return unsafe { quantize_row_avx2(row, bits, group, clip_q16, codes, params) };
+    }
+    quantize_row(row, bits, group, clip_q16, codes, params)
+}
+
 /// Quantizes one stored f16 row into packed codes and `(scale, zero)` pairs, bit for bit
 /// as [`crate::reference::quantize_row`] does for the same row (scale, zero and the
 /// code division are computed in f64, as there).
+#[inline(always)]
 fn quantize_row(row: &[f16], bits: u32, group: usize, clip_q16: u32, codes: &mut [u8], params: &mut [u8]) {
     let levels = ((1u32 << bits) - 1) as f64;
     codes.fill(0);
@@ -255,7 +285,14 @@ pub fn append(
                 for value in [false, true] {
                     let c = fmt.codes_at(value, slot) as usize;
                     let codes = &mut bytes[c..c + fmt.code_bytes(value) as usize];
-                    quantize_row(row_of(pos(slot), h, value), fmt.bits(value), g, fmt.clip(value), codes, &mut params);
+                    quantize_row_best(
+                        row_of(pos(slot), h, value),
+                        fmt.bits(value),
+                        g,
+                        fmt.clip(value),
+                        codes,
+                        &mut params,
+                    );
                     reference::set_page_params(fmt, &mut bytes, value, slot, &params);
                 }
             }
@@ -376,6 +413,36 @@ pub(crate) trait Kernels: Copy {
         self.dots(q, g, d, scratch, n, c0, c1, out);
     }
 
+    /// Integer key scores of group `j` (see [`IntQuery`]): `out[h][t] = scale[h][j] *
+    /// sum_c qi[h][c] * code[t][c]` over the group's channels (`qi = 254 hi + lo` with two
+    /// terms), the products summed exactly in integers (so every kernel set gives the
+    /// same bits). `codes` is `[n][cb]` bytes.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn dots_int(self, q: &IntQuery, g: usize, j: usize, codes: &[u8], cb: usize, n: usize, out: &mut [f32]) {
+        let (pb, bits) = (q.per_byte, 8 / q.per_byte as u32);
+        let mask = (1u8 << bits) - 1;
+        for t in 0..n {
+            let bytes = &codes[t * cb + j * q.group_bytes..t * cb + (j + 1) * q.group_bytes];
+            for h in 0..g {
+                let qh = q.group(h, j);
+                let per_term = qh.len() / q.terms;
+                let mut acc = 0i32;
+                for (i, qt) in qh.chunks_exact(per_term).enumerate() {
+                    let mut sum = 0i32;
+                    for (b, &byte) in bytes.iter().enumerate() {
+                        for s in 0..pb {
+                            let code = (byte >> (s as u32 * bits)) & mask;
+                            sum += code as i32 * qt[(b / 32 * pb + s) * 32 + b % 32] as i32;
+                        }
+                    }
+                    acc += if q.terms == 2 && i == 0 { sum * LO_STEPS } else { sum };
+                }
+                out[h * CHUNK + t] = acc as f32 * q.scale[h * q.groups + j];
+            }
+        }
+    }
+
     /// [`Kernels::accumulate`] over packed codes, `o` in unpack order.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
@@ -407,6 +474,87 @@ fn unpack_range(codes: &[u8], bits: u32, n: usize, d: usize, c0: usize, c1: usiz
         unpack(&codes[t * cb + b0..t * cb + b1], bits, &mut rows[t * d + c0..t * d + c1]);
     }
 }
+
+/// Query rows quantized to int8 for integer key scores ([`KeyScores::Int8`],
+/// [`KeyScores::Int8x2`]): per row and quantization group a scale `a = max|q| / 127`
+/// and codes `hi = round(q / a)` in `[-127, 127]`; with two terms also
+/// `lo = round(254 * (q / a - hi))`, so `q = a * (hi + lo / 254)` to about 1 / 64516 of
+/// `max|q|`. Laid out in the order the key code bytes unpack: for group `j`, term `i`,
+/// 32-byte chunk `k` of its code bytes and shift `s` (`per_byte` codes per byte), lane
+/// `b` holds the channel of code `s` of byte `j * group_bytes + 32 k + b`, i.e. channel
+/// `(j * group_bytes + 32 k + b) * per_byte + s` (zero past the group's bytes). So one
+/// 32-byte load of codes, a shift and a mask meet 32 query bytes with no reordering.
+pub(crate) struct IntQuery {
+    per_byte: usize,
+    group_bytes: usize,
+    groups: usize,
+    /// 32-byte chunks per group.
+    chunks: usize,
+    /// 1 (`hi`) or 2 (`hi`, `lo`).
+    terms: usize,
+    /// `[g][groups][terms][chunks][per_byte][32]`.
+    q: Vec<i8>,
+    /// `[g][groups]`: `a` for one term, `a / 254` for two (the scale of `254 hi + lo`).
+    scale: Vec<f32>,
+}
+
+/// The weight of `hi` against `lo` in a two-term [`IntQuery`].
+const LO_STEPS: i32 = 254;
+
+impl IntQuery {
+    /// Quantizes `q` (`[g][d]`, stored channel order) to `terms` (1 or 2) int8 terms.
+    fn new(fmt: &Format, q: &[f32], g: usize, terms: usize) -> Self {
+        let d = fmt.head_dim as usize;
+        let (bits, gs) = (fmt.key_bits as usize, fmt.group_size as usize);
+        let (per_byte, group_bytes, groups) = (8 / bits, gs * bits / 8, d / gs);
+        let chunks = group_bytes.div_ceil(32);
+        let per_term = chunks * per_byte * 32;
+        let mut out = IntQuery {
+            per_byte,
+            group_bytes,
+            groups,
+            chunks,
+            terms,
+            q: vec![0; g * groups * terms * per_term],
+            scale: vec![0.0; g * groups],
+        };
+        for h in 0..g {
+            for j in 0..groups {
+                let src = &q[h * d + j * gs..h * d + (j + 1) * gs];
+                let amax = src.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let a = amax / 127.0;
+                if a == 0.0 || !a.is_finite() {
+                    continue;
+                }
+                out.scale[h * groups + j] = if terms == 2 { a / LO_STEPS as f32 } else { a };
+                let at = (h * groups + j) * terms * per_term;
+                let dst = &mut out.q[at..at + terms * per_term];
+                for b in 0..group_bytes {
+                    for s in 0..per_byte {
+                        let x = src[b * per_byte + s] / a;
+                        let hi = x.round().clamp(-127.0, 127.0);
+                        let i = (b / 32 * per_byte + s) * 32 + b % 32;
+                        dst[i] = hi as i8;
+                        if terms == 2 {
+                            dst[per_term + i] = ((x - hi) * LO_STEPS as f32).round().clamp(-127.0, 127.0) as i8;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Row `h`'s codes of group `j`, term after term.
+    #[inline(always)]
+    fn group(&self, h: usize, j: usize) -> &[i8] {
+        let per_group = self.terms * self.chunks * self.per_byte * 32;
+        &self.q[(h * self.groups + j) * per_group..(h * self.groups + j + 1) * per_group]
+    }
+}
+
+/// How the CPU backend scores keys stored as codes (see [`crate::paged::KeyScores`]).
+pub use crate::paged::KeyScores;
 
 /// Plain Rust written so the compiler vectorizes it for any target.
 #[derive(Clone, Copy)]
@@ -463,7 +611,7 @@ pub(crate) use avx2::Avx2;
 mod avx2 {
     //! AVX2 + FMA micro-kernels: register-blocked over up to 4 query heads and 2 tokens
     //! (scores) or 16 channels (values).
-    use super::{CHUNK, Kernels};
+    use super::{CHUNK, IntQuery, Kernels};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -700,6 +848,201 @@ mod avx2 {
         }
     }
 
+    /// In-register FWHT butterflies of `8 * R` floats at `p` (strides 1, 2 and 4 inside
+    /// each register by a lane swap and a multiply-add with +-1, exact since
+    /// `x * -1 + y` rounds once like `y - x`; strides 8 and up between registers), then
+    /// a multiplication by `scale` where given.
+    ///
+    /// # Safety
+    /// `p` is valid for reads and writes of `8 * R` floats, and AVX2 and FMA are present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: Option<f32>) {
+        let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
+        let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
+        let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
+        let mut v = [_mm256_setzero_ps(); R];
+        for (r, v) in v.iter_mut().enumerate() {
+            // SAFETY: r < R: the 8 floats at 8 * r are inside the caller's 8 * R.
+            let a = unsafe { _mm256_loadu_ps(p.add(8 * r)) };
+            let a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps::<0xB1>(a));
+            let a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps::<0x4E>(a));
+            *v = _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps::<1>(a, a));
+        }
+        let mut h = 1;
+        while h < R {
+            for blk in (0..R).step_by(2 * h) {
+                for i in blk..blk + h {
+                    let (a, b) = (v[i], v[i + h]);
+                    v[i] = _mm256_add_ps(a, b);
+                    v[i + h] = _mm256_sub_ps(a, b);
+                }
+            }
+            h *= 2;
+        }
+        for (r, v) in v.iter().enumerate() {
+            let v = match scale {
+                Some(s) => _mm256_mul_ps(*v, _mm256_set1_ps(s)),
+                None => *v,
+            };
+            // SAFETY: as for the loads.
+            unsafe { _mm256_storeu_ps(p.add(8 * r), v) };
+        }
+    }
+
+    /// A row of 256 floats: two halves of 128 in registers (16 registers each, no
+    /// spills), then the stride-128 butterflies with the scale.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fwht_256(x: &mut [f32]) {
+        assert_eq!(x.len(), 256);
+        let p = x.as_mut_ptr();
+        let s = _mm256_set1_ps(1.0 / 16.0);
+        // SAFETY: both halves are 128 floats inside `x` (asserted length).
+        unsafe {
+            fwht_regs::<16>(p, None);
+            fwht_regs::<16>(p.add(128), None);
+        }
+        for i in (0..128).step_by(8) {
+            // SAFETY: i + 128 + 8 <= 256.
+            unsafe {
+                let (a, b) = (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 128)));
+                _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_add_ps(a, b), s));
+                _mm256_storeu_ps(p.add(i + 128), _mm256_mul_ps(_mm256_sub_ps(a, b), s));
+            }
+        }
+    }
+
+    /// [`super::fwht`] for rows of 8 to 256 floats; `false` (nothing done) for others.
+    #[inline(always)]
+    pub(crate) fn fwht(_proof: Avx2, x: &mut [f32]) -> bool {
+        // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+        unsafe {
+            let p = x.as_mut_ptr();
+            // SAFETY (pointers): each arm's row length is exactly 8 * R floats of `x`.
+            match x.len() {
+                8 => fwht_regs::<1>(p, Some(1.0 / 8f32.sqrt())),
+                16 => fwht_regs::<2>(p, Some(1.0 / 16f32.sqrt())),
+                32 => fwht_regs::<4>(p, Some(1.0 / 32f32.sqrt())),
+                64 => fwht_regs::<8>(p, Some(1.0 / 64f32.sqrt())),
+                128 => fwht_regs::<16>(p, Some(1.0 / 128f32.sqrt())),
+                256 => fwht_256(x),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Sum of the eight i32 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum_epi32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0x4E>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0xB1>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// `len` (8, 16 or at least 32) code bytes at `p` in a 256-bit register, zeros past
+    /// `len`.
+    ///
+    /// # Safety
+    /// `p` is valid for reads of `min(len, 32)` bytes; AVX2 is present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_codes(p: *const u8, len: usize) -> __m256i {
+        // SAFETY: each arm reads exactly the bytes the caller vouches for.
+        unsafe {
+            if len >= 32 {
+                _mm256_loadu_si256(p.cast())
+            } else if len >= 16 {
+                _mm256_zextsi128_si256(_mm_loadu_si128(p.cast()))
+            } else {
+                _mm256_zextsi128_si256(_mm_loadl_epi64(p.cast()))
+            }
+        }
+    }
+
+    /// Integer key scores of heads `[h0, h0 + H)` for group `j` (see
+    /// [`Kernels::dots_int`]): `vpmaddubsw` of unsigned codes and signed query bytes,
+    /// summed in i16 over the group's shifts and chunks (at most 8 terms of at most
+    /// 2 * 15 * 127 = 3810, below 2^15), then `vpmaddwd` to i32 (by 254 for the `hi`
+    /// term of two, by 1 else) and a horizontal sum. One term: two tokens at a time; two
+    /// terms: one token, its `hi` and `lo` sums side by side.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn dots_int_block<const H: usize, const BITS: u32>(
+        q: &IntQuery,
+        h0: usize,
+        j: usize,
+        codes: &[u8],
+        cb: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let pb = 8 / BITS as usize;
+        let gb = q.group_bytes;
+        let two_terms = q.terms == 2;
+        assert!(q.per_byte == pb && (j + 1) * gb <= cb && n * cb <= codes.len() && (gb == 8 || gb.is_multiple_of(16)));
+        assert!(q.chunks * pb <= 8 && (h0 + H - 1) * CHUNK + n <= out.len());
+        let per_term = q.chunks * pb * 32;
+        let qg: [&[i8]; H] = std::array::from_fn(|hh| q.group(h0 + hh, j));
+        assert!(qg.iter().all(|x| x.len() == q.terms * per_term));
+        let cp = codes.as_ptr();
+        let mask = _mm256_set1_epi8(((1u32 << BITS) - 1) as i8);
+        let ones = _mm256_set1_epi16(1);
+        let hi_weight = _mm256_set1_epi16(if two_terms { super::LO_STEPS as i16 } else { 1 });
+        let mut t = 0;
+        while t < n {
+            // Second accumulator: the next token (one term) or this token's `lo` term.
+            let second = two_terms || t + 1 < n;
+            let r1 = if two_terms || t + 1 >= n { t } else { t + 1 };
+            let mut a0 = [_mm256_setzero_si256(); H];
+            let mut a1 = [_mm256_setzero_si256(); H];
+            for k in 0..q.chunks {
+                let len = gb - 32 * k;
+                // SAFETY: the group's bytes [j * gb, (j + 1) * gb) lie in each token's cb
+                // bytes (asserted), and load_codes reads at most the len left of them.
+                let (raw0, raw1) = unsafe {
+                    (
+                        load_codes(cp.add(t * cb + j * gb + 32 * k), len),
+                        load_codes(cp.add(r1 * cb + j * gb + 32 * k), len),
+                    )
+                };
+                for s in 0..pb {
+                    let cnt = _mm_cvtsi32_si128((s as u32 * BITS) as i32);
+                    let u0 = _mm256_and_si256(_mm256_srl_epi16(raw0, cnt), mask);
+                    let u1 = _mm256_and_si256(_mm256_srl_epi16(raw1, cnt), mask);
+                    let at = (k * pb + s) * 32;
+                    for hh in 0..H {
+                        // SAFETY: 32 bytes at `at` (and at `per_term + at` with two terms)
+                        // are inside the group's query (length asserted).
+                        let qv = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(at).cast()) };
+                        a0[hh] = _mm256_add_epi16(a0[hh], _mm256_maddubs_epi16(u0, qv));
+                        if two_terms {
+                            // SAFETY: as above.
+                            let lo = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(per_term + at).cast()) };
+                            a1[hh] = _mm256_add_epi16(a1[hh], _mm256_maddubs_epi16(u0, lo));
+                        } else {
+                            a1[hh] = _mm256_add_epi16(a1[hh], _mm256_maddubs_epi16(u1, qv));
+                        }
+                    }
+                }
+            }
+            for hh in 0..H {
+                let a = q.scale[(h0 + hh) * q.groups + j];
+                let x0 = _mm256_madd_epi16(a0[hh], hi_weight);
+                let x1 = _mm256_madd_epi16(a1[hh], ones);
+                if two_terms {
+                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(_mm256_add_epi32(x0, x1)) as f32 * a;
+                } else {
+                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(x0) as f32 * a;
+                    if second {
+                        out[(h0 + hh) * CHUNK + t + 1] = hsum_epi32(x1) as f32 * a;
+                    }
+                }
+            }
+            t += if two_terms { 1 } else { 2 };
+        }
+    }
+
     macro_rules! by_head_blocks {
         ($g:expr, $h0:ident, $f:ident, ($($arg:expr),*) $(, $bits:literal)?) => {{
             let mut $h0 = 0;
@@ -761,6 +1104,15 @@ mod avx2 {
                 by_head_blocks!(g, h0, dots_codes_block, (q, h0, d, codes, n, c0, c1, out), 2);
             } else {
                 by_head_blocks!(g, h0, dots_codes_block, (q, h0, d, codes, n, c0, c1, out), 4);
+            }
+        }
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
+        fn dots_int(self, q: &IntQuery, g: usize, j: usize, codes: &[u8], cb: usize, n: usize, out: &mut [f32]) {
+            if q.per_byte == 4 {
+                by_head_blocks!(g, h0, dots_int_block, (q, h0, j, codes, cb, n, out), 2);
+            } else {
+                by_head_blocks!(g, h0, dots_int_block, (q, h0, j, codes, cb, n, out), 4);
             }
         }
         #[inline(always)]
@@ -876,6 +1228,8 @@ pub(crate) struct HeadState {
     /// group sums `[g][groups]`, and one chunk's weighted value codes `[g][d]` and zero
     /// sums `[g][groups]` before the value scales are applied.
     norm: Option<NormScratch>,
+    /// The queries in int8 where key scores are integer ([`HeadState::int_keys`]).
+    int_q: Option<IntQuery>,
     /// Position of the next chunk's first token.
     pos: u32,
     /// The smallest causal limit: chunks ending at or before it need no mask.
@@ -923,6 +1277,7 @@ impl HeadState {
                 ov: vec![0.0; g * d],
                 zsum: vec![0.0; g * groups],
             }),
+            int_q: None,
             pos: 0,
             mask_from: u32::MAX,
             limits: Vec::new(),
@@ -943,6 +1298,15 @@ impl HeadState {
         self.pos = begin;
         self.mask_from = limits.iter().copied().min().unwrap_or(u32::MAX);
         self.limits = limits;
+        self
+    }
+
+    /// Scores quantized keys with int8 queries and integer dot products
+    /// ([`KeyScores::Int8`]; pages with variance normalization keep the f32 path).
+    pub(crate) fn int_keys(mut self, fmt: &Format, terms: usize) -> Self {
+        if fmt.channel_norm == 0 {
+            self.int_q = Some(IntQuery::new(fmt, &self.q, self.g, terms));
+        }
         self
     }
 
@@ -1024,6 +1388,60 @@ impl HeadState {
         }
     }
 
+    /// Raw scores `s[h][t] = q'[h] . khat[t]` of slots `[slot, slot + n)` of a page (no
+    /// mask, no softmax), by the f32 or the integer path.
+    #[inline(always)]
+    fn key_scores<K: Kernels>(&mut self, kern: K, fmt: &Format, page: &[u8], slot: u32, n: usize) {
+        let (g, d) = (self.g, self.d);
+        let gs = fmt.group_size as usize;
+        let groups = d / gs;
+        // A variance-normalized page: the queries times its key channel scales.
+        if let Some(nm) = self.norm.as_mut() {
+            for value in [false, true] {
+                let at = fmt.channel_scale_at(value, 0) as usize;
+                let src = bytemuck::cast_slice::<u8, f16>(&page[at..at + 2 * d]);
+                kern.to_f32(src, if value { &mut nm.value_scales } else { &mut nm.key_scales });
+            }
+            for h in 0..g {
+                for c in 0..d {
+                    nm.qk[h * d + unpack_position(c, fmt.key_bits)] = self.q[h * d + c] * nm.key_scales[c];
+                }
+                for j in 0..groups {
+                    nm.qsum[h * groups + j] =
+                        (j * gs..(j + 1) * gs).map(|c| self.q[h * d + c] * nm.key_scales[c]).sum();
+                }
+            }
+        }
+        self.load_params(kern, fmt, page, false, slot, n);
+        let (qk, qsum) = match &self.norm {
+            Some(nm) => (&nm.qk, &nm.qsum),
+            None => (&self.qk, &self.qsum),
+        };
+        let kc = fmt.key_codes_at(slot) as usize;
+        let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
+        for j in 0..groups {
+            let (c0, c1) = (j * gs, (j + 1) * gs);
+            match &self.int_q {
+                Some(iq) => kern.dots_int(iq, g, j, kcodes, fmt.key_code_bytes() as usize, n, &mut self.tmp),
+                None => kern.dots_codes(qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows),
+            }
+            let (scales, zeros) = (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
+            for h in 0..g {
+                let qs = qsum[h * groups + j];
+                let (s, tmp) = (&mut self.s[h * CHUNK..h * CHUNK + n], &self.tmp[h * CHUNK..h * CHUNK + n]);
+                if j == 0 {
+                    for t in 0..n {
+                        s[t] = scales[t] * tmp[t] + zeros[t] * qs;
+                    }
+                } else {
+                    for t in 0..n {
+                        s[t] += scales[t] * tmp[t] + zeros[t] * qs;
+                    }
+                }
+            }
+        }
+    }
+
     /// Scores the chunk, updates the softmax state and accumulates its values.
     #[inline(always)]
     pub(crate) fn step<K: Kernels>(&mut self, kern: K, fmt: &Format, chunk: Chunk<'_>) {
@@ -1043,49 +1461,7 @@ impl HeadState {
                 let n = n as usize;
                 let gs = fmt.group_size as usize;
                 let groups = d / gs;
-                // A variance-normalized page: the queries times its key channel scales.
-                if let Some(nm) = self.norm.as_mut() {
-                    for value in [false, true] {
-                        let at = fmt.channel_scale_at(value, 0) as usize;
-                        let src = bytemuck::cast_slice::<u8, f16>(&page[at..at + 2 * d]);
-                        kern.to_f32(src, if value { &mut nm.value_scales } else { &mut nm.key_scales });
-                    }
-                    for h in 0..g {
-                        for c in 0..d {
-                            nm.qk[h * d + unpack_position(c, fmt.key_bits)] = self.q[h * d + c] * nm.key_scales[c];
-                        }
-                        for j in 0..groups {
-                            nm.qsum[h * groups + j] =
-                                (j * gs..(j + 1) * gs).map(|c| self.q[h * d + c] * nm.key_scales[c]).sum();
-                        }
-                    }
-                }
-                self.load_params(kern, fmt, page, false, slot, n);
-                let (qk, qsum) = match &self.norm {
-                    Some(nm) => (&nm.qk, &nm.qsum),
-                    None => (&self.qk, &self.qsum),
-                };
-                let kc = fmt.key_codes_at(slot) as usize;
-                let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
-                for j in 0..groups {
-                    let (c0, c1) = (j * gs, (j + 1) * gs);
-                    kern.dots_codes(qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows);
-                    let (scales, zeros) =
-                        (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
-                    for h in 0..g {
-                        let qs = qsum[h * groups + j];
-                        let (s, tmp) = (&mut self.s[h * CHUNK..h * CHUNK + n], &self.tmp[h * CHUNK..h * CHUNK + n]);
-                        if j == 0 {
-                            for t in 0..n {
-                                s[t] = scales[t] * tmp[t] + zeros[t] * qs;
-                            }
-                        } else {
-                            for t in 0..n {
-                                s[t] += scales[t] * tmp[t] + zeros[t] * qs;
-                            }
-                        }
-                    }
-                }
+                self.key_scores(kern, fmt, page, slot, n);
                 self.mask(n);
                 self.softmax(n);
                 let vc = fmt.value_codes_at(slot) as usize;
@@ -1255,6 +1631,7 @@ pub fn decode(
     seqs: &[SeqRef<'_>],
     q: &[f32],
     out: &mut [f32],
+    key_scores: KeyScores,
 ) {
     let fmt = p.format;
     let d = fmt.head_dim as usize;
@@ -1274,6 +1651,11 @@ pub fn decode(
             }
             let limits = (0..q_len * g).map(|r| p.row_len(len, (r / g) as u32)).collect();
             let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), q_len * g).causal(b, limits);
+            match key_scores {
+                KeyScores::Exact => {}
+                KeyScores::Int8 => st = st.int_keys(&fmt, 1),
+                KeyScores::Int8x2 => st = st.int_keys(&fmt, 2),
+            }
             run_chunks_best(&mut st, &fmt, chunks(&fmt, hkv, pool, &seqs[s], h, b, e));
             Some(st)
         })
@@ -1390,7 +1772,7 @@ mod tests {
     }
 
     /// Runs the same chunks (f16 rows and quantized pages) through two kernel sets.
-    fn run_both<K: Kernels>(kern: K, fmt: &Format, g: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn run_both<K: Kernels>(kern: K, fmt: &Format, g: usize, terms: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let d = fmt.head_dim as usize;
         let n = 50;
         let q = values(g * d, 1);
@@ -1409,6 +1791,9 @@ mod tests {
             }
         }
         let mut st = HeadState::new(fmt, &q, g);
+        if terms > 0 {
+            st = st.int_keys(fmt, terms);
+        }
         let chunks = [
             Chunk::F16 { k: &rows[..n * d], v: &rows[n * d..] },
             Chunk::Quant { page: &page, slot: 3, n: 13 },
@@ -1426,7 +1811,9 @@ mod tests {
                 eprintln!("SKIPPED: this processor has no AVX2/FMA/F16C");
                 return;
             };
-            for (d, kb, vb, gs) in [(64, 2, 2, 64), (128, 4, 2, 32), (256, 2, 4, 128), (128, 4, 4, 128)] {
+            for (d, kb, vb, gs) in
+                [(64, 2, 2, 64), (128, 4, 2, 32), (256, 2, 4, 128), (128, 4, 4, 128), (64, 2, 2, 32), (256, 4, 2, 256)]
+            {
                 let fmt = Format {
                     head_dim: d,
                     key_bits: kb,
@@ -1441,10 +1828,213 @@ mod tests {
                     channel_norm: 0,
                 };
                 for g in [1, 3, 7, 8] {
-                    let (m0, l0, o0) = run_both(Portable, &fmt, g);
-                    let (m1, l1, o1) = run_both(avx, &fmt, g);
-                    for (a, b) in m0.iter().zip(&m1).chain(l0.iter().zip(&l1)).chain(o0.iter().zip(&o1)) {
-                        assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b} ({d} {kb} {vb} {gs} g{g})");
+                    for terms in [0, 1, 2] {
+                        let (m0, l0, o0) = run_both(Portable, &fmt, g, terms);
+                        let (m1, l1, o1) = run_both(avx, &fmt, g, terms);
+                        for (a, b) in m0.iter().zip(&m1).chain(l0.iter().zip(&l1)).chain(o0.iter().zip(&o1)) {
+                            assert!(
+                                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                                "{a} vs {b} ({d} {kb} {vb} {gs} g{g} terms {terms})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fwht_kernels_match_portable_bit_for_bit() {
+        for n in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] {
+            let x = values(n * 3, n as u32);
+            for row in x.chunks_exact(n) {
+                let (mut a, mut b) = (row.to_vec(), row.to_vec());
+                fwht(&mut a);
+                fwht_portable(&mut b);
+                assert_eq!(
+                    a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                // And the definition (f64 reference).
+                let mut r: Vec<f64> = row.iter().map(|&v| v as f64).collect();
+                reference::fwht(&mut r);
+                for (a, r) in a.iter().zip(&r) {
+                    assert!((*a as f64 - r).abs() <= 1e-5 * (1.0 + r.abs()), "n {n}: {a} vs {r}");
+                }
+            }
+        }
+    }
+
+    /// Integer scores bit for bit equal between the portable and AVX2 kernels (integer
+    /// sums are exact), on random codes for every code width and group size.
+    #[test]
+    fn int_scores_match_between_kernels() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let Some(avx) = Avx2::detect() else {
+                eprintln!("SKIPPED: this processor has no AVX2/FMA/F16C");
+                return;
+            };
+            for (d, kb, gs) in [(64, 2, 32), (64, 2, 64), (128, 4, 32), (128, 2, 128), (256, 4, 256), (256, 2, 256)] {
+                let fmt = Format {
+                    head_dim: d,
+                    key_bits: kb,
+                    value_bits: 2,
+                    group_size: gs,
+                    page_size: 16,
+                    sinks: 0,
+                    window: 0,
+                    key_clip: NO_CLIP,
+                    value_clip: NO_CLIP,
+                    protected: 0,
+                    channel_norm: 0,
+                };
+                let cb = fmt.key_code_bytes() as usize;
+                let codes: Vec<u8> = values(CHUNK * cb, 5).iter().map(|&x| (x * 1000.0) as i32 as u8).collect();
+                for (g, terms) in [1, 3, 5, 8].into_iter().flat_map(|g| [(g, 1), (g, 2)]) {
+                    let iq = IntQuery::new(&fmt, &values(g * d as usize, 6), g, terms);
+                    for n in [1, 2, 7, CHUNK] {
+                        let (mut a, mut b) = (vec![0f32; g * CHUNK], vec![0f32; g * CHUNK]);
+                        for j in 0..iq.groups {
+                            Portable.dots_int(&iq, g, j, &codes, cb, n, &mut a);
+                            avx.dots_int(&iq, g, j, &codes, cb, n, &mut b);
+                            assert_eq!(a, b, "d{d} k{kb} g{gs} rows {g} terms {terms} n {n} group {j}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Key scores of the f32 and integer (`terms` int8 terms) paths against f64 on the
+    /// same stored pages: `(relative error f32, relative error integer, max |logit
+    /// error| integer / logit RMS)`.
+    fn score_errors(
+        config: crate::CacheConfig,
+        hkv: usize,
+        k: &[f32],
+        q: &[f32],
+        sm_scale: f32,
+        terms: usize,
+    ) -> (f64, f64, f64) {
+        use crate::paged::{self, LayerShape};
+        let d = config.head_dim;
+        let fmt = config.format().unwrap();
+        let t = k.len() / (hkv * d);
+        let hq = q.len() / d;
+        let g = hq / hkv;
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+        let blocks = paged::blocks_for(&config, t).unwrap();
+        let mut pool = paged::PoolBuffer::new(paged::pool_bytes(&config, &shape, blocks).unwrap());
+        let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let calib = LayerCalibration::identity(hkv, d);
+        let backend = crate::Backend::Reference;
+        paged::append(backend, &config, &calib, &shape, pool.bytes_mut(), &table, &mut side, &[], 0, t, k, k).unwrap();
+        let pool = pool.bytes();
+        let (mut e32, mut e8, mut r2, mut worst, mut n_all) = (0f64, 0f64, 0f64, 0f64, 0usize);
+        let mask = (1u32 << fmt.key_bits) - 1;
+        for h in 0..hkv {
+            // Rotated queries with the softmax scale, f32 (as decode makes them) and f64.
+            let q32: Vec<f32> = q[h * g * d..(h + 1) * g * d].iter().map(|x| x * sm_scale).collect();
+            let mut qr = q32.clone();
+            qr.chunks_exact_mut(d).for_each(fwht);
+            let mut q64: Vec<f64> = q32.iter().map(|&x| x as f64).collect();
+            q64.chunks_exact_mut(d).for_each(reference::fwht);
+            for page in 0..fmt.pages_for(t as u32) {
+                let at = fmt.page_offset(page, h as u32, hkv as u32);
+                let bytes = &pool[at..at + fmt.page_bytes() as usize];
+                let n = fmt.page_size as usize;
+                let mut exact = HeadState::new(&fmt, &qr, g);
+                exact.key_scores(Portable, &fmt, bytes, 0, n);
+                let mut int = HeadState::new(&fmt, &qr, g).int_keys(&fmt, terms);
+                int.key_scores(Portable, &fmt, bytes, 0, n);
+                for slot in 0..n as u32 {
+                    let kc = fmt.key_codes_at(slot) as usize;
+                    let khat: Vec<f64> = (0..d)
+                        .map(|c| {
+                            let j = (c / fmt.group_size as usize) as u32;
+                            let f = |o: u32| f16::from_le_bytes([bytes[o as usize], bytes[o as usize + 1]]).to_f64();
+                            let per_byte = 8 / fmt.key_bits as usize;
+                            let code =
+                                (bytes[kc + c / per_byte] as u32 >> ((c % per_byte) as u32 * fmt.key_bits)) & mask;
+                            code as f64 * f(fmt.scale_at(false, j, slot)) + f(fmt.zero_at(false, j, slot))
+                        })
+                        .collect();
+                    for r in 0..g {
+                        let want: f64 = q64[r * d..(r + 1) * d].iter().zip(&khat).map(|(a, b)| a * b).sum();
+                        let (a, b) =
+                            (exact.s[r * CHUNK + slot as usize] as f64, int.s[r * CHUNK + slot as usize] as f64);
+                        e32 += (a - want).powi(2);
+                        e8 += (b - want).powi(2);
+                        r2 += want * want;
+                        worst = worst.max((b - want).abs());
+                        n_all += 1;
+                    }
+                }
+            }
+        }
+        let rms = (r2 / n_all as f64).sqrt();
+        ((e32 / r2).sqrt(), (e8 / r2).sqrt(), worst / rms)
+    }
+
+    /// The integer key paths' added score error, stated and bounded (random keys with
+    /// an outlier channel and a bias; the real SmolLM2 tile where the `eval` feature can
+    /// read it). The int8 query has a per-(row, group) scale `a = max|q| / 127`; its
+    /// rounding error is uniform in `+-a/2` per channel, so the score error is about
+    /// `a / sqrt(12) * ||khat||`: measured 0.6-1.2% of the scores' norm on the real tile
+    /// and 1.0-2.6% on random keys (whose scores are small next to `||q|| ||khat||`), the
+    /// largest single logit error 2-7% of the logits' RMS. Bounds: 4e-2 and 0.15. Two
+    /// int8 terms (`Int8x2`) cut the query's rounding 254-fold: bounds 4e-4 and 2e-3.
+    /// The f32 path: 1e-5 (accumulation order only).
+    #[test]
+    fn int_key_scores_error_against_f64() {
+        let check = |name: &str, config: crate::CacheConfig, hkv: usize, k: &[f32], q: &[f32], sm: f32| {
+            for (terms, tol, tol_worst) in [(1, 4e-2, 0.15), (2, 4e-4, 2e-3)] {
+                let (e32, e8, worst) = score_errors(config, hkv, k, q, sm, terms);
+                eprintln!(
+                    "{name}: score rel err f32 {e32:.2e}, int8 x{terms} {e8:.2e}, max |logit err| / logit RMS {worst:.2e}"
+                );
+                assert!(e32 < 1e-5, "{name}: f32 path {e32}");
+                assert!(e8 < tol, "{name}: int8 x{terms} path {e8}");
+                assert!(worst < tol_worst, "{name}: int8 x{terms} worst logit {worst}");
+            }
+        };
+        for (d, config) in [
+            (64, crate::CacheConfig::k2v2(64)),
+            (128, crate::CacheConfig { group_size: 32, ..crate::CacheConfig::k4v2(128) }),
+            (256, crate::CacheConfig::k2v2(256)),
+            (256, crate::CacheConfig { group_size: 256, ..crate::CacheConfig::k4v2(256) }),
+        ] {
+            let (hkv, g, t) = (3, 3, 4 + 128 + 2 * 64 + 1);
+            let mut k = values(t * hkv * d, 11);
+            k.iter_mut().enumerate().for_each(|(i, x)| *x += if i % d == 7 { 6.0 } else { 0.5 });
+            let q = values(hkv * g * d, 12);
+            check(
+                &format!("random d{d} k{} g{}", config.key_bits, config.group_size),
+                config,
+                hkv,
+                &k,
+                &q,
+                1.0 / (d as f32).sqrt(),
+            );
+        }
+        #[cfg(feature = "eval")]
+        {
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+            let files = [
+                root.join("data/smollm2-alice-kv-l0-l5.safetensors"),
+                root.join("../shared/data/smollm2-alice-kv.safetensors"),
+            ];
+            for file in files.iter().filter(|f| f.exists()) {
+                let tile = crate::eval::Tile::load(file).unwrap();
+                for l in &tile.layers {
+                    let (hkv, hq, d) = (l.num_kv_heads, l.num_q_heads, l.head_dim);
+                    let t = l.tokens.min(1024);
+                    let q = &l.q[(t - 1) * hq * d..t * hq * d];
+                    for config in [crate::CacheConfig::k2v2(d), crate::CacheConfig::k4v2(d)] {
+                        let name = format!("tile layer {} k{}", l.layer, config.key_bits);
+                        check(&name, config, hkv, &l.k[..t * hkv * d], q, tile.attn_scaling as f32);
                     }
                 }
             }
