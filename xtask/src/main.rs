@@ -174,7 +174,9 @@ fn ci() -> Result<(), String> {
     println!("\n==> real model: cargo xtask fetch");
     if tally("real model", fetch(), &mut failed, &mut skipped) {
         let mut c = cargo();
-        c.args(["test", "-p", "rotkv-tests", "--test", "model", "--", "--ignored", "--nocapture"]);
+        // The suite's own build (`--workspace --all-features`): a `-p` build would resolve
+        // other features and rebuild the test crate (about 90 s).
+        c.args(["test", "--workspace", "--all-features", "--test", "model", "--", "--ignored", "--nocapture"]);
         println!("\n==> real-model perplexity (slow test): {c:?}");
         let (ok, more) = run_tests(c)?;
         if !ok {
@@ -186,7 +188,7 @@ fn ci() -> Result<(), String> {
     clock.lap("real model");
     // The GPU test once more with its output shown: it says SKIPPED without a driver.
     let mut c = cargo();
-    c.args(["test", "--quiet", "-p", "rotkv-tests", "--test", "cuda", "--", "--nocapture"]);
+    c.args(["test", "--quiet", "--workspace", "--all-features", "--test", "cuda", "--", "--nocapture"]);
     if !run("GPU presence (cuda backend)", c)? {
         failed.push("cuda");
     }
