@@ -187,7 +187,7 @@ const HKV: usize = 1;
 const HQ: usize = 4;
 const LAYERS: usize = 2;
 
-/// Everything a failed call must leave alone (as in `tests/properties.rs`).
+/// Everything a failed call must leave alone (also used by `tests/properties.rs`).
 #[derive(Debug, PartialEq)]
 pub struct Snapshot {
     bytes: Vec<(Vec<u8>, Vec<u16>)>,

@@ -11,8 +11,7 @@
 //! default (about 20 s with the emulator); `PROPTEST_CASES=n` runs more.
 
 use proptest::prelude::*;
-use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, SeqId, f16};
-use rotkv_kernels::layout::Place;
+use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, SeqId};
 use rotkv_tests::{Rng, backends, rel_err};
 
 const D: usize = 64;
@@ -58,65 +57,12 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Everything a failed call must leave alone.
-#[derive(Debug, PartialEq)]
-struct Snapshot {
-    bytes: Vec<(Vec<u8>, Vec<u16>)>,
-    lens: Vec<Option<Vec<usize>>>,
-    protected: Vec<Option<Vec<Vec<u32>>>>,
-    free_blocks: usize,
-}
-
-fn snapshot(cache: &KvCache, ids: &[SeqId]) -> Snapshot {
-    let bytes = (0..LAYERS)
-        .map(|l| {
-            let (pool, side) = cache.layer_bytes(l).unwrap();
-            (pool.to_vec(), side.iter().map(|x| x.to_bits()).collect())
-        })
-        .collect();
-    let lens = ids.iter().map(|&s| (0..LAYERS).map(|l| cache.len(l, s)).collect::<Result<Vec<_>, _>>().ok()).collect();
-    let protected = ids
-        .iter()
-        .map(|&s| (0..LAYERS).map(|l| cache.protected(l, s).map(<[u32]>::to_vec)).collect::<Result<Vec<_>, _>>().ok())
-        .collect();
-    Snapshot { bytes, lens, protected, free_blocks: cache.free_blocks() }
-}
-
-/// The f16 bits of the side-store rows decode reads (sinks, window, protected rows of
-/// positions appended) of every live sequence of `layer`: rows of tokens that were
-/// quantized since are dead, and a backend need not have written them.
-fn live_rows(cache: &KvCache, ids: &[SeqId], layer: usize, side: &[f16]) -> Vec<(usize, Vec<u16>)> {
-    let fmt = cache.config().format().unwrap();
-    let se = fmt.side_elems(HKV as u32);
-    let mut out = Vec::new();
-    for &s in ids {
-        let (Ok(len), Ok(protected)) = (cache.len(layer, s), cache.protected(layer, s)) else { continue };
-        let store = &side[s.slot() * se..(s.slot() + 1) * se];
-        let mut rows: Vec<u32> = Vec::new();
-        for pos in 0..len as u32 {
-            match fmt.place(pos, len as u32) {
-                Place::Sink { index } => rows.push(index),
-                Place::Window { slot } => rows.push(slot),
-                Place::Page { .. } => {}
-            }
-        }
-        rows.extend(
-            (0..protected.len() as u32)
-                .filter(|&i| (protected[i as usize] as usize) < len)
-                .map(|i| fmt.protected_row(i)),
-        );
-        for h in 0..HKV as u32 {
-            for value in [false, true] {
-                for &row in &rows {
-                    let at = fmt.side_row_at(h, value, row);
-                    let bits = store[at..at + D].iter().map(|x| x.to_bits()).collect();
-                    out.push((s.slot(), bits));
-                }
-            }
-        }
-    }
-    out
-}
+// `snapshot` (everything a failed call must leave alone) and `live_rows` (the side-store
+// rows decode reads) are the fuzz harness's, shared with tests/fuzz.rs and cargo-fuzz.
+#[path = "../src/fuzz_harness.rs"]
+#[allow(dead_code)]
+mod harness;
+use harness::{live_rows, snapshot};
 
 /// Dyadic inputs: `n` values in [-2, 2] in steps of 1/8.
 fn dyadic(n: usize, seed: u64) -> Vec<f32> {
@@ -197,7 +143,7 @@ fn run(ops: &[Op]) {
             for l in 0..LAYERS {
                 let (want, got) = (caches[0].layer_bytes(l).unwrap(), caches[c].layer_bytes(l).unwrap());
                 assert!(want.0 == got.0, "step {step} {op:?} {b:?}: layer {l} pool bytes differ from the reference");
-                let (wr, gr) = (live_rows(&caches[0], &ids[0], l, want.1), live_rows(&caches[c], &ids[c], l, got.1));
+                let (wr, gr) = (live_rows(&caches[0], &ids[0], l), live_rows(&caches[c], &ids[c], l));
                 assert!(wr == gr, "step {step} {op:?} {b:?}: layer {l} live side-store rows differ from the reference");
             }
         }
