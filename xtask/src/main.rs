@@ -2,7 +2,8 @@
 //!
 //! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the whole test
 //!   suite, `fetch` and the slow real-model test (ignored by default), the GPU-presence
-//!   test, PTX freshness, ptxas and the static SASS gate (`sass`). Every step runs; the
+//!   test, PTX freshness, ptxas, the static SASS gate (`sass`), cargo-fuzz, Miri and
+//!   AddressSanitizer (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
@@ -17,6 +18,8 @@
 //!   has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs every test on every
 //!   backend, the cuda one included, then the GPU decode benchmark (`gpu_decode`), whose
 //!   table it prints last.
+//! - `sanitize`: the reliability steps of `ci` alone, after a long stable mutation-fuzz
+//!   run (`ROTKV_FUZZ_ITERS` 20,000).
 //! - `fuzz [--seconds N]`: the cargo-fuzz targets of `fuzz/` (nightly), each for N
 //!   seconds (default [`sanitize::CARGO_FUZZ_SECONDS`]) from its committed corpus,
 //!   installing cargo-fuzz when missing (see `xtask/src/sanitize.rs`); SKIPPED where
@@ -203,7 +206,7 @@ fn ci() -> Result<(), String> {
     tally("sass", sass::sass(None), &mut failed, &mut skipped);
     // Fuzzing, Miri and AddressSanitizer (xtask/src/sanitize.rs).
     clock.lap("sass gate");
-    let sanitizers = sanitize::steps(&mut failed, &mut skipped);
+    let sanitizers = sanitize::steps(false, &mut failed, &mut skipped);
     clock.steps.extend(sanitizers);
     clock.print();
 
