@@ -2121,9 +2121,17 @@ impl HeadState {
 }
 
 /// Runs every chunk of `chunks` through `st`, then completes it.
+///
+/// The head-pages of one KV head lie `num_kv_heads` pages apart in the pool (or wherever
+/// the block table puts them), so each one starts cold for the hardware prefetchers:
+/// the next chunk's page bytes are prefetched while the current chunk is computed.
 #[inline(always)]
 fn run_chunks<'a, K: Kernels>(kern: K, st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
-    for c in chunks {
+    let mut chunks = chunks.peekable();
+    while let Some(c) = chunks.next() {
+        if let Some(Chunk::Quant { page, .. }) = chunks.peek() {
+            kern.prefetch(page);
+        }
         st.step(kern, fmt, c);
     }
     st.finish();
