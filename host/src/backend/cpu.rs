@@ -1075,9 +1075,12 @@ mod avx2 {
         assert!(d <= 256 && g.is_multiple_of(32) && d.is_multiple_of(g) && (bits == 2 || bits == 4));
         assert!(codes.len() == d * bits as usize / 8 && params.len() == 4 * (d / g));
         let levels = (1usize << bits) - 1;
-        let rp = row.as_ptr();
-        // SAFETY (for `load`): callers pass i + 8 <= d, inside `row`.
-        let load = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rp.add(i).cast())) };
+        // Eight values from `i` (bounds-checked slice).
+        let load = |i: usize| {
+            let eight = &row[i..i + 8];
+            // SAFETY: `eight` holds 8 f16, the 16 bytes the load reads.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(eight.as_ptr().cast())) }
+        };
         for j in 0..d / g {
             let (mut lo, mut hi) = (_mm256_set1_ps(f32::INFINITY), _mm256_set1_ps(f32::NEG_INFINITY));
             for i in (j * g..(j + 1) * g).step_by(8) {
