@@ -158,6 +158,10 @@ pub trait KvElement: bytemuck::Pod + Send + Sync {
     const DTYPE: u32;
     /// The value as f32.
     fn to_f32(self) -> f32;
+    /// `dst = src` as f32 (same length); batched where the type allows.
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    }
 }
 
 impl KvElement for f32 {
@@ -165,11 +169,18 @@ impl KvElement for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
 }
 impl KvElement for f16 {
     const DTYPE: u32 = rotkv_kernels::params::DTYPE_F16;
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
     }
 }
 impl KvElement for bf16 {

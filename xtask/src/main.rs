@@ -396,36 +396,17 @@ fn bench_table(run_first: bool) -> Result<(), String> {
         "Decode in process CPU time (`ROTKV_BENCH_CPU_TIME=1`; all threads): median CPU ms per step (ratio to f16).",
     )?;
     // Append: GB/s of input, against a memcpy of the input's size from the same run.
-    let append = base.join("append");
-    if let Ok(dir) = std::fs::read_dir(&append) {
-        let mut variants: Vec<String> = dir
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| n != "report" && !n.starts_with("memcpy"))
-            .collect();
-        variants.sort();
-        println!(
-            "\nAppend (rotate, quantize, pack a 4096-token prefill): median ms, GB/s of input, share of memcpy.\n"
-        );
-        println!("| variant | shape | ms | GB/s | memcpy of the input GB/s | vs memcpy |");
-        println!("|---|---|---:|---:|---:|---:|");
-        for v in variants {
-            let mut shapes: Vec<String> = std::fs::read_dir(append.join(&v))
-                .map_err(|e| e.to_string())?
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter(|n| n != "report")
-                .collect();
-            shapes.sort();
-            for sh in shapes {
-                let Some(r) = read_result(&append.join(&v).join(&sh)) else { continue };
-                let input = if v.starts_with("f16") { "memcpy_f16_input" } else { "memcpy_f32_input" };
-                let m = read_result(&append.join(input).join(&sh));
-                let (mg, ratio) = match &m {
-                    Some(m) => (format!("{:.1}", gbs(m)), format!("{:.0}%", 100.0 * m.median_ns / r.median_ns)),
-                    None => ("-".into(), "-".into()),
-                };
-                println!("| {v} | {sh} | {:.2} | {:.2} | {mg} | {ratio} |", r.median_ns / 1e6, gbs(&r));
-            }
-        }
+    for (group, title) in [
+        (
+            "append",
+            "Append (rotate, quantize, pack a 4096-token prefill into a warm cache): median ms, GB/s of input, share of memcpy.",
+        ),
+        (
+            "append_cputime",
+            "Append in process CPU time (`ROTKV_BENCH_CPU_TIME=1`; append's two threads summed, memcpy one thread): median CPU ms, GB/s of input per CPU second, share of memcpy.",
+        ),
+    ] {
+        append_table(&base.join(group), title)?;
     }
     // FWHT against FFHT.
     let fwht = base.join("fwht");
@@ -445,6 +426,40 @@ fn bench_table(run_first: bool) -> Result<(), String> {
                     f.median_ns / r.median_ns
                 ),
                 None => println!("| {d} | {:.1} | SKIPPED | {:.1} | - | - |", r.median_ns / 1e3, gbs(&r)),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One append table of `cargo xtask bench-table` from criterion's results under `append`.
+fn append_table(append: &Path, title: &str) -> Result<(), String> {
+    let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
+    if let Ok(dir) = std::fs::read_dir(append) {
+        let mut variants: Vec<String> = dir
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n != "report" && !n.starts_with("memcpy"))
+            .collect();
+        variants.sort();
+        println!("\n{title}\n");
+        println!("| variant | shape | ms | GB/s | memcpy of the input GB/s | vs memcpy |");
+        println!("|---|---|---:|---:|---:|---:|");
+        for v in variants {
+            let mut shapes: Vec<String> = std::fs::read_dir(append.join(&v))
+                .map_err(|e| e.to_string())?
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n != "report")
+                .collect();
+            shapes.sort();
+            for sh in shapes {
+                let Some(r) = read_result(&append.join(&v).join(&sh)) else { continue };
+                let input = if v.starts_with("f16") { "memcpy_f16_input" } else { "memcpy_f32_input" };
+                let m = read_result(&append.join(input).join(&sh));
+                let (mg, ratio) = match &m {
+                    Some(m) => (format!("{:.1}", gbs(m)), format!("{:.0}%", 100.0 * m.median_ns / r.median_ns)),
+                    None => ("-".into(), "-".into()),
+                };
+                println!("| {v} | {sh} | {:.2} | {:.2} | {mg} | {ratio} |", r.median_ns / 1e6, gbs(&r));
             }
         }
     }

@@ -103,8 +103,7 @@ pub fn quantize_group(x: &[f64], bits: u32) -> QuantGroup {
 /// zero are rounded to f16 directly from f64 (`half`'s `from_f64` rounds through f32
 /// and differs in rare double-rounding cases).
 pub fn quantize_group_clipped(x: &[f64], bits: u32, clip_q16: u32) -> QuantGroup {
-    let lo = x.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = group_range(x);
     let (lo, hi) = clip_range(lo, hi, clip_q16);
     let levels = ((1u32 << bits) - 1) as f64;
     let scale = f16::from_bits(f64_to_f16((hi - lo) / levels));
@@ -112,6 +111,17 @@ pub fn quantize_group_clipped(x: &[f64], bits: u32, clip_q16: u32) -> QuantGroup
     let (s, z) = (scale.to_f64(), zero.to_f64());
     let codes = x.iter().map(|&v| if s == 0.0 { 0 } else { ((v - z) / s).round().clamp(0.0, levels) as u8 }).collect();
     QuantGroup { scale, zero, codes }
+}
+
+/// `(min, max)` of a group, folded left to right with `f64::min` / `f64::max`. Which
+/// zero wins between `-0.0` and `0.0` is what these functions do on this target; one
+/// non-inlined copy of this code decides it for the reference and for the CPU backend's
+/// quantizers alike (they call it whenever the minimum or maximum is a zero).
+#[inline(never)]
+pub fn group_range(x: &[f64]) -> (f64, f64) {
+    let lo = x.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
 }
 
 /// `code * scale + zero` for every code of a group.

@@ -1,0 +1,129 @@
+//! The CPU backend's fused append reads the caller's elements as they are (f32, f16,
+//! bf16: no f32 copy of the input). The same values given as f16 or bf16 must write the
+//! same bytes as given in f32, for appends of awkward sizes (one token, one past a page,
+//! a page of sinks and window at once), with sinks, a window, protected positions,
+//! clipping, 4-bit codes, no rotation, learned rotations and variance normalization;
+//! the f32 bytes themselves are checked against the reference by `conformance.rs`.
+//! Invalid input is refused the same way whatever the element type, changing nothing.
+
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, LayerCalibration, Rotation, bf16, f16};
+use rotkv_tests::Rng;
+
+/// Random rows `[tokens][heads][d]` exactly representable in f16 and bf16 (multiples
+/// of 1/16 below 16 in magnitude, 8 significant bits), with an outlier channel.
+fn rows(rng: &mut Rng, tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+    (0..tokens * heads * d)
+        .map(|i| {
+            let x = (rng.uniform() * 2.0 - 1.0) * 15.0;
+            let x = (x * 16.0).round() / 16.0;
+            if i % d == 5 { x * 8.0 } else { x }
+        })
+        .collect()
+}
+
+fn caches(config: CacheConfig, hkv: usize, calib: Option<&LayerCalibration>) -> [KvCache; 3] {
+    let shape = CacheShape {
+        layers: 1,
+        num_kv_heads: hkv,
+        num_q_heads: 2 * hkv,
+        max_seqs: 2,
+        max_tokens: 700,
+        num_blocks: None,
+    };
+    std::array::from_fn(|_| {
+        let mut c = KvCache::new(config, shape, Backend::Cpu).unwrap();
+        if let Some(calib) = calib {
+            c.set_calibration(0, calib.clone()).unwrap();
+        }
+        c
+    })
+}
+
+#[test]
+fn f16_and_bf16_input_write_the_bytes_of_f32_input() {
+    let mut rng = Rng::new(31);
+    let d64 = CacheConfig { sinks: 3, window: 40, protected: 4, ..CacheConfig::k2v2(64) };
+    let d128 = CacheConfig { key_clip: 0.8, page_size: 32, ..CacheConfig::k4v2(128) };
+    let d256 = CacheConfig { group_size: 32, window: 16, key_rotation: Rotation::None, ..CacheConfig::k4v4(256) };
+    let norm = CacheConfig { channel_norm: 2, ..CacheConfig::k2v2(64) };
+    let learned = {
+        let mut c = LayerCalibration::identity(2, 64);
+        // An orthogonal matrix that is not the Hadamard one: a signed permutation.
+        let r: Vec<f32> = (0..2 * 64 * 64)
+            .map(|i| {
+                let (row, col) = ((i / 64) % 64, i % 64);
+                if col == (row * 5 + 3) % 64 { if row % 3 == 0 { -1.0 } else { 1.0 } } else { 0.0 }
+            })
+            .collect();
+        c.key_rotation = Some(r.clone());
+        c.value_rotation = Some(r);
+        c.key_perm = (0..2).flat_map(|_| (0..64u16).rev()).collect();
+        c
+    };
+    let cases: [(CacheConfig, usize, Option<&LayerCalibration>); 5] =
+        [(d64, 3, None), (d128, 2, None), (d256, 1, None), (norm, 2, None), (CacheConfig::k2v2(64), 2, Some(&learned))];
+    for (config, hkv, calib) in cases {
+        let d = config.head_dim;
+        let [mut a, mut b, mut c] = caches(config, hkv, calib);
+        let (sa, sb, sc) = (a.add_sequence().unwrap(), b.add_sequence().unwrap(), c.add_sequence().unwrap());
+        if config.protected > 0 {
+            for (cache, s) in [(&mut a, sa), (&mut b, sb), (&mut c, sc)] {
+                cache.protect(0, s, &[5, 70, 71, 300]).unwrap();
+            }
+        }
+        // Lengths that cross pages, sinks and the window in every way.
+        for n in [1, 2, config.page_size - 1, config.page_size + 1, 1, 3 * config.page_size, 77, 130] {
+            let k = rows(&mut rng, n, hkv, d);
+            let v = rows(&mut rng, n, hkv, d);
+            let (k16, v16): (Vec<f16>, Vec<f16>) =
+                (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+            let (kb, vb): (Vec<bf16>, Vec<bf16>) =
+                (k.iter().map(|&x| bf16::from_f32(x)).collect(), v.iter().map(|&x| bf16::from_f32(x)).collect());
+            assert!(
+                k16.iter().zip(&k).all(|(h, &x)| h.to_f32() == x) && kb.iter().zip(&k).all(|(h, &x)| h.to_f32() == x)
+            );
+            a.append(0, sa, n, &k, &v).unwrap();
+            b.append(0, sb, n, &k16, &v16).unwrap();
+            c.append(0, sc, n, &kb, &vb).unwrap();
+            let (pa, ra) = a.layer_bytes(0).unwrap();
+            let (pb, rb) = b.layer_bytes(0).unwrap();
+            let (pc, rc) = c.layer_bytes(0).unwrap();
+            let len = a.len(0, sa).unwrap();
+            assert!(pa == pb && ra == rb, "f16 input: d{d} after {len} tokens");
+            assert!(pa == pc && ra == rc, "bf16 input: d{d} after {len} tokens");
+        }
+        assert!(a.len(0, sa).unwrap() > 3 * config.page_size, "pages were quantized");
+    }
+}
+
+#[test]
+fn invalid_input_is_refused_alike_for_every_element_type() {
+    let config = CacheConfig::k2v2(64);
+    let [mut a, mut b, _] = caches(config, 2, None);
+    let (sa, sb) = (a.add_sequence().unwrap(), b.add_sequence().unwrap());
+    let mut rng = Rng::new(5);
+    let n = 150;
+    let k = rows(&mut rng, n, 2, 64);
+    let v = rows(&mut rng, n, 2, 64);
+    a.append(0, sa, n, &k, &v).unwrap();
+    let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+    let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+    b.append(0, sb, n, &k16, &v16).unwrap();
+    let before = a.layer_bytes(0).unwrap().0.to_vec();
+    // A non-finite value in the last row of the values, then a key row past the f16
+    // range (norm 8 * 65504 > 65504), each among valid rows.
+    let mut bad_v = v16.clone();
+    *bad_v.last_mut().unwrap() = f16::INFINITY;
+    let mut bad_k = k.clone();
+    bad_k[64 * 7..64 * 8].fill(65504.0);
+    let bad_k16: Vec<f16> = bad_k.iter().map(|&x| f16::from_f32(x)).collect();
+    let e1 = b.append(0, sb, n, &k16, &bad_v).unwrap_err().to_string();
+    assert!(e1.contains("v[token 149][head 1][63]"), "{e1}");
+    let e2 = a.append(0, sa, n, &bad_k, &v).unwrap_err().to_string();
+    let e3 = b.append(0, sb, n, &bad_k16, &v16).unwrap_err().to_string();
+    assert_eq!(e2, e3);
+    assert!(e2.contains("k[token 3][head 1] has norm"), "{e2}");
+    assert_eq!(a.layer_bytes(0).unwrap().0, &before[..]);
+    assert_eq!(b.layer_bytes(0).unwrap().0, &before[..]);
+    assert_eq!((a.len(0, sa).unwrap(), b.len(0, sb).unwrap()), (n, n));
+}
