@@ -53,7 +53,12 @@ fn direct_decode<T: WithDType + KvElement>(
 ) -> Vec<u64> {
     let mut out = vec![0f32; q.len()];
     c.decode_tokens(layer, seqs, q_len, q, &mut out).unwrap();
-    out.iter().map(|&x| T::from_f64(f64::from(x)).to_f64().to_bits()).collect()
+    // Rounded from f32 by candle's own conversion (correctly rounded, as rotkv::candle's
+    // `f16::from_f32` / `bf16::from_f32`), not through f64: half 2.x's `bf16::from_f64`
+    // rounds some values below a tie down (seen: 2.851564 = 0x40368006 gives 0x4036,
+    // `from_f32` 0x4037; 2,639 of 50 million random f32s differ).
+    let n = out.len();
+    tensor_bits::<T>(&Tensor::from_vec(out, n, &Device::Cpu).unwrap().to_dtype(<T as WithDType>::DTYPE).unwrap())
 }
 
 /// The same appends and decodes through tensors of `T` and through the cache directly
