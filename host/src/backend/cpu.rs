@@ -538,7 +538,7 @@ fn fill_page_best<T: KvElement>(inp: &PageInputs<'_, T>, page: u32, h: u32, byte
 /// f16 or bf16, already validated) to a sequence of `p.start` tokens, producing the
 /// bytes of [`crate::reference::append`] (f16 rows may differ only at rounding ties of
 /// the f32 rotation, and codes then by one step). First the pages that fill, one
-/// head-page per task written straight into its pool block ([`fill_page`]: rotation, f16
+/// head-page per task written straight into its pool block (`fill_page`: rotation, f16
 /// rounding, min/max, quantization and packing in one pass over the rows, old window rows
 /// and new rows alike), then the new sink, window and protected rows (after, since the
 /// pages read the old window rows that the new ones may overwrite).
