@@ -250,7 +250,7 @@ pub(crate) fn to_f32_rows<T: KvElement>(
     tokens: usize,
     heads: usize,
     d: usize,
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
 ) -> Result<Vec<f32>> {
     if x.len() != tokens * heads * d {
         return Err(Error::Shape(format!(
@@ -270,7 +270,8 @@ pub(crate) fn to_f32_rows<T: KvElement>(
             .iter()
             .enumerate()
             .map(|(j, &v)| {
-                let c = v as f64 - mean.map_or(0.0, |m| m[h * d + j] as f64);
+                // The stored key is (k - mean) / scale (the scale is finite and > 0).
+                let c = mean.map_or(v as f64, |(m, s)| (v as f64 - m[h * d + j] as f64) / s[h * d + j] as f64);
                 c * c
             })
             .sum::<f64>()
@@ -329,7 +330,7 @@ pub fn append<T: KvElement>(
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks, 0, &mut used)?;
     check_protected(&fmt, protected)?;
     let (k_in, v_in) = (k, v);
-    let k = to_f32_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
+    let k = to_f32_rows("k", k, tokens, hkv, d, Some((&calib.key_mean, &calib.key_scale)))?;
     let v = to_f32_rows("v", v, tokens, hkv, d, None)?;
     let params = AppendParams {
         format: fmt,

@@ -201,11 +201,13 @@ pub fn small_config(d: u32, kb: u32, vb: u32, g: u32) -> CacheConfig {
     }
 }
 
-/// A calibration with a non-zero key mean and random permutations.
+/// A calibration with a non-zero key mean, key scales (smoothing) spread over about
+/// 0.25 to 4 and random permutations.
 pub fn random_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration {
     let mut r = Rng::new(seed);
     let mut c = LayerCalibration::identity(hkv, d);
     c.key_mean.iter_mut().for_each(|m| *m = r.normal() * 0.5);
+    c.key_scale.iter_mut().for_each(|s| *s = (r.normal() * 0.7).clamp(-1.4, 1.4).exp());
     for perm in [&mut c.key_perm, &mut c.value_perm] {
         for p in perm.chunks_exact_mut(d) {
             for i in (1..d).rev() {

@@ -444,6 +444,10 @@ fn kv_methods_parse_and_size() {
         (m.detect, m.config.protected, m.config.channel_norm),
         (Some((model::sinks::Detector::Hidden, 8)), 8, 3)
     );
+    let m = KvMethod::parse("k2v2-c-a50", 64, 1024).unwrap();
+    assert!(m.calib.center && m.calib.smooth == Some(50));
+    assert_eq!(KvMethod::parse("k4v2-a100-g32", 64, 1024).unwrap().calib.smooth, Some(100));
+    assert_eq!(KvMethod::parse("k2v2-c", 64, 1024).unwrap().calib.smooth, None);
     assert_eq!(KvMethod::parse("k2v2-da4", 64, 1024).unwrap().detect, Some((model::sinks::Detector::Attention, 4)));
     assert_eq!(KvMethod::parse("k2v2-dk2", 64, 1024).unwrap().detect, Some((model::sinks::Detector::KeyNorm, 2)));
     for bad in [
@@ -463,6 +467,11 @@ fn kv_methods_parse_and_size() {
         "k2v2-v9",
         "f16-dh4",
         "f16-l",
+        "f16-a50",
+        "k2v2-a",
+        "k2v2-a500",
+        "k2v2-c-r-a50",
+        "k2v2-c-l-a50",
     ] {
         assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
     }

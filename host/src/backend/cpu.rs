@@ -144,7 +144,7 @@ fn unrotate_into(y: &[f32], rot: HeadRotation<'_>, perm: &[u16], t: &mut [f32], 
 #[inline]
 fn stage_row(
     src: &[f32],
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
     rot: HeadRotation<'_>,
     perm: &[u16],
     x: &mut [f32],
@@ -152,7 +152,7 @@ fn stage_row(
     dst: &mut [f16],
 ) {
     match mean {
-        Some(m) => x.iter_mut().zip(src.iter().zip(m)).for_each(|(x, (a, m))| *x = a - m),
+        Some((m, s)) => x.iter_mut().zip(src.iter().zip(m).zip(s)).for_each(|(x, ((a, m), s))| *x = (a - m) / s),
         None => x.copy_from_slice(src),
     }
     rotate_into(x, rot, perm, y);
@@ -161,7 +161,8 @@ fn stage_row(
 
 /// The f16 row the CPU backend stores for an input row (the f32 twin of
 /// [`crate::reference::stored_key`] / [`crate::reference::stored_value`]).
-pub fn stored_row(src: &[f32], mean: Option<&[f32]>, rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
+/// `mean`: the key's `(mean, scale)`, the row becoming `(src - mean) / scale`.
+pub fn stored_row(src: &[f32], mean: Option<(&[f32], &[f32])>, rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
     let n = src.len();
     let mut out = vec![f16::ZERO; n];
     stage_row(src, mean, rot, perm, &mut vec![0.0; n], &mut vec![0.0; n], &mut out);
@@ -245,7 +246,8 @@ pub fn append(
             let (mean, kperm, vperm) = calib.head(h, d);
             let src = (i / hkv) * p.token_stride as usize + h * p.head_stride as usize;
             let (dk, dv) = dst.split_at_mut(d);
-            stage_row(&k[src..src + d], Some(mean), calib.rotation(false, h, d, flags), kperm, x, y, dk);
+            let km = Some((mean, calib.head_key_scale(h, d)));
+            stage_row(&k[src..src + d], km, calib.rotation(false, h, d, flags), kperm, x, y, dk);
             stage_row(&v[src..src + d], None, calib.rotation(true, h, d, flags), vperm, x, y, dv);
         },
     );
@@ -1605,12 +1607,13 @@ fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usi
     let hq = p.num_q_heads as usize;
     let g = hq / p.num_kv_heads as usize;
     let (_, kperm, _) = calib.head(kv_head, d);
+    let ks = calib.head_key_scale(kv_head, d);
     let mut out = vec![0f32; p.q_len as usize * g * d];
     let mut x = vec![0f32; d];
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
         let (row, i) = (r / g, r % g);
         let at = seq * p.q_seq_stride as usize + row * p.q_token_stride as usize + (kv_head * g + i) * d;
-        x.iter_mut().zip(&q[at..at + d]).for_each(|(x, q)| *x = q * p.sm_scale);
+        x.iter_mut().zip(q[at..at + d].iter().zip(ks)).for_each(|(x, (q, s))| *x = q * s * p.sm_scale);
         rotate_into(&mut x, calib.rotation(false, kv_head, d, p.flags), kperm, o);
     }
     out
