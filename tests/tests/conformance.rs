@@ -380,7 +380,8 @@ fn split_partials_merge_to_the_unsplit_result() {
 
 /// With the window covering every token nothing is quantized: decode must then equal
 /// plain softmax attention on the original keys and values up to f16 rounding of the
-/// rotated rows (relative 2^-11 per element), whatever the mean and permutations.
+/// rotated rows (relative 2^-11 per element), whatever the mean, key scales (smoothing) and
+/// permutations.
 #[test]
 fn rotation_bookkeeping_is_exact_without_quantization() {
     for (d, rot, learned) in [
@@ -401,6 +402,8 @@ fn rotation_bookkeeping_is_exact_without_quantization() {
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
         let mut st = Store::new(config, shape, len, None);
         st.calib = if learned { learned_calibration(hkv, d, 7) } else { random_calibration(hkv, d, d as u64) };
+        // Centered and smoothed keys (scales 0.5 to 2): attention must not see either.
+        assert!(st.calib.key_scale.iter().any(|&s| s < 0.7) && st.calib.key_scale.iter().any(|&s| s > 1.5));
         let k = rows(Data::Keys, len * hkv, d, 1);
         let v = rows(Data::Normal, len * hkv, d, 2);
         st.append(Backend::Reference, &k, &v).unwrap();
