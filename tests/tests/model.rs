@@ -605,6 +605,7 @@ fn calibration_feeds_the_perplexity_harness() {
         "k2v2-s2-w16-p16-o20",
         "k2v2-s2-w16-p16-c-l",
         "k2v2-s2-w16-p16-dh3",
+        "k2v2-s2-w16-p16-c-a50",
     ]
     .iter()
     .map(|n| KvMethod::parse(n, 64, 48).unwrap())
@@ -631,6 +632,14 @@ fn calibration_feeds_the_perplexity_harness() {
     assert_ne!(results[0][1].ppl, results[0][2].ppl);
     assert_ne!(results[0][1].ppl, results[0][4].ppl);
     assert_ne!(results[0][1].ppl, results[0][5].ppl);
+    assert!(cal.has_key_std());
+    assert_ne!(results[0][1].ppl, results[0][6].ppl);
+    // -a without key_std in the file is an error, not a silent identity.
+    let mut no_std = cal.clone();
+    no_std.layers.iter_mut().for_each(|l| l.key_scale.fill(1.0));
+    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(no_std), chunk: 1 };
+    let err = model::perplexity(&m, &windows, &methods[6..7], &opts, &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("key_std"), "{err}");
     // -l with -r does not combine; -l without rotations in the file is an error.
     assert!(KvMethod::parse("k2v2-c-r-l", 64, 48).is_err());
     let plain = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
