@@ -217,17 +217,25 @@ impl From<Rotation> for HeadRotation<'static> {
 /// f32 elsewhere).
 pub const ORTHOGONALITY_TOL: f64 = 1e-4;
 
-/// Calibration data of one layer: per KV head, a key mean subtracted before the
-/// rotation, optional learned rotations replacing the Hadamard transform, and channel
-/// permutations applied after the rotation.
+/// Calibration data of one layer: per KV head, a key mean subtracted and a per-channel
+/// key scale divided out before the rotation (the query is multiplied by the same
+/// scale before its rotation), optional learned rotations replacing the Hadamard
+/// transform, and channel permutations applied after the rotation.
 ///
+/// A key row `k` of a head is stored as `rotate((k - key_mean) / key_scale)` (f32
+/// subtraction, then IEEE f32 division, on every backend) and the query is rotated as
+/// `rotate(q * key_scale)` (f32 product), so `q k^T` changes only by the constant
+/// `q key_mean^T` (softmax-invariant) and the quantizer sees centered, smoothed channels.
 /// Stored channel `j` of a rotated key is rotated channel `key_perm[j]` (likewise for
-/// values). The identity permutations, a zero mean and no learned rotations (the
-/// default) change nothing.
+/// values). The identity permutations, a zero mean, scales of one and no learned
+/// rotations (the default) change nothing.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerCalibration {
     /// `[num_kv_heads][head_dim]` key means.
     pub key_mean: Vec<f32>,
+    /// `[num_kv_heads][head_dim]` per-channel key scales (smoothing; finite and > 0): the
+    /// centered key is divided by them and the query multiplied. All ones: no smoothing.
+    pub key_scale: Vec<f32>,
     /// `[num_kv_heads][head_dim]` key channel permutations.
     pub key_perm: Vec<u16>,
     /// `[num_kv_heads][head_dim]` value channel permutations.
@@ -242,11 +250,12 @@ pub struct LayerCalibration {
 }
 
 impl LayerCalibration {
-    /// Zero means, identity permutations, the configured rotations.
+    /// Zero means, unit scales, identity permutations, the configured rotations.
     pub fn identity(num_kv_heads: usize, head_dim: usize) -> Self {
         let perm: Vec<u16> = (0..num_kv_heads).flat_map(|_| 0..head_dim as u16).collect();
         Self {
             key_mean: vec![0.0; num_kv_heads * head_dim],
+            key_scale: vec![1.0; num_kv_heads * head_dim],
             key_perm: perm.clone(),
             value_perm: perm,
             key_rotation: None,
@@ -254,8 +263,8 @@ impl LayerCalibration {
         }
     }
 
-    /// Checks sizes, finiteness of the means, that every permutation is one and that
-    /// every learned rotation has rows and columns of unit norm (within
+    /// Checks sizes, finiteness of the means, that every key scale is finite and > 0,
+    /// that every permutation is one and that every learned rotation has rows and columns of unit norm (within
     /// [`ORTHOGONALITY_TOL`]; `O(D^2)` per head, run on every append and decode). Full
     /// orthogonality is [`LayerCalibration::check_orthogonal`].
     pub fn validate(&self, num_kv_heads: usize, head_dim: usize) -> Result<()> {
@@ -267,6 +276,7 @@ impl LayerCalibration {
             .ok_or_else(|| Error::Calibration(format!("{num_kv_heads} KV heads of {head_dim} channels")))?;
         for (what, len) in [
             ("key_mean", self.key_mean.len()),
+            ("key_scale", self.key_scale.len()),
             ("key_perm", self.key_perm.len()),
             ("value_perm", self.value_perm.len()),
         ] {
@@ -278,6 +288,12 @@ impl LayerCalibration {
         }
         if let Some(i) = self.key_mean.iter().position(|x| !x.is_finite()) {
             return Err(Error::Calibration(format!("key_mean[{i}] is not finite")));
+        }
+        if let Some(i) = self.key_scale.iter().position(|x| !(x.is_finite() && *x > 0.0)) {
+            return Err(Error::Calibration(format!(
+                "key_scale[{i}] is {}: key scales must be finite and > 0",
+                self.key_scale[i]
+            )));
         }
         for (what, perm) in [("key_perm", &self.key_perm), ("value_perm", &self.value_perm)] {
             for (h, p) in perm.chunks_exact(head_dim).enumerate() {
@@ -388,6 +404,11 @@ impl LayerCalibration {
             }
         }
         inv
+    }
+
+    /// The key scales of one KV head (`[head_dim]`).
+    pub fn head_key_scale(&self, kv_head: usize, head_dim: usize) -> &[f32] {
+        &self.key_scale[kv_head * head_dim..(kv_head + 1) * head_dim]
     }
 
     /// The slices of one KV head: `(key_mean, key_perm, value_perm)`.

@@ -294,6 +294,9 @@ pub struct DecodePtrs {
     pub sides: u64,
     /// Protected positions, u32 `[seq][format.protected]` (padded with `u32::MAX`).
     pub protected: u64,
+    /// Key scales (smoothing), f32 `[kv_head][head_dim]`: the query is multiplied by them
+    /// before its rotation.
+    pub key_scale: u64,
     /// Key permutations, u16 `[kv_head][head_dim]`.
     pub key_perm: u64,
     /// Learned key rotations, f32 `[kv_head][head_dim][head_dim]` (read only with
@@ -333,6 +336,9 @@ pub struct AppendPtrs {
     pub v: u64,
     /// Key mean, f32 `[kv_head][head_dim]`.
     pub key_mean: u64,
+    /// Key scales (smoothing), f32 `[kv_head][head_dim]`, finite and > 0: the centered
+    /// key is divided by them before its rotation.
+    pub key_scale: u64,
     /// Key permutations, u16 `[kv_head][head_dim]`.
     pub key_perm: u64,
     /// Value permutations, u16 `[kv_head][head_dim]`.

@@ -242,15 +242,15 @@ pub fn protect(
 }
 
 /// Converts a `[tokens][heads][head_dim]` input to f32, checking its size and values.
-/// `norm_limit` bounds each row's L2 norm (after `mean` is subtracted, where given) so
-/// that no rotated channel can overflow f16.
+/// Each row's L2 norm (of `(x - mean) / scale` where `mean` is given: the key as stored)
+/// must be within the f16 range, so that no rotated channel can overflow f16.
 pub(crate) fn to_f32_rows<T: KvElement>(
     what: &str,
     x: &[T],
     tokens: usize,
     heads: usize,
     d: usize,
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
 ) -> Result<Vec<f32>> {
     check_rows(what, x, tokens, heads, d, mean)?;
     Ok(x.iter().map(|v| v.to_f32()).collect())
@@ -265,7 +265,7 @@ pub(crate) fn check_rows<T: KvElement>(
     tokens: usize,
     heads: usize,
     d: usize,
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
 ) -> Result<()> {
     if x.len() != tokens * heads * d {
         return Err(Error::Shape(format!(
@@ -275,8 +275,8 @@ pub(crate) fn check_rows<T: KvElement>(
         )));
     }
     let limit = f16::MAX.to_f64();
-    // The row's norm after the mean is subtracted (f64, eight partial sums), or NaN when
-    // a value is not finite.
+    // The row's norm as stored, `(x - mean) / scale` (f64, eight partial sums), or NaN
+    // when a value is not finite.
     let norm = |i: usize, row: &[T]| -> f64 {
         let h = i % heads;
         let mut acc = [0f64; 8];
@@ -285,7 +285,8 @@ pub(crate) fn check_rows<T: KvElement>(
             for (l, v) in r8.iter().enumerate() {
                 let v = v.to_f32();
                 finite &= v.is_finite();
-                let c = v as f64 - mean.map_or(0.0, |m| m[h * d + c0 + l] as f64);
+                let at = h * d + c0 + l;
+                let c = mean.map_or(v as f64, |(m, s)| (v as f64 - m[at] as f64) / s[at] as f64);
                 acc[l] += c * c;
             }
         }
@@ -355,7 +356,7 @@ pub fn append<T: KvElement>(
     let mut used = BlockSet::new(blocks);
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks, 0, &mut used)?;
     check_protected(&fmt, protected)?;
-    check_rows("k", k, tokens, hkv, d, Some(&calib.key_mean))?;
+    check_rows("k", k, tokens, hkv, d, Some((&calib.key_mean, &calib.key_scale)))?;
     check_rows("v", v, tokens, hkv, d, None)?;
     let params = AppendParams {
         format: fmt,

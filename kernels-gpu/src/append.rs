@@ -72,7 +72,7 @@ pub unsafe fn destination(p: &AppendParams, pos: u32, block_table: *const u32, p
 ///
 /// # Safety
 /// `k` and `v` valid at element `t * p.token_stride + h * p.head_stride + c` for `t < p.count`,
-/// `h < p.num_kv_heads`, `c < D`; `key_mean` for `Hkv * D` reads; `key_perm` and
+/// `h < p.num_kv_heads`, `c < D`; `key_mean` and `key_scale` (finite, > 0) for `Hkv * D` reads; `key_perm` and
 /// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `key_rot` (with
 /// `FLAG_DENSE_KEYS`) and `value_rot` (with `FLAG_DENSE_VALUES`) for `Hkv * D * D`
 /// (unused, and may be null, without the flag); `block_table` and `protected` as
@@ -92,7 +92,7 @@ pub unsafe fn destination(p: &AppendParams, pos: u32, block_table: *const u32, p
 ///
 /// # Thread mapping
 /// Block `(h, t)`, one warp; lane `i` owns channels `[i * V, (i + 1) * V)` of the row: it
-/// loads them, subtracts the key mean, runs the warp FWHT (or the dense rotation: `D`
+/// loads them, subtracts the key mean and divides by the key scale (f32 `(k - mu) / s`), runs the warp FWHT (or the dense rotation: `D`
 /// shuffles and `D * V` multiply-adds per lane), gathers the permutation with
 /// indexed shuffles and rounds to f16; then it stores its channels of the side row, or
 /// quantizes them with the group's lanes (`quantize_lanes`: the group's min and max by
@@ -106,6 +106,7 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     k: *const u8,
     v: *const u8,
     key_mean: *const f32,
+    key_scale: *const f32,
     key_perm: *const u16,
     value_perm: *const u16,
     key_rot: *const f32,
@@ -136,7 +137,8 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
             if value {
                 load_elem(v, p.input_dtype, src + c)
             } else {
-                load_elem(k, p.input_dtype, src + c) - *key_mean.add(h as usize * D + lane * V + c)
+                let at = h as usize * D + lane * V + c;
+                (load_elem(k, p.input_dtype, src + c) - *key_mean.add(at)) / *key_scale.add(at)
             }
         });
         let (dense, hadamard, rot) = if value {
@@ -352,6 +354,7 @@ mod entry {
                 k: *const u8,
                 v: *const u8,
                 key_mean: *const f32,
+                key_scale: *const f32,
                 key_perm: *const u16,
                 value_perm: *const u16,
                 key_rot: *const f32,
@@ -365,8 +368,8 @@ mod entry {
                 // SAFETY: forwarded contract.
                 unsafe {
                     append_tokens::<_, $d, $v>(
-                        &Nvptx, &p, k, v, key_mean, key_perm, value_perm, key_rot, value_rot, block_table, protected,
-                        pool, side, seq_len,
+                        &Nvptx, &p, k, v, key_mean, key_scale, key_perm, value_perm, key_rot, value_rot, block_table,
+                        protected, pool, side, seq_len,
                     )
                 }
             }

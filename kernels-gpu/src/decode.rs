@@ -230,8 +230,8 @@ fn pick(w: &[u32; 4], k: usize) -> u32 {
 /// clamped to `p.max_len`); `pool` holding `p.num_blocks` blocks; `sides` for `S * side_elems` f16 bits, 16-byte aligned;
 /// `protected` for `S * p.format.protected` positions (each sequence's ascending list,
 /// padded with `u32::MAX`; unused when `p.format.protected` is 0);
-/// `pool` 16-byte aligned; `key_perm` for `Hkv * D` (rows are permutations); `key_rot`
-/// for `Hkv * D * D` when `p.flags` has `FLAG_DENSE_KEYS` (else unused); `part_m`,
+/// `pool` 16-byte aligned; `key_scale` for `Hkv * D` (finite); `key_perm` for `Hkv * D`
+/// (rows are permutations); `key_rot` for `Hkv * D * D` when `p.flags` has `FLAG_DENSE_KEYS` (else unused); `part_m`,
 /// `part_l` for `S * q_len * Hq * N` writes and `part_o` for `S * q_len * Hq * N * D`;
 /// every sequence at least `p.q_len` tokens long.
 /// `D == 32 * V == p.format.head_dim`, `KB`/`VB` the key/value bits,
@@ -246,7 +246,8 @@ fn pick(w: &[u32; 4], k: usize) -> u32 {
 /// # Thread mapping
 /// Block `(x, y, z)` = (KV head, sequence, split + N * query token), one warp for the
 /// whole GQA group; the query token's causal limit cuts the split's range.
-/// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: FWHT across the
+/// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: multiplied by the
+/// key scales (`q * s`, then the softmax scale), FWHT across the
 /// warp (or the dense learned rotation), key permutation by shuffles, softmax scale
 /// folded in, written to shared memory with per-group sums. Then the split is walked in tiles of 32 tokens: scores with one
 /// token per lane, whole keys read with 16-byte loads (codes, or f16 rows for sinks,
@@ -265,6 +266,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     seq_lens: *const u32,
     sides: *const u16,
     protected: *const u32,
+    key_scale: *const f32,
     key_perm: *const u16,
     key_rot: *const f32,
     part_m: *mut f32,
@@ -297,7 +299,9 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             + qi as usize * p.q_token_stride as usize
             + (kvh as usize * g + h) * D
             + lane as usize * V;
-        let mut x: [f32; V] = core::array::from_fn(|v| unsafe { load_elem(q, p.q_dtype, row + v) } * p.sm_scale);
+        let ks = unsafe { key_scale.add(kvh as usize * D + lane as usize * V) };
+        let mut x: [f32; V] =
+            core::array::from_fn(|v| unsafe { load_elem(q, p.q_dtype, row + v) * *ks.add(v) } * p.sm_scale);
         if p.flags & FLAG_DENSE_KEYS != 0 {
             x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
         } else if p.flags & FLAG_ROTATE_KEYS != 0 {
@@ -466,6 +470,7 @@ mod entry {
                 seq_lens: *const u32,
                 sides: *const u16,
                 protected: *const u32,
+                key_scale: *const f32,
                 key_perm: *const u16,
                 key_rot: *const f32,
                 part_m: *mut f32,
@@ -483,6 +488,7 @@ mod entry {
                         seq_lens,
                         sides,
                         protected,
+                        key_scale,
                         key_perm,
                         key_rot,
                         part_m,

@@ -436,8 +436,8 @@ fn fast_chunks<
 /// (run with `num_seqs * q_len` sequences).
 ///
 /// # Thread mapping
-/// Setup: warp `w` rotates query rows `w, w + 4, w + 8, w + 12` of the tile (lane `i`
-/// owns channels `[i * V, (i + 1) * V)`, as `decode_split`), then the block writes the
+/// Setup: warp `w` scales (key scales) and rotates query rows `w, w + 4, w + 8, w + 12`
+/// of the tile (lane `i` owns channels `[i * V, (i + 1) * V)`, as `decode_split`), then the block writes the
 /// two sets of A fragments to shared memory and each lane keeps the quantized set in
 /// registers. Main loop: warp `w` takes tiles `w, w + 4, ...` of the f16 rows, then
 /// chunks `w, w + 4, ...` of the quantized pages' unmasked range, then tiles `w, w + 4,
@@ -466,6 +466,7 @@ pub unsafe fn decode_mma<
     seq_lens: *const u32,
     sides: *const u16,
     protected: *const u32,
+    key_scale: *const f32,
     key_perm: *const u16,
     key_rot: *const f32,
     part_m: *mut f32,
@@ -499,7 +500,8 @@ pub unsafe fn decode_mma<
     let ah_sh = unsafe { aq_sh.add(NKS * WARP as usize * 4) };
     let qsum_sh = unsafe { ah_sh.add(NKS * WARP as usize * 4).cast::<f32>() };
 
-    // 1. Rotated, permuted queries of the tile's rows, scaled by sm_scale * log2(e).
+    // 1. Rotated, permuted queries of the tile's rows: times the key scales (`q * s`), then
+    //    sm_scale * log2(e).
     for rr in 0..(ROWS / WARPS) {
         let r = warp + WARPS * rr;
         let row = r0 + r;
@@ -510,8 +512,10 @@ pub unsafe fn decode_mma<
             + ((kvh * gqa + h) as usize) * D
             + lane as usize * V;
         let scale = p.sm_scale * LOG2E;
-        let mut x: [f32; V] =
-            core::array::from_fn(|v| if valid { (unsafe { load_elem(q, p.q_dtype, src + v) }) * scale } else { 0.0 });
+        let ks = unsafe { key_scale.add(kvh as usize * D + lane as usize * V) };
+        let mut x: [f32; V] = core::array::from_fn(|v| {
+            if valid { (unsafe { load_elem(q, p.q_dtype, src + v) * *ks.add(v) }) * scale } else { 0.0 }
+        });
         if p.flags & FLAG_DENSE_KEYS != 0 {
             x = unsafe { dense_warp::<C, V, false>(ctx, &x, key_rot.add(kvh as usize * D * D)) };
         } else if p.flags & FLAG_ROTATE_KEYS != 0 {
@@ -912,6 +916,7 @@ mod entry {
                 seq_lens: *const u32,
                 sides: *const u16,
                 protected: *const u32,
+                key_scale: *const f32,
                 key_perm: *const u16,
                 key_rot: *const f32,
                 part_m: *mut f32,
@@ -921,8 +926,8 @@ mod entry {
                 // SAFETY: forwarded contract of `decode_mma`.
                 unsafe {
                     decode_mma::<_, $d, $v, $kb, $vb, $ng, $nks, $nvt>(
-                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, protected, key_perm, key_rot, part_m,
-                        part_l, part_o,
+                        &Nvptx, &p, q, pool, block_tables, seq_lens, sides, protected, key_scale, key_perm, key_rot,
+                        part_m, part_l, part_o,
                     )
                 }
             }

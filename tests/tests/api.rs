@@ -167,6 +167,24 @@ fn every_error_is_reported_and_changes_nothing() {
             c.key_mean[1] = f32::NAN;
             cache.set_calibration(1, c)
         }));
+        // Key scales (smoothing) must be finite and > 0, one per channel.
+        for (name, at, bad) in [
+            ("zero scale", 0, 0.0),
+            ("negative scale", 70, -1.0),
+            ("nan scale", 127, f32::NAN),
+            ("inf scale", 3, f32::INFINITY),
+        ] {
+            cases.push((name, {
+                let mut c = LayerCalibration::identity(2, 64);
+                c.key_scale[at] = bad;
+                cache.set_calibration(1, c)
+            }));
+        }
+        cases.push(("short scale", {
+            let mut c = LayerCalibration::identity(2, 64);
+            c.key_scale.pop();
+            cache.set_calibration(1, c)
+        }));
         cases.push(("rotation not orthogonal", {
             // Unit rows and columns, but [[s, s], [s, s]] blocks are not orthogonal.
             let mut c = LayerCalibration::identity(2, 64);

@@ -109,6 +109,7 @@ fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f3
     for pos in 0..len {
         for h in 0..hkv {
             let (mean, kperm, vperm) = refs.calib.head(h, d);
+            let scale = refs.calib.head_key_scale(h, d);
             let at = (pos as usize * hkv + h) * d;
             for value in [false, true] {
                 let (src, perm) = if value { (&v[at..at + d], vperm) } else { (&k[at..at + d], kperm) };
@@ -116,13 +117,13 @@ fn compare_appends(fmt: &Format, refs: &Store, other: &Store, k: &[f32], v: &[f3
                 let centered: Vec<f64> = if value {
                     src.iter().map(|&x| x as f64).collect()
                 } else {
-                    src.iter().zip(mean).map(|(&x, &m)| x as f64 - m as f64).collect()
+                    src.iter().zip(mean).zip(scale).map(|((&x, &m), &s)| (x as f64 - m as f64) / s as f64).collect()
                 };
                 let exact = reference::rotate(&centered, rot, perm);
                 let r = if value {
                     reference::stored_value(src, rot, perm)
                 } else {
-                    reference::stored_key(src, mean, rot, perm)
+                    reference::stored_key(src, mean, scale, rot, perm)
                 };
                 let row = ((pos as usize * hkv + h) * 2 + value as usize) * d;
                 let b = &rows[row..row + d];
@@ -379,7 +380,8 @@ fn split_partials_merge_to_the_unsplit_result() {
 
 /// With the window covering every token nothing is quantized: decode must then equal
 /// plain softmax attention on the original keys and values up to f16 rounding of the
-/// rotated rows (relative 2^-11 per element), whatever the mean and permutations.
+/// rotated rows (relative 2^-11 per element), whatever the mean, key scales (smoothing) and
+/// permutations.
 #[test]
 fn rotation_bookkeeping_is_exact_without_quantization() {
     for (d, rot, learned) in [
@@ -400,6 +402,8 @@ fn rotation_bookkeeping_is_exact_without_quantization() {
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
         let mut st = Store::new(config, shape, len, None);
         st.calib = if learned { learned_calibration(hkv, d, 7) } else { random_calibration(hkv, d, d as u64) };
+        // Centered and smoothed keys (scales 0.5 to 2): attention must not see either.
+        assert!(st.calib.key_scale.iter().any(|&s| s < 0.7) && st.calib.key_scale.iter().any(|&s| s > 1.5));
         let k = rows(Data::Keys, len * hkv, d, 1);
         let v = rows(Data::Normal, len * hkv, d, 2);
         st.append(Backend::Reference, &k, &v).unwrap();
@@ -537,16 +541,23 @@ fn scores_need_no_dequantized_keys() {
     let codes: f64 = q.iter().zip(&g.codes).map(|(a, &c)| a * c as f64).sum();
     let trick = g.scale.to_f64() * codes + g.zero.to_f64() * q.iter().sum::<f64>();
     assert!((direct - trick).abs() < 1e-12);
-    // and the rotated query scores like the original one.
+    // and the rotated query scores like the original one, also with key scales
+    // (smoothing): the query times s against the key divided by s.
     let perm: Vec<u16> = (0..64).rev().collect();
     let dense = rotkv_tests::random_rotation(64, 3);
+    let scale: Vec<f32> = (0..64).map(|c| 0.25 + (c % 9) as f32 * 0.5).collect();
+    let smoothed: Vec<f64> = x.iter().zip(&scale).map(|(a, &s)| a / s as f64).collect();
     for rot in [HeadRotation::Hadamard, HeadRotation::Dense(&dense)] {
-        let a = reference::rotate_query(&q.iter().map(|&v| v as f32).collect::<Vec<_>>(), rot, &perm);
+        let q32 = q.iter().map(|&v| v as f32).collect::<Vec<_>>();
+        let a = reference::rotate_query(&q32, &vec![1.0; 64], rot, &perm);
         let b = reference::rotate(&x, rot, &perm);
+        let (a2, b2) = (reference::rotate_query(&q32, &scale, rot, &perm), reference::rotate(&smoothed, rot, &perm));
+        let smooth: f64 = a2.iter().zip(&b2).map(|(a, b)| a * b).sum();
         let rotated: f64 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
         let plain: f64 = q.iter().map(|&v| v as f32 as f64).zip(&x).map(|(a, b)| a * b).sum();
         // (The dense matrix is orthogonal to f32 rounding: 1e-7 relative.)
         assert!((rotated - plain).abs() < 1e-5, "{rot:?}: {rotated} vs {plain}");
+        assert!((smooth - plain).abs() < 1e-5, "{rot:?} smoothed: {smooth} vs {plain}");
         assert!(reference::unrotate(&b, rot, &perm).iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
     }
 }

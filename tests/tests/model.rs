@@ -444,6 +444,10 @@ fn kv_methods_parse_and_size() {
         (m.detect, m.config.protected, m.config.channel_norm),
         (Some((model::sinks::Detector::Hidden, 8)), 8, 3)
     );
+    let m = KvMethod::parse("k2v2-c-a50", 64, 1024).unwrap();
+    assert!(m.calib.center && m.calib.smooth == Some(50));
+    assert_eq!(KvMethod::parse("k4v2-a100-g32", 64, 1024).unwrap().calib.smooth, Some(100));
+    assert_eq!(KvMethod::parse("k2v2-c", 64, 1024).unwrap().calib.smooth, None);
     assert_eq!(KvMethod::parse("k2v2-da4", 64, 1024).unwrap().detect, Some((model::sinks::Detector::Attention, 4)));
     assert_eq!(KvMethod::parse("k2v2-dk2", 64, 1024).unwrap().detect, Some((model::sinks::Detector::KeyNorm, 2)));
     for bad in [
@@ -463,6 +467,11 @@ fn kv_methods_parse_and_size() {
         "k2v2-v9",
         "f16-dh4",
         "f16-l",
+        "f16-a50",
+        "k2v2-a",
+        "k2v2-a500",
+        "k2v2-c-r-a50",
+        "k2v2-c-l-a50",
     ] {
         assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
     }
@@ -603,6 +612,7 @@ fn calibration_feeds_the_perplexity_harness() {
         "k2v2-s2-w16-p16-o20",
         "k2v2-s2-w16-p16-c-l",
         "k2v2-s2-w16-p16-dh3",
+        "k2v2-s2-w16-p16-c-a50",
     ]
     .iter()
     .map(|n| KvMethod::parse(n, 64, 48).unwrap())
@@ -629,6 +639,14 @@ fn calibration_feeds_the_perplexity_harness() {
     assert_ne!(results[0][1].ppl, results[0][2].ppl);
     assert_ne!(results[0][1].ppl, results[0][4].ppl);
     assert_ne!(results[0][1].ppl, results[0][5].ppl);
+    assert!(cal.has_key_std());
+    assert_ne!(results[0][1].ppl, results[0][6].ppl);
+    // -a without key_std in the file is an error, not a silent identity.
+    let mut no_std = cal.clone();
+    no_std.layers.iter_mut().for_each(|l| l.key_scale.fill(1.0));
+    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(no_std), chunk: 1 };
+    let err = model::perplexity(&m, &windows, &methods[6..7], &opts, &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("key_std"), "{err}");
     // -l with -r does not combine; -l without rotations in the file is an error.
     assert!(KvMethod::parse("k2v2-c-r-l", 64, 48).is_err());
     let plain = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();

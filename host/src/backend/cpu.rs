@@ -145,7 +145,7 @@ fn unrotate_into(y: &[f32], rot: HeadRotation<'_>, perm: &[u16], t: &mut [f32], 
 #[inline]
 fn stage_row(
     src: &[f32],
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
     rot: HeadRotation<'_>,
     perm: &[u16],
     x: &mut [f32],
@@ -153,7 +153,7 @@ fn stage_row(
     dst: &mut [f16],
 ) {
     match mean {
-        Some(m) => x.iter_mut().zip(src.iter().zip(m)).for_each(|(x, (a, m))| *x = a - m),
+        Some((m, s)) => x.iter_mut().zip(src.iter().zip(m).zip(s)).for_each(|(x, ((a, m), s))| *x = (a - m) / s),
         None => x.copy_from_slice(src),
     }
     rotate_into(x, rot, perm, y);
@@ -162,7 +162,8 @@ fn stage_row(
 
 /// The f16 row the CPU backend stores for an input row (the f32 twin of
 /// [`crate::reference::stored_key`] / [`crate::reference::stored_value`]).
-pub fn stored_row(src: &[f32], mean: Option<&[f32]>, rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
+/// `mean`: the key's `(mean, scale)`, the row becoming `(src - mean) / scale`.
+pub fn stored_row(src: &[f32], mean: Option<(&[f32], &[f32])>, rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
     let n = src.len();
     let mut out = vec![f16::ZERO; n];
     stage_row(src, mean, rot, perm, &mut vec![0.0; n], &mut vec![0.0; n], &mut out);
@@ -184,7 +185,7 @@ fn load_row<K: Kernels, T: KvElement>(kern: K, src: &[T], dst: &mut [f32]) {
 
 /// The first row `i` of `x` (`[rows][d]`, row `i` of head `i % heads`) for which
 /// `exact_bad(i, row)` holds, asking it only about rows that fail a fast test: the
-/// row's squared L2 norm after `mean` (`[heads][d]`) is subtracted, in f32 (with AVX2
+/// row's squared L2 norm as stored, `(x - mean) / scale` (`mean`: `[heads][d]` each), in f32 (with AVX2
 /// where present), below `bound2`. Rows are scanned in parallel. (The caller picks
 /// `bound2` below its exact limit by more than the f32 sum's error; an infinity or NaN
 /// anywhere fails the fast test.)
@@ -192,19 +193,21 @@ pub(crate) fn first_bad_row<T: KvElement>(
     x: &[T],
     heads: usize,
     d: usize,
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
     bound2: f32,
     exact_bad: impl Fn(usize, &[T]) -> bool + Sync,
 ) -> Option<usize> {
     const ROWS: usize = 64;
     #[inline(always)]
-    fn norm2<K: Kernels, T: KvElement>(kern: K, row: &[T], mean: Option<&[f32]>, buf: &mut [f32]) -> f32 {
+    fn norm2<K: Kernels, T: KvElement>(kern: K, row: &[T], mean: Option<(&[f32], &[f32])>, buf: &mut [f32]) -> f32 {
         load_row(kern, row, buf);
+        if let Some((m, s)) = mean {
+            buf.iter_mut().zip(m.iter().zip(s)).for_each(|(x, (m, s))| *x = (*x - m) / s);
+        }
         let mut acc = [0f32; LANES];
-        for (c0, x8) in (0..buf.len()).step_by(LANES).zip(buf.chunks_exact(LANES)) {
+        for x8 in buf.chunks_exact(LANES) {
             for l in 0..LANES {
-                let c = x8[l] - mean.map_or(0.0, |m| m[c0 + l]);
-                acc[l] += c * c;
+                acc[l] += x8[l] * x8[l];
             }
         }
         acc.iter().sum()
@@ -217,14 +220,15 @@ pub(crate) fn first_bad_row<T: KvElement>(
         first: usize,
         heads: usize,
         d: usize,
-        mean: Option<&[f32]>,
+        mean: Option<(&[f32], &[f32])>,
         bound2: f32,
         exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
     ) -> Option<usize> {
         let mut buf = [0f32; 256];
         for (r, row) in block.chunks_exact(d).enumerate() {
             let i = first + r;
-            let m = mean.map(|m| &m[i % heads * d..(i % heads + 1) * d]);
+            let hd = i % heads * d..(i % heads + 1) * d;
+            let m = mean.map(|(m, s)| (&m[hd.clone()], &s[hd]));
             let n2 = norm2(kern, row, m, &mut buf[..d]);
             if (n2.is_nan() || n2 >= bound2) && exact_bad(i, row) {
                 return Some(i);
@@ -241,7 +245,7 @@ pub(crate) fn first_bad_row<T: KvElement>(
         first: usize,
         heads: usize,
         d: usize,
-        mean: Option<&[f32]>,
+        mean: Option<(&[f32], &[f32])>,
         bound2: f32,
         exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
     ) -> Option<usize> {
@@ -280,15 +284,15 @@ impl AppendScratch {
 fn stage_input<K: Kernels, T: KvElement>(
     kern: K,
     src: &[T],
-    mean: Option<&[f32]>,
+    mean: Option<(&[f32], &[f32])>,
     rot: HeadRotation<'_>,
     perm: Option<&[u16]>,
     scr: &mut AppendScratch,
 ) {
     let AppendScratch { x, y, row, .. } = scr;
     load_row(kern, src, x);
-    if let Some(m) = mean {
-        x.iter_mut().zip(m).for_each(|(x, m)| *x -= m);
+    if let Some((m, s)) = mean {
+        x.iter_mut().zip(m.iter().zip(s)).for_each(|(x, (m, s))| *x = (*x - m) / s);
     }
     match rot {
         HeadRotation::None => {}
@@ -455,6 +459,7 @@ fn fill_page<K: Kernels, T: KvElement>(
     let hu = h as usize;
     let len = p.start;
     let (mean, kperm, vperm) = inp.calib.head(hu, d);
+    let key_mean = Some((mean, inp.calib.head_key_scale(hu, d)));
     let (kperm, vperm) = (non_identity(kperm), non_identity(vperm));
     let pos = |slot: u32| fmt.sinks + page * fmt.page_size + slot;
     // The stored f16 row of (slot, value): from the side store or staged into scr.row.
@@ -468,7 +473,7 @@ fn fill_page<K: Kernels, T: KvElement>(
         if value {
             stage_input(kern, &inp.v[src..src + d], None, rot, vperm, scr);
         } else {
-            stage_input(kern, &inp.k[src..src + d], Some(mean), rot, kperm, scr);
+            stage_input(kern, &inp.k[src..src + d], key_mean, rot, kperm, scr);
         }
         None
     };
@@ -588,6 +593,7 @@ pub fn append<T: KvElement>(
         }
         for h in 0..hkv {
             let (mean, kperm, vperm) = calib.head(h, d);
+            let mean = (mean, calib.head_key_scale(h, d));
             let src = (pos - len) as usize * p.token_stride as usize + h * p.head_stride as usize;
             for value in [false, true] {
                 let rot = calib.rotation(value, h, d, p.flags);
@@ -607,7 +613,7 @@ fn stage_input_best<T: KvElement>(
     k: &[T],
     v: &[T],
     value: bool,
-    mean: &[f32],
+    mean: (&[f32], &[f32]),
     rot: HeadRotation<'_>,
     kperm: &[u16],
     vperm: &[u16],
@@ -620,7 +626,7 @@ fn stage_input_best<T: KvElement>(
         k: &[T],
         v: &[T],
         value: bool,
-        mean: &[f32],
+        mean: (&[f32], &[f32]),
         rot: HeadRotation<'_>,
         kperm: &[u16],
         vperm: &[u16],
@@ -641,7 +647,7 @@ fn stage_input_best<T: KvElement>(
             k: &[T],
             v: &[T],
             value: bool,
-            mean: &[f32],
+            mean: (&[f32], &[f32]),
             rot: HeadRotation<'_>,
             kperm: &[u16],
             vperm: &[u16],
@@ -2222,12 +2228,13 @@ fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usi
     let hq = p.num_q_heads as usize;
     let g = hq / p.num_kv_heads as usize;
     let (_, kperm, _) = calib.head(kv_head, d);
+    let ks = calib.head_key_scale(kv_head, d);
     let mut out = vec![0f32; p.q_len as usize * g * d];
     let mut x = vec![0f32; d];
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
         let (row, i) = (r / g, r % g);
         let at = seq * p.q_seq_stride as usize + row * p.q_token_stride as usize + (kv_head * g + i) * d;
-        x.iter_mut().zip(&q[at..at + d]).for_each(|(x, q)| *x = q * p.sm_scale);
+        x.iter_mut().zip(q[at..at + d].iter().zip(ks)).for_each(|(x, (q, s))| *x = q * s * p.sm_scale);
         rotate_into(&mut x, calib.rotation(false, kv_head, d, p.flags), kperm, o);
     }
     out

@@ -123,6 +123,7 @@ pub fn decode_cuda(
         s.clone_htod(&calib.key_perm).map_err(&up)?,
         s.clone_htod(&inputs.vperm_inv).map_err(&up)?,
     );
+    let kscale_d = s.clone_htod(&calib.key_scale).map_err(&up)?;
     let (krot_d, vrot_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
     let prot_d = s.clone_htod(&inputs.protected).map_err(&up)?;
     let (nm, no) = inputs.partial_lens();
@@ -136,7 +137,7 @@ pub fn decode_cuda(
     let params = Arg(inputs.params);
     let mut b = s.launch_builder(&split);
     b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&prot_d);
-    b.arg(&perm_d).arg(&krot_d).arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
+    b.arg(&kscale_d).arg(&perm_d).arg(&krot_d).arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
     // SAFETY: the arguments match `decode_split`'s entry point in order and type; the
     // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
     unsafe { b.launch(launch_config_block(shape.grid, shape.block, shape.shared)) }.map_err(err("decode"))?;
@@ -180,6 +181,7 @@ pub fn append_cuda(
     let prot_d = s.clone_htod(&launch::protected_row(&p.format, protected)).map_err(&up)?;
     let (k_d, v_d, mean_d) =
         (s.clone_htod(k).map_err(&up)?, s.clone_htod(v).map_err(&up)?, s.clone_htod(&calib.key_mean).map_err(&up)?);
+    let ks_d = s.clone_htod(&calib.key_scale).map_err(&up)?;
     let (kp_d, vp_d) = (s.clone_htod(&calib.key_perm).map_err(&up)?, s.clone_htod(&calib.value_perm).map_err(&up)?);
     let (kr_d, vr_d) = (rotation_d(s, &calib.key_rotation)?, rotation_d(s, &calib.value_rotation)?);
     let block_table = table_d.device_ptr(s).0;
@@ -197,6 +199,7 @@ pub fn append_cuda(
                 k: k_d.device_ptr(s).0,
                 v: v_d.device_ptr(s).0,
                 key_mean: mean_d.device_ptr(s).0,
+                key_scale: ks_d.device_ptr(s).0,
                 key_perm: kp_d.device_ptr(s).0,
                 value_perm: vp_d.device_ptr(s).0,
                 key_rot: kr_d.device_ptr(s).0,
@@ -314,13 +317,14 @@ impl Kernels {
             (&mut x.lens as *mut u64).cast(),
             (&mut x.sides as *mut u64).cast(),
             (&mut x.protected as *mut u64).cast(),
+            (&mut x.key_scale as *mut u64).cast(),
             (&mut x.key_perm as *mut u64).cast(),
             (&mut x.key_rot as *mut u64).cast(),
             (&mut x.m as *mut u64).cast(),
             (&mut x.l as *mut u64).cast(),
             (&mut x.o as *mut u64).cast(),
         ];
-        // SAFETY: the entry point's parameters in order (params by value, then 11
+        // SAFETY: the entry point's parameters in order (params by value, then 12
         // pointers); forwarded contract for the buffers.
         unsafe { self.launch(name, stream, shape.grid, shape.block, shape.shared, &mut args) }
     }
@@ -397,6 +401,7 @@ impl Kernels {
                 (&mut x.k as *mut u64).cast(),
                 (&mut x.v as *mut u64).cast(),
                 (&mut x.key_mean as *mut u64).cast(),
+                (&mut x.key_scale as *mut u64).cast(),
                 (&mut x.key_perm as *mut u64).cast(),
                 (&mut x.value_perm as *mut u64).cast(),
                 (&mut x.key_rot as *mut u64).cast(),

@@ -178,10 +178,11 @@ pub fn dequantize_row(codes: &[u8], params: &[u8], bits: u32, group: usize, n: u
         .collect()
 }
 
-/// The rotated, centered key row of one token and head as the format stores it in f16
-/// (sinks, window) and as the quantizer sees it.
-pub fn stored_key(k: &[f32], mean: &[f32], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
-    let x: Vec<f64> = k.iter().zip(mean).map(|(&a, &m)| a as f64 - m as f64).collect();
+/// The rotated, centered and smoothed key row of one token and head as the format
+/// stores it in f16 (sinks, window) and as the quantizer sees it:
+/// `rotate((k - mean) / scale)`.
+pub fn stored_key(k: &[f32], mean: &[f32], scale: &[f32], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> {
+    let x: Vec<f64> = k.iter().zip(mean).zip(scale).map(|((&a, &m), &s)| (a as f64 - m as f64) / s as f64).collect();
     rotate(&x, rot, perm).into_iter().map(f16::from_f64).collect()
 }
 
@@ -216,7 +217,7 @@ pub fn append(
             let (mean, kperm, vperm) = calib.head(h, d);
             let x = i * p.token_stride as usize + h * p.head_stride as usize;
             let rows = [
-                stored_key(&k[x..x + d], mean, calib.rotation(false, h, d, p.flags), kperm),
+                stored_key(&k[x..x + d], mean, calib.head_key_scale(h, d), calib.rotation(false, h, d, p.flags), kperm),
                 stored_value(&v[x..x + d], calib.rotation(true, h, d, p.flags), vperm),
             ];
             // A new token enters the sinks or the window (and may be flushed just below);
@@ -430,9 +431,10 @@ pub struct Partial {
     pub o: Vec<f64>,
 }
 
-/// The query of one head rotated into the key's stored order: `(q R)[key_perm]`.
-pub fn rotate_query(q: &[f32], rot: HeadRotation<'_>, key_perm: &[u16]) -> Vec<f64> {
-    let x: Vec<f64> = q.iter().map(|&a| a as f64).collect();
+/// The query of one head scaled by the key scales and rotated into the key's stored
+/// order: `((q * scale) R)[key_perm]`.
+pub fn rotate_query(q: &[f32], scale: &[f32], rot: HeadRotation<'_>, key_perm: &[u16]) -> Vec<f64> {
+    let x: Vec<f64> = q.iter().zip(scale).map(|(&a, &s)| a as f64 * s as f64).collect();
     rotate(&x, rot, key_perm)
 }
 
@@ -461,7 +463,8 @@ pub fn decode_partials(
                 let kvh = qh / group;
                 let (_, kperm, _) = calib.head(kvh, d);
                 let qo = s * p.q_seq_stride as usize + row * p.q_token_stride as usize + qh * d;
-                let qr = rotate_query(&q[qo..qo + d], calib.rotation(false, kvh, d, p.flags), kperm);
+                let scale = calib.head_key_scale(kvh, d);
+                let qr = rotate_query(&q[qo..qo + d], scale, calib.rotation(false, kvh, d, p.flags), kperm);
                 for split in 0..p.num_splits {
                     let (b, e) = p.split_range(split, seq.len as u32);
                     let mut part = Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; d] };

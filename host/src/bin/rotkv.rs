@@ -54,14 +54,15 @@ enum Command {
         /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4, each with optional
         /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>
         /// -v<iterations> (KVarN) -o<N> (online key mean) -da<k> -dk<k> -dh<k> (detected
-        /// sinks), and -c (key centering) -r (reordering) -l (learned rotations) from
-        /// --calib (e.g. k2v2-c-g32-x80, k2v2-c-l-dh8).
+        /// sinks), and -c (key centering) -r (reordering) -l (learned rotations)
+        /// -a<alpha %> (key smoothing, e.g. -a50 for alpha 0.5) from --calib (e.g.
+        /// k2v2-c-g32-x80, k2v2-c-l-dh8, k2v2-c-a50).
         #[arg(long, value_delimiter = ',', default_value = "f16,naive2,k2v2,k4v2")]
         kv: Vec<String>,
         /// cpu, sim, cuda, reference or auto.
         #[arg(long, default_value = "auto")]
         backend: String,
-        /// A calibration file from `rotkv calibrate`, for the methods with -c, -r or -l.
+        /// A calibration file from `rotkv calibrate`, for the methods with -c, -r, -l or -a.
         #[arg(long)]
         calib: Option<PathBuf>,
         /// Tokens per decode step (1 to 64): each step appends this many tokens and decodes
@@ -86,9 +87,10 @@ enum Command {
         /// Tokens from the start of the text.
         #[arg(long, default_value_t = 2048)]
         tokens: usize,
-        /// What to calibrate: center (key means), reorder (channel permutations), optr
-        /// (learned key and value rotations, trained on the centered keys).
-        #[arg(long, value_delimiter = ',', default_value = "center,reorder")]
+        /// What to calibrate: center (key means), reorder (channel permutations), smooth
+        /// (key channel standard deviations, for the smoothing of `-a<alpha %>`), optr
+        /// (learned key and value rotations, trained on the centered, unsmoothed keys).
+        #[arg(long, value_delimiter = ',', default_value = "center,reorder,smooth")]
         methods: Vec<String>,
         /// The KV method (as for `ppl`) whose quantizer the optr rotations are trained
         /// for: its bits, group size, clip ratios, sinks and window.
@@ -602,11 +604,15 @@ fn calibrate(
     path: &std::path::Path,
 ) -> Result<(), CliError> {
     let mut what = model::calibrate::Use::default();
+    // The key channel standard deviations are kept as they are (a cache turns them into
+    // scales with the alpha of its method, `-a<percent>`).
+    let mut keep_std = false;
     for m in methods {
         match m.as_str() {
             "center" => what.center = true,
             "reorder" => what.reorder = true,
             "optr" => what.learned = true,
+            "smooth" => keep_std = true,
             "sinks" => {
                 return Err(CliError::Lib(rotkv::Error::Unsupported(
                     "calibration method \"sinks\": detected sinks are positions of each sequence, found at its prefill \
@@ -616,7 +622,7 @@ fn calibrate(
             }
             other => {
                 return Err(CliError::Lib(rotkv::Error::Unsupported(format!(
-                    "calibration method {other:?} (this build calibrates: center, reorder, optr)"
+                    "calibration method {other:?} (this build calibrates: center, reorder, smooth, optr)"
                 ))));
             }
         }
@@ -636,7 +642,12 @@ fn calibrate(
     let bar = progress(if optr.is_some() { llama.config.layers } else { 0 }, "optr rotations (layers)");
     let mut cal = model::calibrate::calibrate(&llama, &ids, optr.as_ref(), &mut |_| bar.inc(1))?;
     bar.finish_and_clear();
-    cal.layers = (0..cal.layers.len()).map(|l| cal.layer(l, what)).collect();
+    cal.layers = (0..cal.layers.len())
+        .map(|l| rotkv::LayerCalibration {
+            key_scale: if keep_std { cal.layers[l].key_scale.clone() } else { vec![1.0; cal.kv_heads * cal.head_dim] },
+            ..cal.layer(l, what)
+        })
+        .collect();
     let mut facts = vec![
         ("model", file_name(model_path)),
         ("text_file", file_name(text)),

@@ -6,6 +6,12 @@
 //! - Key mean: the mean of the post-RoPE keys over the calibration tokens (positions
 //!   before [`SKIP_POSITIONS`] left out: they are the attention sinks, kept in f16, and
 //!   their keys are outliers that would pull the mean).
+//! - Key channel standard deviation (smoothing, QServe's SmoothAttention idea): per
+//!   channel, the standard deviation `sigma` of the centered keys over the same tokens
+//!   (floored at 1e-6 of the head's mean so it is > 0). A cache smoothing with exponent
+//!   `alpha` divides the centered keys by `s = sigma^alpha / mean(sigma^alpha)` (mean 1
+//!   per head; [`smoothing_scales`]) and multiplies the query by `s`, so attention is
+//!   unchanged and the quantizer sees variance-balanced channels.
 //! - Permutation: rotate the centered keys (values: the values, not centered) by the
 //!   Hadamard transform, measure each rotated channel's root mean square over the
 //!   calibration tokens, and sort the channels by it (ascending), so a group of g
@@ -50,7 +56,11 @@ pub const SKIP_POSITIONS: usize = 4;
 /// What a calibration file holds, per layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Calibration {
-    /// Per layer: key means `[kv_heads][head_dim]`, key and value permutations.
+    /// Per layer: key means `[kv_heads][head_dim]`, key and value permutations, learned
+    /// rotations. In a `Calibration` (the file), [`LayerCalibration::key_scale`] holds
+    /// the key channel standard deviations `sigma` (tensor `layer{L}.key_std`; all ones
+    /// where the file has none), not scales: [`Calibration::layer`] turns them into the
+    /// scales a cache uses when [`Use::smooth`] asks for smoothing.
     pub layers: Vec<LayerCalibration>,
     /// KV heads per layer.
     pub kv_heads: usize,
@@ -69,6 +79,22 @@ pub struct Use {
     pub reorder: bool,
     /// Rotate by the learned (OptR) rotations instead of the Hadamard transform.
     pub learned: bool,
+    /// Smooth the keys with exponent `alpha` given in hundredths (`Some(50)`: alpha 0.5):
+    /// key scales `sigma^alpha` normalized to mean 1 per KV head ([`smoothing_scales`]).
+    pub smooth: Option<u32>,
+}
+
+/// Key scales from channel standard deviations `sigma` (`[kv_heads][head_dim]`, > 0):
+/// `sigma^alpha` (f64) divided by its mean over each head's channels, rounded to f32.
+/// `alpha == 0` or equal `sigma` give ones (no smoothing).
+pub fn smoothing_scales(sigma: &[f32], head_dim: usize, alpha: f64) -> Vec<f32> {
+    let mut out = Vec::with_capacity(sigma.len());
+    for head in sigma.chunks_exact(head_dim) {
+        let p: Vec<f64> = head.iter().map(|&x| (x as f64).powf(alpha)).collect();
+        let mean = p.iter().sum::<f64>() / head_dim as f64;
+        out.extend(p.iter().map(|&x| (x / mean) as f32));
+    }
+    out
 }
 
 impl Calibration {
@@ -78,11 +104,21 @@ impl Calibration {
         let id = LayerCalibration::identity(self.kv_heads, self.head_dim);
         LayerCalibration {
             key_mean: if what.center { full.key_mean.clone() } else { id.key_mean },
+            key_scale: match what.smooth {
+                Some(a) => smoothing_scales(&full.key_scale, self.head_dim, a as f64 / 100.0),
+                None => id.key_scale,
+            },
             key_perm: if what.reorder { full.key_perm.clone() } else { id.key_perm.clone() },
             value_perm: if what.reorder { full.value_perm.clone() } else { id.value_perm },
             key_rotation: if what.learned { full.key_rotation.clone() } else { None },
             value_rotation: if what.learned { full.value_rotation.clone() } else { None },
         }
+    }
+
+    /// Whether the file holds key channel standard deviations (every layer has one that
+    /// is not all ones: [`Use::smooth`] would change nothing otherwise).
+    pub fn has_key_std(&self) -> bool {
+        self.layers.iter().all(|l| l.key_scale.iter().any(|&s| s != 1.0))
     }
 
     /// Whether every layer holds a learned key or value rotation.
@@ -91,7 +127,9 @@ impl Calibration {
     }
 
     /// Serializes to safetensors: `layer{L}.key_mean` (F32 `[kv_heads, head_dim]`),
-    /// `layer{L}.key_perm` and `layer{L}.value_perm` (U16), where present
+    /// `layer{L}.key_perm` and `layer{L}.value_perm` (U16), `layer{L}.key_std` (F32
+    /// `[kv_heads, head_dim]`, the channel standard deviations; left out where all ones),
+    /// where present
     /// `layer{L}.key_rotation` and `layer{L}.value_rotation` (F32 `[kv_heads, head_dim,
     /// head_dim]`, row-major `R`), metadata `format = rotkv-calibration-1` plus
     /// [`Calibration::metadata`].
@@ -106,6 +144,9 @@ impl Calibration {
             push("key_mean", Dtype::F32, vec![h, d], bytemuck::cast_slice(&c.key_mean));
             push("key_perm", Dtype::U16, vec![h, d], bytemuck::cast_slice(&c.key_perm));
             push("value_perm", Dtype::U16, vec![h, d], bytemuck::cast_slice(&c.value_perm));
+            if c.key_scale.iter().any(|&s| s != 1.0) {
+                push("key_std", Dtype::F32, vec![h, d], bytemuck::cast_slice(&c.key_scale));
+            }
             for (name, r) in [("key_rotation", &c.key_rotation), ("value_rotation", &c.value_rotation)] {
                 if let Some(r) = r {
                     push(name, Dtype::F32, vec![h, d, d], bytemuck::cast_slice(r));
@@ -146,7 +187,7 @@ impl Calibration {
         }
         // Every tensor is `layer{L}.{name}` with a known name, and the layers run from 0
         // without a gap: a missing layer is an error, not the end of the file.
-        const NAMES: [&str; 5] = ["key_mean", "key_perm", "value_perm", "key_rotation", "value_rotation"];
+        const NAMES: [&str; 6] = ["key_mean", "key_perm", "value_perm", "key_std", "key_rotation", "value_rotation"];
         let mut n_layers = 0usize;
         for name in st.names() {
             let parsed = name
@@ -188,8 +229,15 @@ impl Calibration {
                 return Err(bad(format!("layer{l}.key_mean is {:?}", mean.dtype())));
             }
             let u16s = |b: Vec<u8>| b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+            // An absent key_std is all ones (no smoothing); a present one is validated as
+            // key scales (finite, > 0) below.
+            let key_std = match st.tensor(&format!("layer{l}.key_std")) {
+                Ok(_) => f32s(get("key_std", safetensors::Dtype::F32)?),
+                Err(_) => vec![1.0; kv_heads * head_dim],
+            };
             let c = LayerCalibration {
                 key_mean: f32s(get("key_mean", safetensors::Dtype::F32)?),
+                key_scale: key_std,
                 key_perm: u16s(get("key_perm", safetensors::Dtype::U16)?),
                 value_perm: u16s(get("value_perm", safetensors::Dtype::U16)?),
                 key_rotation: rotation("key_rotation")?,
@@ -222,7 +270,8 @@ pub fn sort_by_rms(rows: &[f32], d: usize) -> Vec<u16> {
 }
 
 /// Calibration of one layer from its keys and values `[tokens][kv_heads][head_dim]`
-/// (post-RoPE keys); positions before [`SKIP_POSITIONS`] are left out.
+/// (post-RoPE keys); positions before [`SKIP_POSITIONS`] are left out. `key_scale`
+/// holds the key channel standard deviations (see [`Calibration::layers`]).
 pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -> Result<LayerCalibration> {
     crate::config::check_head_dim(head_dim)?;
     if kv_heads == 0 {
@@ -253,6 +302,14 @@ pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -
             vr.extend(rotate(head(v, p).iter().map(|&x| x as f64).collect()));
         }
         out.key_mean[h * d..(h + 1) * d].iter_mut().zip(&mean).for_each(|(o, &m)| *o = m as f32);
+        let mut var = vec![0f64; d];
+        for p in SKIP_POSITIONS..t {
+            var.iter_mut().zip(head(k, p)).zip(&mean).for_each(|((s, x), m)| *s += (x as f64 - m).powi(2));
+        }
+        let sigma: Vec<f64> = var.iter().map(|&s| (s / used as f64).sqrt()).collect();
+        let floor = (1e-6 * sigma.iter().sum::<f64>() / d as f64).max(f64::MIN_POSITIVE);
+        let std = out.key_scale[h * d..(h + 1) * d].iter_mut();
+        std.zip(&sigma).for_each(|(o, &s)| *o = (s.max(floor) as f32).max(f32::MIN_POSITIVE));
         out.key_perm[h * d..(h + 1) * d].copy_from_slice(&sort_by_rms(&kr, d));
         out.value_perm[h * d..(h + 1) * d].copy_from_slice(&sort_by_rms(&vr, d));
     }
@@ -260,7 +317,7 @@ pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -
 }
 
 /// Runs `tokens` through the model (exact attention) and calibrates every layer: key
-/// means and permutations, and with `optr` the learned key and value rotations too
+/// means, key channel standard deviations and permutations, and with `optr` the learned key and value rotations too
 /// (trained on the centered keys; see [`super::optr`]). `progress(layer)` is called as
 /// each layer's rotations are done.
 pub fn calibrate(
@@ -369,7 +426,10 @@ mod tests {
         let bytes = cal.to_safetensors().unwrap();
         let back = Calibration::from_safetensors(&bytes).unwrap();
         assert_eq!(back.layers, cal.layers);
-        assert_eq!(back.layer(1, Use { center: false, reorder: true, learned: false }).key_mean, vec![0.0; 192]);
+        assert_eq!(
+            back.layer(1, Use { center: false, reorder: true, learned: false, smooth: None }).key_mean,
+            vec![0.0; 192]
+        );
         assert!(Calibration::from_safetensors(b"not a file").is_err());
         // A permutation that is not one is refused.
         let mut broken = cal.clone();
@@ -407,5 +467,66 @@ mod tests {
         assert!(bad.layers[1].validate(h, d).is_err());
         bad.layers[1].value_rotation = Some(vec![0.5; 10]);
         assert!(bad.layers[1].validate(h, d).is_err());
+    }
+
+    #[test]
+    fn key_std_round_trip_smoothing_scales_and_bad_values() {
+        let (h, d) = (3, 64);
+        let mut c = LayerCalibration::identity(h, d);
+        c.key_scale.iter_mut().enumerate().for_each(|(i, s)| *s = 0.5 + (i % 13) as f32 * 0.75);
+        let cal = Calibration { layers: vec![c.clone(), c], kv_heads: h, head_dim: d, metadata: BTreeMap::new() };
+        let back = Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
+        assert_eq!(back.layers, cal.layers);
+        assert!(back.has_key_std());
+        // No key_std tensor (an older file, or not calibrated): ones, and no smoothing.
+        let plain = Calibration { layers: vec![LayerCalibration::identity(h, d); 2], ..cal.clone() };
+        let bytes = plain.to_safetensors().unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert!(st.tensor("layer0.key_std").is_err());
+        let back_plain = Calibration::from_safetensors(&bytes).unwrap();
+        assert!(!back_plain.has_key_std());
+        let smooth = Use { smooth: Some(50), ..Use::default() };
+        assert_eq!(back_plain.layer(1, smooth).key_scale, vec![1.0; h * d]);
+        // Scales: sigma^alpha normalized to mean 1 per head; alpha 0 is no smoothing.
+        let s = back.layer(1, smooth).key_scale;
+        for (head, sigma) in s.chunks_exact(d).zip(cal.layers[1].key_scale.chunks_exact(d)) {
+            let mean = head.iter().map(|&x| x as f64).sum::<f64>() / d as f64;
+            assert!((mean - 1.0).abs() < 1e-6, "{mean}");
+            let r = |c: usize| head[c] as f64 / (sigma[c] as f64).sqrt();
+            assert!((1..d).all(|c| (r(c) / r(0) - 1.0).abs() < 1e-6));
+        }
+        assert_eq!(back.layer(1, Use { smooth: Some(0), ..Use::default() }).key_scale, vec![1.0; h * d]);
+        assert_eq!(back.layer(1, Use::default()).key_scale, vec![1.0; h * d]);
+        // Zero, negative, NaN and infinite standard deviations are refused.
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let mut broken = cal.clone();
+            broken.layers[1].key_scale[5] = bad;
+            let e = Calibration::from_safetensors(&broken.to_safetensors().unwrap()).unwrap_err();
+            assert!(matches!(e, Error::Calibration(_)) && e.to_string().contains("key_scale"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn key_std_of_synthetic_keys() {
+        // Channel c of head 0 has standard deviation about (1 + c % 4); head 1 has a
+        // constant channel 9 (sigma 0: floored, still > 0).
+        let (hkv, d, t) = (2, 64, 400);
+        let mut k = vec![0f32; t * hkv * d];
+        for p in 0..t {
+            let sign = if (p * 2654435761) % 7 < 3 { -1.0 } else { 1.0 };
+            for c in 0..d {
+                let w = (((p * 31 + c * 17) % 23) as f32 / 22.0 - 0.5) * 2.0 * 3f32.sqrt() * sign;
+                k[p * hkv * d + c] = 2.0 + w * (1 + c % 4) as f32;
+                k[p * hkv * d + d + c] = if c == 9 { 4.0 } else { w };
+            }
+        }
+        let cal = calibrate_layer(&k, &k, hkv, d).unwrap();
+        cal.validate(hkv, d).unwrap();
+        for c in 0..d {
+            let r = cal.key_scale[c] / cal.key_scale[c % 4];
+            assert!((r - 1.0).abs() < 0.2, "channel {c}: {}", cal.key_scale[c]);
+        }
+        assert!(cal.key_scale[3] > 2.5 * cal.key_scale[0]);
+        assert!(cal.key_scale[d + 9] > 0.0 && cal.key_scale[d + 9] < 1e-5);
     }
 }

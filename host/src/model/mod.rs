@@ -64,7 +64,7 @@ pub struct KvMethod {
     /// Whether tokens are quantized at all.
     pub quantized: bool,
     /// Which parts of a calibration file the method uses (`-c`: key centering, `-r`:
-    /// channel reordering, `-l`: learned rotations).
+    /// channel reordering, `-l`: learned rotations, `-a<alpha %>`: key smoothing).
     pub calib: calibrate::Use,
     /// Online key centering (`-o<N>`): each sequence's key mean from its own first N
     /// tokens (see [`perplexity`]).
@@ -92,7 +92,10 @@ impl KvMethod {
     /// first [`DETECT_PREFILL`] tokens, see [`sinks`]), and `-c` (subtract the
     /// calibrated key means), `-r` (apply the calibrated channel permutations), `-l`
     /// (rotate by the calibrated OptR rotations instead of the Hadamard transform; not
-    /// with `-r`). `ctx` sizes the window of `f16`.
+    /// with `-r`), `-a<percent>` (smooth the keys: divide each centered key channel by the
+    /// calibrated channel standard deviation raised to alpha = percent / 100, normalized
+    /// to mean 1, and multiply the query by the same; `-a50` is alpha 0.5; see
+    /// [`calibrate::smoothing_scales`]). `ctx` sizes the window of `f16`.
     pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
         let mut parts = name.split('-');
         let base = parts.next().unwrap_or("");
@@ -162,6 +165,7 @@ impl KvMethod {
                 "x" if quantized => config.key_clip = n as f32 / 100.0,
                 "y" if quantized => config.value_clip = n as f32 / 100.0,
                 "v" if quantized => config.channel_norm = n as u32,
+                "a" if quantized && n <= 400 => calib.smooth = Some(n as u32),
                 _ => return Err(unknown(name)),
             }
         }
@@ -173,6 +177,13 @@ impl KvMethod {
             // The calibrated permutations sort Hadamard-rotated channels; a learned rotation
             // already chooses which directions share a group.
             return Err(Error::Value(format!("{name}: -l (learned rotations) and -r (reordering) do not combine")));
+        }
+        if calib.smooth.is_some() && (calib.learned || calib.reorder) {
+            // Both are calibrated on the centered keys without smoothing: the permutation
+            // sorts their rotated channels, the learned rotations are trained on them.
+            return Err(Error::Value(format!(
+                "{name}: -a (key smoothing) does not combine with -r or -l (calibrated on unsmoothed keys)"
+            )));
         }
         Ok(Self { name: name.to_string(), config, quantized, calib, online, detect })
     }
@@ -198,7 +209,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %>"
     ))
 }
 
@@ -303,6 +314,12 @@ pub fn perplexity(
             if method.calib.learned && !cal.has_learned_rotations() {
                 return Err(Error::Calibration(format!(
                     "method {} uses learned rotations; the calibration has none (rotkv calibrate --methods optr)",
+                    method.name
+                )));
+            }
+            if method.calib.smooth.is_some() && !cal.has_key_std() {
+                return Err(Error::Calibration(format!(
+                    "method {} smooths the keys; the calibration has no key_std (rotkv calibrate --methods smooth)",
                     method.name
                 )));
             }
