@@ -3,7 +3,7 @@
 //! On `nvptx64` it is `Nvptx`: special registers and `bar.sync` through
 //! `core::arch::nvptx`, `shfl.sync` through LLVM's (convergent) NVVM intrinsics, loads and
 //! `mma.sync` through `asm!`. On the host the SIMT emulator (`sim` feature,
-//! `crate::sim`) implements it with one OS thread per GPU thread, so the same kernel body
+//! `crate::sim`) implements it with one coroutine per GPU thread, so the same kernel body
 //! runs on both. Blocks are one-dimensional (`threadIdx.x` only); grids are 3-D.
 
 /// Threads per warp.

@@ -1,8 +1,16 @@
-//! The SIMT emulator (feature `sim`): runs a kernel body on the CPU with one OS thread per
-//! GPU thread, so the device code is tested without a GPU through the same launch
-//! geometry the CUDA backend uses.
+//! The SIMT emulator (feature `sim`): runs a kernel body on the CPU, each GPU thread a
+//! stackful coroutine (`corosensei`) on the launching OS thread, so the device code is
+//! tested without a GPU through the same launch geometry the CUDA backend uses.
 //!
-//! - Blocks run one after another; the threads of a block run concurrently.
+//! - Blocks run one after another; the threads of a block are interleaved at their
+//!   barriers and warp operations: a thread that waits yields to the next (a switch
+//!   costs nanoseconds, against microseconds for the futex wake-up and context switch of
+//!   the one-OS-thread-per-GPU-thread scheme this replaced, which on two cores spent
+//!   most of the test suite's time in the kernel). Under Miri (no stack switching) each
+//!   GPU thread is an OS thread, as before, with the same barriers.
+//! - A launch where every waiting thread waits for threads that never come (a
+//!   deadlock, for example half a warp at a shuffle and the other half at
+//!   `sync_threads`) is an error, not a hang: the waiters panic out of their barrier.
 //! - `sync_threads` is a real barrier. Every thread of the block must pass the same
 //!   barriers: a thread that finishes releases the barrier it would have held up (no
 //!   hang), and the launch then reports a divergent barrier (threads that passed
@@ -27,6 +35,22 @@ use std::string::{String, ToString};
 use std::sync::OnceLock;
 use std::thread::Thread;
 use std::vec::Vec;
+
+/// What a waiting emulated thread suspends to: the coroutine scheduler of its launch
+/// (`None` when each emulated thread is an OS thread, which parks instead).
+type Yield<'a> = Option<&'a corosensei::Yielder<(), ()>>;
+
+std::thread_local! {
+    /// Barrier openings and passages on this OS thread: the coroutine scheduler's
+    /// measure of progress (a round of resumptions that moves nothing is a deadlock).
+    static PROGRESS: core::cell::Cell<u64> = const { core::cell::Cell::new(0) };
+    /// Set by the scheduler when it found a deadlock: every waiter then panics.
+    static DEADLOCK: core::cell::Cell<bool> = const { core::cell::Cell::new(false) };
+}
+
+fn progress() {
+    PROGRESS.with(|p| p.set(p.get().wrapping_add(1)));
+}
 
 /// Why a launch failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,14 +131,31 @@ impl SimBarrier {
     }
 
     /// Waits until every running member arrived; `me` is the caller's index in `members`.
-    fn wait(&self, members: &[OnceLock<Thread>], me: usize) {
+    /// A coroutine (`yielder`) suspends until then; an OS thread yields, then parks.
+    fn wait(&self, members: &[OnceLock<Thread>], me: usize, yielder: Yield<'_>) {
         let (s, opened) = self.update(|arrived, running| (arrived + 1, running));
         if opened {
+            progress();
             Self::open(members, me);
             return;
         }
         let generation = s >> 32;
         let closed = || self.state.load(Ordering::SeqCst) >> 32 == generation;
+        if let Some(y) = yielder {
+            loop {
+                if !closed() {
+                    progress();
+                    return;
+                }
+                if DEADLOCK.with(|d| d.get()) {
+                    panic!(
+                        "deadlock: every waiting thread of the block waits at a barrier the others never reach \
+                         (a divergent sync_threads or warp operation)"
+                    );
+                }
+                y.suspend(());
+            }
+        }
         for _ in 0..YIELDS {
             if !closed() {
                 return;
@@ -130,6 +171,7 @@ impl SimBarrier {
     fn leave(&self, members: &[OnceLock<Thread>], me: usize) {
         let (_, opened) = self.update(|arrived, running| (arrived, running - 1));
         if opened {
+            progress();
             Self::open(members, me);
         }
     }
@@ -218,8 +260,11 @@ pub struct SimCtx<'a> {
     block_dim: u32,
     grid_dim: [u32; 3],
     block: &'a Block,
-    /// The OS threads serving the block's threads, by thread index (for unparking).
+    /// The OS threads serving the block's threads, by thread index (for unparking; unset
+    /// when the threads are coroutines).
     members: &'a [OnceLock<Thread>],
+    /// The coroutine scheduler to suspend to at a barrier (`None`: an OS thread).
+    yielder: Yield<'a>,
     cp_async: RefCell<CpAsync>,
 }
 
@@ -245,7 +290,7 @@ impl SimCtx<'_> {
         let tag = n.wrapping_shl(1) | kind;
         mine[0].store(tag, Ordering::SeqCst);
         let base = (self.thread / WARP * WARP) as usize;
-        warp.barrier.wait(&self.members[base..base + WARP as usize], self.lane() as usize);
+        warp.barrier.wait(&self.members[base..base + WARP as usize], self.lane() as usize, self.yielder);
         (slots, tag)
     }
 
@@ -298,7 +343,7 @@ impl Ctx for SimCtx<'_> {
     }
     fn sync_threads(&self) {
         self.block.passed[self.thread as usize].0.fetch_add(1, Ordering::SeqCst);
-        self.block.barrier.wait(self.members, self.thread as usize);
+        self.block.barrier.wait(self.members, self.thread as usize, self.yielder);
     }
     fn shfl_xor(&self, v: f32, mask: u32) -> f32 {
         f32::from_bits(self.shuffle(v.to_bits(), self.lane() ^ mask))
@@ -402,9 +447,10 @@ pub const GRID_YZ_MAX: u32 = 65535;
 /// Runs `kernel` on a `grid` of blocks of `block_dim` threads (a multiple of 32, at most
 /// 1024) with `shared_bytes` of dynamic shared memory per block, at most
 /// [`SHARED_DEFAULT_MAX`] (48 KiB; see [`launch_with`] to opt in to more). `block_dim`
-/// OS threads serve every block in turn (thread `t` of each block), so blocks overlap in
-/// time without sharing state; a panic in one block is reported, and its thread still
-/// visits the other blocks, so no barrier waits for it forever.
+/// coroutines (OS threads under Miri) serve every block in turn (thread `t` of each
+/// block), so blocks overlap in time without sharing state; a panic in one block is
+/// reported, and its thread still visits the other blocks, so no barrier waits for it
+/// forever.
 ///
 /// The device's launch limits are errors here too: a grid dimension of 0, `gridDim.x`
 /// above [`GRID_X_MAX`], `gridDim.y` or `.z` above [`GRID_YZ_MAX`].
@@ -461,34 +507,46 @@ where
         (0..grid[2]).flat_map(|z| (0..grid[1]).flat_map(move |y| (0..grid[0]).map(move |x| [x, y, z]))).collect();
     let blocks: Vec<Block> = indices.iter().map(|_| Block::new(block_dim, shared_bytes)).collect();
     let members: Vec<OnceLock<Thread>> = (0..block_dim).map(|_| OnceLock::new()).collect();
+    // Thread `thread` of every block in turn; the failures (block, message).
+    let lane = |thread: u32, yielder: Yield<'_>| -> Vec<(usize, String)> {
+        let mut failed = Vec::new();
+        for (b, block) in blocks.iter().enumerate() {
+            let _leave = Leave(block, &members, thread);
+            let ctx = SimCtx {
+                thread,
+                block_idx: indices[b],
+                block_dim,
+                grid_dim: grid,
+                block,
+                members: &members,
+                yielder,
+                cp_async: RefCell::default(),
+            };
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&ctx))) {
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a thread panicked".into());
+                failed.push((b, msg));
+            }
+        }
+        failed
+    };
+    #[cfg(not(miri))]
+    let failures: Vec<(usize, String)> = fibers::run(block_dim as usize, |t, y| lane(t as u32, Some(y)))
+        .map_err(SimError)?
+        .into_iter()
+        .flatten()
+        .collect();
+    #[cfg(miri)]
     let failures: Vec<(usize, String)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..block_dim)
             .map(|thread| {
-                let (blocks, indices, kernel, members) = (&blocks, &indices, &kernel, &members[..]);
-                std::thread::Builder::new().stack_size(256 << 10).spawn_scoped(s, move || {
+                let (lane, members) = (&lane, &members[..]);
+                std::thread::Builder::new().stack_size(STACK_BYTES).spawn_scoped(s, move || {
                     let _ = members[thread as usize].set(std::thread::current());
-                    let mut failed = Vec::new();
-                    for (b, block) in blocks.iter().enumerate() {
-                        let _leave = Leave(block, members, thread);
-                        let ctx = SimCtx {
-                            thread,
-                            block_idx: indices[b],
-                            block_dim,
-                            grid_dim: grid,
-                            block,
-                            members,
-                            cp_async: RefCell::default(),
-                        };
-                        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&ctx))) {
-                            let msg = p
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| p.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "a thread panicked".into());
-                            failed.push((b, msg));
-                        }
-                    }
-                    failed
+                    lane(thread, None)
                 })
             })
             .collect();
@@ -509,6 +567,93 @@ where
         block.check_convergence().map_err(|e| SimError(format!("block ({x}, {y}, {z}): {e}")))?;
     }
     Ok(())
+}
+
+/// Stack of one emulated thread (a coroutine's, or an OS thread's under Miri).
+const STACK_BYTES: usize = 256 << 10;
+
+/// The emulated threads of a launch as stackful coroutines on the calling OS thread.
+#[cfg(not(miri))]
+mod fibers {
+    use super::{DEADLOCK, PROGRESS, STACK_BYTES};
+    use corosensei::stack::DefaultStack;
+    use corosensei::{CoroutineResult, ScopedCoroutine, ScopedCoroutineRef, Yielder};
+    use std::cell::RefCell;
+    use std::format;
+    use std::string::String;
+    use std::vec::Vec;
+
+    type Lane<'a, R> = ScopedCoroutine<'a, (), (), R, &'a mut DefaultStack>;
+    type LaneRef<'s, 'a, R> = ScopedCoroutineRef<'s, (), (), R, &'a mut DefaultStack>;
+
+    std::thread_local! {
+        /// Coroutine stacks kept between launches on this OS thread (mapping a fresh
+        /// stack per emulated thread per launch costs three system calls).
+        static STACKS: RefCell<Vec<DefaultStack>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Runs `body(t, yielder)` for `t` in `0..n`, each in its own coroutine, resuming
+    /// them in turn until all return (a body suspends at a barrier it must wait at).
+    /// A round of resumptions in which no barrier opens or passes and no body returns
+    /// is a deadlock: [`DEADLOCK`] is raised, so the waiters panic out of their barriers
+    /// (their bodies catch it as a launch failure) and the bodies still return.
+    pub(super) fn run<R>(n: usize, body: impl Fn(usize, &Yielder<(), ()>) -> R) -> Result<Vec<R>, String> {
+        let mut stacks = STACKS.with(|s| {
+            let mut s = s.borrow_mut();
+            let keep = s.len().saturating_sub(n);
+            s.split_off(keep)
+        });
+        while stacks.len() < n {
+            stacks.push(DefaultStack::new(STACK_BYTES).map_err(|e| format!("cannot map a thread stack: {e}"))?);
+        }
+        let body = &body;
+        let lanes: Vec<Lane<'_, R>> = stacks
+            .iter_mut()
+            .enumerate()
+            .rev()
+            .map(|(t, stack)| ScopedCoroutine::with_stack(stack, move |y: &Yielder<(), ()>, ()| body(t, y)))
+            .collect();
+        DEADLOCK.with(|d| d.set(false));
+        let out = nest(lanes, Vec::new());
+        DEADLOCK.with(|d| d.set(false));
+        STACKS.with(|s| s.borrow_mut().append(&mut stacks));
+        Ok(out)
+    }
+
+    /// Opens the scope of each coroutine in `lanes` (last first), then schedules them all.
+    fn nest<'a, R>(mut lanes: Vec<Lane<'a, R>>, refs: Vec<LaneRef<'_, 'a, R>>) -> Vec<R> {
+        match lanes.pop() {
+            None => schedule(refs),
+            Some(lane) => lane.scope(|r| {
+                let mut refs = refs;
+                refs.push(r);
+                nest(lanes, refs)
+            }),
+        }
+    }
+
+    fn schedule<R>(mut lanes: Vec<LaneRef<'_, '_, R>>) -> Vec<R> {
+        let mut out: Vec<Option<R>> = lanes.iter().map(|_| None).collect();
+        let mut left = lanes.len();
+        while left > 0 {
+            let before = PROGRESS.with(|p| p.get());
+            let mut returned = false;
+            for (lane, out) in lanes.iter_mut().zip(out.iter_mut()) {
+                if out.is_some() {
+                    continue;
+                }
+                if let CoroutineResult::Return(r) = lane.resume(()) {
+                    *out = Some(r);
+                    left -= 1;
+                    returned = true;
+                }
+            }
+            if !returned && PROGRESS.with(|p| p.get()) == before {
+                DEADLOCK.with(|d| d.set(true));
+            }
+        }
+        out.into_iter().map(|r| r.expect("every lane returned")).collect()
+    }
 }
 
 #[cfg(test)]

@@ -267,8 +267,8 @@ pub fn backends() -> Vec<Backend> {
         .collect()
 }
 
-/// Whether `backend` runs device kernels on the SIMT emulator (one OS thread per GPU
-/// thread: slow, so the suite gives it its smaller cases).
+/// Whether `backend` runs device kernels on the SIMT emulator (every GPU thread
+/// emulated, one at a time: slow, so the suite gives it its smaller cases).
 pub fn emulated(backend: Backend) -> bool {
     backend == Backend::Sim
 }

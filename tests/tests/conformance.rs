@@ -906,7 +906,7 @@ fn multi_token_decode_matches_reference_and_one_token_decodes() {
                 .collect();
             protect.sort_unstable();
             protect.dedup();
-            // The emulator takes a few short cases (one OS thread per GPU thread).
+            // The emulator takes a few short cases (it runs every GPU thread in turn).
             let emulate = matches!((q_len, len), (1, 2) | (2, 3) | (5, 52) | (8, 8));
             let splits = [None, Some(1), Some(3), Some(len as u32)];
             rows_case(config, gqa[i % 3], len, q_len, &protect, 1000 + 10 * q_len as u64 + j as u64, &splits, emulate);

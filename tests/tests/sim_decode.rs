@@ -1,7 +1,7 @@
 //! The `decode_split` device kernel, run by the SIMT emulator, against the reference's
 //! split-K partials on the same bytes, and merged by the emulated `decode_merge` against
-//! the reference decode. Sizes stay small: the emulator runs one OS thread per GPU
-//! thread and two barriers per shuffle.
+//! the reference decode. Sizes stay small: the emulator runs every GPU thread in
+//! turn, switching at each barrier and shuffle.
 
 use rotkv::paged::{self, LayerShape};
 use rotkv::reference::{self, SeqRef};

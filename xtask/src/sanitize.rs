@@ -22,10 +22,12 @@
 //!   the portable path runs), the integration suites (hours when interpreted), the
 //!   CUDA backend (a foreign library).
 //! - ASan (nightly, `-Zsanitizer=address`, std as shipped, its own target directory):
-//!   the host crate's unit tests and the integration suites [`ASAN_SUITES`] (cache and
+//!   the kernel and host crates' unit tests and the integration suites [`ASAN_SUITES`] (cache and
 //!   paged API, device API, conformance, properties with [`ASAN_PROPTEST_CASES`] random
 //!   cases, reliability) on reference, cpu and the emulated device kernels, without the
-//!   tests in [`ASAN_SKIP`].
+//!   tests in [`ASAN_SKIP`]; the emulator's coroutine stack switches are announced to
+//!   ASan (feature `rotkv-kernels/sim-asan`). Under Miri the emulator runs each GPU
+//!   thread as an OS thread instead (Miri cannot switch stacks).
 
 use crate::{Step, cargo, nightly, root, tally};
 use std::path::Path;
@@ -228,7 +230,10 @@ fn asan() -> Result<(), Step> {
     // minute): ASan still sees every access our code makes, to heap memory std allocated
     // too (its allocator calls are intercepted); what it does not see are accesses made
     // inside std's own code.
-    let mut c = nightly(&["cargo", "test", "--target", FUZZ_TRIPLE, "-p", "rotkv", "-p", "rotkv-tests", "--lib"]);
+    // `sim-asan`: the emulator's coroutine stack switches announced to ASan.
+    let mut c =
+        nightly(&["cargo", "test", "--target", FUZZ_TRIPLE, "-p", "rotkv", "-p", "rotkv-tests", "-p", "rotkv-kernels"]);
+    c.args(["--features", "rotkv-kernels/sim-asan", "--lib"]);
     for suite in ASAN_SUITES {
         c.args(["--test", suite]);
     }
