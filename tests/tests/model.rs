@@ -834,3 +834,36 @@ fn sentencepiece_merges_by_score_with_byte_fallback() {
     }
     assert!(tok.add_bos && tok.bos_prefix() == [1]);
 }
+
+#[test]
+fn smollm2_passkey_prompts_and_a_short_retrieval() {
+    use rotkv::model::passkey::{self, PasskeyOptions};
+    let Some((m, tok)) = real() else { return };
+    // The needle moves back with the depth; every prompt fits the budget.
+    let mut at = Vec::new();
+    for depth in [0, 50, 100] {
+        let p = passkey::prompt(&tok, 300, depth, 12345).unwrap();
+        assert!(p.haystack.len() + p.question.len() <= 300);
+        assert!(p.haystack.len() + p.question.len() > 300 - 40, "filler fills the budget");
+        assert_eq!(p.question, tok.encode(passkey::QUESTION).unwrap());
+        let text = tok.decode(&p.haystack).unwrap();
+        assert!(text.starts_with(passkey::INSTRUCTION), "{text:?}");
+        at.push(text.find(&passkey::needle(12345)).expect("the needle is in the haystack"));
+    }
+    assert!(at[0] < at[1] && at[1] < at[2], "{at:?}");
+    assert!(passkey::prompt(&tok, 300, 101, 1).is_err());
+    assert!(passkey::prompt(&tok, 40, 50, 1).is_err(), "no room for filler");
+    // One short retrieval: the f16 cache finds the key (measured: it does at 400 tokens,
+    // depth 50, seed 1; so does k2v2, which is printed, not asserted).
+    let methods: Vec<_> = ["f16", "k2v2"].iter().map(|s| KvMethod::parse(s, 64, 420).unwrap()).collect();
+    let opts =
+        PasskeyOptions { backend: Backend::Cpu, calibration: None, tokens: 400, depths: vec![50], trials: 1, seed: 1 };
+    let r = passkey::passkey(&m, &tok, &methods, &opts, &mut |_, _| {}).unwrap();
+    eprintln!("{r:?}");
+    assert_eq!(r.len(), 2);
+    assert!(r[0].correct, "{:?}", r[0]);
+    // Methods that need a per-window prefill are refused.
+    let online = [KvMethod::parse("k2v2-o16", 64, 420).unwrap()];
+    assert!(passkey::passkey(&m, &tok, &online, &opts, &mut |_, _| {}).is_err());
+    assert!(passkey::passkey(&m, &tok, &[], &opts, &mut |_, _| {}).is_err());
+}

@@ -125,6 +125,38 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Passkey retrieval: a number hidden in filler text at several depths, the haystack
+    /// prefilled into each method's cache, the question and the greedy answer decoded
+    /// through it; prints the accuracy per method and depth.
+    Passkey {
+        /// A llama, qwen2 or qwen3 GGUF file.
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt length in tokens (at most).
+        #[arg(long, default_value_t = 2048)]
+        tokens: usize,
+        /// Needle depths in percent of the filler.
+        #[arg(long, value_delimiter = ',', default_value = "0,25,50,75,100")]
+        depths: Vec<u32>,
+        /// Keys tried at each depth.
+        #[arg(long, default_value_t = 2)]
+        trials: usize,
+        /// Seed of the keys.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// KV methods (as for `ppl`; no -o or -d..).
+        #[arg(long, value_delimiter = ',', default_value = "f16,k2v2,k4v2")]
+        kv: Vec<String>,
+        /// cpu, sim, cuda, reference or auto.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// A calibration file from `rotkv calibrate`, for the methods with -c, -r, -l or -a.
+        #[arg(long)]
+        calib: Option<PathBuf>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Greedy continuation of a prompt, decoding from the rotkv cache.
     Generate {
         /// A llama, qwen2 or qwen3 GGUF file.
@@ -180,6 +212,10 @@ fn main() -> ExitCode {
         }
         Command::Capture { model, text, tokens, layers, out: path } => {
             capture(&mut out, &model, &text, tokens, &layers, &path)
+        }
+        Command::Passkey { model, tokens, depths, trials, seed, kv, backend, calib, json } => {
+            let run = PasskeyRun { tokens, depths, trials, seed };
+            passkey(&mut out, &model, &run, &kv, &backend, calib.as_deref(), json)
         }
         Command::Generate { model, prompt, tokens, kv, backend } => {
             generate(&mut out, &model, &prompt, tokens, &kv, &backend)
@@ -591,6 +627,91 @@ fn generate(
     let method = model::KvMethod::parse(kv, llama.config.head_dim, total)?;
     let new = model::generate(&llama, &ids, tokens, method.config, backend)?;
     writeln!(out, "{prompt}{}", tok.decode(&new)?)?;
+    Ok(())
+}
+
+/// `rotkv passkey`'s prompt set.
+struct PasskeyRun {
+    tokens: usize,
+    depths: Vec<u32>,
+    trials: usize,
+    seed: u64,
+}
+
+fn passkey(
+    out: &mut Out,
+    model_path: &std::path::Path,
+    run: &PasskeyRun,
+    kv: &[String],
+    backend: &str,
+    calib: Option<&std::path::Path>,
+    json: bool,
+) -> Result<(), CliError> {
+    use model::passkey::{PasskeyOptions, passkey};
+    let backend = Backend::parse(backend)?;
+    let calibration = calib.map(model::calibrate::Calibration::load).transpose()?;
+    let (llama, tok) = load_model(model_path)?;
+    let methods = kv
+        .iter()
+        .map(|m| model::KvMethod::parse(m, llama.config.head_dim, run.tokens + model::passkey::ANSWER_TOKENS))
+        .collect::<rotkv::Result<Vec<_>>>()?;
+    let opts = PasskeyOptions {
+        backend,
+        calibration,
+        tokens: run.tokens,
+        depths: run.depths.clone(),
+        trials: run.trials,
+        seed: run.seed,
+    };
+    let bar = progress(methods.len() * run.depths.len() * run.trials, "passkey prompts");
+    let started = Instant::now();
+    let results = passkey(&llama, &tok, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
+    bar.finish_and_clear();
+    let correct = |m: &str, d: Option<u32>| {
+        let hits = results.iter().filter(|r| r.method == m && d.is_none_or(|d| r.depth == d));
+        let (n, ok) = hits.fold((0, 0), |(n, ok), r| (n + 1, ok + r.correct as usize));
+        (ok, n)
+    };
+    if json {
+        let rows: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "method": r.method, "depth": r.depth, "key": r.key, "prompt_tokens": r.prompt_tokens,
+                    "answer": r.answer, "correct": r.correct,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "model": file_name(model_path), "tokens": run.tokens, "depths": run.depths, "trials": run.trials,
+            "seed": run.seed, "backend": backend.name(), "calib": calib.map(file_name), "results": rows,
+        });
+        writeln!(out, "{doc}")?;
+        return Ok(());
+    }
+    let longest = results.iter().map(|r| r.prompt_tokens).max().unwrap_or(0);
+    writeln!(
+        out,
+        "{}: passkey, prompts of at most {longest} tokens, {} keys per depth, backend {}, {:.0} s",
+        file_name(model_path),
+        run.trials,
+        backend.name(),
+        started.elapsed().as_secs_f64()
+    )?;
+    write!(out, "{:<16}", "method")?;
+    for d in &run.depths {
+        write!(out, " {:>7}", format!("{d}%"))?;
+    }
+    writeln!(out, " {:>9}", "all")?;
+    for m in &methods {
+        write!(out, "{:<16}", m.name)?;
+        for &d in &run.depths {
+            let (ok, n) = correct(&m.name, Some(d));
+            write!(out, " {:>7}", format!("{ok}/{n}"))?;
+        }
+        let (ok, n) = correct(&m.name, None);
+        writeln!(out, " {:>9}", format!("{ok}/{n}"))?;
+    }
     Ok(())
 }
 

@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod llama;
 pub mod math;
 pub mod optr;
+pub mod passkey;
 pub mod sinks;
 pub mod tokenizer;
 
@@ -292,41 +293,7 @@ pub fn perplexity(
     let mut caches = Vec::new();
     let mut slots = Vec::new();
     for (m, method) in methods.iter().enumerate() {
-        if method.config.head_dim != c.head_dim {
-            return Err(Error::Shape(format!("method {} has head_dim {}", method.name, method.config.head_dim)));
-        }
-        let mut cache = KvCache::new(method.config, shape, opts.backend)?;
-        if method.calib != calibrate::Use::default() {
-            let cal = opts.calibration.as_ref().ok_or_else(|| {
-                Error::Calibration(format!("method {} uses a calibration and none was given", method.name))
-            })?;
-            if cal.layers.len() != c.layers || cal.kv_heads != c.kv_heads || cal.head_dim != c.head_dim {
-                return Err(Error::Calibration(format!(
-                    "calibration for {} layers x {} KV heads x {} channels; the model has {} x {} x {}",
-                    cal.layers.len(),
-                    cal.kv_heads,
-                    cal.head_dim,
-                    c.layers,
-                    c.kv_heads,
-                    c.head_dim
-                )));
-            }
-            if method.calib.learned && !cal.has_learned_rotations() {
-                return Err(Error::Calibration(format!(
-                    "method {} uses learned rotations; the calibration has none (rotkv calibrate --methods optr)",
-                    method.name
-                )));
-            }
-            if method.calib.smooth.is_some() && !cal.has_key_std() {
-                return Err(Error::Calibration(format!(
-                    "method {} smooths the keys; the calibration has no key_std (rotkv calibrate --methods smooth)",
-                    method.name
-                )));
-            }
-            for l in 0..c.layers {
-                cache.set_calibration(l, cal.layer(l, method.calib))?;
-            }
-        }
+        let mut cache = method_cache(c, method, shape, opts.backend, opts.calibration.as_ref())?;
         for _ in windows {
             slots.push((m, cache.add_sequence()?));
         }
@@ -451,6 +418,54 @@ fn neg_log_softmax(logits: &[f32], target: usize) -> f64 {
     m + sum.ln() - logits[target] as f64
 }
 
+/// A cache for `method` of `shape` on `backend`, with the method's part of
+/// `calibration` set on every layer (an error when the method needs a calibration that
+/// is missing or does not fit the model).
+pub(crate) fn method_cache(
+    c: &llama::LlamaConfig,
+    method: &KvMethod,
+    shape: CacheShape,
+    backend: Backend,
+    calibration: Option<&calibrate::Calibration>,
+) -> Result<KvCache> {
+    if method.config.head_dim != c.head_dim {
+        return Err(Error::Shape(format!("method {} has head_dim {}", method.name, method.config.head_dim)));
+    }
+    let mut cache = KvCache::new(method.config, shape, backend)?;
+    if method.calib != calibrate::Use::default() {
+        let cal = calibration.ok_or_else(|| {
+            Error::Calibration(format!("method {} uses a calibration and none was given", method.name))
+        })?;
+        if cal.layers.len() != c.layers || cal.kv_heads != c.kv_heads || cal.head_dim != c.head_dim {
+            return Err(Error::Calibration(format!(
+                "calibration for {} layers x {} KV heads x {} channels; the model has {} x {} x {}",
+                cal.layers.len(),
+                cal.kv_heads,
+                cal.head_dim,
+                c.layers,
+                c.kv_heads,
+                c.head_dim
+            )));
+        }
+        if method.calib.learned && !cal.has_learned_rotations() {
+            return Err(Error::Calibration(format!(
+                "method {} uses learned rotations; the calibration has none (rotkv calibrate --methods optr)",
+                method.name
+            )));
+        }
+        if method.calib.smooth.is_some() && !cal.has_key_std() {
+            return Err(Error::Calibration(format!(
+                "method {} smooths the keys; the calibration has no key_std (rotkv calibrate --methods smooth)",
+                method.name
+            )));
+        }
+        for l in 0..c.layers {
+            cache.set_calibration(l, cal.layer(l, method.calib))?;
+        }
+    }
+    Ok(cache)
+}
+
 /// Greedy continuation of `prompt` for `steps` tokens through a rotkv cache with
 /// `config`: the prompt is a prefill (exact attention among its tokens, then appended
 /// to the cache), every new token a decode step (append, then decode from the cache).
@@ -475,12 +490,34 @@ pub fn generate(
         })?,
         num_blocks: None,
     };
-    let mut cache = KvCache::new(config, shape, backend)?;
+    generate_in(model, KvCache::new(config, shape, backend)?, prompt, &[], steps)
+}
+
+/// Greedy continuation in `cache` (one layer per model layer, empty): `prefill` runs as
+/// an exact-attention prefill appended to the cache, then each token of `fed` and each
+/// of the `steps` new tokens is a decode step through the cache (so the first new token
+/// already reads the quantized prefill when `fed` is not empty).
+pub(crate) fn generate_in(
+    model: &Llama,
+    mut cache: KvCache,
+    prefill: &[u32],
+    fed: &[u32],
+    steps: usize,
+) -> Result<Vec<u32>> {
+    let c = &model.config;
+    if prefill.is_empty() {
+        return Err(Error::Shape("empty prompt".into()));
+    }
     let id = cache.add_sequence()?;
     let mut attn = CacheAttention::new(c, vec![cache], vec![(0, id)])?;
-    let rows: Vec<Row> = (0..prompt.len()).map(|p| Row { seq: 0, pos: p }).collect();
-    let hidden = model.forward(prompt, &rows, &mut attn, None, c.layers)?;
-    let mut last = hidden[(prompt.len() - 1) * c.dim..].to_vec();
+    let rows: Vec<Row> = (0..prefill.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    let hidden = model.forward(prefill, &rows, &mut attn, None, c.layers)?;
+    let mut last = hidden[(prefill.len() - 1) * c.dim..].to_vec();
+    let mut pos = prefill.len();
+    for &t in fed {
+        last = model.forward(&[t], &[Row { seq: 0, pos }], &mut attn, None, c.layers)?;
+        pos += 1;
+    }
     let mut out = Vec::new();
     for s in 0..steps {
         let logits = model.logits(&last);
@@ -490,7 +527,8 @@ pub fn generate(
         if s + 1 == steps {
             break;
         }
-        last = model.forward(&[next.0 as u32], &[Row { seq: 0, pos: prompt.len() + s }], &mut attn, None, c.layers)?;
+        last = model.forward(&[next.0 as u32], &[Row { seq: 0, pos }], &mut attn, None, c.layers)?;
+        pos += 1;
     }
     Ok(out)
 }
