@@ -24,8 +24,8 @@
 //! - ASan (nightly, `-Zsanitizer=address`, std as shipped, its own target directory):
 //!   the kernel and host crates' unit tests and the integration suites [`ASAN_SUITES`] (cache and
 //!   paged API, device API, conformance, properties with [`ASAN_PROPTEST_CASES`] random
-//!   cases, reliability) on reference, cpu and the emulated device kernels, without the
-//!   tests in [`ASAN_SKIP`]; the emulator's coroutine stack switches are announced to
+//!   cases, reliability) on reference, cpu and the emulated device kernels; the
+//!   emulator's coroutine stack switches are announced to
 //!   ASan (feature `rotkv-kernels/sim-asan`). Under Miri the emulator runs each GPU
 //!   thread as an OS thread instead (Miri cannot switch stacks).
 
@@ -50,12 +50,6 @@ pub const MIRI_HOST_TESTS: &[&str] =
 /// and paged APIs, the device API, the conformance suite and the reliability findings, on
 /// reference, cpu and sim.
 pub const ASAN_SUITES: &[&str] = &["api", "device", "conformance", "properties", "reliability"];
-/// Tests left out under ASan: the conformance suite's two longest (each over a minute of
-/// the uninstrumented suite on two cores, mostly the emulator; the same append and
-/// multi-row decode code runs instrumented in the other conformance, api, device and
-/// property tests).
-pub const ASAN_SKIP: &[&str] =
-    &["append_bytes_match_reference_for_every_config", "multi_token_decode_matches_reference_and_one_token_decodes"];
 /// Random operation sequences of the property test under ASan.
 pub const ASAN_PROPTEST_CASES: &str = "4";
 /// Seconds each cargo-fuzz target runs in CI (`cargo xtask fuzz --seconds N` for longer).
@@ -236,10 +230,6 @@ fn asan() -> Result<(), Step> {
     c.args(["--features", "rotkv-kernels/sim-asan", "--lib"]);
     for suite in ASAN_SUITES {
         c.args(["--test", suite]);
-    }
-    c.arg("--");
-    for test in ASAN_SKIP {
-        c.args(["--skip", test]);
     }
     c.env("RUSTFLAGS", "-Zsanitizer=address")
         // Some tests ask for allocations past any memory and expect a `Capacity` error:
