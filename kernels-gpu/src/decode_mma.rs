@@ -152,16 +152,19 @@ struct Soft {
 }
 
 /// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`): `-inf`
-/// where the token does not count or lies outside the row's visible positions
-/// `[lo, lo + span)` (its sliding window's start to its causal limit).
+/// where the token does not count or lies outside the row's visible positions: the
+/// `keys` ([`DecodeParams::window_keys`]) positions below its causal limit `lim`.
 #[inline(always)]
-fn mask(s: &mut [[f32; 4]; 2], tok: &Tok, lo: [u32; 2], span: [u32; 2]) {
+fn mask(s: &mut [[f32; 4]; 2], tok: &Tok, lim: [u32; 2], keys: u32) {
+    // Visible: `[lim - span, lim)`. Derived here rather than kept from the setup, where
+    // two more live registers per row spill at head_dim 128.
+    let span = lim.map(|l| l.min(keys));
     for nt in 0..2 {
         for c in 0..4 {
             let k = 2 * nt + (c & 1);
             // One unsigned compare for both ends: a position below the row's start wraps
             // past its span.
-            if !tok.ok[k] || tok.pos[k].wrapping_sub(lo[c / 2]) >= span[c / 2] {
+            if !tok.ok[k] || tok.pos[k].wrapping_sub(lim[c / 2] - span[c / 2]) >= span[c / 2] {
                 s[nt][c] = f32::NEG_INFINITY;
             }
         }
@@ -593,16 +596,13 @@ pub unsafe fn decode_mma<
     ctx.sync_threads();
     let qs: [[f32; NG]; 2] =
         core::array::from_fn(|r| core::array::from_fn(|gi| unsafe { *qsum_sh.add((g as usize + 8 * r) * NG + gi) }));
-    // Visible positions of the lane's two rows, `[lo, lo + span)`: from the sliding
-    // window's start (0 without one) to the causal limit.
-    let lo: [u32; 2] = core::array::from_fn(|r| {
+    // Causal limit of the lane's two rows: positions below it (and, with a sliding
+    // window, at or past `lim - window_keys`) are visible.
+    let lim: [u32; 2] = core::array::from_fn(|r| {
         let row = r0 + g + 8 * r as u32;
-        if row < rows_total { p.row_start(len, row / gqa) } else { 0 }
+        if row < rows_total { p.row_len(len, row / gqa) } else { len }
     });
-    let span: [u32; 2] = core::array::from_fn(|r| {
-        let row = r0 + g + 8 * r as u32;
-        (if row < rows_total { p.row_len(len, row / gqa) } else { len }) - lo[r]
-    });
+    let keys = p.window_keys();
     let unscale_h = pow2(-k);
     // Quantized scores come in query units: `* unscale_q` is the log2-domain logit; the
     // query sums are taken into the same units (exact powers of two).
@@ -671,7 +671,7 @@ pub unsafe fn decode_mma<
         }
         let toks: [(u32, u32, bool); 4] = core::array::from_fn(|j| f16_row(f0 + 4 * t + j as u32));
         let tok = Tok { pos: toks.map(|x| x.0), ok: toks.map(|x| x.2) };
-        mask(&mut s, &tok, lo, span);
+        mask(&mut s, &tok, lim, keys);
         let mut su = [s];
         softmax::<C, 1, NVT>(ctx, &mut st, &mut su, unscale_h, true, true, &mut o, &mut zl);
         let [s] = su;
@@ -808,7 +808,7 @@ pub unsafe fn decode_mma<
                     pos >= lo_pos && pos < hi_pos && pmask & (1 << (4 * t + j as u32)) == 0
                 }),
             };
-            mask(&mut s, &tok, lo, span);
+            mask(&mut s, &tok, lim, keys);
             let mut su = [s];
             softmax::<C, 1, NVT>(ctx, &mut st, &mut su, unscale_q, true, false, &mut o, &mut zl);
             values::<C, VB, NG, NVT>(ctx, &su[0], &raw, &mut o, &mut zl);

@@ -184,6 +184,12 @@ impl DecodeParams {
     pub const fn row_start(&self, len: u32, row: u32) -> u32 {
         if self.attn_window == 0 { 0 } else { self.row_len(len, row).saturating_sub(self.attn_window) }
     }
+    /// Positions a row sees at most: `attn_window`, or `u32::MAX` without a window (row
+    /// `row` sees `[row_len - min(row_len, window_keys), row_len)`).
+    #[inline(always)]
+    pub const fn window_keys(&self) -> u32 {
+        if self.attn_window == 0 { u32::MAX } else { self.attn_window }
+    }
     /// First position any row of a sequence of `len` tokens attends to (row 0's start):
     /// the splits cover `[visible_start(len), len)`.
     #[inline]
