@@ -1471,10 +1471,10 @@ fn freed_pages_outside_the_window_are_reused() {
             // The decode of the last token sees `len - 1 - window_left ..`: free what lies
             // wholly before it.
             let first = (len - 1).saturating_sub(window_left);
-            for j in 0..table.len() {
+            for (j, entry) in table.iter_mut().enumerate() {
                 let whole_before = fmt.sinks as usize + fmt.page_size as usize * (j + 1) <= first;
-                if whole_before && table[j] != rotkv::paged::FREED_BLOCK {
-                    free.push(std::mem::replace(&mut table[j], rotkv::paged::FREED_BLOCK));
+                if whole_before && *entry != rotkv::paged::FREED_BLOCK {
+                    free.push(std::mem::replace(entry, rotkv::paged::FREED_BLOCK));
                 }
             }
             let q = rows(Data::Normal, 4, 64, 60 + len as u64);
