@@ -8,7 +8,9 @@
 //! backend touches a byte: a call that returns an error has written nothing.
 //!
 //! The caller's contract for the block tables it owns: every entry a call uses (the
-//! first [`blocks_for`]`(len)` of a table) is a block of that pool, no block appears
+//! first [`blocks_for`]`(len)` of a table, except the pages a call does not touch, which
+//! may be [`FREED_BLOCK`]: pages wholly before a decode's sliding window, pages full
+//! before an append) is a block of that pool, no block appears
 //! twice in one table, and no block is held by two live sequences of one pool. The
 //! first two are checked on every call ([`Error::AliasedBlock`] for a repeat), and
 //! [`decode`] checks the third across the sequences of its batch (so a sequence may
