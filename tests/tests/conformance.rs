@@ -1316,14 +1316,16 @@ fn window_splits_cover_the_visible_positions_only() {
 }
 
 /// Bad windows and bad entries are refused before anything is written: a window whose key
-/// count does not fit u32, a freed or out-of-pool entry of a page the window reads, and a
-/// freed entry without a window.
+/// count does not fit u32, a freed or out-of-pool entry of a page the window reads, a
+/// freed entry without a window, and for append a freed entry of the page it fills (the
+/// pages full before it may be freed: the same bytes as with their blocks kept).
 #[test]
 fn window_checks_its_inputs_and_changes_nothing_on_error() {
     let config = small_config(64, 2, 2, 32);
     let shape = LayerShape { num_kv_heads: 1, num_q_heads: 2 };
     let len = 150;
-    let mut st = Store::new(config, shape, len, None);
+    // Room for 200 tokens: the table has entries past the 7 pages of 150 tokens.
+    let mut st = Store::new(config, shape, 200, None);
     st.append(Backend::Cpu, &rows(Data::Keys, len, 64, 31), &rows(Data::Normal, len, 64, 32)).unwrap();
     let q = rows(Data::Normal, 2, 64, 33);
     // 7 pages (positions 3 .. 115); window_left 60 from position 149 starts at 89: pages
@@ -1373,6 +1375,22 @@ fn window_checks_its_inputs_and_changes_nothing_on_error() {
         t[4] = t[6];
         let (r, untouched) = call(&t, Some(60));
         assert!(matches!(r, Err(rotkv::Error::AliasedBlock { .. })) && untouched, "{backend:?}: {r:?}");
+        // Append: the pages full before the call may be freed; the page it fills (16 more
+        // tokens fill page 7) may not, and the refused call writes nothing.
+        let (k, v) = (rows(Data::Keys, 16, 64, 34), rows(Data::Normal, 16, 64, 35));
+        let mut t = st.table.clone();
+        t[7] = freed;
+        let mut refused = st.clone();
+        refused.table = t;
+        let r = refused.append(backend, &k, &v);
+        assert!(matches!(r, Err(rotkv::Error::BlockTable { index: 7, .. })), "{backend:?}: {r:?}");
+        assert!(refused.pool == st.pool && refused.side == st.side && refused.len == len, "{backend:?}");
+        let mut freed_full = st.clone();
+        freed_full.table[..7].fill(freed);
+        freed_full.append(backend, &k, &v).unwrap();
+        let mut kept = st.clone();
+        kept.append(backend, &k, &v).unwrap();
+        assert!(freed_full.pool == kept.pool && freed_full.side == kept.side, "{backend:?}: freed full pages");
     }
     // The cache's per-layer setting: checked, unchanged on error.
     let cshape =
