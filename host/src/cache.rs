@@ -121,6 +121,8 @@ pub struct KvCache {
     free_blocks: Vec<u32>,
     sm_scale: Option<f32>,
     key_scores: paged::KeyScores,
+    /// Per layer: its sliding window ([`KvCache::set_window_left`]).
+    windows: Vec<Option<usize>>,
     /// This cache's identity, carried by its [`SeqId`]s.
     id: u64,
 }
@@ -186,6 +188,7 @@ impl KvCache {
             free_blocks: (0..num_blocks as u32).rev().collect(),
             sm_scale: None,
             key_scores: paged::KeyScores::default(),
+            windows: try_repeat(None, shape.layers, "the layer windows")?,
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -225,6 +228,27 @@ impl KvCache {
         }
         self.sm_scale = Some(scale);
         Ok(())
+    }
+
+    /// Makes `layer` a sliding-window layer: its decodes attend only to the `window_left + 1`
+    /// newest positions up to each query's own ([`DecodeOptions::window_left`]: FlashInfer's
+    /// `window_left`; a Hugging Face `sliding_window = n` is `Some(n - 1)`); `None` (the
+    /// default) attends to every position. Sinks and protected positions outside the
+    /// window are not attended either. Only decode changes: the cache keeps every page
+    /// (its blocks serve all layers of a sequence; a serving stack that frees pages
+    /// outside a window uses [`paged::decode`] with its own block tables). A window whose
+    /// key count does not fit `u32` is [`Error::Value`], and changes nothing.
+    pub fn set_window_left(&mut self, layer: usize, window_left: Option<usize>) -> Result<()> {
+        self.check_layer(layer)?;
+        paged::attn_window(window_left)?;
+        self.windows[layer] = window_left;
+        Ok(())
+    }
+
+    /// The sliding window of `layer` ([`KvCache::set_window_left`]).
+    pub fn window_left(&self, layer: usize) -> Result<Option<usize>> {
+        self.check_layer(layer)?;
+        Ok(self.windows[layer])
     }
 
     /// Sets how the CPU backend scores quantized keys ([`paged::KeyScores`]).
@@ -428,7 +452,8 @@ impl KvCache {
     /// sequence of `len` tokens is the token at position `len - q_len + i` and attends to
     /// positions `0 ..= len - q_len + i`: the positions a one-token [`KvCache::decode`]
     /// right after that token's append would see (read as the cache holds them now: the
-    /// tokens appended since may have pushed a page of the window into quantization).
+    /// tokens appended since may have pushed a page of the window into quantization), cut
+    /// to the layer's sliding window if it has one ([`KvCache::set_window_left`]).
     /// Every sequence must hold at least `q_len` tokens. Splits are chosen by the
     /// backend. On error `out` is untouched.
     ///
@@ -496,7 +521,13 @@ impl KvCache {
             &refs,
             q,
             out,
-            DecodeOptions { sm_scale: self.sm_scale, num_splits, q_len, key_scores: self.key_scores },
+            DecodeOptions {
+                sm_scale: self.sm_scale,
+                num_splits,
+                q_len,
+                key_scores: self.key_scores,
+                window_left: self.windows[layer],
+            },
         )
     }
 

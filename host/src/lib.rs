@@ -6,6 +6,8 @@
 //!   [`CacheConfig::k4v4`].
 //! - [`KvCache`]: the paged cache a serving stack holds (append, decode, free).
 //! - [`paged`]: the same two operations over caller-owned pools and block tables.
+//!   Decode takes an optional sliding window ([`paged::DecodeOptions::window_left`],
+//!   FlashInfer's convention; [`KvCache::set_window_left`] per layer).
 //! - [`backend`]: host memory, the backends behind the paged API:
 //!   [`reference`](mod@reference) (the scalar f64 oracle), [`cpu`] (the fast CPU
 //!   backend), `sim` (feature `sim`: the device kernels on the SIMT emulator), `cuda`

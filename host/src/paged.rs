@@ -8,7 +8,9 @@
 //! backend touches a byte: a call that returns an error has written nothing.
 //!
 //! The caller's contract for the block tables it owns: every entry a call uses (the
-//! first [`blocks_for`]`(len)` of a table) is a block of that pool, no block appears
+//! first [`blocks_for`]`(len)` of a table, except the pages a call does not touch, which
+//! may be [`FREED_BLOCK`]: pages wholly before a decode's sliding window, pages full
+//! before an append) is a block of that pool, no block appears
 //! twice in one table, and no block is held by two live sequences of one pool. The
 //! first two are checked on every call ([`Error::AliasedBlock`] for a repeat), and
 //! [`decode`] checks the third across the sequences of its batch (so a sequence may
@@ -139,14 +141,34 @@ impl BlockSet {
     }
 }
 
+/// The block-table entry of a page whose block the caller has freed: allowed for the
+/// pages a call does not touch, which are the pages wholly before every query row's
+/// sliding window for [`decode`] ([`DecodeOptions::window_left`]) and the pages already
+/// full before the call for [`append`]. Every other entry a call uses must be a block of
+/// the pool; any entry that is not `FREED_BLOCK` is checked as a block (inside the pool,
+/// not repeated), so a freed page's entry must be set to this value before its block is
+/// handed to another page.
+pub const FREED_BLOCK: u32 = u32::MAX;
+
 /// Checks the first `needed` entries of the `seq`th table of a call: present, inside a
 /// pool of `num_blocks` blocks, and not used already by this table or an earlier one of
-/// the call (`used`).
-fn check_block_table(table: &[u32], needed: usize, num_blocks: usize, seq: usize, used: &mut BlockSet) -> Result<()> {
+/// the call (`used`). The first `skipped` entries are pages the call does not touch: each
+/// may be [`FREED_BLOCK`] instead (and is then skipped).
+fn check_block_table(
+    table: &[u32],
+    needed: usize,
+    skipped: usize,
+    num_blocks: usize,
+    seq: usize,
+    used: &mut BlockSet,
+) -> Result<()> {
     if table.len() < needed {
         return Err(Error::Capacity(format!("block table has {} entries, the sequence needs {needed}", table.len())));
     }
     for (index, &block) in table[..needed].iter().enumerate() {
+        if index < skipped && block == FREED_BLOCK {
+            continue;
+        }
         if block as usize >= num_blocks {
             return Err(Error::BlockTable { index, block, num_blocks });
         }
@@ -316,8 +338,9 @@ pub(crate) fn check_rows<T: KvElement>(
 /// Appends `tokens` new tokens to one sequence of one layer and returns the new length.
 ///
 /// `k` and `v` are `[tokens][num_kv_heads][head_dim]`. `len` is the sequence's length
-/// before the call; `block_table` must hold valid blocks for
-/// [`blocks_for`]`(len + tokens)` pages; `side` is the sequence's side store;
+/// before the call; `block_table` must hold valid blocks for the pages of
+/// [`blocks_for`]`(len + tokens)` from [`blocks_for`]`(len)` on (the pages the call may
+/// write); the full pages before them are not touched and may be [`FREED_BLOCK`]; `side` is the sequence's side store;
 /// `protected` its protected positions (as last accepted by [`protect`]; empty for
 /// none): the new tokens among them get their protected rows.
 #[allow(clippy::too_many_arguments)]
@@ -354,7 +377,9 @@ pub fn append<T: KvElement>(
     let blocks = num_blocks(&fmt, shape, pool)?;
     crate::launch::check_pool_blocks(&fmt, blocks)?;
     let mut used = BlockSet::new(blocks);
-    check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, blocks, 0, &mut used)?;
+    // The pages full before the call are not touched: their blocks may be freed.
+    let full = fmt.pages_for(len as u32) as usize;
+    check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, full, blocks, 0, &mut used)?;
     check_protected(&fmt, protected)?;
     check_rows("k", k, tokens, hkv, d, Some((&calib.key_mean, &calib.key_scale)))?;
     check_rows("v", v, tokens, hkv, d, None)?;
@@ -413,12 +438,59 @@ pub struct DecodeOptions {
     pub q_len: usize,
     /// How the CPU backend scores keys stored as codes (other backends ignore it).
     pub key_scores: KeyScores,
+    /// Sliding-window attention, FlashInfer's `window_left`: `Some(w)` lets the query row
+    /// at position `q` attend only to positions `q - w ..= q` (clipped at 0; `w + 1` keys,
+    /// so `Some(0)` is the row's own key only). Hugging Face's and llama.cpp's
+    /// `sliding_window = n` (the key at `q - n + 1` is the oldest visible) is
+    /// `Some(n - 1)`. Sinks, protected positions and the f16 recent rows count like any
+    /// other position: outside the window they are not attended. `None`: no window.
+    /// At most `u32::MAX - 1`. Pages wholly before the first row's window are not read:
+    /// their block-table entries may be [`FREED_BLOCK`].
+    pub window_left: Option<usize>,
 }
 
 impl Default for DecodeOptions {
     fn default() -> Self {
-        Self { sm_scale: None, num_splits: None, q_len: 1, key_scores: KeyScores::default() }
+        Self { sm_scale: None, num_splits: None, q_len: 1, key_scores: KeyScores::default(), window_left: None }
     }
+}
+
+impl DecodeOptions {
+    /// `window_left` as [`DecodeParams::attn_window`]: the keys a row sees (`w + 1`), 0 for
+    /// no window; a window whose key count does not fit `u32` is [`Error::Value`].
+    pub fn attn_window(&self) -> Result<u32> {
+        attn_window(self.window_left)
+    }
+}
+
+/// A `window_left` ([`DecodeOptions::window_left`]) as [`DecodeParams::attn_window`].
+pub(crate) fn attn_window(window_left: Option<usize>) -> Result<u32> {
+    match window_left {
+        None => Ok(0),
+        Some(w) => w.checked_add(1).and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
+            Error::Value(format!(
+                "window_left {w}: at most {} (the window's {} keys must fit u32); None for no window",
+                u32::MAX - 1,
+                u32::MAX
+            ))
+        }),
+    }
+}
+
+/// Positions a sequence of `len` tokens attends to when its last `q_len` tokens are the
+/// queries, with `attn_window` keys per row (0: all): `[first, len)`, `first` being the
+/// first row's window start.
+pub(crate) fn visible_range(len: usize, q_len: usize, attn_window: u32) -> (usize, usize) {
+    let first = if attn_window == 0 { 0 } else { (len + 1).saturating_sub(q_len).saturating_sub(attn_window as usize) };
+    (first, len)
+}
+
+/// Pages of a sequence of `len` tokens that lie wholly before position `first` (their
+/// entries are not read by a decode that starts there).
+pub(crate) fn pages_before(fmt: &Format, len: usize, first: usize) -> usize {
+    let quantized_from = fmt.sinks as usize;
+    let whole = first.saturating_sub(quantized_from) / fmt.page_size as usize;
+    whole.min(fmt.pages_for(len as u32) as usize)
 }
 
 /// How the CPU backend computes `q . k` for keys stored as codes.
@@ -449,8 +521,14 @@ pub enum KeyScores {
 /// attention output in the original value channels. Query row `i` of a sequence of `len`
 /// tokens is the token at position `len - q_len + i` and attends to positions
 /// `0 ..= len - q_len + i` (causal), so every sequence must hold at least `q_len`
-/// tokens. Splits are cut from each sequence's whole length; a row leaves out the
-/// positions past its own limit.
+/// tokens. With [`DecodeOptions::window_left`] a row attends to its window only (see
+/// there). Splits are cut from each sequence's visible positions; a row leaves out the
+/// positions outside its own window.
+///
+/// Pages wholly before the first query row's window are never read, so a caller may free
+/// their blocks: such a page's block-table entry may be [`FREED_BLOCK`], while every page
+/// holding a visible position needs a valid entry (and a block handed to another page
+/// must not stay in the old page's entry: any entry other than `FREED_BLOCK` is checked).
 #[allow(clippy::too_many_arguments)]
 pub fn decode<T: KvElement>(
     backend: Backend,
@@ -473,6 +551,7 @@ pub fn decode<T: KvElement>(
     if !(1..=MAX_Q_LEN).contains(&q_len) {
         return Err(Error::Value(format!("q_len {q_len}: 1 to {MAX_Q_LEN} query tokens per sequence")));
     }
+    let attn_window = options.attn_window()?;
     let mut used = BlockSet::new(blocks);
     for (i, s) in seqs.iter().enumerate() {
         if s.len == 0 {
@@ -494,7 +573,9 @@ pub fn decode<T: KvElement>(
                 fmt.side_elems(hkv as u32)
             )));
         }
-        check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, blocks, i, &mut used)?;
+        let (first, _) = visible_range(s.len, q_len, attn_window);
+        let skipped = pages_before(&fmt, s.len, first);
+        check_block_table(s.block_table, fmt.pages_for(s.len as u32) as usize, skipped, blocks, i, &mut used)?;
         check_protected(&fmt, s.protected)?;
     }
     let rows = seqs.len() * q_len;
@@ -513,19 +594,29 @@ pub fn decode<T: KvElement>(
         return Err(Error::Value(format!("softmax scale {sm_scale} must be finite and positive")));
     }
     let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    // The most positions one sequence attends to: the splits cut these (with a small
+    // window, a long context launches no empty splits).
+    let max_visible = seqs
+        .iter()
+        .map(|s| {
+            let (first, end) = visible_range(s.len, q_len, attn_window);
+            end - first
+        })
+        .max()
+        .unwrap_or(0);
     let num_splits = match options.num_splits {
-        // Splits of `ceil(len / n)` tokens: past one split per token of the longest
-        // sequence they are all empty, so the count is cut there (the same result, and
-        // the partials stay proportional to the work).
-        Some(n) if (1..=1024).contains(&n) => n.min(max_len.max(1) as u32),
+        // Splits of `ceil(visible / n)` tokens: past one split per visible token of the
+        // longest sequence they are all empty, so the count is cut there (the same
+        // result, and the partials stay proportional to the work).
+        Some(n) if (1..=1024).contains(&n) => n.min(max_visible.max(1) as u32),
         Some(n) => return Err(Error::Value(format!("num_splits {n} (1 to 1024)"))),
         None => match backend {
             Backend::Reference => 1,
-            Backend::Cpu => cpu::default_splits(max_len, seqs.len(), hkv, rayon::current_num_threads()),
+            Backend::Cpu => cpu::default_splits(max_visible, seqs.len(), hkv, rayon::current_num_threads()),
             #[cfg(feature = "sim")]
-            Backend::Sim => gpu_split_count(max_len, seqs.len(), hkv, crate::sim::SIM_SMS),
+            Backend::Sim => gpu_split_count(max_visible, seqs.len(), hkv, crate::sim::SIM_SMS),
             #[cfg(feature = "cuda")]
-            Backend::Cuda => gpu_split_count(max_len, seqs.len(), hkv, crate::cuda::sm_count()?),
+            Backend::Cuda => gpu_split_count(max_visible, seqs.len(), hkv, crate::cuda::sm_count()?),
         },
     };
     let params = DecodeParams {
@@ -543,6 +634,7 @@ pub fn decode<T: KvElement>(
         num_blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
         max_len: max_len as u32,
         q_len: q_len as u32,
+        attn_window,
     };
     if seqs.is_empty() {
         return Ok(());

@@ -226,7 +226,8 @@ fn pick(w: &[u32; 4], k: usize) -> u32 {
 /// `t < p.q_len`, `h < Hq`, `c < D`; `block_tables` for
 /// `S * p.block_table_stride` entries with `p.block_table_stride >=
 /// pages_for(p.max_len)` (entries are clamped below `p.num_blocks`, so a wrong entry
-/// reads another block, never outside the pool); `seq_lens` for `S` lengths (each >= 1;
+/// reads another block, never outside the pool; entries of pages wholly below
+/// [`DecodeParams::visible_start`] are not read at all); `seq_lens` for `S` lengths (each >= 1;
 /// clamped to `p.max_len`); `pool` holding `p.num_blocks` blocks; `sides` for `S * side_elems` f16 bits, 16-byte aligned;
 /// `protected` for `S * p.format.protected` positions (each sequence's ascending list,
 /// padded with `u32::MAX`; unused when `p.format.protected` is 0);
@@ -245,7 +246,8 @@ fn pick(w: &[u32; 4], k: usize) -> u32 {
 ///
 /// # Thread mapping
 /// Block `(x, y, z)` = (KV head, sequence, split + N * query token), one warp for the
-/// whole GQA group; the query token's causal limit cuts the split's range.
+/// whole GQA group; the query token's causal limit and sliding window
+/// ([`DecodeParams::row_start`]) cut the split's range.
 /// First lane `i` owns channels `[i * V, (i + 1) * V)` of each query: multiplied by the
 /// key scales (`q * s`, then the softmax scale), FWHT across the
 /// warp (or the dense learned rotation), key permutation by shuffles, softmax scale
@@ -325,10 +327,12 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     }
     ctx.sync_threads();
 
-    // The split's positions, cut at the query token's causal limit.
+    // The split's positions, cut to the query token's window: its causal limit and, with
+    // a sliding window, its first visible position (once per block: positions, and so
+    // pages, below it are never read).
     let (begin, end) = p.split_range(split, len);
     let end = end.min(p.row_len(len, qi));
-    let begin = begin.min(end);
+    let begin = begin.max(p.row_start(len, qi)).min(end);
     let mut m = [f32::NEG_INFINITY; MAX_GROUP];
     let mut l = [0f32; MAX_GROUP];
     let mut o = [[0f32; V]; MAX_GROUP];

@@ -31,7 +31,7 @@
 //! chunks of [`chunk_tiles`] tiles (32 or 64 tokens) with one online-softmax update per
 //! chunk, chunk `k` by warp `k mod WARPS`, the next chunk's loads issued while the current
 //! one is computed; tiles that need a mask (a split's ends, causal limits of multi-token
-//! queries, protected positions) go one at a time through a second, masked loop. The
+//! queries, sliding-window starts, protected positions) go one at a time through a second, masked loop. The
 //! warps merge their `(m, l, o)` in shared memory at the end.
 //!
 //! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
@@ -152,13 +152,19 @@ struct Soft {
 }
 
 /// Masks the lane's scores `s[nt][c]` (tokens `4t + 2 nt + c % 2`, rows `c / 2`): `-inf`
-/// where the token does not count or lies past the row's causal limit.
+/// where the token does not count or lies outside the row's visible positions: the
+/// `keys` ([`DecodeParams::window_keys`]) positions below its causal limit `lim`.
 #[inline(always)]
-fn mask(s: &mut [[f32; 4]; 2], tok: &Tok, lim: [u32; 2]) {
+fn mask(s: &mut [[f32; 4]; 2], tok: &Tok, lim: [u32; 2], keys: u32) {
+    // Visible: `[lim - span, lim)`. Derived here rather than kept from the setup, where
+    // two more live registers per row spill at head_dim 128.
+    let span = lim.map(|l| l.min(keys));
     for nt in 0..2 {
         for c in 0..4 {
             let k = 2 * nt + (c & 1);
-            if !tok.ok[k] || tok.pos[k] >= lim[c / 2] {
+            // One unsigned compare for both ends: a position below the row's start wraps
+            // past its span.
+            if !tok.ok[k] || tok.pos[k].wrapping_sub(lim[c / 2] - span[c / 2]) >= span[c / 2] {
                 s[nt][c] = f32::NEG_INFINITY;
             }
         }
@@ -420,8 +426,9 @@ fn fast_chunks<
 /// As `decode_split` (crate::decode), with the query rows of [`DecodeParams`]
 /// (`p.q_dtype`; `p.q_seq_stride` between sequences, `p.q_token_stride` between query
 /// tokens, heads `D` apart) and the partials `[seq][q_len][q_head][split]`;
-/// unlike there, block-table entries are not clamped: each used entry must be a block
-/// of the pool (below `p.num_blocks`);
+/// unlike there, block-table entries are not clamped: each used entry (those of pages
+/// holding a position at or past [`DecodeParams::visible_start`]) must be a block of the
+/// pool (below `p.num_blocks`);
 /// additionally `D == p.format.head_dim == 32 * V == 16 * NKS == 8 * NVT`, key and value
 /// bits `KB`, `VB`, `NG == D / p.format.group_size` groups with
 /// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
@@ -589,18 +596,23 @@ pub unsafe fn decode_mma<
     ctx.sync_threads();
     let qs: [[f32; NG]; 2] =
         core::array::from_fn(|r| core::array::from_fn(|gi| unsafe { *qsum_sh.add((g as usize + 8 * r) * NG + gi) }));
-    // Causal limit of the lane's two rows: positions below it are visible.
+    // Causal limit of the lane's two rows: positions below it (and, with a sliding
+    // window, at or past `lim - window_keys`) are visible.
     let lim: [u32; 2] = core::array::from_fn(|r| {
         let row = r0 + g + 8 * r as u32;
         if row < rows_total { p.row_len(len, row / gqa) } else { len }
     });
+    let keys = p.window_keys();
     let unscale_h = pow2(-k);
     // Quantized scores come in query units: `* unscale_q` is the log2-domain logit; the
     // query sums are taken into the same units (exact powers of two).
     let unscale_q = pow2(24 - k);
     let qsp: [[f32; NG]; 2] = qs.map(|r| r.map(|x| x * pow2(k - 24)));
 
+    // The split, from the tile's first visible position on (its first row's window
+    // start): nothing below it is read, block-table entries included.
     let (begin, end) = p.split_range(split, len);
+    let begin = begin.max(p.row_start(len, r0 / gqa)).min(end);
     let (sinks, nq) = (fmt.sinks, fmt.quantized_len(len));
     let (qbeg, qend) = (fmt.sinks, fmt.sinks + nq);
     // Protected positions inside this split's quantized range: list entries [p_lo, p_hi).
@@ -659,7 +671,7 @@ pub unsafe fn decode_mma<
         }
         let toks: [(u32, u32, bool); 4] = core::array::from_fn(|j| f16_row(f0 + 4 * t + j as u32));
         let tok = Tok { pos: toks.map(|x| x.0), ok: toks.map(|x| x.2) };
-        mask(&mut s, &tok, lim);
+        mask(&mut s, &tok, lim, keys);
         let mut su = [s];
         softmax::<C, 1, NVT>(ctx, &mut st, &mut su, unscale_h, true, true, &mut o, &mut zl);
         let [s] = su;
@@ -741,14 +753,16 @@ pub unsafe fn decode_mma<
         let first = (lo_pos - qbeg) / TILE;
         let last = (hi_pos - qbeg).div_ceil(TILE);
         // 4a. The steady state: chunks of `ut` tiles (one softmax update; see
-        // [`chunk_tiles`]) that need no mask: inside the split, below every row's causal
-        // limit, and no protected position in the split. Chunk `c` is tiles
-        // `f0 + ut c ..`, taken by warp `c mod WARPS`. Block-uniform: the smallest causal
-        // limit of the tile's rows is that of its first row.
+        // [`chunk_tiles`]) that need no mask: inside the split, inside every row's
+        // window (below the smallest causal limit, at or past the largest window start),
+        // and no protected position in the split. Chunk `c` is tiles `f0 + ut c ..`,
+        // taken by warp `c mod WARPS`. Block-uniform: the smallest causal limit of the
+        // tile's rows is that of its first row, the largest start that of its last.
         let min_lim = p.row_len(len, r0 / gqa);
+        let max_start = p.row_start(len, ((r0 + ROWS).min(rows_total) - 1) / gqa);
         let fast_end = hi_pos.min(min_lim);
         let ut = chunk_tiles(D as u32, VB, NG as u32);
-        let f0 = (lo_pos - qbeg).div_ceil(ut * TILE) * ut;
+        let f0 = (lo_pos.max(max_start) - qbeg).div_ceil(ut * TILE) * ut;
         let f1 = if fast_end > qbeg { (fast_end - qbeg) / (ut * TILE) * ut } else { 0 };
         let (f0, f1) = if p_lo == p_hi && f1 > f0 { (f0, f1) } else { (last, last) };
         let nchunks = (f1 - f0) / ut;
@@ -794,7 +808,7 @@ pub unsafe fn decode_mma<
                     pos >= lo_pos && pos < hi_pos && pmask & (1 << (4 * t + j as u32)) == 0
                 }),
             };
-            mask(&mut s, &tok, lim);
+            mask(&mut s, &tok, lim, keys);
             let mut su = [s];
             softmax::<C, 1, NVT>(ctx, &mut st, &mut su, unscale_q, true, false, &mut o, &mut zl);
             values::<C, VB, NG, NVT>(ctx, &su[0], &raw, &mut o, &mut zl);

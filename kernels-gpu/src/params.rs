@@ -77,8 +77,9 @@ pub struct AppendParams {
 /// Parameters of the split-K decode of `q_len` query tokens per sequence.
 ///
 /// The queries (and the output) are `[num_seqs][q_len][num_q_heads][head_dim]`: row `i`
-/// of a sequence of `len` tokens is the token at position `len - q_len + i` and attends
-/// causally, to positions `0 ..= len - q_len + i`.
+/// of a sequence of `len` tokens is the token at position `q = len - q_len + i` and
+/// attends causally, to positions `0 ..= q`, or with a sliding window
+/// (`attn_window = W > 0`) to the `W` newest of them, `q + 1 - W ..= q` (clipped at 0).
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct DecodeParams {
@@ -90,8 +91,9 @@ pub struct DecodeParams {
     pub num_q_heads: u32,
     /// KV heads.
     pub num_kv_heads: u32,
-    /// Splits of each sequence's tokens; split `i` of a sequence of `len` tokens covers
-    /// positions `[i * c, min((i + 1) * c, len))` with `c = ceil(len / num_splits)`.
+    /// Splits of each sequence's visible positions `[a, len)` (`a` =
+    /// [`DecodeParams::visible_start`]: 0 without a window); split `i` covers
+    /// `[a + i * c, min(a + (i + 1) * c, len))` with `c = ceil((len - a) / num_splits)`.
     pub num_splits: u32,
     /// Entries per block-table row.
     pub block_table_stride: u32,
@@ -119,6 +121,12 @@ pub struct DecodeParams {
     /// Query tokens per sequence (1 for plain decode; more for speculative decoding's
     /// verification rows). Every sequence of the batch holds at least `q_len` tokens.
     pub q_len: u32,
+    /// Sliding window: the keys each query row sees, its own position included (FlashInfer's
+    /// `window_left + 1`, Hugging Face's `sliding_window`); 0 for no window. Row `i` sees
+    /// positions [`DecodeParams::row_start`]`(len, i) ..` [`DecodeParams::row_len`]`(len,
+    /// i)`; positions below every row's start (row 0's) are never read, nor are the
+    /// block-table entries of pages wholly below it.
+    pub attn_window: u32,
 }
 
 /// Parameters of the log-sum-exp merge of split partials.
@@ -169,12 +177,33 @@ impl DecodeParams {
     pub const fn row_len(&self, len: u32, row: u32) -> u32 {
         (len + row + 1).saturating_sub(self.q_len)
     }
-    /// Positions `[begin, end)` of split `split` of a sequence of `len` tokens (empty
-    /// when the sequence is too short to reach it).
+    /// First position row `row` (`0 .. q_len`) of a sequence of `len` tokens attends to:
+    /// 0 without a window, else `row_len(len, row) - attn_window` (at least 0), so the row
+    /// sees the `attn_window` newest positions up to its own.
+    #[inline]
+    pub const fn row_start(&self, len: u32, row: u32) -> u32 {
+        if self.attn_window == 0 { 0 } else { self.row_len(len, row).saturating_sub(self.attn_window) }
+    }
+    /// Positions a row sees at most: `attn_window`, or `u32::MAX` without a window (row
+    /// `row` sees `[row_len - min(row_len, window_keys), row_len)`).
+    #[inline(always)]
+    pub const fn window_keys(&self) -> u32 {
+        if self.attn_window == 0 { u32::MAX } else { self.attn_window }
+    }
+    /// First position any row of a sequence of `len` tokens attends to (row 0's start):
+    /// the splits cover `[visible_start(len), len)`.
+    #[inline]
+    pub const fn visible_start(&self, len: u32) -> u32 {
+        self.row_start(len, 0)
+    }
+    /// Positions `[begin, end)` of split `split` of a sequence of `len` tokens: the
+    /// visible positions `[visible_start(len), len)` cut into `num_splits` runs of
+    /// `ceil(visible / num_splits)` (empty when the sequence is too short to reach it).
     #[inline]
     pub const fn split_range(&self, split: u32, len: u32) -> (u32, u32) {
-        let per = self.split_len(len);
-        let begin = split.saturating_mul(per);
+        let first = self.visible_start(len);
+        let per = self.split_len(len - first);
+        let begin = first.saturating_add(split.saturating_mul(per));
         let end = begin.saturating_add(per);
         let begin = if begin < len { begin } else { len };
         let end = if end < len { end } else { len };

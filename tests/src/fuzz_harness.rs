@@ -170,7 +170,14 @@ pub fn pool(bytes: &[u8]) -> bool {
     let rows = num_seqs * q_len * hq * d;
     let q: Vec<f32> = (0..rows + usize::from(opts == 0x1f)).map(|_| q_value(r.u8())).collect();
     let calib = LayerCalibration::identity(hkv, d);
-    let options = DecodeOptions { num_splits, q_len, ..DecodeOptions::default() };
+    // A sliding window (none when the input has ended), including one too large for u32.
+    let w = r.u8();
+    let window_left = match w >> 6 {
+        0 => None,
+        1 => Some(usize::MAX),
+        _ => Some((w & 63) as usize),
+    };
+    let options = DecodeOptions { num_splits, q_len, window_left, ..DecodeOptions::default() };
     let mut outcomes = Vec::new();
     for backend in [Backend::Reference, Backend::Cpu] {
         let mut out = vec![0f32; rows];

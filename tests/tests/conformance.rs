@@ -350,6 +350,7 @@ fn split_partials_merge_to_the_unsplit_result() {
             num_blocks: u32::MAX,
             max_len: u32::MAX,
             q_len: 1,
+            attn_window: 0,
         };
         let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
         for splits in 1..=70u32 {
@@ -955,6 +956,7 @@ fn row_partials_mask_causally_and_merge_to_the_unsplit_result() {
         num_blocks: u32::MAX,
         max_len: u32::MAX,
         q_len: q_len as u32,
+        attn_window: 0,
     };
     let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
     assert_eq!(one.len(), q_len * 6);
@@ -1026,4 +1028,503 @@ fn multi_token_decode_checks_its_rows() {
         }
     }
     assert_eq!(rotkv::paged::DecodeOptions::default().q_len, 1);
+}
+
+// Sliding-window decode (`DecodeOptions::window_left`, FlashInfer's `window_left`): the
+// query row at position `q` attends to positions `q - w ..= q` (clipped at 0).
+
+/// Windowed attention of one sequence straight from the stored rows, in f64: row `i`
+/// (position `q = len - q_len + i`) over positions `max(0, q - w) ..= q`, one softmax per
+/// row and head. Independent of the split/partial machinery and of `DecodeParams`'s
+/// helpers: the convention written out once more.
+fn windowed_oracle(st: &Store, q: &[f32], q_len: usize, window_left: Option<usize>) -> Vec<f32> {
+    let fmt = st.config.format().unwrap();
+    let d = st.config.head_dim;
+    let (hkv, hq) = (st.shape.num_kv_heads, st.shape.num_q_heads);
+    let flags = st.config.flags() | st.calib.flags();
+    let seq = st.seq();
+    let sm_scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0f32; q_len * hq * d];
+    for i in 0..q_len {
+        let qp = st.len - q_len + i;
+        let first = window_left.map_or(0, |w| qp.saturating_sub(w));
+        for h in 0..hq {
+            let kvh = h / (hq / hkv);
+            let (_, kperm, vperm) = st.calib.head(kvh, d);
+            let at = (i * hq + h) * d;
+            let qr = reference::rotate_query(
+                &q[at..at + d],
+                st.calib.head_key_scale(kvh, d),
+                st.calib.rotation(false, kvh, d, flags),
+                kperm,
+            );
+            let row = |pos: usize, value: bool| reference::read_row(&fmt, hkv, st.pool.bytes(), &seq, kvh, pos, value);
+            let logits: Vec<f64> = (first..=qp)
+                .map(|pos| sm_scale * qr.iter().zip(row(pos, false)).map(|(a, b)| a * b).sum::<f64>())
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let (mut o, mut l) = (vec![0f64; d], 0f64);
+            for (pos, lg) in (first..=qp).zip(&logits) {
+                let w = (lg - m).exp();
+                l += w;
+                o.iter_mut().zip(row(pos, true)).for_each(|(a, v)| *a += w * v);
+            }
+            o.iter_mut().for_each(|a| *a /= l);
+            let o = reference::unrotate(&o, st.calib.rotation(true, kvh, d, flags), vperm);
+            out[at..at + d].iter_mut().zip(o).for_each(|(a, b)| *a = b as f32);
+        }
+    }
+    out
+}
+
+/// `paged::decode` of the store's sequence with `table` as its block table.
+fn decode_window(
+    backend: Backend,
+    st: &Store,
+    table: &[u32],
+    q: &[f32],
+    q_len: usize,
+    splits: Option<u32>,
+    window_left: Option<usize>,
+) -> rotkv::Result<Vec<f32>> {
+    let mut out = vec![0f32; q.len()];
+    let seq = reference::SeqRef { block_table: table, side: &st.side, len: st.len, protected: &st.protected };
+    rotkv::paged::decode(
+        backend,
+        &st.config,
+        &st.calib,
+        &st.shape,
+        st.pool.bytes(),
+        &[seq],
+        q,
+        &mut out,
+        rotkv::paged::DecodeOptions { num_splits: splits, q_len, window_left, ..Default::default() },
+    )?;
+    Ok(out)
+}
+
+/// Pages of the store's sequence wholly before the first query row's window: the entries
+/// decode may not read. Written out from the layout: page `j` holds positions
+/// `sinks + 16 j .. sinks + 16 (j + 1)` (the small configs' 16-token pages).
+fn pages_outside(st: &Store, q_len: usize, window_left: usize) -> usize {
+    let fmt = st.config.format().unwrap();
+    let first = (st.len - q_len).saturating_sub(window_left);
+    let pages = fmt.pages_for(st.len as u32) as usize;
+    (0..pages).take_while(|&j| fmt.sinks as usize + fmt.page_size as usize * (j + 1) <= first).count()
+}
+
+/// One windowed decode case: a store of `len` tokens (shuffled table, random
+/// calibration, `protected` positions protected before the append), `q_len` query rows.
+/// Checks the reference against [`windowed_oracle`], every backend against the reference
+/// within the suite's tolerance for each split count, and that the pages outside the
+/// window are never read: with their entries set to [`rotkv::paged::FREED_BLOCK`], or
+/// their blocks overwritten with garbage (0xff bytes: NaN scales), the output is bit for
+/// bit the same.
+#[allow(clippy::too_many_arguments)]
+fn window_case(
+    config: CacheConfig,
+    hkv: usize,
+    gqa: usize,
+    len: usize,
+    q_len: usize,
+    window_left: usize,
+    protected: &[u32],
+    seed: u64,
+) -> usize {
+    let d = config.head_dim;
+    let config = CacheConfig { protected: protected.len(), ..config };
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hkv * gqa };
+    let mut st = Store::new(config, shape, len, Some(seed));
+    st.calib = random_calibration(hkv, d, seed);
+    st.protect(protected).unwrap();
+    let k = rows(Data::Keys, len * hkv, d, seed);
+    let v = rows(Data::Normal, len * hkv, d, seed + 1);
+    st.append(Backend::Cpu, &k, &v).unwrap();
+    let q = rows(Data::Normal, q_len * hkv * gqa, d, seed + 2);
+    let w = Some(window_left);
+    let what = format!("d {d} g {} gqa {gqa} len {len} q_len {q_len} window_left {window_left}", config.group_size);
+
+    let want = decode_window(Backend::Reference, &st, &st.table, &q, q_len, Some(1), w).unwrap();
+    let oracle = windowed_oracle(&st, &q, q_len, w);
+    // Both in f64 (summed in different orders), then rounded to f32 outputs: a few f32
+    // roundings (6e-8 relative each) apart at most.
+    let e = rel_err(&want, &oracle);
+    assert!(e <= 1e-6, "{what}: reference vs the windowed oracle: {e:.2e}");
+    // The window changes the result (every case leaves positions out for some row).
+    let all = decode_window(Backend::Reference, &st, &st.table, &q, q_len, Some(1), None).unwrap();
+    assert!(rel_err(&all, &want) > 1e-6, "{what}: the window changed nothing");
+
+    // The pages wholly outside the window freed in the table, or their blocks (every KV
+    // head's head-page) overwritten with 0xff bytes (NaN scales and zeros).
+    let outside = pages_outside(&st, q_len, window_left);
+    let mut freed = st.table.clone();
+    freed[..outside].fill(rotkv::paged::FREED_BLOCK);
+    let mut garbage = st.clone();
+    let block_bytes = garbage.pool.bytes().len() / (st.table.len() + 3);
+    for &b in &st.table[..outside] {
+        garbage.pool.bytes_mut()[b as usize * block_bytes..][..block_bytes].fill(0xff);
+    }
+
+    for backend in backends() {
+        let splits: &[Option<u32>] =
+            if emulated(backend) { &[None, Some(3)] } else { &[None, Some(1), Some(2), Some(5), Some(64)] };
+        for &s in splits {
+            let got = decode_window(backend, &st, &st.table, &q, q_len, s, w).unwrap();
+            let e = rel_err(&got, &want);
+            let tol = decode_tol(backend, &config, false);
+            assert!(e <= tol, "{backend:?} {what} splits {s:?}: rel err {e:.2e}");
+            let f = decode_window(backend, &st, &freed, &q, q_len, s, w).unwrap();
+            assert!(f == got, "{backend:?} {what} splits {s:?}: freed entries outside the window changed the output");
+            let g = decode_window(backend, &garbage, &garbage.table, &q, q_len, s, w).unwrap();
+            assert!(g == got, "{backend:?} {what} splits {s:?}: pages outside the window were read");
+        }
+    }
+    outside
+}
+
+/// The window's sizes against pages, the recent f16 rows, sinks and protected rows, on
+/// both device kernels (`decode_split` at groups of 32, `decode_mma` at 64 and 128): small
+/// configs have 3 sinks, a 32-token recent window and 16-token pages, so positions
+/// `3 .. 3 + quantized_len` are paged.
+#[test]
+fn window_decode_matches_reference_and_skips_pages_outside() {
+    let split = small_config(64, 2, 2, 32);
+    let mma = small_config(64, 2, 2, 64);
+    let mma128 = small_config(128, 4, 2, 128);
+    for (i, config) in [split, mma].into_iter().enumerate() {
+        let seed = 9100 + 100 * i as u64;
+        // window_left 0: each row sees its own key only (f16 recent rows).
+        assert_eq!(window_case(config, 1, 3, 100, 1, 0, &[], seed), 4);
+        // A window smaller than a page, across the recent rows, two rows.
+        assert_eq!(window_case(config, 2, 4, 100, 2, 5, &[], seed + 1), 4);
+        // A window ending mid-page (first visible position 94, page 5 holds 83 .. 99),
+        // three rows, GQA 8 on one KV head.
+        assert_eq!(window_case(config, 1, 8, 137, 3, 40, &[], seed + 2), 5);
+        // Sinks in the window for row 0 only (positions 0 ..= 62, then 1 ..= 63).
+        assert_eq!(window_case(config, 3, 1, 64, 2, 62, &[], seed + 3), 0);
+        // A window as long as the sequence for row 0 (all f16 rows: no page yet); the last
+        // row leaves out positions 0 and 1, two of the sinks.
+        assert_eq!(window_case(config, 2, 2, 20, 4, 17, &[], seed + 4), 0);
+        // Protected positions: 20 outside every row's window (first visible positions 67
+        // to 73), 100 inside, 70 inside for rows 0 to 3 only; 7 rows.
+        assert_eq!(window_case(config, 2, 3, 150, 7, 76, &[20, 70, 100], seed + 5), 4);
+    }
+    // A long sequence on the d128 tensor-core instantiation: 3 of 17 pages visible.
+    assert_eq!(window_case(mma128, 2, 4, 310, 2, 80, &[], 9400), 14);
+}
+
+/// A window that covers every position of every row gives bit for bit the output of no
+/// window, for each backend and split count (the same splits, the same order).
+#[test]
+fn window_covering_everything_is_no_window() {
+    for (i, config) in [small_config(64, 2, 2, 32), small_config(64, 4, 2, 64)].into_iter().enumerate() {
+        let shape = LayerShape { num_kv_heads: 2, num_q_heads: 6 };
+        let (len, q_len) = (120usize, 3usize);
+        let mut st = Store::new(config, shape, len, Some(9500 + i as u64));
+        st.calib = random_calibration(2, 64, 77);
+        st.append(Backend::Cpu, &rows(Data::Keys, len * 2, 64, 11), &rows(Data::Normal, len * 2, 64, 12)).unwrap();
+        let q = rows(Data::Normal, q_len * 6, 64, 13);
+        for backend in backends() {
+            let splits: &[Option<u32>] = if emulated(backend) { &[Some(2)] } else { &[None, Some(1), Some(7)] };
+            for &s in splits {
+                let none = decode_window(backend, &st, &st.table, &q, q_len, s, None).unwrap();
+                // The last row (position len - 1) sees position 0 from window_left len - 1 on.
+                for w in [len - 1, len, u32::MAX as usize - 1] {
+                    let got = decode_window(backend, &st, &st.table, &q, q_len, s, Some(w)).unwrap();
+                    assert!(
+                        got == none,
+                        "{backend:?} splits {s:?} window_left {w}: not the unwindowed output ({:.2e})",
+                        rel_err(&got, &none)
+                    );
+                }
+                // One position fewer for the last row is a different result.
+                let cut = decode_window(backend, &st, &st.table, &q, q_len, s, Some(len - 2)).unwrap();
+                assert!(cut != none, "{backend:?} splits {s:?}: window_left {} left nothing out", len - 2);
+            }
+        }
+    }
+}
+
+/// With a window the splits cut the visible positions only: a long context with a small
+/// window has no empty split as long as there are visible positions for each, and the
+/// partials of every split count merge to the unsplit result (empty ones included).
+#[test]
+fn window_splits_cover_the_visible_positions_only() {
+    let config = small_config(64, 2, 2, 32);
+    let fmt = config.format().unwrap();
+    let params = |splits: u32, q_len: u32, attn_window: u32| DecodeParams {
+        format: fmt,
+        num_seqs: 1,
+        num_q_heads: 2,
+        num_kv_heads: 1,
+        num_splits: splits,
+        block_table_stride: 0,
+        flags: config.flags(),
+        sm_scale: 0.125,
+        q_seq_stride: q_len * 2 * 64,
+        q_token_stride: 2 * 64,
+        q_dtype: rotkv_kernels::params::DTYPE_F32,
+        num_blocks: u32::MAX,
+        max_len: u32::MAX,
+        q_len,
+        attn_window,
+    };
+    // A million tokens, 4 rows, a 4096-key window: 4099 visible positions in 16 splits.
+    let (len, q_len, window) = (1_000_000u32, 4u32, 4096u32);
+    let p = params(16, q_len, window);
+    let first = len - q_len + 1 - window;
+    assert_eq!((p.visible_start(len), p.row_start(len, 3), p.row_len(len, 3)), (first, len - window, len));
+    let mut next = first;
+    for split in 0..16 {
+        let (b, e) = p.split_range(split, len);
+        assert!(b == next && e > b, "split {split}: [{b}, {e})");
+        next = e;
+    }
+    assert_eq!(next, len);
+    // No window: unchanged (from 0, ceil(len / n) each).
+    assert_eq!(params(16, q_len, 0).split_range(1, len), (62_500, 125_000));
+    // A window longer than the sequence: from 0.
+    assert_eq!(params(3, 1, 50).split_range(0, 20), (0, 7));
+
+    // Merging: every split count of a windowed decode gives the unsplit result.
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: 2 };
+    let (len, q_len) = (90usize, 3u32);
+    let mut st = Store::new(config, shape, len, None);
+    st.append(Backend::Reference, &rows(Data::Keys, len, 64, 21), &rows(Data::Normal, len, 64, 22)).unwrap();
+    let q = rows(Data::Normal, q_len as usize * 2, 64, 23);
+    let one = reference::decode_partials(&params(1, q_len, 10), &st.calib, st.pool.bytes(), &[st.seq()], &q);
+    for splits in 1..=14u32 {
+        let p = params(splits, q_len, 10);
+        let parts = reference::decode_partials(&p, &st.calib, st.pool.bytes(), &[st.seq()], &q);
+        for (n, part) in parts.iter().enumerate() {
+            let (row, split) = (n as u32 / (2 * splits), n as u32 % splits);
+            let (b, e) = p.split_range(split, len as u32);
+            let (lo, hi) = (b.max(p.row_start(len as u32, row)), e.min(p.row_len(len as u32, row)));
+            if lo >= hi {
+                assert_eq!(*part, reference::Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; 64] });
+            } else {
+                assert!(part.m.is_finite() && part.l >= 1.0, "splits {splits} row {row} split {split}");
+            }
+        }
+        for (r, chunk) in parts.chunks_exact(splits as usize).enumerate() {
+            let (merged, whole) = (reference::merge(chunk), reference::merge(&one[r..r + 1]));
+            for (a, b) in merged.iter().zip(&whole) {
+                assert!(a.is_finite() && (a - b).abs() <= 1e-12 * b.abs().max(1.0), "splits {splits} row {r}");
+            }
+        }
+    }
+}
+
+/// Bad windows and bad entries are refused before anything is written: a window whose key
+/// count does not fit u32, a freed or out-of-pool entry of a page the window reads, a
+/// freed entry without a window, and for append a freed entry of the page it fills (the
+/// pages full before it may be freed: the same bytes as with their blocks kept).
+#[test]
+fn window_checks_its_inputs_and_changes_nothing_on_error() {
+    let config = small_config(64, 2, 2, 32);
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: 2 };
+    let len = 150;
+    // Room for 200 tokens: the table has entries past the 7 pages of 150 tokens.
+    let mut st = Store::new(config, shape, 200, None);
+    st.append(Backend::Cpu, &rows(Data::Keys, len, 64, 31), &rows(Data::Normal, len, 64, 32)).unwrap();
+    let q = rows(Data::Normal, 2, 64, 33);
+    // 7 pages (positions 3 .. 115); window_left 60 from position 149 starts at 89: pages
+    // 0 .. 5 are wholly outside, page 5 (83 .. 99) is read.
+    assert_eq!(pages_outside(&st, 1, 60), 5);
+    for backend in backends() {
+        let call = |table: &[u32], w: Option<usize>| {
+            let mut out = vec![7.5f32; 2 * 64];
+            let seq = reference::SeqRef { block_table: table, side: &st.side, len, protected: &[] };
+            let r = rotkv::paged::decode(
+                backend,
+                &st.config,
+                &st.calib,
+                &st.shape,
+                st.pool.bytes(),
+                &[seq],
+                &q,
+                &mut out,
+                rotkv::paged::DecodeOptions { window_left: w, ..Default::default() },
+            );
+            (r, out.iter().all(|&x| x == 7.5))
+        };
+        for w in [u32::MAX as usize, usize::MAX] {
+            let (r, untouched) = call(&st.table, Some(w));
+            assert!(matches!(r, Err(rotkv::Error::Value(_))) && untouched, "{backend:?}: window_left {w}: {r:?}");
+        }
+        let with = |j: usize, entry: u32| {
+            let mut t = st.table.clone();
+            t[j] = entry;
+            t
+        };
+        let freed = rotkv::paged::FREED_BLOCK;
+        for (table, w, why) in [
+            (with(5, freed), Some(60), "a freed page inside the window"),
+            (with(6, freed), Some(60), "a freed last page"),
+            (with(0, freed), None, "a freed page without a window"),
+            (with(0, 1000), Some(60), "an out-of-pool entry outside the window"),
+        ] {
+            let (r, untouched) = call(&table, w);
+            assert!(matches!(r, Err(rotkv::Error::BlockTable { .. })) && untouched, "{backend:?}: {why}: {r:?}");
+        }
+        // Outside the window freed entries are fine; a block that is not FREED_BLOCK is
+        // checked there too (a block handed to another page must leave the old entry).
+        let mut t = st.table.clone();
+        t[..5].fill(freed);
+        call(&t, Some(60)).0.unwrap();
+        t[4] = t[6];
+        let (r, untouched) = call(&t, Some(60));
+        assert!(matches!(r, Err(rotkv::Error::AliasedBlock { .. })) && untouched, "{backend:?}: {r:?}");
+        // Append: the pages full before the call may be freed; the page it fills (16 more
+        // tokens fill page 7) may not, and the refused call writes nothing.
+        let (k, v) = (rows(Data::Keys, 16, 64, 34), rows(Data::Normal, 16, 64, 35));
+        let mut t = st.table.clone();
+        t[7] = freed;
+        let mut refused = st.clone();
+        refused.table = t;
+        let r = refused.append(backend, &k, &v);
+        assert!(matches!(r, Err(rotkv::Error::BlockTable { index: 7, .. })), "{backend:?}: {r:?}");
+        assert!(refused.pool == st.pool && refused.side == st.side && refused.len == len, "{backend:?}");
+        let mut freed_full = st.clone();
+        freed_full.table[..7].fill(freed);
+        freed_full.append(backend, &k, &v).unwrap();
+        let mut kept = st.clone();
+        kept.append(backend, &k, &v).unwrap();
+        assert!(freed_full.pool == kept.pool && freed_full.side == kept.side, "{backend:?}: freed full pages");
+    }
+    // The cache's per-layer setting: checked, unchanged on error.
+    let cshape =
+        rotkv::CacheShape { layers: 2, num_kv_heads: 1, num_q_heads: 2, max_seqs: 1, max_tokens: 64, num_blocks: None };
+    let mut cache = rotkv::KvCache::new(config, cshape, Backend::Cpu).unwrap();
+    cache.set_window_left(1, Some(7)).unwrap();
+    assert!(matches!(cache.set_window_left(1, Some(u32::MAX as usize)), Err(rotkv::Error::Value(_))));
+    assert!(cache.set_window_left(2, None).is_err());
+    assert_eq!((cache.window_left(0).unwrap(), cache.window_left(1).unwrap()), (None, Some(7)));
+}
+
+/// `KvCache::set_window_left` makes a layer's decodes windowed, on every backend, as the
+/// paged API with the same window does; other layers are unchanged.
+#[test]
+fn cache_layers_decode_with_their_window() {
+    let config = small_config(64, 2, 2, 64);
+    let cshape = rotkv::CacheShape {
+        layers: 2,
+        num_kv_heads: 2,
+        num_q_heads: 4,
+        max_seqs: 2,
+        max_tokens: 200,
+        num_blocks: None,
+    };
+    let len = 130;
+    let (k, v) = (rows(Data::Keys, len * 2, 64, 41), rows(Data::Normal, len * 2, 64, 42));
+    let q = rows(Data::Normal, 2 * 4, 64, 43);
+    let mut want = None;
+    for backend in backends() {
+        let mut cache = rotkv::KvCache::new(config, cshape, backend).unwrap();
+        let seq = cache.add_sequence().unwrap();
+        for layer in 0..2 {
+            cache.append(layer, seq, len, &k, &v).unwrap();
+        }
+        cache.set_window_left(1, Some(45)).unwrap();
+        let mut outs = [vec![0f32; 2 * 4 * 64], vec![0f32; 2 * 4 * 64]];
+        for (layer, out) in outs.iter_mut().enumerate() {
+            cache.decode_tokens(layer, &[seq], 2, &q, out).unwrap();
+        }
+        let [full, windowed] = outs;
+        let (want_full, want_windowed) = want.get_or_insert_with(|| (full.clone(), windowed.clone()));
+        let tol = decode_tol(backend, &config, false);
+        let (e_full, e_win) = (rel_err(&full, want_full), rel_err(&windowed, want_windowed));
+        assert!(e_full <= tol && e_win <= tol, "{backend:?}: {e_full:.2e} {e_win:.2e}");
+        assert!(rel_err(&windowed, &full) > 1e-3, "{backend:?}: the window changed nothing");
+    }
+}
+
+/// A serving loop over a sliding window with a pool too small for the whole sequence:
+/// after each append, the pages wholly before the next decode's window go back to a free
+/// list (their entries set to `FREED_BLOCK`), appends take blocks from it. Every decode
+/// is within the tolerance of the reference's decode of the same bytes, and those equal
+/// the reference's decode of a cache that kept every page, appended at once by the same
+/// backend (appends' bytes do not depend on their chunking).
+#[test]
+fn freed_pages_outside_the_window_are_reused() {
+    let config = small_config(64, 2, 2, 64);
+    let fmt = config.format().unwrap();
+    let shape = LayerShape { num_kv_heads: 2, num_q_heads: 4 };
+    let (total, window_left) = (260usize, 40usize);
+    let calib = random_calibration(2, 64, 53);
+    let k = rows(Data::Keys, total * 2, 64, 51);
+    let v = rows(Data::Normal, total * 2, 64, 52);
+    for backend in backends() {
+        // 6 blocks for a sequence that needs 14 pages.
+        let pool_blocks = 6usize;
+        let mut pool = rotkv::paged::PoolBuffer::new(rotkv::paged::pool_bytes(&config, &shape, pool_blocks).unwrap());
+        let mut side = vec![f16::ZERO; rotkv::paged::side_elems(&config, &shape).unwrap()];
+        let mut free: Vec<u32> = (0..pool_blocks as u32).rev().collect();
+        let mut table: Vec<u32> = Vec::new();
+        let mut len = 0usize;
+        let step = if emulated(backend) { 37 } else { 13 };
+        let mut checked = 0;
+        while len < total {
+            let n = step.min(total - len);
+            let need = fmt.pages_for((len + n) as u32) as usize;
+            while table.len() < need {
+                table.push(free.pop().expect("the window's pages fit the pool"));
+            }
+            let (kk, vv) = (&k[len * 128..(len + n) * 128], &v[len * 128..(len + n) * 128]);
+            len = rotkv::paged::append(
+                backend,
+                &config,
+                &calib,
+                &shape,
+                pool.bytes_mut(),
+                &table,
+                &mut side,
+                &[],
+                len,
+                n,
+                kk,
+                vv,
+            )
+            .unwrap();
+            // The decode of the last token sees `len - 1 - window_left ..`: free what lies
+            // wholly before it.
+            let first = (len - 1).saturating_sub(window_left);
+            for (j, entry) in table.iter_mut().enumerate() {
+                let whole_before = fmt.sinks as usize + fmt.page_size as usize * (j + 1) <= first;
+                if whole_before && *entry != rotkv::paged::FREED_BLOCK {
+                    free.push(std::mem::replace(entry, rotkv::paged::FREED_BLOCK));
+                }
+            }
+            let q = rows(Data::Normal, 4, 64, 60 + len as u64);
+            let mut got = vec![0f32; 4 * 64];
+            let seq = reference::SeqRef { block_table: &table, side: &side, len, protected: &[] };
+            let options = rotkv::paged::DecodeOptions { window_left: Some(window_left), ..Default::default() };
+            rotkv::paged::decode(backend, &config, &calib, &shape, pool.bytes(), &[seq], &q, &mut got, options)
+                .unwrap();
+            let mut want = vec![0f32; 4 * 64];
+            let options = rotkv::paged::DecodeOptions { num_splits: Some(1), ..options };
+            rotkv::paged::decode(
+                Backend::Reference,
+                &config,
+                &calib,
+                &shape,
+                pool.bytes(),
+                &[seq],
+                &q,
+                &mut want,
+                options,
+            )
+            .unwrap();
+            let mut kept = Store::new(config, shape, len, None);
+            kept.calib = calib.clone();
+            kept.append(backend, &k[..len * 128], &v[..len * 128]).unwrap();
+            let whole =
+                decode_window(Backend::Reference, &kept, &kept.table, &q, 1, Some(1), Some(window_left)).unwrap();
+            assert!(whole == want, "{backend:?} len {len}: the reused blocks do not hold the kept cache's bytes");
+            let e = rel_err(&got, &want);
+            assert!(e <= decode_tol(backend, &config, false), "{backend:?} len {len}: {e:.2e}");
+            checked += 1;
+        }
+        assert!(checked >= 7 && table.iter().filter(|&&b| b == rotkv::paged::FREED_BLOCK).count() >= 8);
+    }
 }

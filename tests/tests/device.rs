@@ -265,6 +265,65 @@ fn one_plan_many_steps_match_the_reference() {
     }
 }
 
+/// A windowed plan (`DecodePlan::new_windowed`): the same grid every step, each step
+/// equal to the reference cache's decode with the same window within the device
+/// tolerance (q_len 1 and 3, lengths around and past pages and the window), and fewer
+/// splits than the unwindowed plan for the same shape (the splits cut the visible
+/// positions only). A window that does not fit u32 is refused.
+#[test]
+fn windowed_plan_matches_the_reference() {
+    let slots = 2;
+    let config = CacheConfig { window: 32, page_size: 16, sinks: 3, ..CacheConfig::k2v2(D) };
+    let mut t = Twin::with_config(config, 1, 4, slots);
+    let window_left = 40;
+    t.host.set_window_left(0, Some(window_left)).unwrap();
+    let shape = PlanShape {
+        max_seqs: slots,
+        max_q_len: 3,
+        max_context: 256,
+        sm_count: Some(132),
+        blocks_per_sm: Some(1),
+        sm_scale: None,
+    };
+    let mut plan = DecodePlan::new_windowed(&t.layer, shape, Some(window_left)).unwrap();
+    assert_eq!(plan.window_left(), Some(window_left));
+    assert!(matches!(DecodePlan::new_windowed(&t.layer, shape, Some(u32::MAX as usize)), Err(Error::Value(_))));
+    // Split counts on a layer of 8192-token sequences: 32 splits of 256 for the whole
+    // context, 1 for the 43 positions a window of 41 keys and 3 rows see.
+    let big = DeviceLayer::new(
+        &t.dev,
+        config,
+        LayerShape { num_kv_heads: 1, num_q_heads: 4 },
+        LayerCalibration::identity(1, D),
+        LayerSize { max_seqs: 1, max_tokens: 8192, num_blocks: None },
+    )
+    .unwrap();
+    let big_shape = PlanShape { max_seqs: 1, max_context: 8192, ..shape };
+    let full = DecodePlan::new(&big, big_shape).unwrap();
+    let windowed = DecodePlan::new_windowed(&big, big_shape, Some(window_left)).unwrap();
+    assert_eq!((full.window_left(), full.num_splits(), windowed.num_splits()), (None, 32, 1));
+    let grids: Vec<_> = (1..=3).map(|q| plan.grid(&t.layer, q)).collect();
+    let (a, b) = (t.add(), t.add());
+    t.append(a, 150, false);
+    t.append(b, 20, true);
+    for (i, (grow, q_len)) in [(1, 1), (2, 3), (37, 1), (60, 3)].into_iter().enumerate() {
+        for s in [a, b] {
+            t.append(s, grow, s == b);
+        }
+        let q = t.queries(slots, q_len);
+        let mut qb: DeviceBuffer<f32> = t.dev.alloc(q.len()).unwrap();
+        let mut out: DeviceBuffer<f32> = t.dev.alloc(q.len()).unwrap();
+        t.dev.write(&mut qb, 0, &q).unwrap();
+        plan.run(&t.layer, q_len, &qb, &mut out).unwrap();
+        assert_eq!(plan.grid(&t.layer, q_len), grids[q_len - 1]);
+        let mut got = vec![0f32; q.len()];
+        t.dev.read(&out, &mut got).unwrap();
+        let want = t.reference(slots, q_len, &q);
+        let err = rel_err(&got, &want);
+        assert!(err < DEVICE_TOL, "step {i} (q_len {q_len}): relative error {err}");
+    }
+}
+
 /// Steady-state appends of one token allocate, download and wait for nothing, and
 /// upload nothing but the block-table entry of a page the sequence takes: the kernels
 /// place each token from the tables on the device and store the new length there (which

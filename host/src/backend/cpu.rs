@@ -1850,10 +1850,15 @@ pub(crate) struct HeadState {
     int_q: Option<IntQuery>,
     /// Position of the next chunk's first token.
     pos: u32,
-    /// The smallest causal limit: chunks ending at or before it need no mask.
+    /// The smallest causal limit: chunks ending at or before it (and starting at or past
+    /// `mask_to`) need no mask.
     mask_from: u32,
+    /// The largest sliding-window start (0 without a window).
+    mask_to: u32,
     /// Per row, the end (exclusive) of the positions it attends to.
     limits: Vec<u32>,
+    /// Per row, the first position it attends to (empty without a window).
+    starts: Vec<u32>,
     s: Vec<f32>,
     w: Vec<f32>,
     tmp: Vec<f32>,
@@ -1898,7 +1903,9 @@ impl HeadState {
             int_q: None,
             pos: 0,
             mask_from: u32::MAX,
+            mask_to: 0,
             limits: Vec::new(),
+            starts: Vec::new(),
             s: vec![0.0; g * CHUNK],
             w: vec![0.0; g * CHUNK],
             tmp: vec![0.0; g * CHUNK],
@@ -1919,6 +1926,15 @@ impl HeadState {
         self
     }
 
+    /// Gives every row a sliding-window start as well: row `r` only sees positions at or
+    /// past `starts[r]` (its scores before it are masked).
+    pub(crate) fn window(mut self, starts: Vec<u32>) -> Self {
+        debug_assert_eq!(starts.len(), self.g);
+        self.mask_to = starts.iter().copied().max().unwrap_or(0);
+        self.starts = starts;
+        self
+    }
+
     /// Scores quantized keys with int8 queries and integer dot products
     /// ([`KeyScores::Int8`]; pages with variance normalization keep the f32 path).
     pub(crate) fn int_keys(mut self, fmt: &Format, terms: usize) -> Self {
@@ -1929,15 +1945,20 @@ impl HeadState {
     }
 
     /// Masks the scores of the `n` tokens of the current chunk that lie past their row's
-    /// causal limit (only chunks that reach past the smallest limit have any).
+    /// causal limit or before its sliding-window start (only chunks that reach past the
+    /// smallest limit or start before the largest start have any).
     #[inline(always)]
     fn mask(&mut self, n: usize) {
-        if self.pos + n as u32 <= self.mask_from {
+        if self.pos + n as u32 <= self.mask_from && self.pos >= self.mask_to {
             return;
         }
         for (h, &limit) in self.limits.iter().enumerate() {
             let keep = limit.saturating_sub(self.pos).min(n as u32) as usize;
             self.s[h * CHUNK + keep..h * CHUNK + n].fill(f32::NEG_INFINITY);
+        }
+        for (h, &start) in self.starts.iter().enumerate() {
+            let drop = start.saturating_sub(self.pos).min(n as u32) as usize;
+            self.s[h * CHUNK..h * CHUNK + drop].fill(f32::NEG_INFINITY);
         }
     }
 
@@ -2244,7 +2265,10 @@ fn group_queries(p: &DecodeParams, calib: &LayerCalibration, q: &[f32], seq: usi
 /// [`crate::reference::decode`] for the definition): tasks over `(sequence, KV head,
 /// split)` in parallel, each scoring the `q_len * g` query rows of its KV head's group
 /// in one pass over the split's keys and values (rows past their causal limit masked,
-/// which only the split's last `q_len - 1` positions can be), then the log-sum-exp merge
+/// which only the split's last `q_len - 1` positions can be; with a sliding window, the
+/// splits cover the visible positions only and the rows before their window's start are
+/// masked, which only the split's first `q_len - 1` positions can be), then the
+/// log-sum-exp merge
 /// and the inverse value rotation per query row and head. The rows share each chunk's
 /// loads and conversions: the portable kernels unpack a chunk's codes once for all rows,
 /// the AVX2 kernels once per register block of 4 rows.
@@ -2275,6 +2299,9 @@ pub fn decode(
             }
             let limits = (0..q_len * g).map(|r| p.row_len(len, (r / g) as u32)).collect();
             let mut st = HeadState::new(&fmt, &group_queries(p, calib, q, s, h), q_len * g).causal(b, limits);
+            if p.attn_window > 0 {
+                st = st.window((0..q_len * g).map(|r| p.row_start(len, (r / g) as u32)).collect());
+            }
             match key_scores {
                 KeyScores::Exact => {}
                 KeyScores::Int8 => st = st.int_keys(&fmt, 1),

@@ -440,9 +440,11 @@ pub fn rotate_query(q: &[f32], scale: &[f32], rot: HeadRotation<'_>, key_perm: &
 
 /// Split-K partials for every `(sequence, query row, query head, split)`, in that order.
 /// `q` is `[num_seqs][q_len][num_q_heads][head_dim]` (sequence stride `p.q_seq_stride`).
-/// Row `i` of a sequence of `len` tokens attends to positions `0 .. p.row_len(len, i)`:
-/// splits are cut from the whole `len`, and each row leaves out the positions of a split
-/// beyond its own causal limit (a split with none left is an empty partial).
+/// Row `i` of a sequence of `len` tokens is the query at position `len - q_len + i` and
+/// attends to positions up to its own, or with a sliding window (`p.attn_window = W > 0`)
+/// to the `W` newest of them: splits are cut from the sequence's visible positions
+/// ([`DecodeParams::split_range`]), and each row leaves out the positions of a split
+/// outside its own window (a split with none left is an empty partial).
 pub fn decode_partials(
     p: &DecodeParams,
     calib: &LayerCalibration,
@@ -458,7 +460,9 @@ pub fn decode_partials(
     let mut out = Vec::with_capacity(seqs.len() * q_len * hq * p.num_splits as usize);
     for (s, seq) in seqs.iter().enumerate() {
         for row in 0..q_len {
-            let limit = p.row_len(seq.len as u32, row as u32);
+            // The row's query position and the positions it attends to: `first ..= q_pos`.
+            let q_pos = seq.len - p.q_len as usize + row;
+            let first = if p.attn_window == 0 { 0 } else { (q_pos + 1).saturating_sub(p.attn_window as usize) };
             for qh in 0..hq {
                 let kvh = qh / group;
                 let (_, kperm, _) = calib.head(kvh, d);
@@ -468,7 +472,7 @@ pub fn decode_partials(
                 for split in 0..p.num_splits {
                     let (b, e) = p.split_range(split, seq.len as u32);
                     let mut part = Partial { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; d] };
-                    for pos in b as usize..e.min(limit) as usize {
+                    for pos in (b as usize).max(first)..(e as usize).min(q_pos + 1) {
                         let k = read_row(fmt, hkv, pool, seq, kvh, pos, false);
                         let logit = p.sm_scale as f64 * qr.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>();
                         let v = read_row(fmt, hkv, pool, seq, kvh, pos, true);
@@ -509,7 +513,8 @@ pub fn merge(parts: &[Partial]) -> Vec<f64> {
 
 /// Decode attention for `p.q_len` query tokens per sequence: `q` and `out` are
 /// `[num_seqs][q_len][num_q_heads][head_dim]` (sequence stride `p.q_seq_stride`), row `i`
-/// attending causally to positions `0 .. p.row_len(len, i)`; `out` is in the original
+/// attending causally to positions `p.row_start(len, i) .. p.row_len(len, i)` (from 0
+/// without a sliding window); `out` is in the original
 /// (unrotated) value channels.
 pub fn decode(
     p: &DecodeParams,

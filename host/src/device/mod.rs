@@ -815,6 +815,8 @@ pub struct DecodePlan {
     layer: u64,
     num_splits: u32,
     sm_scale: f32,
+    /// [`DecodeParams::attn_window`]: 0, or the sliding window's keys per row.
+    attn_window: u32,
     m: DeviceBuffer<f32>,
     l: DeviceBuffer<f32>,
     o: DeviceBuffer<f32>,
@@ -823,6 +825,18 @@ pub struct DecodePlan {
 impl DecodePlan {
     /// A plan for decoding `layer`'s slots `0 .. shape.max_seqs`.
     pub fn new(layer: &DeviceLayer, shape: PlanShape) -> Result<Self> {
+        Self::new_windowed(layer, shape, None)
+    }
+
+    /// [`DecodePlan::new`] for a sliding-window layer: every run attends only to the
+    /// `window_left + 1` newest positions up to each query row's own
+    /// ([`crate::paged::DecodeOptions::window_left`], FlashInfer's `window_left`; Hugging
+    /// Face's `sliding_window = n` is `Some(n - 1)`). The window is fixed in the plan, so
+    /// every step launches the same grid (CUDA-graph friendly); the split count is chosen
+    /// for the visible positions (at most `window_left + max_q_len`), not `max_context`,
+    /// and pages before the window are not read.
+    pub fn new_windowed(layer: &DeviceLayer, shape: PlanShape, window_left: Option<usize>) -> Result<Self> {
+        let attn_window = crate::paged::attn_window(window_left)?;
         if shape.max_seqs == 0 || shape.max_seqs > layer.size.max_seqs {
             return Err(Error::Capacity(format!(
                 "a plan for {} sequences on a layer of {} slots",
@@ -847,16 +861,19 @@ impl DecodePlan {
         let sms = shape.sm_count.unwrap_or(layer.device.sm_count()).max(1);
         // One full wave of resident blocks: the q_len-1 launch's blocks per split, the
         // kernel's occupancy on this device.
-        let one = launch::decode_launch(&Self::params(layer, shape.max_seqs, 1, sm_scale, 1));
+        let one = launch::decode_launch(&Self::params(layer, shape.max_seqs, 1, sm_scale, 1, attn_window));
         let per_sm = match shape.blocks_per_sm {
             Some(n) => n,
             None => layer.device.resident_blocks(&layer.fmt, &one)?,
         }
         .max(1);
         let per_split = one.grid.iter().map(|&x| x as usize).product::<usize>();
-        let num_splits = launch::wave_splits(shape.max_context, per_split, sms * per_sm);
+        // The most positions a sequence's rows attend to together.
+        let visible = crate::paged::visible_range(shape.max_context, shape.max_q_len, attn_window);
+        let num_splits = launch::wave_splits(visible.1 - visible.0, per_split, sms * per_sm);
         for q_len in 1..=shape.max_q_len {
-            let z = launch::decode_launch(&Self::params(layer, shape.max_seqs, num_splits, sm_scale, q_len)).grid[2];
+            let p = Self::params(layer, shape.max_seqs, num_splits, sm_scale, q_len, attn_window);
+            let z = launch::decode_launch(&p).grid[2];
             if z > launch::MAX_GRID_YZ || shape.max_seqs * q_len > launch::MAX_GRID_YZ as usize {
                 return Err(Error::Capacity(format!("{q_len} query tokens x {num_splits} splits exceed the grid")));
             }
@@ -868,13 +885,21 @@ impl DecodePlan {
             layer: layer.id,
             num_splits,
             sm_scale,
+            attn_window,
             m: dev.alloc(parts)?,
             l: dev.alloc(parts)?,
             o: dev.alloc(parts * d)?,
         })
     }
 
-    fn params(layer: &DeviceLayer, seqs: usize, num_splits: u32, sm_scale: f32, q_len: usize) -> DecodeParams {
+    fn params(
+        layer: &DeviceLayer,
+        seqs: usize,
+        num_splits: u32,
+        sm_scale: f32,
+        q_len: usize,
+        attn_window: u32,
+    ) -> DecodeParams {
         let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
         DecodeParams {
             format: layer.fmt,
@@ -891,6 +916,7 @@ impl DecodePlan {
             num_blocks: layer.num_blocks as u32,
             max_len: layer.size.max_tokens as u32,
             q_len: q_len as u32,
+            attn_window,
         }
     }
 
@@ -902,9 +928,14 @@ impl DecodePlan {
     pub fn num_splits(&self) -> u32 {
         self.num_splits
     }
+    /// The plan's sliding window ([`DecodePlan::new_windowed`]; `None`: none).
+    pub fn window_left(&self) -> Option<usize> {
+        self.attn_window.checked_sub(1).map(|w| w as usize)
+    }
     /// The decode kernel's grid for `q_len` query tokens (the same every step).
     pub fn grid(&self, layer: &DeviceLayer, q_len: usize) -> [u32; 3] {
-        launch::decode_launch(&Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len)).grid
+        let p = Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len, self.attn_window);
+        launch::decode_launch(&p).grid
     }
 
     /// Decodes the last `q_len` tokens of every sequence in slots `0 .. max_seqs` of
@@ -999,7 +1030,7 @@ impl DecodePlan {
             q_seq_stride: (q_len * q_row_stride) as u32,
             q_token_stride: q_row_stride as u32,
             q_dtype: Q::DTYPE,
-            ..Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len)
+            ..Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len, self.attn_window)
         };
         let mp = MergeParams {
             num_seqs: p.num_seqs * p.q_len,
