@@ -464,7 +464,7 @@ pub fn cuda_device(dev: &candle_core::Device) -> Result<crate::device::Device> {
 /// - A sim layer takes CPU tensors (the emulator's device memory is host memory): the
 ///   whole device path, tested without a GPU.
 /// - A cuda layer takes CUDA tensors of its own context **and stream** (feature
-///   `candle-cuda`; make the layer's device with [`cuda_device`]), enqueued on that
+///   `candle-cuda`; make the layer's device with `cuda_device`), enqueued on that
 ///   stream with no synchronization.
 ///
 /// Each row (`[num_kv_heads, head_dim]`) must be contiguous; rows may lie any stride
