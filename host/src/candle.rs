@@ -45,7 +45,7 @@
 //!   storage in a build without `candle-cuda` is refused with [`Error::Unsupported`].
 //!
 //! The output of `device_decode` is a new tensor (one allocation per call: a `Vec` on
-//! the emulator, a stream-ordered `alloc_zeros` of candle's device on a GPU); a stack
+//! the emulator, a stream-ordered `alloc` of candle's device on a GPU); a stack
 //! that wants no allocation per step decodes into its own device buffer through
 //! `with_tensor_view`.
 //!
@@ -374,7 +374,7 @@ pub fn with_tensor_view<T: Elem, R>(
             let r = rows_of(name, layout, slice.len())?;
             let (ptr, _read) = slice.device_ptr(stream);
             // SAFETY: `ptr` is the start of `slice`, a live allocation of the layer's
-            // context (`check_view_location` compared contexts and streams), of
+            // context (`check_cuda_stream` compared contexts and streams), of
             // `slice.len() >= r.start + r.span` initialized elements (checked); the
             // storage is read-locked until `f` returns, and the work `f` enqueues on the
             // layer's stream, which is candle's stream for this tensor, is ordered before
@@ -538,9 +538,10 @@ fn device_append_as<T: Elem>(
 /// slot `s`), read in place like [`device_append`]'s tensors (contiguous rows at any row
 /// stride: `qkv.narrow(..)` works without a copy). Returns a new contiguous tensor of
 /// that shape and `q`'s dtype on `q`'s device: a `Vec` wrapped as a CPU tensor on a sim
-/// layer; on a cuda layer one `alloc_zeros` of candle's device per call (stream-ordered,
-/// no synchronization), wrapped as candle CUDA storage. The decode itself enqueues the
-/// plan's two launches and nothing else. For a step with no allocation at all (CUDA
+/// layer; on a cuda layer one `alloc` of candle's device per call (stream-ordered, no
+/// synchronization, not zeroed: the merge kernel writes every element), wrapped as
+/// candle CUDA storage. Everything is checked before the output is allocated; the decode
+/// itself enqueues the plan's two launches and nothing else. For a step with no allocation at all (CUDA
 /// graph capture), decode into a [`crate::device::DeviceBuffer`] the stack keeps:
 /// [`DecodePlan::run_strided`] on the query view [`with_tensor_view`] lends.
 ///
@@ -576,11 +577,34 @@ fn device_decode_as<T: Elem>(plan: &mut DecodePlan, layer: &DeviceLayer, q_len: 
     let rows = plan.shape().max_seqs * q_len;
     let n = rows * hq * d;
     let dev = layer.device();
-    with_tensor_view::<T, _>(dev, "q", q, |qv, qs| match q.device() {
+    with_tensor_view::<T, _>(dev, "q", q, |qv, qs| {
+        // Every check of the decode before the output is allocated: on error nothing is
+        // allocated or enqueued.
+        plan.check_run(layer, q_len, (qv.device_id(), qv.len(), qs), (qv.device_id(), n, hq * d))?;
+        decode_into_new::<T>(plan, layer, q_len, q, qv, qs)
+    })
+}
+
+/// The output tensor of [`device_decode`], allocated on `q`'s device after
+/// [`DecodePlan::check_run`] passed, and the plan run into it.
+#[cfg(any(feature = "sim", feature = "cuda"))]
+fn decode_into_new<T: Elem>(
+    plan: &mut DecodePlan,
+    layer: &DeviceLayer,
+    q_len: usize,
+    q: &Tensor,
+    qv: DeviceSlice<'_, T>,
+    qs: usize,
+) -> Result<Tensor> {
+    let (hq, d) = (layer.shape().num_q_heads, layer.config().head_dim);
+    let rows = plan.shape().max_seqs * q_len;
+    let n = rows * hq * d;
+    let dev = layer.device();
+    match q.device() {
         candle_core::Device::Cpu => {
             let mut out = vec![T::from_f64(0.0); n];
-            // SAFETY: the emulator (a CPU q passed `with_view`'s location check only on a
-            // sim layer): `out` is host memory of `n` initialized `T`, borrowed mutably
+            // SAFETY: the emulator (a CPU q passes `with_tensor_view`'s location check only
+            // on a sim layer): `out` is host memory of `n` initialized `T`, borrowed mutably
             // until the plan's launches, which finish before `run_strided` returns.
             let mut ov = unsafe { DeviceSliceMut::<T>::from_raw(dev, out.as_mut_ptr().expose_provenance() as u64, n)? };
             plan.run_strided(layer, q_len, &qv, qs, &mut ov, hq * d)?;
@@ -591,12 +615,15 @@ fn device_decode_as<T: Elem>(plan: &mut DecodePlan, layer: &DeviceLayer, q_len: 
         candle_core::Device::Cuda(cdev) => {
             use cudarc::driver::DevicePtrMut;
             let stream = layer_stream(dev)?;
-            let mut out = cdev.alloc_zeros::<T>(n).map_err(|e| Error::Backend(format!("candle alloc: {e}")))?;
+            // SAFETY (of `alloc`): uninitialized device memory of `n` elements, never read
+            // before the merge kernel writes every element of it (every row of every slot:
+            // a free slot's rows are written as zeros) on the same stream.
+            let mut out = unsafe { cdev.alloc::<T>(n) }.map_err(|e| Error::Backend(format!("candle alloc: {e}")))?;
             {
                 let (ptr, _write) = out.device_ptr_mut(stream);
                 // SAFETY: `out` is a fresh allocation of candle's device, the layer's
-                // context and stream (checked by `with_view`), of `n` elements, zeroed
-                // on that stream before the plan's launches; nobody else holds it.
+                // context and stream (checked by `with_tensor_view`), of `n` elements;
+                // nobody else holds it.
                 let mut ov = unsafe { DeviceSliceMut::<T>::from_raw(dev, ptr, n)? };
                 plan.run_strided(layer, q_len, &qv, qs, &mut ov, hq * d)?;
             }
@@ -604,7 +631,7 @@ fn device_decode_as<T: Elem>(plan: &mut DecodePlan, layer: &DeviceLayer, q_len: 
             Ok(Tensor::from_storage(storage, (rows, hq, d), candle_core::op::BackpropOp::none(), false))
         }
         other => Err(Error::Unsupported(format!("q is on {:?}", other.location()))),
-    })
+    }
 }
 
 #[cfg(test)]

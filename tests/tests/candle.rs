@@ -533,9 +533,17 @@ fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
         assert!(kind(&e), "{what}: {e}");
         assert_eq!(dev.counters(), before, "{what} enqueued work");
     }
-    // A plan of another layer.
+    // A plan of another layer; a plan whose max_context the sequence has outgrown (a
+    // check against the live sequences, still before anything is allocated or enqueued).
     let other = device_layer(&dev, CacheConfig::k2v2(D));
-    assert!(rotkv::candle::device_decode(&mut plan(&other, 1), &layer, 1, &q1).is_err());
+    let mut foreign = plan(&other, 1);
+    let short =
+        PlanShape { max_seqs: 1, max_q_len: 1, max_context: 5, sm_count: None, blocks_per_sm: None, sm_scale: None };
+    let mut short = DecodePlan::new(&layer, short).unwrap();
+    let before = dev.counters();
+    assert!(matches!(rotkv::candle::device_decode(&mut foreign, &layer, 1, &q1), Err(Error::Shape(_))));
+    assert!(matches!(rotkv::candle::device_decode(&mut short, &layer, 1, &q1), Err(Error::Capacity(_))));
+    assert_eq!(dev.counters(), before);
     // The good calls still work.
     assert_eq!(rotkv::candle::device_decode(&mut p, &layer, 1, &q1).unwrap().dims(), &[1, HQ, D]);
     assert_eq!(rotkv::candle::device_append(&mut layer, seq, &k, &v).unwrap(), 20);

@@ -560,6 +560,10 @@ impl<'a, T> DeviceSlice<'a, T> {
     pub fn addr(&self) -> u64 {
         self.addr
     }
+    /// The identity of the device handle it belongs to.
+    pub(crate) fn device_id(&self) -> u64 {
+        self.device
+    }
 }
 
 impl<'a, T> DeviceSliceMut<'a, T> {
@@ -1154,23 +1158,16 @@ impl DecodePlan {
         self.run_strided(layer, q_len, &q, row, &mut out, row)
     }
 
-    /// [`DecodePlan::run`] with query and output rows (one query token of one slot:
-    /// `num_q_heads` heads of `head_dim`, contiguous) `q_row_stride` and
-    /// `out_row_stride` elements apart: row `s * q_len + t` for token `t` of slot `s`,
-    /// as a fused QKV projection or an attention output with other columns lays them
-    /// out. Each buffer must hold `(max_seqs * q_len - 1) * stride + num_q_heads *
-    /// head_dim` elements or more.
-    #[allow(clippy::too_many_arguments)]
-    pub fn run_strided<Q: KvElement, O: OutputElement>(
-        &mut self,
+    /// Every check of [`DecodePlan::run_strided`] (plan and layer, `q_len`, owners,
+    /// strides and sizes of q and out as `(device handle, elements, row stride)`, the
+    /// live sequences against the plan), nothing enqueued.
+    pub(crate) fn check_run(
+        &self,
         layer: &DeviceLayer,
         q_len: usize,
-        q: &impl AsDeviceSlice<Elem = Q>,
-        q_row_stride: usize,
-        out: &mut impl AsDeviceSliceMut<Elem = O>,
-        out_row_stride: usize,
+        q: (u64, usize, usize),
+        out: (u64, usize, usize),
     ) -> Result<()> {
-        let (q, out) = (q.device_slice(), out.device_slice_mut());
         if layer.id != self.layer {
             return Err(Error::Shape("the plan was made for another layer".into()));
         }
@@ -1180,9 +1177,9 @@ impl DecodePlan {
         let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
         let rows = self.shape.max_seqs * q_len;
         let dev = &layer.device;
-        dev.check_view(q.device, "q")?;
-        dev.check_view(out.device, "out")?;
-        for (what, len, stride) in [("q", q.len(), q_row_stride), ("out", out.len(), out_row_stride)] {
+        dev.check_view(q.0, "q")?;
+        dev.check_view(out.0, "out")?;
+        for (what, (_, len, stride)) in [("q", q), ("out", out)] {
             if stride < hq * d || stride.checked_mul(q_len).is_none_or(|x| x > u32::MAX as usize) {
                 return Err(Error::Shape(format!(
                     "{what} row stride {stride}: at least {hq} heads x {d}, and {q_len} rows of it within u32"
@@ -1217,6 +1214,28 @@ impl DecodePlan {
                 return Err(Error::Shape(format!("sequence {slot} holds {} tokens, fewer than q_len {q_len}", s.len)));
             }
         }
+        Ok(())
+    }
+
+    /// [`DecodePlan::run`] with query and output rows (one query token of one slot:
+    /// `num_q_heads` heads of `head_dim`, contiguous) `q_row_stride` and
+    /// `out_row_stride` elements apart: row `s * q_len + t` for token `t` of slot `s`,
+    /// as a fused QKV projection or an attention output with other columns lays them
+    /// out. Each buffer must hold `(max_seqs * q_len - 1) * stride + num_q_heads *
+    /// head_dim` elements or more.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_strided<Q: KvElement, O: OutputElement>(
+        &mut self,
+        layer: &DeviceLayer,
+        q_len: usize,
+        q: &impl AsDeviceSlice<Elem = Q>,
+        q_row_stride: usize,
+        out: &mut impl AsDeviceSliceMut<Elem = O>,
+        out_row_stride: usize,
+    ) -> Result<()> {
+        let (q, out) = (q.device_slice(), out.device_slice_mut());
+        self.check_run(layer, q_len, (q.device, q.len(), q_row_stride), (out.device, out.len(), out_row_stride))?;
+        let dev = &layer.device;
         let p = DecodeParams {
             q_seq_stride: (q_len * q_row_stride) as u32,
             q_token_stride: q_row_stride as u32,
