@@ -21,7 +21,7 @@
 //! - `candle-cuda`: compile-checks the feature `candle-cuda` (candle's CUDA tensors on the
 //!   device path), which CI leaves out ([`NOT_IN_CI`]): assembles a CUDA 13.2 toolkit
 //!   from pinned PyPI wheels ([`CUDA_WHEELS`]) in `<cache>/cuda-13.2` once, then runs
-//!   clippy (warnings denied) on `rotkv` and `rotkv-tests` with it, in
+//!   clippy and rustdoc (warnings denied) on `rotkv` and `rotkv-tests` with it, in
 //!   `target/candle-cuda`. Not part of `ci`: candle-kernels' nvcc build takes about 15
 //!   CPU-minutes cold. Nothing runs on a GPU.
 //! - `sanitize`: the reliability steps of `ci` alone, after a long stable mutation-fuzz
@@ -1176,26 +1176,39 @@ for name in names:
 }
 
 /// `cargo xtask candle-cuda`: clippy (warnings denied, all targets) on `rotkv` and
-/// `rotkv-tests` with `candle-cuda` and `sim`, candle-kernels compiled by the toolkit of
-/// [`cuda_toolkit`] for sm_80, in `target/candle-cuda`.
+/// `rotkv-tests` with `candle-cuda` and `sim`, then `rotkv`'s docs (warnings denied),
+/// candle-kernels compiled by the toolkit of [`cuda_toolkit`] for sm_80, in
+/// `target/candle-cuda`.
 fn candle_cuda() -> Result<(), Step> {
     let home = cuda_toolkit()?;
     let path = std::env::join_paths(
         std::iter::once(home.join("bin")).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
     )
     .map_err(|e| Step::Failed(e.to_string()))?;
+    let with_toolkit = |c: &mut Command| {
+        c.arg("--target-dir")
+            .arg(root().join("target/candle-cuda"))
+            .env("CUDA_HOME", &home)
+            .env("CUDA_PATH", &home)
+            .env("PATH", &path)
+            .env("CUDA_COMPUTE_CAP", "80");
+    };
+    let start = std::time::Instant::now();
     let mut c = cargo();
     c.args(["clippy", "-p", "rotkv", "-p", "rotkv-tests", "--all-targets", "--features"])
-        .arg("rotkv/candle-cuda,rotkv/sim,rotkv-tests/candle-cuda")
-        .arg("--target-dir")
-        .arg(root().join("target/candle-cuda"))
-        .args(["--", "-D", "warnings"])
-        .env("CUDA_HOME", &home)
-        .env("CUDA_PATH", &home)
-        .env("PATH", path)
-        .env("CUDA_COMPUTE_CAP", "80");
-    let start = std::time::Instant::now();
-    let ok = run("candle-cuda (clippy with candle-core's cuda)", c).map_err(Step::Failed)?;
+        .arg("rotkv/candle-cuda,rotkv/sim,rotkv-tests/candle-cuda");
+    with_toolkit(&mut c);
+    c.args(["--", "-D", "warnings"]);
+    let clippy = run("candle-cuda (clippy with candle-core's cuda)", c).map_err(Step::Failed)?;
+    // The documentation of the candle-cuda items (intra-doc links), warnings denied.
+    let mut c = cargo();
+    c.args(["doc", "--no-deps", "-p", "rotkv", "--features", "candle-cuda,sim"]).env("RUSTDOCFLAGS", "-D warnings");
+    with_toolkit(&mut c);
+    let docs = run("candle-cuda (docs)", c).map_err(Step::Failed)?;
     println!("candle-cuda: {:.0} s wall", start.elapsed().as_secs_f64());
-    if ok { Ok(()) } else { Err(Step::Failed("clippy with candle-cuda failed".into())) }
+    match (clippy, docs) {
+        (true, true) => Ok(()),
+        (false, _) => Err(Step::Failed("clippy with candle-cuda failed".into())),
+        (true, false) => Err(Step::Failed("docs with candle-cuda failed".into())),
+    }
 }
