@@ -6,23 +6,30 @@
 //! cache (`rotkv::candle::append`), decode attention from the packed cache
 //! (`rotkv::candle::decode`, both sequences in one call; after the prompts also
 //! `decode_tokens` for the last 4 prompt tokens, causal), then the output projection.
-//! Each output is compared with candle's own f32 softmax attention over the unquantized
-//! keys and values, and with the same layer on rotkv's f64 reference backend:
+//! The same tokens also go through the device path on the emulated GPU
+//! (`rotkv::candle::device_append` and `device_decode` on a `rotkv::device::DeviceLayer`
+//! of `Device::sim()`: the tensors are read in place as device views; v is copied to
+//! k's row stride first, since the device append takes one stride for both). Each output is compared with candle's own f32 softmax attention over the
+//! unquantized keys and values, and with the same layer on rotkv's f64 reference backend:
 //!
 //! - cpu backend vs reference backend: the same quantized cache, so they agree to
 //!   rounding (asserted below [`BACKEND_BOUND`]);
+//! - the device path vs the reference backend: the tensor-core decode kernel (f16
+//!   probabilities), asserted below [`DEVICE_BOUND`];
 //! - rotkv vs exact f32 attention: the quantization error, asserted below a bound per
 //!   configuration ([`K4V4_BOUND`], [`K2V2_BOUND`]), and the reference's own error must
 //!   be the same size (so the bound measures the format, not a bug of the fast path).
 //!
 //! ```sh
-//! cargo run -p rotkv --features candle --release --example candle_attention
+//! cargo run -p rotkv --features candle,sim --release --example candle_attention
 //! ```
 //!
 //! The test suite runs this file too (`tests/tests/candle.rs`).
 
 use candle_core::{D, DType, Device, Tensor};
-use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
+use rotkv::device::{DecodePlan, DeviceLayer, LayerSize, PlanShape};
+use rotkv::paged::LayerShape;
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, LayerCalibration};
 
 const HIDDEN: usize = 256;
 const HQ: usize = 8;
@@ -34,6 +41,9 @@ const SPEC: usize = 4;
 
 /// cpu backend vs the f64 reference backend (relative L2 over all outputs).
 pub const BACKEND_BOUND: f64 = 3e-3;
+/// The device path (emulated GPU) vs the f64 reference backend: the device tolerance of
+/// tests/tests/device.rs (f32 accumulation, f16 probabilities in the MMA).
+pub const DEVICE_BOUND: f64 = 3e-3;
 /// k4v4 vs exact f32 attention (relative L2 of the layer output; measured 0.090).
 ///
 /// The random projections give i.i.d. Gaussian-like K/V channels, the hardest case for
@@ -146,8 +156,8 @@ impl Err2 {
 }
 
 /// Relative errors of one configuration: (cpu vs exact, reference vs exact, cpu vs
-/// reference).
-fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Res<(f64, f64, f64)> {
+/// reference, device path vs reference).
+fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Res<(f64, f64, f64, f64)> {
     let total = PROMPTS.iter().max().copied().unwrap_or(0) + STEPS;
     let shape =
         CacheShape { layers: 1, num_kv_heads: HKV, num_q_heads: HQ, max_seqs: 2, max_tokens: total, num_blocks: None };
@@ -157,7 +167,29 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
     for c in &mut caches {
         ids.push([c.add_sequence()?, c.add_sequence()?]);
     }
+    // The device path: one layer on the emulated GPU, one plan for both sequences.
+    let dev = rotkv::device::Device::sim();
+    let mut layer = DeviceLayer::new(
+        &dev,
+        config,
+        LayerShape { num_kv_heads: HKV, num_q_heads: HQ },
+        LayerCalibration::identity(HKV, HEAD_DIM),
+        LayerSize { max_seqs: 2, max_tokens: total, num_blocks: None },
+    )?;
+    let dids = [layer.add_sequence()?, layer.add_sequence()?];
+    let mut plan = DecodePlan::new(
+        &layer,
+        PlanShape {
+            max_seqs: 2,
+            max_q_len: SPEC,
+            max_context: total,
+            sm_count: None,
+            blocks_per_sm: None,
+            sm_scale: None,
+        },
+    )?;
     let (mut cpu_exact, mut ref_exact, mut cpu_ref) = (Err2::default(), Err2::default(), Err2::default());
+    let mut dev_ref = Err2::default();
     // The unquantized history candle attends over: per sequence, k and v `[n, HKV, D]`.
     let mut hist: Vec<(Tensor, Tensor)> = Vec::new();
     // Prefill: append each prompt, keep the last SPEC query rows for a causal multi-token
@@ -170,6 +202,11 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         for (c, id) in caches.iter_mut().zip(&ids) {
             rotkv::candle::append(c, 0, id[s], &k, &v)?;
         }
+        // The device append takes one token stride for K and V (the kernel's
+        // `token_stride`): RoPE made k a new contiguous tensor, so v (a view of the fused
+        // projection, rows 768 elements apart) is copied to match. A fused K/V layout
+        // with one stride (k and v both views of one buffer) needs no copy.
+        rotkv::candle::device_append(&mut layer, dids[s], &k, &v.contiguous()?)?;
         for i in n - SPEC..n {
             let row = q.get(i)?;
             spec_exact.push(exact_attention(&row, &k.narrow(0, 0, i + 1)?, &v.narrow(0, 0, i + 1)?)?);
@@ -183,6 +220,8 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         .zip(&ids)
         .map(|(c, id)| project_out(w, &rotkv::candle::decode_tokens(c, 0, id, SPEC, &q)?))
         .collect::<Res<_>>()?;
+    // The plan's rows are slot s's q_len rows at s * q_len: the same order.
+    dev_ref.add(&project_out(w, &rotkv::candle::device_decode(&mut plan, &layer, SPEC, &q)?)?, &outs[1])?;
     let exact = project_out(w, &Tensor::stack(&spec_exact, 0)?)?;
     cpu_exact.add(&outs[0], &exact)?;
     ref_exact.add(&outs[1], &exact)?;
@@ -198,6 +237,7 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
             for (c, id) in caches.iter_mut().zip(&ids) {
                 rotkv::candle::append(c, 0, id[i], &ki, &vi)?;
             }
+            rotkv::candle::device_append(&mut layer, dids[i], &ki, &vi.contiguous()?)?;
             let grown = (Tensor::cat(&[&hist[i].0, &ki], 0)?, Tensor::cat(&[&hist[i].1, &vi], 0)?);
             hist[i] = grown;
         }
@@ -212,17 +252,19 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         cpu_exact.add(&outs[0], &exact)?;
         ref_exact.add(&outs[1], &exact)?;
         cpu_ref.add(&outs[0], &outs[1])?;
+        dev_ref.add(&project_out(w, &rotkv::candle::device_decode(&mut plan, &layer, 1, &q)?)?, &outs[1])?;
     }
     let lens: Vec<usize> = ids[0].iter().map(|&s| caches[0].len(0, s)).collect::<rotkv::Result<_>>()?;
     println!(
         "{name}: lens {lens:?}, {} query rows; rel. L2 error vs exact f32 attention: cpu {:.4}, reference {:.4}; \
-         cpu vs reference {:.2e}",
+         cpu vs reference {:.2e}; device path (emulated GPU) vs reference {:.2e}",
         2 * (SPEC + STEPS),
         cpu_exact.rel(),
         ref_exact.rel(),
-        cpu_ref.rel()
+        cpu_ref.rel(),
+        dev_ref.rel()
     );
-    Ok((cpu_exact.rel(), ref_exact.rel(), cpu_ref.rel()))
+    Ok((cpu_exact.rel(), ref_exact.rel(), cpu_ref.rel(), dev_ref.rel()))
 }
 
 /// Runs both configurations and asserts the bounds.
@@ -236,14 +278,18 @@ pub fn main() -> Res<()> {
     for (name, config, bound) in
         [("k4v4", CacheConfig::k4v4(HEAD_DIM), K4V4_BOUND), ("k2v2", CacheConfig::k2v2(HEAD_DIM), K2V2_BOUND)]
     {
-        let (cpu, reference, backends) = run_config(name, config, &w, &mut rng)?;
+        let (cpu, reference, backends, device) = run_config(name, config, &w, &mut rng)?;
         assert!(backends < BACKEND_BOUND, "{name}: cpu vs reference {backends:.2e} >= {BACKEND_BOUND:.0e}");
+        assert!(device < DEVICE_BOUND, "{name}: device path vs reference {device:.2e} >= {DEVICE_BOUND:.0e}");
         assert!(cpu < bound, "{name}: error vs exact attention {cpu:.4} >= {bound}");
         assert!(
             (cpu - reference).abs() < 0.1 * reference,
             "{name}: cpu error {cpu:.4} and reference error {reference:.4} should be the same size"
         );
     }
-    println!("ok (bounds: k4v4 {K4V4_BOUND}, k2v2 {K2V2_BOUND}, cpu vs reference {BACKEND_BOUND:.0e})");
+    println!(
+        "ok (bounds: k4v4 {K4V4_BOUND}, k2v2 {K2V2_BOUND}, cpu vs reference {BACKEND_BOUND:.0e}, device path vs \
+         reference {DEVICE_BOUND:.0e})"
+    );
     Ok(())
 }

@@ -261,3 +261,337 @@ fn every_bad_input_is_an_error_and_changes_nothing() {
 fn candle_attention_example_runs() {
     candle_attention::main().unwrap();
 }
+
+// ---------------------------------------------------------------------------------------
+// The device path (`device_append`, `device_decode`, `with_tensor_view`) on the emulated
+// device: CPU tensors are views of its (host) memory, so everything but the extraction
+// of candle's `CudaSlice` runs here.
+
+use rotkv::LayerCalibration;
+use rotkv::device::{Counters, DecodePlan, DeviceBuffer, DeviceLayer, LayerSize, PlanShape};
+use rotkv::paged::LayerShape;
+
+fn device_layer(dev: &rotkv::device::Device, config: CacheConfig) -> DeviceLayer {
+    let shape = LayerShape { num_kv_heads: HKV, num_q_heads: HQ };
+    let size = LayerSize { max_seqs: 3, max_tokens: 200, num_blocks: None };
+    DeviceLayer::new(dev, config, shape, LayerCalibration::identity(HKV, D), size).unwrap()
+}
+
+fn plan(layer: &DeviceLayer, max_seqs: usize) -> DecodePlan {
+    let shape =
+        PlanShape { max_seqs, max_q_len: 2, max_context: 200, sm_count: None, blocks_per_sm: None, sm_scale: None };
+    DecodePlan::new(layer, shape).unwrap()
+}
+
+/// `b - a`, field by field.
+fn delta(a: Counters, b: Counters) -> Counters {
+    Counters {
+        allocations: b.allocations - a.allocations,
+        uploads: b.uploads - a.uploads,
+        downloads: b.downloads - a.downloads,
+        synchronizations: b.synchronizations - a.synchronizations,
+        launches: b.launches - a.launches,
+        device_copies: b.device_copies - a.device_copies,
+    }
+}
+
+/// A fused projection `[n, HQ + 2 HKV, D]` of `T`: its q, k and v parts as row-strided,
+/// offset views (strides `[(HQ + 2 HKV) D, D, 1]`, start offsets 0, `HQ D`, `(HQ + HKV)
+/// D`), as a model's QKV matmul leaves them.
+fn fused<T: WithDType>(n: usize, seed: u64) -> (Tensor, Tensor, Tensor) {
+    let w = HQ + 2 * HKV;
+    let mut data = rows(Data::Keys, n * w, D, seed);
+    // Queries and values from another distribution than keys.
+    for (i, x) in rows(Data::Normal, n * w, D, seed + 1).into_iter().enumerate() {
+        let head = (i / D) % w;
+        if !(HQ..HQ + HKV).contains(&head) {
+            data[i] = x;
+        }
+    }
+    let t = tensor(&data, (n, w, D)).to_dtype(T::DTYPE).unwrap();
+    let (q, k, v) = (t.narrow(1, 0, HQ).unwrap(), t.narrow(1, HQ, HKV).unwrap(), t.narrow(1, HQ + HKV, HKV).unwrap());
+    // (One row is contiguous whatever its stride, for candle and for the kernels.)
+    assert!(n == 1 || (!q.is_contiguous() && !k.is_contiguous() && !v.is_contiguous()));
+    (q, k, v)
+}
+
+/// A tensor's elements, contiguous, as a `Vec<T>`.
+fn elems<T: WithDType>(t: &Tensor) -> Vec<T> {
+    t.flatten_all().unwrap().to_vec1::<T>().unwrap()
+}
+
+/// Relative L2 error of `got` against `want`.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| b.powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// The device path over row-strided tensors equals, bit for bit, the same kernels over
+/// `DeviceBuffer`s holding contiguous copies (the views are read in place, at the
+/// tensors' row stride and start offset), and the reference backend within the device
+/// tolerance; the steady-state step costs what the device API costs: no allocation,
+/// upload or synchronization, the launches alone.
+fn device_path_equals_device_buffers<T: WithDType + KvElement + rotkv::OutputElement>(tol: f64) {
+    let config = CacheConfig::k2v2(D);
+    let (via_dev, buf_dev) = (rotkv::device::Device::sim(), rotkv::device::Device::sim());
+    let (mut via, mut bufs) = (device_layer(&via_dev, config), device_layer(&buf_dev, config));
+    let cs =
+        CacheShape { layers: 1, num_kv_heads: HKV, num_q_heads: HQ, max_seqs: 3, max_tokens: 200, num_blocks: None };
+    let mut reference = KvCache::new(config, cs, Backend::Reference).unwrap();
+    let seqs = [via.add_sequence().unwrap(), via.add_sequence().unwrap()];
+    let bseqs = [bufs.add_sequence().unwrap(), bufs.add_sequence().unwrap()];
+    let rseqs = [reference.add_sequence().unwrap(), reference.add_sequence().unwrap()];
+    // Prompts of 65 and 130 tokens (one and two past a 64-token page), then single
+    // tokens.
+    let append = |via: &mut DeviceLayer, bufs: &mut DeviceLayer, reference: &mut KvCache, i: usize, n, seed| {
+        let (_, k, v) = fused::<T>(n, seed);
+        assert_eq!(rotkv::candle::device_append(via, seqs[i], &k, &v).unwrap(), via.len(seqs[i]).unwrap());
+        let (ke, ve) = (elems::<T>(&k), elems::<T>(&v));
+        let (kb, vb) = (buf_dev.upload(&ke).unwrap(), buf_dev.upload(&ve).unwrap());
+        bufs.append(bseqs[i], n, &kb, &vb, HKV * D).unwrap();
+        reference.append(0, rseqs[i], n, &ke, &ve).unwrap();
+    };
+    append(&mut via, &mut bufs, &mut reference, 0, 65, 1);
+    append(&mut via, &mut bufs, &mut reference, 1, 130, 3);
+    let mut p = plan(&via, 2);
+    let mut bp = plan(&bufs, 2);
+    for step in 0..3u64 {
+        // One token each (sequence 1 crosses no page: no upload, as asserted below).
+        let before = via_dev.counters();
+        for i in 0..2 {
+            append(&mut via, &mut bufs, &mut reference, i, 1, 10 + 2 * step + i as u64);
+        }
+        let c = delta(before, via_dev.counters());
+        // No sequence takes a new page (66..68 and 131..133 tokens): no upload at all.
+        assert_eq!(Counters { launches: 0, ..c }, Counters::default(), "{c:?}");
+        assert!(c.launches >= 2, "{c:?}");
+        for q_len in [1, 2] {
+            let (q, _, _) = fused::<T>(2 * q_len, 20 + step);
+            let before = via_dev.counters();
+            let out = rotkv::candle::device_decode(&mut p, &via, q_len, &q).unwrap();
+            let c = delta(before, via_dev.counters());
+            assert_eq!(c, Counters { launches: 2, ..Counters::default() }, "a decode step is two launches");
+            assert_eq!(out.dims(), &[2 * q_len, HQ, D]);
+            assert_eq!(out.dtype(), <T as WithDType>::DTYPE);
+            assert!(out.is_contiguous());
+            let qb = buf_dev.upload(&elems::<T>(&q)).unwrap();
+            let mut ob: DeviceBuffer<T> = buf_dev.alloc(2 * q_len * HQ * D).unwrap();
+            bp.run(&bufs, q_len, &qb, &mut ob).unwrap();
+            let mut want = vec![T::from_f64(0.0); ob.len()];
+            buf_dev.read(&ob, &mut want).unwrap();
+            assert_eq!(tensor_bits::<T>(&out), bits(&want), "{:?} q_len {q_len}", <T as WithDType>::DTYPE);
+            // The reference backend in f64 with the same (rounded) queries.
+            let mut r = vec![0f32; want.len()];
+            reference.decode_tokens(0, &rseqs, q_len, &elems::<T>(&q), &mut r).unwrap();
+            let got: Vec<f64> = elems::<T>(&out).iter().map(|x| x.to_f64()).collect();
+            let r: Vec<f64> = r.iter().map(|&x| x as f64).collect();
+            let e = rel_err(&got, &r);
+            assert!(e < tol, "{:?} q_len {q_len}: relative error {e} against the reference", <T as WithDType>::DTYPE);
+        }
+    }
+}
+
+/// Device tolerance of the tensor-core decode against the f64 reference (tests/device.rs:
+/// f32 accumulation, f16 probabilities in the MMA), plus the output's rounding to `T`
+/// (at most 2^-11 relative for f16, 2^-8 for bf16).
+const DEVICE_TOL: f64 = 3e-3;
+
+#[test]
+fn device_path_equals_device_buffers_f32() {
+    device_path_equals_device_buffers::<f32>(DEVICE_TOL);
+}
+
+#[test]
+fn device_path_equals_device_buffers_f16() {
+    device_path_equals_device_buffers::<f16>(DEVICE_TOL + 1.0 / 2048.0);
+}
+
+#[test]
+fn device_path_equals_device_buffers_bf16() {
+    device_path_equals_device_buffers::<bf16>(DEVICE_TOL + 1.0 / 256.0);
+}
+
+/// `with_tensor_view` lends a tensor's rows in place: the view's address is the storage's
+/// element at the start offset, its length the rows' span, the stride the row stride; a
+/// decode into a buffer the stack keeps (no allocation per step) equals `device_decode`.
+#[test]
+fn tensor_views_are_the_storage_in_place() {
+    let dev = rotkv::device::Device::sim();
+    let (q, k, _) = fused::<f32>(3, 5);
+    let w = HQ + 2 * HKV;
+    let (base, len) = {
+        let (storage, layout) = k.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else { panic!("a CPU tensor") };
+        let all = cpu.as_slice::<f32>().unwrap();
+        (all.as_ptr() as u64 + (layout.start_offset() * 4) as u64, all.len())
+    };
+    assert_eq!(len, 3 * w * D);
+    let (addr, n, stride) =
+        rotkv::candle::with_tensor_view::<f32, _>(&dev, "k", &k, |v, s| Ok((v.addr(), v.len(), s))).unwrap();
+    assert_eq!((addr, n, stride), (base, 2 * w * D + HKV * D, w * D));
+    // One row: its stride is the row's size whatever the tensor's.
+    let one = k.narrow(0, 2, 1).unwrap();
+    let (n1, s1) = rotkv::candle::with_tensor_view::<f32, _>(&dev, "k", &one, |v, s| Ok((v.len(), s))).unwrap();
+    assert_eq!((n1, s1), (HKV * D, HKV * D));
+    // The wrong element type is an error.
+    let e = rotkv::candle::with_tensor_view::<f16, _>(&dev, "k", &k, |_, _| Ok(())).unwrap_err();
+    assert!(is_unsupported(&e), "{e}");
+
+    // Decode into a kept buffer through the view.
+    let mut layer = device_layer(&dev, CacheConfig::k2v2(D));
+    let seq = layer.add_sequence().unwrap();
+    let (_, k, v) = fused::<f32>(70, 6);
+    rotkv::candle::device_append(&mut layer, seq, &k, &v).unwrap();
+    let mut p = plan(&layer, 1);
+    let q = q.narrow(0, 0, 1).unwrap();
+    let mut out: DeviceBuffer<f32> = dev.alloc(HQ * D).unwrap();
+    let before = dev.counters();
+    rotkv::candle::with_tensor_view::<f32, _>(&dev, "q", &q, |qv, qs| {
+        p.run_strided(&layer, 1, &qv, qs, &mut out, HQ * D)
+    })
+    .unwrap();
+    assert_eq!(delta(before, dev.counters()), Counters { launches: 2, ..Counters::default() });
+    let mut kept = vec![0f32; HQ * D];
+    dev.read(&out, &mut kept).unwrap();
+    let fresh = rotkv::candle::device_decode(&mut p, &layer, 1, &q).unwrap();
+    assert_eq!(tensor_bits::<f32>(&fresh), bits(&kept));
+}
+
+/// Every bad input of the device path is an `Error` of the right kind, enqueues nothing
+/// (the device's counters do not move) and leaves the layer unchanged.
+#[test]
+fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
+    let dev = rotkv::device::Device::sim();
+    let mut layer = device_layer(&dev, CacheConfig::k2v2(D));
+    let seq = layer.add_sequence().unwrap();
+    let (q, k, v) = fused::<f32>(10, 7);
+    rotkv::candle::device_append(&mut layer, seq, &k, &v).unwrap();
+    let mut p = plan(&layer, 1);
+    let free = layer.free_blocks();
+    let (kc, vc) = (k.contiguous().unwrap(), v.contiguous().unwrap());
+    let zeros = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, &Device::Cpu).unwrap();
+    // [tokens, heads, D] storage seen through a transpose: rows are not contiguous.
+    let kt = kc.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
+    // A stride inside the row (every other channel of a [10, HKV, 2D] tensor).
+    let wide = zeros(&[10, HKV, 2 * D], DType::F32);
+    let gappy = wide.reshape((10, HKV, D, 2)).unwrap().narrow(3, 0, 1).unwrap().squeeze(3).unwrap();
+    assert_eq!(gappy.dims(), &[10, HKV, D]);
+    let bad_appends: Vec<(&str, Tensor, Tensor, Kind)> = vec![
+        ("k f64", k.to_dtype(DType::F64).unwrap(), v.clone(), is_unsupported),
+        ("both u8", zeros(&[10, HKV, D], DType::U8), zeros(&[10, HKV, D], DType::U8), is_unsupported),
+        ("k f16, v f32", k.to_dtype(DType::F16).unwrap(), v.clone(), is_unsupported),
+        ("rank 2", kc.reshape((10, HKV * D)).unwrap(), vc.reshape((10, HKV * D)).unwrap(), is_shape),
+        ("kv heads", zeros(&[10, HKV + 1, D], DType::F32), zeros(&[10, HKV + 1, D], DType::F32), is_shape),
+        ("head_dim", zeros(&[10, HKV, 32], DType::F32), zeros(&[10, HKV, 32], DType::F32), is_shape),
+        ("v tokens", k.clone(), v.narrow(0, 0, 9).unwrap(), is_shape),
+        ("transposed k", kt.clone(), vc.clone(), is_shape),
+        ("channel stride", gappy.clone(), gappy.clone(), is_shape),
+        ("k and v row strides differ", k.clone(), vc.clone(), is_shape),
+    ];
+    for (what, k, v, kind) in bad_appends {
+        let before = dev.counters();
+        let e = rotkv::candle::device_append(&mut layer, seq, &k, &v).unwrap_err();
+        assert!(kind(&e), "{what}: {e}");
+        assert_eq!(dev.counters(), before, "{what} enqueued work");
+        assert_eq!((layer.len(seq).unwrap(), layer.free_blocks()), (10, free), "{what} changed the layer");
+    }
+    // The layer's own checks come through, before anything is enqueued.
+    let stale = {
+        let mut other = device_layer(&dev, CacheConfig::k2v2(D));
+        other.add_sequence().unwrap()
+    };
+    let before = dev.counters();
+    let big = zeros(&[200, HKV, D], DType::F32);
+    assert!(matches!(rotkv::candle::device_append(&mut layer, seq, &big, &big).unwrap_err(), Error::Capacity(_)));
+    assert!(matches!(rotkv::candle::device_append(&mut layer, stale, &kc, &vc), Err(Error::UnknownSequence(_))));
+    // A tensor of no tokens changes nothing (and still checks the sequence).
+    let none = kc.narrow(0, 0, 0).unwrap();
+    assert_eq!(rotkv::candle::device_append(&mut layer, seq, &none, &none).unwrap(), 10);
+    assert!(rotkv::candle::device_append(&mut layer, stale, &none, &none).is_err());
+    assert_eq!(dev.counters(), before);
+    assert_eq!(layer.len(seq).unwrap(), 10);
+
+    let q1 = q.narrow(0, 0, 1).unwrap();
+    let qt = q1.contiguous().unwrap().transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    assert!(!qt.is_contiguous() && qt.dims() == [1, HQ, D]);
+    let bad_queries: Vec<(&str, Tensor, usize, Kind)> = vec![
+        ("f64", q1.to_dtype(DType::F64).unwrap(), 1, is_unsupported),
+        ("i64", zeros(&[1, HQ, D], DType::I64), 1, is_unsupported),
+        ("rank 2", q1.contiguous().unwrap().reshape((1, HQ * D)).unwrap(), 1, is_shape),
+        ("q heads", zeros(&[1, HKV, D], DType::F32), 1, is_shape),
+        ("head_dim", zeros(&[1, HQ, 32], DType::F32), 1, is_shape),
+        ("rows for the plan's one slot", q.narrow(0, 0, 2).unwrap(), 1, is_shape),
+        ("no rows", zeros(&[0, HQ, D], DType::F32), 1, is_shape),
+        ("channels strided", qt, 1, is_shape),
+        ("q_len 0", q.narrow(0, 0, 0).unwrap(), 0, |e| matches!(e, Error::Value(_))),
+        ("q_len past the plan", q.narrow(0, 0, 3).unwrap(), 3, |e| matches!(e, Error::Value(_))),
+    ];
+    for (what, q, q_len, kind) in bad_queries {
+        let before = dev.counters();
+        let e = rotkv::candle::device_decode(&mut p, &layer, q_len, &q).unwrap_err();
+        assert!(kind(&e), "{what}: {e}");
+        assert_eq!(dev.counters(), before, "{what} enqueued work");
+    }
+    // A plan of another layer; a plan whose max_context the sequence has outgrown (a
+    // check against the live sequences, still before anything is allocated or enqueued).
+    let other = device_layer(&dev, CacheConfig::k2v2(D));
+    let mut foreign = plan(&other, 1);
+    let short =
+        PlanShape { max_seqs: 1, max_q_len: 1, max_context: 5, sm_count: None, blocks_per_sm: None, sm_scale: None };
+    let mut short = DecodePlan::new(&layer, short).unwrap();
+    let before = dev.counters();
+    assert!(matches!(rotkv::candle::device_decode(&mut foreign, &layer, 1, &q1), Err(Error::Shape(_))));
+    assert!(matches!(rotkv::candle::device_decode(&mut short, &layer, 1, &q1), Err(Error::Capacity(_))));
+    assert_eq!(dev.counters(), before);
+    // The good calls still work.
+    assert_eq!(rotkv::candle::device_decode(&mut p, &layer, 1, &q1).unwrap().dims(), &[1, HQ, D]);
+    assert_eq!(rotkv::candle::device_append(&mut layer, seq, &k, &v).unwrap(), 20);
+}
+
+/// CUDA tensors on a cuda layer (feature `candle-cuda`; GPU 0): the same appends and
+/// decodes as CPU tensors on a sim layer, within the device tolerance; a tensor on
+/// another stream of the same GPU and a CPU tensor on the cuda layer are errors. Says
+/// SKIPPED without a CUDA device.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn cuda_tensors_on_a_cuda_layer() {
+    let cdev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED: candle CUDA tensors on a cuda layer: no CUDA device ({e})");
+            return;
+        }
+    };
+    let gpu = rotkv::candle::cuda_device(&cdev).unwrap();
+    let sim = rotkv::device::Device::sim();
+    let config = CacheConfig::k2v2(D);
+    let (mut on_gpu, mut on_sim) = (device_layer(&gpu, config), device_layer(&sim, config));
+    let (gs, ss) = (on_gpu.add_sequence().unwrap(), on_sim.add_sequence().unwrap());
+    let (q, k, v) = fused::<f16>(130, 9);
+    let (qg, kg, vg) = (q.to_device(&cdev).unwrap(), k.to_device(&cdev).unwrap(), v.to_device(&cdev).unwrap());
+    // `to_device` copies the storage and keeps the layout: the same row-strided views.
+    rotkv::candle::device_append(&mut on_gpu, gs, &kg.narrow(0, 0, 129).unwrap(), &vg.narrow(0, 0, 129).unwrap())
+        .unwrap();
+    rotkv::candle::device_append(&mut on_sim, ss, &k.narrow(0, 0, 129).unwrap(), &v.narrow(0, 0, 129).unwrap())
+        .unwrap();
+    let (mut pg, mut ps) = (plan(&on_gpu, 1), plan(&on_sim, 1));
+    let got = rotkv::candle::device_decode(&mut pg, &on_gpu, 1, &qg.narrow(0, 0, 1).unwrap()).unwrap();
+    assert!(got.device().is_cuda());
+    let want = rotkv::candle::device_decode(&mut ps, &on_sim, 1, &q.narrow(0, 0, 1).unwrap()).unwrap();
+    let got: Vec<f64> = elems::<f16>(&got.to_device(&Device::Cpu).unwrap()).iter().map(|x| x.to_f64()).collect();
+    let want: Vec<f64> = elems::<f16>(&want).iter().map(|x| x.to_f64()).collect();
+    let e = rel_err(&got, &want);
+    assert!(e < DEVICE_TOL, "GPU against the emulator: {e}");
+    // The device mismatches.
+    let e = rotkv::candle::device_append(&mut on_gpu, gs, &k, &v).unwrap_err();
+    assert!(is_unsupported(&e), "CPU tensors on a cuda layer: {e}");
+    let e = rotkv::candle::device_append(&mut on_sim, ss, &kg, &vg).unwrap_err();
+    assert!(is_unsupported(&e), "CUDA tensors on a sim layer: {e}");
+    let stream = cdev.as_cuda_device().unwrap().cuda_stream().context().new_stream().unwrap();
+    let mut other = device_layer(&rotkv::device::Device::cuda(stream).unwrap(), config);
+    let os = other.add_sequence().unwrap();
+    let e = rotkv::candle::device_append(&mut other, os, &kg, &vg).unwrap_err();
+    assert!(matches!(&e, Error::Backend(m) if m.contains("stream")), "{e}");
+    assert_eq!(other.len(os).unwrap(), 0);
+}

@@ -584,6 +584,72 @@ fn query_and_output_types_and_row_strides() {
     assert_eq!(t.dev.counters().launches, before);
 }
 
+/// Views: `DeviceBuffer::as_slice` / `as_slice_mut` and sub-ranges made with the `unsafe`
+/// raw constructors feed the same ops as the buffers (the same bytes and outputs); the
+/// raw constructors refuse address 0, a misaligned address and a length past the address
+/// space; a view of another device handle is refused by the ops before anything is
+/// enqueued.
+#[test]
+fn device_views_equal_buffers() {
+    use rotkv::device::{DeviceSlice, DeviceSliceMut};
+    let mut t = Twin::new(2, 4, 2);
+    let (a, b) = (t.add(), t.add());
+    let dev = t.dev.clone();
+    // Sequence a through the buffers, b through views of the tokens 3.. of wider buffers.
+    let (n, row) = (70, 2 * D);
+    let (k, v) = (rows((n + 3) * row, 11), rows((n + 3) * row, 12));
+    let (kb, vb) = (dev.upload(&k[3 * row..]).unwrap(), dev.upload(&v[3 * row..]).unwrap());
+    t.layer.append(t.did(a), n, &kb, &vb, row).unwrap();
+    let (kw, vw) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+    let at = |buf: &DeviceBuffer<f32>| buf.as_slice().addr() + (3 * row * 4) as u64;
+    // SAFETY: tokens 3 .. n + 3 of the live buffers `kw` and `vw` of `dev`, which outlive
+    // the views and are not written.
+    let (kv, vv) = unsafe {
+        (
+            DeviceSlice::<f32>::from_raw(&dev, at(&kw), n * row).unwrap(),
+            DeviceSlice::<f32>::from_raw(&dev, at(&vw), n * row).unwrap(),
+        )
+    };
+    assert_eq!((kv.len(), kb.as_slice().len()), (n * row, n * row));
+    t.layer.append(t.did(b), n, &kv, &vv, row).unwrap();
+    // Both slots hold the same tokens: the same output rows, through buffers and views.
+    let mut plan = DecodePlan::new(
+        &t.layer,
+        PlanShape { max_seqs: 2, max_q_len: 1, max_context: 100, sm_count: None, blocks_per_sm: None, sm_scale: None },
+    )
+    .unwrap();
+    let one = rows(4 * D, 13);
+    let q = dev.upload(&[one.clone(), one].concat()).unwrap();
+    let mut out = dev.alloc::<f32>(2 * 4 * D).unwrap();
+    plan.run(&t.layer, 1, &q.as_slice(), &mut out.as_slice_mut()).unwrap();
+    let mut got = vec![0f32; 2 * 4 * D];
+    dev.read(&out, &mut got).unwrap();
+    assert_eq!(got[..4 * D], got[4 * D..]);
+    let mut again = dev.alloc::<f32>(2 * 4 * D).unwrap();
+    plan.run(&t.layer, 1, &q, &mut again).unwrap();
+    let mut got2 = vec![0f32; 2 * 4 * D];
+    dev.read(&again, &mut got2).unwrap();
+    assert_eq!(got, got2);
+    // The raw constructors' checks.
+    let base = q.as_slice().addr();
+    // SAFETY: none of these views is made (each is refused) or used.
+    unsafe {
+        assert!(matches!(DeviceSlice::<f32>::from_raw(&dev, 0, 1), Err(Error::Shape(_))));
+        assert!(matches!(DeviceSlice::<f32>::from_raw(&dev, base + 2, 1), Err(Error::Shape(_))));
+        assert!(matches!(DeviceSliceMut::<u16>::from_raw(&dev, base + 1, 1), Err(Error::Shape(_))));
+        assert!(matches!(DeviceSlice::<f32>::from_raw(&dev, base, usize::MAX / 2), Err(Error::Capacity(_))));
+        assert!(matches!(DeviceSliceMut::<f32>::from_raw(&dev, u64::MAX - 7, 4), Err(Error::Capacity(_))));
+    }
+    // A view made for another device handle (the same memory) is refused by the ops.
+    let other = Device::sim();
+    // SAFETY: `q` is live, of `2 * 4 * D` f32, and not written; the view is only refused.
+    let foreign = unsafe { DeviceSlice::<f32>::from_raw(&other, base, 2 * 4 * D).unwrap() };
+    let before = dev.counters();
+    assert!(matches!(plan.run(&t.layer, 1, &foreign, &mut out), Err(Error::Backend(_))));
+    assert!(matches!(t.layer.append(t.did(a), 1, &foreign, &foreign, row), Err(Error::Backend(_))));
+    assert_eq!(dev.counters(), before);
+}
+
 /// A freed sequence's id (also once its slot is taken again), another layer's id and a
 /// bare slot are refused with `UnknownSequence`, changing nothing.
 #[test]

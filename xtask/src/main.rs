@@ -1,7 +1,7 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
 //! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the whole test
-//!   suite, `fetch` and the slow real-model test (ignored by default), the GPU-presence
+//!   suite (every cargo call with [`ci_features`]: every feature but `candle-cuda`), `fetch` and the slow real-model test (ignored by default), the GPU-presence
 //!   test, PTX freshness, ptxas, the static SASS gate (`sass`), cargo-fuzz, Miri and
 //!   AddressSanitizer (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
@@ -18,6 +18,12 @@
 //!   has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs every test on every
 //!   backend, the cuda one included, then the GPU decode benchmark (`gpu_decode`), whose
 //!   table it prints last.
+//! - `candle-cuda`: compile-checks the feature `candle-cuda` (candle's CUDA tensors on the
+//!   device path), which CI leaves out ([`NOT_IN_CI`]): assembles a CUDA 13.2 toolkit
+//!   from pinned PyPI wheels ([`CUDA_WHEELS`]) in `<cache>/cuda-13.2` once, then runs
+//!   clippy and rustdoc (warnings denied) on `rotkv` and `rotkv-tests` with it, in
+//!   `target/candle-cuda`. Not part of `ci`: candle-kernels' nvcc build takes about 15
+//!   CPU-minutes cold. Nothing runs on a GPU.
 //! - `sanitize`: the reliability steps of `ci` alone, after a long stable mutation-fuzz
 //!   run (`ROTKV_FUZZ_ITERS` 20,000).
 //! - `fuzz [--seconds N]`: the cargo-fuzz targets of `fuzz/` (nightly), each for N
@@ -69,6 +75,7 @@ fn main() -> ExitCode {
         }
         .map_err(|e| e.to_string()),
         Some("gpu-bundle") => gpu_bundle(),
+        Some("candle-cuda") => candle_cuda().map_err(|e| e.to_string()),
         Some("sanitize") => sanitize::run(),
         Some("fuzz") => match (args.get(1).map(String::as_str), args.get(2).map(|s| s.parse::<u64>())) {
             (None, _) => sanitize::cargo_fuzz(sanitize::CARGO_FUZZ_SECONDS).map_err(|e| e.to_string()),
@@ -79,7 +86,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -125,7 +132,43 @@ fn ensure_component(name: &str, probe: &[&str]) -> Result<(), String> {
     }
 }
 
+/// Features that need more than Rust to build, left out of CI's ordinary builds:
+/// `candle-cuda` (candle-core's `cuda` feature compiles candle-kernels with nvcc; `cargo
+/// xtask candle-cuda` checks it) and `sim-asan` (main's `rotkv-kernels/sim-asan`, which
+/// links ASan's fiber-switch calls: only under `-Zsanitizer=address`, as the ASan step of
+/// `sanitize` builds it; a name no package has is simply never listed).
+const NOT_IN_CI: &[&str] = &["candle-cuda", "sim-asan"];
+
+/// The features every cargo call of CI (and of `sanitize`) builds with: every feature of
+/// every workspace package (`package/feature`, from `cargo metadata`) except
+/// [`NOT_IN_CI`]. What `--all-features` was, less what needs a CUDA toolkit to build
+/// (`candle-cuda`) or links only under `-Zsanitizer=address` (`sim-asan`, which the ASan
+/// step turns on itself).
+pub fn ci_features() -> Result<String, String> {
+    let out = cargo()
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .output()
+        .map_err(|e| format!("cargo metadata: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("cargo metadata: {e}"))?;
+    let mut features = Vec::new();
+    for pkg in meta["packages"].as_array().ok_or("cargo metadata without packages")? {
+        let name = pkg["name"].as_str().ok_or("a package without a name")?;
+        for feature in pkg["features"].as_object().into_iter().flat_map(|f| f.keys()) {
+            if feature != "default" && !NOT_IN_CI.contains(&feature.as_str()) {
+                features.push(format!("{name}/{feature}"));
+            }
+        }
+    }
+    features.sort();
+    Ok(features.join(","))
+}
+
 fn ci() -> Result<(), String> {
+    let features = ci_features()?;
+    println!("CI features (every feature but {}): {features}", NOT_IN_CI.join(", "));
     let mut failed = Vec::new();
     let mut skipped = Vec::new();
     let mut clock = Clock::new();
@@ -147,7 +190,7 @@ fn ci() -> Result<(), String> {
     match ensure_component("clippy", &["clippy", "--version"]) {
         Ok(()) => {
             let mut c = cargo();
-            c.args(["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"]);
+            c.args(["clippy", "--workspace", "--all-targets", "--features", &features, "--", "-D", "warnings"]);
             if !run("clippy", c)? {
                 failed.push("clippy");
             }
@@ -160,13 +203,13 @@ fn ci() -> Result<(), String> {
     clock.lap("clippy");
     // Documentation builds without warnings (broken or private intra-doc links).
     let mut c = cargo();
-    c.args(["doc", "--no-deps", "--workspace", "--all-features"]).env("RUSTDOCFLAGS", "-D warnings");
+    c.args(["doc", "--no-deps", "--workspace", "--features", &features]).env("RUSTDOCFLAGS", "-D warnings");
     if !run("docs", c)? {
         failed.push("docs");
     }
     clock.lap("docs");
     let mut c = cargo();
-    c.args(["test", "--workspace", "--all-features"]);
+    c.args(["test", "--workspace", "--features", &features]);
     let (ok, mut counts) = run_tests(c)?;
     if !ok {
         failed.push("tests");
@@ -177,9 +220,9 @@ fn ci() -> Result<(), String> {
     println!("\n==> real model: cargo xtask fetch");
     if tally("real model", fetch(), &mut failed, &mut skipped) {
         let mut c = cargo();
-        // The suite's own build (`--workspace --all-features`): a `-p` build would resolve
-        // other features and rebuild the test crate (about 90 s).
-        c.args(["test", "--workspace", "--all-features", "--test", "model", "--", "--ignored", "--nocapture"]);
+        // The suite's own build (`--workspace --features <ci_features>`): a `-p` build would
+        // resolve other features and rebuild the test crate (about 90 s).
+        c.args(["test", "--workspace", "--features", &features, "--test", "model", "--", "--ignored", "--nocapture"]);
         println!("\n==> real-model perplexity (slow test): {c:?}");
         let (ok, more) = run_tests(c)?;
         if !ok {
@@ -191,7 +234,7 @@ fn ci() -> Result<(), String> {
     clock.lap("real model");
     // The GPU test once more with its output shown: it says SKIPPED without a driver.
     let mut c = cargo();
-    c.args(["test", "--quiet", "--workspace", "--all-features", "--test", "cuda", "--", "--nocapture"]);
+    c.args(["test", "--quiet", "--workspace", "--features", &features, "--test", "cuda", "--", "--nocapture"]);
     if !run("GPU presence (cuda backend)", c)? {
         failed.push("cuda");
     }
@@ -1080,4 +1123,97 @@ fn gpu_bundle() -> Result<(), String> {
         return Err(format!("the bundle is {total} bytes, over 64 MiB"));
     }
     Ok(())
+}
+
+/// The CUDA toolkit `cargo xtask candle-cuda` builds candle-kernels with: pinned PyPI
+/// wheels of CUDA 13.2 (cudarc 0.19.10's version detection knows CUDA up to 13.4).
+const CUDA_WHEELS: &[&str] = &[
+    "nvidia-cuda-nvcc==13.2.86",
+    "nvidia-nvvm==13.2.86",
+    "nvidia-cuda-crt==13.2.86",
+    "nvidia-cuda-runtime==13.2.86",
+    "nvidia-cuda-cccl==13.2.86",
+    "nvidia-cuda-nvrtc==13.2.86",
+    "nvidia-cublas==13.3.0.5",
+    "nvidia-curand==10.4.2.51",
+];
+
+/// The toolkit of [`CUDA_WHEELS`] in `<cache>/cuda-13.2` (`pip download --no-deps` into
+/// `wheels/`, unpacked into `site/` with file modes kept), made once; its `CUDA_HOME`.
+fn cuda_toolkit() -> Result<PathBuf, Step> {
+    let dir = cache_dir()?.join("cuda-13.2");
+    let home = dir.join("site/nvidia/cu13");
+    if home.join("bin/nvcc").exists() && home.join("include/cuda_runtime.h").exists() {
+        return Ok(home);
+    }
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).map_err(|e| Step::Skipped(format!("{}: {e}", wheels.display())))?;
+    println!("fetching the CUDA 13.2 toolkit wheels from PyPI into {}", wheels.display());
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d"])
+        .arg(&wheels)
+        .args(CUDA_WHEELS)
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        return Err(Step::Skipped("cannot download the CUDA toolkit wheels with pip".into()));
+    }
+    // Every pinned wheel, unpacked with its members' Unix modes (nvcc and its helpers
+    // must stay executable).
+    let script = r#"import os, sys, zipfile
+names = [n.split('==')[0].replace('-', '_') + '-' + n.split('==')[1] + '-' for n in sys.argv[3:]]
+for name in names:
+    whl = [w for w in os.listdir(sys.argv[1]) if w.startswith(name) and w.endswith('.whl')]
+    if len(whl) != 1:
+        sys.exit('no single wheel ' + name + '*.whl: ' + str(whl))
+    with zipfile.ZipFile(os.path.join(sys.argv[1], whl[0])) as z:
+        for info in z.infolist():
+            path = z.extract(info, sys.argv[2])
+            mode = info.external_attr >> 16
+            if mode & 0o777:
+                os.chmod(path, mode & 0o777)
+"#;
+    let status =
+        Command::new("python3").args(["-c", script]).arg(&wheels).arg(dir.join("site")).args(CUDA_WHEELS).status();
+    if !matches!(status, Ok(s) if s.success()) || !home.join("bin/nvcc").exists() {
+        return Err(Step::Failed(format!("cannot unpack the CUDA toolkit wheels into {}", dir.display())));
+    }
+    Ok(home)
+}
+
+/// `cargo xtask candle-cuda`: clippy (warnings denied, all targets) on `rotkv` and
+/// `rotkv-tests` with `candle-cuda` and `sim`, then `rotkv`'s docs (warnings denied),
+/// candle-kernels compiled by the toolkit of [`cuda_toolkit`] for sm_80, in
+/// `target/candle-cuda`.
+fn candle_cuda() -> Result<(), Step> {
+    let home = cuda_toolkit()?;
+    let path = std::env::join_paths(
+        std::iter::once(home.join("bin")).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
+    )
+    .map_err(|e| Step::Failed(e.to_string()))?;
+    let with_toolkit = |c: &mut Command| {
+        c.arg("--target-dir")
+            .arg(root().join("target/candle-cuda"))
+            .env("CUDA_HOME", &home)
+            .env("CUDA_PATH", &home)
+            .env("PATH", &path)
+            .env("CUDA_COMPUTE_CAP", "80");
+    };
+    let start = std::time::Instant::now();
+    let mut c = cargo();
+    c.args(["clippy", "-p", "rotkv", "-p", "rotkv-tests", "--all-targets", "--features"])
+        .arg("rotkv/candle-cuda,rotkv/sim,rotkv-tests/candle-cuda");
+    with_toolkit(&mut c);
+    c.args(["--", "-D", "warnings"]);
+    let clippy = run("candle-cuda (clippy with candle-core's cuda)", c).map_err(Step::Failed)?;
+    // The documentation of the candle-cuda items (intra-doc links), warnings denied.
+    let mut c = cargo();
+    c.args(["doc", "--no-deps", "-p", "rotkv", "--features", "candle-cuda,sim"]).env("RUSTDOCFLAGS", "-D warnings");
+    with_toolkit(&mut c);
+    let docs = run("candle-cuda (docs)", c).map_err(Step::Failed)?;
+    println!("candle-cuda: {:.0} s wall", start.elapsed().as_secs_f64());
+    match (clippy, docs) {
+        (true, true) => Ok(()),
+        (false, _) => Err(Step::Failed("clippy with candle-cuda failed".into())),
+        (true, false) => Err(Step::Failed("docs with candle-cuda failed".into())),
+    }
 }

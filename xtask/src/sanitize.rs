@@ -106,10 +106,11 @@ fn status(mut c: std::process::Command) -> Result<(), Step> {
 }
 
 /// The fuzz targets of `tests/fuzz.rs` with the CI budget (same features as the suite's
-/// `cargo test --workspace --all-features`, so nothing is rebuilt).
+/// `cargo test --workspace --features <ci_features>`, so nothing is rebuilt).
 fn fuzz() -> Result<(), Step> {
+    let features = crate::ci_features().map_err(Step::Failed)?;
     let mut c = cargo();
-    c.args(["test", "--workspace", "--all-features", "--test", "fuzz", "--", "--nocapture"]);
+    c.args(["test", "--workspace", "--features", &features, "--test", "fuzz", "--", "--nocapture"]);
     c.env("ROTKV_FUZZ_ITERS", FUZZ_ITERS);
     status(c)
 }

@@ -49,7 +49,11 @@ static GPU: OnceLock<std::result::Result<Gpu, String>> = OnceLock::new();
 
 fn gpu() -> Result<&'static Gpu> {
     GPU.get_or_init(|| {
-        // SAFETY: only probes whether the driver library can be loaded.
+        // SAFETY: only probes whether the driver library can be loaded. (With feature
+        // `candle-cuda`, candle-core's `cuda` makes cudarc link the driver library at
+        // build time, `dynamic-linking`: it is present whenever the binary runs, and
+        // cudarc has no probe.)
+        #[cfg(not(feature = "candle-cuda"))]
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err("no CUDA driver library on this machine".into());
         }

@@ -7,10 +7,14 @@
 //!   caller-made `Arc<CudaStream>` of cudarc 0.19; the PTX is loaded once per device
 //!   handle, in that stream's context).
 //! - [`DeviceBuffer`]: a typed device allocation (16-byte aligned).
+//! - [`DeviceSlice`] / [`DeviceSliceMut`]: borrowed views of device memory, lent by a
+//!   [`DeviceBuffer`] (`as_slice`, `as_slice_mut`) or made from a raw address of memory
+//!   a stack owns (`unsafe fn from_raw`; `rotkv::candle` makes them from candle tensors).
+//!   The ops take either ([`AsDeviceSlice`], [`AsDeviceSliceMut`]).
 //! - [`DeviceLayer`]: one layer's cache (or one tensor-parallel shard of it: the shard's
 //!   KV and query heads) in device memory, allocated once: the page pool, one side-store
 //!   slot per sequence slot, the block tables, the sequence lengths, the protected lists
-//!   and the calibration. [`DeviceLayer::append`] reads K/V from device buffers.
+//!   and the calibration. [`DeviceLayer::append`] reads K/V from device buffers or views.
 //! - [`DecodePlan`]: a decode launch fixed for a batch shape (sequence slots, most query
 //!   tokens, longest context, multiprocessors): grid, split count and partials workspace
 //!   are chosen once; [`DecodePlan::run`] reads the current lengths on the device and
@@ -145,6 +149,16 @@ impl Device {
         Ok(Self::new(Kind::Cuda { stream, kernels, sms }))
     }
 
+    /// Whether this is the emulated device (its addresses are host addresses).
+    pub fn is_sim(&self) -> bool {
+        match &self.0.kind {
+            #[cfg(feature = "sim")]
+            Kind::Sim => true,
+            #[cfg(feature = "cuda")]
+            Kind::Cuda { .. } => false,
+        }
+    }
+
     /// `sim` or `cuda`.
     pub fn name(&self) -> &'static str {
         match &self.0.kind {
@@ -242,6 +256,13 @@ impl Device {
 
     fn check_buffer<T>(&self, b: &DeviceBuffer<T>, what: &str) -> Result<()> {
         if b.device != self.0.id {
+            return Err(Error::Backend(format!("{what} belongs to another device handle")));
+        }
+        Ok(())
+    }
+
+    fn check_view(&self, device: u64, what: &str) -> Result<()> {
+        if device != self.0.id {
             return Err(Error::Backend(format!("{what} belongs to another device handle")));
         }
         Ok(())
@@ -445,6 +466,204 @@ impl<T> DeviceBuffer<T> {
     }
 }
 
+impl<T> DeviceBuffer<T> {
+    /// The whole buffer as a borrowed view (what [`DeviceLayer::append`] and
+    /// [`DecodePlan::run`] read).
+    pub fn as_slice(&self) -> DeviceSlice<'_, T> {
+        DeviceSlice { addr: self.addr, len: self.len, device: self.device, _t: PhantomData }
+    }
+    /// The whole buffer as a borrowed writable view (what [`DecodePlan::run`] writes).
+    pub fn as_slice_mut(&mut self) -> DeviceSliceMut<'_, T> {
+        DeviceSliceMut { addr: self.addr, len: self.len, device: self.device, _t: PhantomData }
+    }
+}
+
+/// `len` elements of `T` in a [`Device`]'s memory, borrowed for `'a`: a [`DeviceBuffer`]
+/// ([`DeviceBuffer::as_slice`]) or memory a stack owns ([`DeviceSlice::from_raw`]; a
+/// candle tensor's storage, see `rotkv::candle`). Read by the kernels; cheap to copy.
+pub struct DeviceSlice<'a, T> {
+    addr: u64,
+    len: usize,
+    device: u64,
+    _t: PhantomData<&'a [T]>,
+}
+
+impl<T> Clone for DeviceSlice<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DeviceSlice<'_, T> {}
+
+/// `len` elements of `T` in a [`Device`]'s memory, borrowed exclusively for `'a`: a
+/// [`DeviceBuffer`] ([`DeviceBuffer::as_slice_mut`]) or memory a stack owns
+/// ([`DeviceSliceMut::from_raw`]). Written by the kernels.
+pub struct DeviceSliceMut<'a, T> {
+    addr: u64,
+    len: usize,
+    device: u64,
+    _t: PhantomData<&'a mut [T]>,
+}
+
+/// Checks what [`DeviceSlice::from_raw`] can check: a non-null address aligned for `T`
+/// and a byte length that fits the address space.
+fn check_raw<T>(addr: u64, len: usize) -> Result<()> {
+    if addr == 0 {
+        return Err(Error::Shape("a device view at address 0".into()));
+    }
+    if !addr.is_multiple_of(align_of::<T>() as u64) {
+        return Err(Error::Shape(format!(
+            "a device view of {} at {addr:#x}: not aligned to {} bytes",
+            std::any::type_name::<T>(),
+            align_of::<T>()
+        )));
+    }
+    let bytes = len.checked_mul(size_of::<T>()).and_then(|b| u64::try_from(b).ok());
+    if bytes.is_none_or(|b| addr.checked_add(b).is_none()) {
+        return Err(Error::Capacity(format!("a device view of {len} elements at {addr:#x}")));
+    }
+    Ok(())
+}
+
+impl<'a, T> DeviceSlice<'a, T> {
+    /// A view of `len` elements of `T` at device address `addr` of `device` (a
+    /// `CUdeviceptr` on a GPU; a host address, as `ptr.expose_provenance()` gives, on
+    /// the emulator).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Shape`] for address 0 or an address not aligned to `align_of::<T>()`
+    /// (the kernels read K, V and queries element by element, so element alignment is
+    /// what they need; the 16-byte alignment of the pool and side stores concerns only
+    /// the layer's own buffers); [`Error::Capacity`] for a length past the address space.
+    ///
+    /// # Safety
+    ///
+    /// For all of `'a`: `addr .. addr + len * size_of::<T>()` lies in one live allocation
+    /// of `device` (of its CUDA context on a GPU; on the emulator, host memory that is
+    /// valid for reads), holds initialized `T`s, and nothing writes it while work that
+    /// reads this view may run (on a GPU: until that work on the device's stream is done,
+    /// which the caller orders against its own streams).
+    pub unsafe fn from_raw(device: &Device, addr: u64, len: usize) -> Result<Self> {
+        check_raw::<T>(addr, len)?;
+        Ok(Self { addr, len, device: device.0.id, _t: PhantomData })
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address of element 0.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// The identity of the device handle it belongs to.
+    pub(crate) fn device_id(&self) -> u64 {
+        self.device
+    }
+}
+
+impl<'a, T> DeviceSliceMut<'a, T> {
+    /// A writable view of `len` elements of `T` at device address `addr` of `device`
+    /// (as [`DeviceSlice::from_raw`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceSlice::from_raw`].
+    ///
+    /// # Safety
+    ///
+    /// As [`DeviceSlice::from_raw`], and the memory is valid for writes, and nothing else
+    /// reads or writes it while work that writes this view may run.
+    pub unsafe fn from_raw(device: &Device, addr: u64, len: usize) -> Result<Self> {
+        check_raw::<T>(addr, len)?;
+        Ok(Self { addr, len, device: device.0.id, _t: PhantomData })
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address of element 0.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// A read-only view of the same elements, borrowing this one.
+    pub fn as_slice(&self) -> DeviceSlice<'_, T> {
+        DeviceSlice { addr: self.addr, len: self.len, device: self.device, _t: PhantomData }
+    }
+}
+
+impl<T> std::fmt::Debug for DeviceSlice<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceSlice<{}>({} elements at {:#x})", std::any::type_name::<T>(), self.len, self.addr)
+    }
+}
+
+impl<T> std::fmt::Debug for DeviceSliceMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceSliceMut<{}>({} elements at {:#x})", std::any::type_name::<T>(), self.len, self.addr)
+    }
+}
+
+/// What [`DeviceLayer::append`] and [`DecodePlan::run`] read: a [`DeviceBuffer`], a
+/// [`DeviceSlice`] or a [`DeviceSliceMut`].
+pub trait AsDeviceSlice {
+    /// The element type.
+    type Elem;
+    /// The elements as a view.
+    fn device_slice(&self) -> DeviceSlice<'_, Self::Elem>;
+}
+
+/// What [`DecodePlan::run`] writes: a [`DeviceBuffer`] or a [`DeviceSliceMut`].
+pub trait AsDeviceSliceMut {
+    /// The element type.
+    type Elem;
+    /// The elements as a writable view.
+    fn device_slice_mut(&mut self) -> DeviceSliceMut<'_, Self::Elem>;
+}
+
+impl<T> AsDeviceSlice for DeviceBuffer<T> {
+    type Elem = T;
+    fn device_slice(&self) -> DeviceSlice<'_, T> {
+        self.as_slice()
+    }
+}
+
+impl<T> AsDeviceSlice for DeviceSlice<'_, T> {
+    type Elem = T;
+    fn device_slice(&self) -> DeviceSlice<'_, T> {
+        *self
+    }
+}
+
+impl<T> AsDeviceSlice for DeviceSliceMut<'_, T> {
+    type Elem = T;
+    fn device_slice(&self) -> DeviceSlice<'_, T> {
+        self.as_slice()
+    }
+}
+
+impl<T> AsDeviceSliceMut for DeviceBuffer<T> {
+    type Elem = T;
+    fn device_slice_mut(&mut self) -> DeviceSliceMut<'_, T> {
+        self.as_slice_mut()
+    }
+}
+
+impl<T> AsDeviceSliceMut for DeviceSliceMut<'_, T> {
+    type Elem = T;
+    fn device_slice_mut(&mut self) -> DeviceSliceMut<'_, T> {
+        DeviceSliceMut { addr: self.addr, len: self.len, device: self.device, _t: PhantomData }
+    }
+}
+
 /// Sizes of a [`DeviceLayer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerSize {
@@ -575,6 +794,10 @@ impl DeviceLayer {
     pub fn device(&self) -> &Device {
         &self.device
     }
+    /// Its configuration (head_dim, bits, format).
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
     /// The layer's (shard's) heads.
     pub fn shape(&self) -> LayerShape {
         self.shape
@@ -690,10 +913,11 @@ impl DeviceLayer {
         &mut self,
         seq: SeqId,
         tokens: usize,
-        k: &DeviceBuffer<T>,
-        v: &DeviceBuffer<T>,
+        k: &impl AsDeviceSlice<Elem = T>,
+        v: &impl AsDeviceSlice<Elem = T>,
         token_stride: usize,
     ) -> Result<usize> {
+        let (k, v) = (k.device_slice(), v.device_slice());
         let s = self.seq(seq)?;
         let seq = seq.slot();
         let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
@@ -713,7 +937,7 @@ impl DeviceLayer {
         }
         let need = (tokens - 1) * token_stride + hkv * d;
         for (what, b) in [("k", k), ("v", v)] {
-            self.device.check_buffer(b, what)?;
+            self.device.check_view(b.device, what)?;
             if b.len() < need {
                 return Err(Error::Shape(format!(
                     "{what} has {} elements; {tokens} tokens at stride {token_stride} need {need}",
@@ -948,9 +1172,10 @@ impl DecodePlan {
         &mut self,
         layer: &DeviceLayer,
         q_len: usize,
-        q: &DeviceBuffer<Q>,
-        out: &mut DeviceBuffer<O>,
+        q: &impl AsDeviceSlice<Elem = Q>,
+        out: &mut impl AsDeviceSliceMut<Elem = O>,
     ) -> Result<()> {
+        let (q, mut out) = (q.device_slice(), out.device_slice_mut());
         let row = layer.shape.num_q_heads * layer.config.head_dim;
         let n = self.shape.max_seqs * q_len * row;
         if (1..=self.shape.max_q_len).contains(&q_len) && (q.len() != n || out.len() != n) {
@@ -961,24 +1186,18 @@ impl DecodePlan {
                 self.shape.max_seqs
             )));
         }
-        self.run_strided(layer, q_len, q, row, out, row)
+        self.run_strided(layer, q_len, &q, row, &mut out, row)
     }
 
-    /// [`DecodePlan::run`] with query and output rows (one query token of one slot:
-    /// `num_q_heads` heads of `head_dim`, contiguous) `q_row_stride` and
-    /// `out_row_stride` elements apart: row `s * q_len + t` for token `t` of slot `s`,
-    /// as a fused QKV projection or an attention output with other columns lays them
-    /// out. Each buffer must hold `(max_seqs * q_len - 1) * stride + num_q_heads *
-    /// head_dim` elements or more.
-    #[allow(clippy::too_many_arguments)]
-    pub fn run_strided<Q: KvElement, O: OutputElement>(
-        &mut self,
+    /// Every check of [`DecodePlan::run_strided`] (plan and layer, `q_len`, owners,
+    /// strides and sizes of q and out as `(device handle, elements, row stride)`, the
+    /// live sequences against the plan), nothing enqueued.
+    pub(crate) fn check_run(
+        &self,
         layer: &DeviceLayer,
         q_len: usize,
-        q: &DeviceBuffer<Q>,
-        q_row_stride: usize,
-        out: &mut DeviceBuffer<O>,
-        out_row_stride: usize,
+        q: (u64, usize, usize),
+        out: (u64, usize, usize),
     ) -> Result<()> {
         if layer.id != self.layer {
             return Err(Error::Shape("the plan was made for another layer".into()));
@@ -989,9 +1208,9 @@ impl DecodePlan {
         let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
         let rows = self.shape.max_seqs * q_len;
         let dev = &layer.device;
-        dev.check_buffer(q, "q")?;
-        dev.check_buffer(out, "out")?;
-        for (what, len, stride) in [("q", q.len(), q_row_stride), ("out", out.len(), out_row_stride)] {
+        dev.check_view(q.0, "q")?;
+        dev.check_view(out.0, "out")?;
+        for (what, (_, len, stride)) in [("q", q), ("out", out)] {
             if stride < hq * d || stride.checked_mul(q_len).is_none_or(|x| x > u32::MAX as usize) {
                 return Err(Error::Shape(format!(
                     "{what} row stride {stride}: at least {hq} heads x {d}, and {q_len} rows of it within u32"
@@ -1026,6 +1245,28 @@ impl DecodePlan {
                 return Err(Error::Shape(format!("sequence {slot} holds {} tokens, fewer than q_len {q_len}", s.len)));
             }
         }
+        Ok(())
+    }
+
+    /// [`DecodePlan::run`] with query and output rows (one query token of one slot:
+    /// `num_q_heads` heads of `head_dim`, contiguous) `q_row_stride` and
+    /// `out_row_stride` elements apart: row `s * q_len + t` for token `t` of slot `s`,
+    /// as a fused QKV projection or an attention output with other columns lays them
+    /// out. Each buffer must hold `(max_seqs * q_len - 1) * stride + num_q_heads *
+    /// head_dim` elements or more.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_strided<Q: KvElement, O: OutputElement>(
+        &mut self,
+        layer: &DeviceLayer,
+        q_len: usize,
+        q: &impl AsDeviceSlice<Elem = Q>,
+        q_row_stride: usize,
+        out: &mut impl AsDeviceSliceMut<Elem = O>,
+        out_row_stride: usize,
+    ) -> Result<()> {
+        let (q, out) = (q.device_slice(), out.device_slice_mut());
+        self.check_run(layer, q_len, (q.device, q.len(), q_row_stride), (out.device, out.len(), out_row_stride))?;
+        let dev = &layer.device;
         let p = DecodeParams {
             q_seq_stride: (q_len * q_row_stride) as u32,
             q_token_stride: q_row_stride as u32,

@@ -1,6 +1,7 @@
 //! The raw entry points under [`super::DeviceLayer`] and [`super::DecodePlan`]: the
 //! kernels on device addresses (`CUdeviceptr` values on a GPU, host addresses on the
-//! emulator; [`super::DeviceBuffer::addr`] gives them), enqueued on the [`Device`]'s
+//! emulator; [`super::DeviceBuffer::addr`] and [`super::DeviceSlice::addr`] give them),
+//! enqueued on the [`Device`]'s
 //! stream. For a stack that owns its pools, tables and workspaces. Launch shapes are
 //! those of [`crate::launch`]. An append needs no host-made metadata: the kernels find
 //! every token's place from the sequence's block table and protected list on the
