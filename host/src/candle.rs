@@ -112,18 +112,7 @@ pub fn append(cache: &mut KvCache, layer: usize, seq: SeqId, k: &Tensor, v: &Ten
     let (hkv, d) = (cache.shape().num_kv_heads, cache.config().head_dim);
     check_location("k", k)?;
     check_location("v", v)?;
-    let tokens = check_dims("k", k, hkv, d, "num_kv_heads")?;
-    if v.dims() != k.dims() {
-        return Err(Error::Shape(format!("v has shape {:?}, k has {:?}: they must match", v.dims(), k.dims())));
-    }
-    let dtype = elem_dtype("k", k)?;
-    if v.dtype() != dtype {
-        return Err(Error::Unsupported(format!(
-            "k is {} and v is {}: they must have the same dtype",
-            dtype.as_str(),
-            v.dtype().as_str()
-        )));
-    }
+    let (tokens, dtype) = check_kv(k, v, hkv, d)?;
     match dtype {
         DType::F32 => append_as::<f32>(cache, layer, seq, tokens, k, v),
         DType::F16 => append_as::<f16>(cache, layer, seq, tokens, k, v),
@@ -193,6 +182,24 @@ pub fn decode_tokens(cache: &KvCache, layer: usize, seqs: &[SeqId], q_len: usize
         _ => Tensor::from_vec(out.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), shape, dev),
     };
     t.map_err(|e| Error::Shape(format!("candle output tensor: {e}")))
+}
+
+/// The checks every append makes of `k` and `v`: `[tokens, hkv, d]` each, the same shape
+/// and one supported dtype. Returns the token count and the dtype.
+fn check_kv(k: &Tensor, v: &Tensor, hkv: usize, d: usize) -> Result<(usize, DType)> {
+    let tokens = check_dims("k", k, hkv, d, "num_kv_heads")?;
+    if v.dims() != k.dims() {
+        return Err(Error::Shape(format!("v has shape {:?}, k has {:?}: they must match", v.dims(), k.dims())));
+    }
+    let dtype = elem_dtype("k", k)?;
+    if v.dtype() != dtype {
+        return Err(Error::Unsupported(format!(
+            "k is {} and v is {}: they must have the same dtype",
+            dtype.as_str(),
+            v.dtype().as_str()
+        )));
+    }
+    Ok((tokens, dtype))
 }
 
 /// Refuses tensors whose storage is not on the CPU.
@@ -486,18 +493,7 @@ pub fn cuda_device(dev: &candle_core::Device) -> Result<crate::device::Device> {
 #[cfg(any(feature = "sim", feature = "cuda"))]
 pub fn device_append(layer: &mut DeviceLayer, seq: SeqId, k: &Tensor, v: &Tensor) -> Result<usize> {
     let (hkv, d) = (layer.shape().num_kv_heads, layer.config().head_dim);
-    let tokens = check_dims("k", k, hkv, d, "num_kv_heads")?;
-    if v.dims() != k.dims() {
-        return Err(Error::Shape(format!("v has shape {:?}, k has {:?}: they must match", v.dims(), k.dims())));
-    }
-    let dtype = elem_dtype("k", k)?;
-    if v.dtype() != dtype {
-        return Err(Error::Unsupported(format!(
-            "k is {} and v is {}: they must have the same dtype",
-            dtype.as_str(),
-            v.dtype().as_str()
-        )));
-    }
+    let (tokens, dtype) = check_kv(k, v, hkv, d)?;
     if tokens == 0 {
         layer.len(seq)?;
         check_view_location("k", k.device().location(), layer.device())?;

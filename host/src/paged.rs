@@ -263,24 +263,23 @@ pub fn protect(
     Ok(())
 }
 
-/// Converts a `[tokens][heads][head_dim]` input to f32, checking its size and values.
-/// Each row's L2 norm (of `(x - mean) / scale` where `mean` is given: the key as stored)
-/// must be within the f16 range, so that no rotated channel can overflow f16.
+/// Converts a `[tokens][heads][head_dim]` input (queries) to f32, checking its size and
+/// values with [`check_rows`] (each row's L2 norm within the f16 range).
 pub(crate) fn to_f32_rows<T: KvElement>(
     what: &str,
     x: &[T],
     tokens: usize,
     heads: usize,
     d: usize,
-    mean: Option<(&[f32], &[f32])>,
 ) -> Result<Vec<f32>> {
-    check_rows(what, x, tokens, heads, d, mean)?;
+    check_rows(what, x, tokens, heads, d, None)?;
     Ok(x.iter().map(|v| v.to_f32()).collect())
 }
 
-/// The checks of [`to_f32_rows`] without the copy: the size, finite values, and each
-/// row's L2 norm (f64, eight partial sums) at most the f16 range. Rows are checked in
-/// parallel; the error names the first bad row.
+/// An input's size, finite values, and each row's L2 norm (f64, eight partial sums; of
+/// `(x - mean) / scale` where `mean` is given: the key as stored) at most the f16 range,
+/// so that no rotated channel can overflow f16. Rows are checked in parallel; the error
+/// names the first bad row.
 pub(crate) fn check_rows<T: KvElement>(
     what: &str,
     x: &[T],
@@ -588,7 +587,7 @@ pub fn decode<T: KvElement>(
             )));
         }
     }
-    let q = to_f32_rows("q", q, rows, hq, d, None)?;
+    let q = to_f32_rows("q", q, rows, hq, d)?;
     let sm_scale = options.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
     if !sm_scale.is_finite() || sm_scale <= 0.0 {
         return Err(Error::Value(format!("softmax scale {sm_scale} must be finite and positive")));

@@ -975,12 +975,7 @@ fn row_partials_mask_causally_and_merge_to_the_unsplit_result() {
                 assert!(part.m.is_finite() && part.l >= 1.0, "row {row} split {split}");
             }
         }
-        for (r, chunk) in parts.chunks_exact(splits as usize).enumerate() {
-            let (merged, whole) = (reference::merge(chunk), reference::merge(&one[r..r + 1]));
-            for (a, b) in merged.iter().zip(&whole) {
-                assert!(a.is_finite() && (a - b).abs() <= 1e-12 * b.abs().max(1.0), "splits {splits} row {r}");
-            }
-        }
+        assert_splits_merge_to(&parts, &one, splits);
     }
 }
 
@@ -1306,11 +1301,17 @@ fn window_splits_cover_the_visible_positions_only() {
                 assert!(part.m.is_finite() && part.l >= 1.0, "splits {splits} row {row} split {split}");
             }
         }
-        for (r, chunk) in parts.chunks_exact(splits as usize).enumerate() {
-            let (merged, whole) = (reference::merge(chunk), reference::merge(&one[r..r + 1]));
-            for (a, b) in merged.iter().zip(&whole) {
-                assert!(a.is_finite() && (a - b).abs() <= 1e-12 * b.abs().max(1.0), "splits {splits} row {r}");
-            }
+        assert_splits_merge_to(&parts, &one, splits);
+    }
+}
+
+/// Each row's `splits` partials (`parts`, row-major) merge to the row's unsplit partial
+/// (`one`) within 1e-12 relative.
+fn assert_splits_merge_to(parts: &[reference::Partial], one: &[reference::Partial], splits: u32) {
+    for (r, chunk) in parts.chunks_exact(splits as usize).enumerate() {
+        let (merged, whole) = (reference::merge(chunk), reference::merge(&one[r..r + 1]));
+        for (a, b) in merged.iter().zip(&whole) {
+            assert!(a.is_finite() && (a - b).abs() <= 1e-12 * b.abs().max(1.0), "splits {splits} row {r}");
         }
     }
 }
