@@ -34,6 +34,10 @@ fn random_model(seed: u64, bias: bool) -> Llama {
         eps: 1e-5,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
+        sliding: None,
+        embed_scale: 1.0,
+        act: Default::default(),
+        attn_scale: 1.0 / 8.0,
     };
     let gain = |r: &mut Rng, n: usize| (0..n).map(|_| 1.0 + 0.2 * r.normal()).collect::<Vec<f32>>();
     let layers = (0..config.layers)
@@ -44,6 +48,7 @@ fn random_model(seed: u64, bias: bool) -> Llama {
             wv: matrix(&mut r, 128, 256, 0.1),
             bias: bias.then(|| [gain(&mut r, 256), gain(&mut r, 128), gain(&mut r, 128)]),
             qk_norm: None,
+            post_norms: None,
             wo: matrix(&mut r, 256, 256, 0.05),
             ffn_norm: gain(&mut r, 256),
             gate: matrix(&mut r, 96, 256, 0.1),

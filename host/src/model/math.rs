@@ -149,6 +149,17 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gelu_tanh(gate) * up`, elementwise, into `gate`: GeGLU with the tanh approximation
+/// of GELU (`0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`, Gemma's
+/// `gelu_pytorch_tanh`).
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh()) * u;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

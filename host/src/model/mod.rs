@@ -1,5 +1,5 @@
 //! A real model end to end (feature `model`): a GGUF reader, the GGUF's tokenizer (built
-//! with Hugging Face `tokenizers`), a llama / qwen2 / qwen3 forward pass on the CPU whose
+//! with Hugging Face `tokenizers`), a llama / qwen2 / qwen3 / gemma3 forward pass on the CPU whose
 //! attention runs through the rotkv cache, perplexity (with KL divergence against the f16
 //! cache) measured decode-faithfully, and capture of KV tensors.
 
@@ -34,8 +34,12 @@ pub fn cache_dir() -> Option<std::path::PathBuf> {
 /// The fetched SmolLM2-135M-Instruct GGUF, relative to [`cache_dir`].
 pub const SMOLLM2: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// A file fetched by `cargo xtask fetch` ([`SMOLLM2`], `text/alice29.txt`,
-/// `text/lcet10.txt`), if it is there.
+/// The fetched Gemma 3 270M GGUF (base model, Q4_K_M; gemma3 architecture: head_dim
+/// 256, one KV head, sliding-window layers), relative to [`cache_dir`].
+pub const GEMMA3_270M: &str = "models/gemma-3-270m-q4_k_m.gguf";
+
+/// A file fetched by `cargo xtask fetch` ([`SMOLLM2`], [`GEMMA3_270M`],
+/// `text/alice29.txt`, `text/lcet10.txt`), if it is there.
 pub fn fetched(relative: &str) -> Option<std::path::PathBuf> {
     cache_dir().map(|d| d.join(relative)).filter(|p| p.exists())
 }

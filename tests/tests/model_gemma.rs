@@ -1,0 +1,171 @@
+//! Gemma 3 270M, a real gemma3 GGUF (head_dim 256, 4 query heads on one KV head, five of
+//! every six layers a 512-position sliding window), when `cargo xtask fetch` has run
+//! (SKIPPED otherwise): its configuration as read, the exact forward pass against the
+//! per-position negative log-likelihoods of an independent numpy implementation
+//! (`tests/scripts/reference_forward.py --nll`, float64, weights dequantized by gguf-py),
+//! committed in `tests/reference/gemma3_lcet10_640.txt` with the token ids it scored;
+//! the tokenizer against Hugging Face `transformers`' GGUF tokenizer for Gemma on both
+//! Canterbury texts; and (ignored by default, run by `cargo xtask ci`) perplexity through
+//! the cache.
+
+use rotkv::Backend;
+use rotkv::model::llama::{Activation, ExactAttention, Llama, Row};
+use rotkv::model::tokenizer::Tokenizer;
+use rotkv::model::{self, KvMethod, PplOptions};
+
+/// Tokens of the reference window: BOS and the first 639 tokens of lcet10.txt, past the
+/// 512-position sliding window.
+const CTX: usize = 640;
+
+fn gemma() -> Option<(Llama, Tokenizer, String)> {
+    let (Some(path), Some(text)) = (model::fetched(model::GEMMA3_270M), model::fetched("text/lcet10.txt")) else {
+        eprintln!("SKIPPED: {} or text/lcet10.txt not fetched (run `cargo xtask fetch`)", model::GEMMA3_270M);
+        return None;
+    };
+    let (m, tok) = model::load(&path).unwrap();
+    Some((m, tok, model::read_text(&text).unwrap()))
+}
+
+fn reference_path() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/gemma3_lcet10_640.txt")
+}
+
+/// The window: BOS, then the text's first `CTX - 1` tokens (as `rotkv ppl` builds one).
+fn window(tok: &Tokenizer, text: &str) -> Vec<u32> {
+    // The first 8 KB of the text hold more than 640 tokens.
+    let body = tok.encode(&text[..8192]).unwrap();
+    let mut ids = tok.bos_prefix();
+    ids.extend_from_slice(&body[..CTX - ids.len()]);
+    ids
+}
+
+/// Per-position next-token negative log-likelihoods of `tokens` with exact attention.
+fn nll(m: &Llama, tokens: &[u32]) -> Vec<f64> {
+    let rows: Vec<Row> = (0..tokens.len() - 1).map(|p| Row { seq: 0, pos: p }).collect();
+    let h = m.forward(&tokens[..tokens.len() - 1], &rows, &mut ExactAttention::new(&m.config), None, m.config.layers);
+    let logits = m.logits(&h.unwrap());
+    logits
+        .chunks_exact(m.config.vocab)
+        .zip(&tokens[1..])
+        .map(|(l, &t)| {
+            let mx = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            mx + l.iter().map(|&x| (x as f64 - mx).exp()).sum::<f64>().ln() - l[t as usize] as f64
+        })
+        .collect()
+}
+
+#[test]
+fn gemma3_configuration_as_read() {
+    let Some((m, tok, _)) = gemma() else { return };
+    let c = &m.config;
+    assert_eq!((c.arch.as_str(), c.layers, c.dim, c.heads, c.kv_heads, c.head_dim), ("gemma3", 18, 640, 4, 1, 256));
+    assert_eq!((c.vocab, c.ffn, c.act), (262_144, 2048, Activation::GeluTanh));
+    assert_eq!(c.embed_scale, (640f32).sqrt());
+    assert_eq!(c.attn_scale, 1.0 / 16.0);
+    // Layers 5, 11 and 17 see everything; the others the newest 512 positions.
+    let windows: Vec<Option<usize>> = (0..18).map(|l| c.window_left(l)).collect();
+    for (l, w) in windows.iter().enumerate() {
+        assert_eq!(*w, if l % 6 == 5 { None } else { Some(511) }, "layer {l}");
+    }
+    assert!(m.layers.iter().all(|w| w.qk_norm.is_some() && w.post_norms.is_some()));
+    assert!(m.output.is_none(), "tied output");
+    assert!(tok.add_bos && tok.bos == Some(2));
+    // Gemma's tokenizer adds no space in front (`add_space_prefix` false).
+    let ids = tok.encode("Hello world").unwrap();
+    assert_eq!(tok.decode(&ids).unwrap(), "Hello world");
+}
+
+/// FNV-1a (64-bit) of the ids as little-endian u32 bytes.
+fn fnv(ids: &[u32]) -> u64 {
+    ids.iter()
+        .flat_map(|t| t.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Both texts tokenize as Hugging Face `transformers` 5.24.0's GGUF tokenizer builder
+/// (`integrations/gguf`, fed the file's metadata by gguf-py 0.19.0) does once the file's
+/// all-space user-defined pieces match whole, longest first, as SentencePiece and
+/// llama.cpp match user-defined pieces (`tests/scripts/gguf_tokenizer_reference.py`;
+/// transformers' builder alone splits runs of 32 or more spaces differently, 2 tokens
+/// more on each text): token counts and FNV-1a hashes of its id sequences.
+#[test]
+fn gemma3_tokenizer_matches_transformers() {
+    let Some((_, tok, lcet10)) = gemma() else { return };
+    let Some(alice) = model::fetched("text/alice29.txt") else { return };
+    let alice = model::read_text(&alice).unwrap();
+    let mut got = Vec::new();
+    for (name, text) in [("alice29", &alice), ("lcet10", &lcet10)] {
+        let ids = tok.encode(text).unwrap();
+        if let Some(dir) = std::env::var_os("ROTKV_DUMP_IDS") {
+            let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+            std::fs::write(std::path::Path::new(&dir).join(format!("{name}.ids")), list.join(",")).unwrap();
+        }
+        got.push((ids.len(), fnv(&ids)));
+    }
+    assert_eq!(got, [(39_705, 0xd42e_ab9b_0338_fb09u64), (90_269, 0xa8ba_9787_1b53_0084)], "token counts and hashes");
+}
+
+/// rotkv's f32 forward (exact attention, sliding windows) against numpy in float64 with
+/// gguf-py's dequantization, per scored position. Measured: mean |difference| 1e-4 nats
+/// (see the bound below); with the sliding windows switched off the model's own
+/// perplexity moves by several percent, so the windows are what is compared.
+#[test]
+fn gemma3_exact_forward_matches_the_numpy_reference() {
+    let Some((m, tok, text)) = gemma() else { return };
+    let ids = window(&tok, &text);
+    let got = nll(&m, &ids);
+    let path = reference_path();
+    if std::env::var_os("ROTKV_WRITE_GEMMA_TOKENS").is_some() {
+        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+        std::fs::write(std::env::temp_dir().join("gemma3_tokens.txt"), list.join(",")).unwrap();
+    }
+    let reference = std::fs::read_to_string(&path).unwrap();
+    let mut lines = reference.lines().filter(|l| !l.starts_with('#'));
+    let want_ids: Vec<u32> = lines.next().unwrap().split(',').map(|s| s.parse().unwrap()).collect();
+    let want: Vec<f64> = lines.next().unwrap().split(',').map(|s| s.parse().unwrap()).collect();
+    assert_eq!(ids, want_ids, "the tokenizer no longer gives the reference's token ids");
+    assert_eq!(got.len(), want.len());
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let diff: Vec<f64> = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).collect();
+    let (ppl, ppl_ref) = (mean(&got).exp(), mean(&want).exp());
+    eprintln!(
+        "gemma3 exact forward vs numpy: ppl {ppl:.4} vs {ppl_ref:.4}, mean |dNLL| {:.2e}, max {:.2e}",
+        mean(&diff),
+        diff.iter().copied().fold(0.0, f64::max)
+    );
+    assert!((ppl / ppl_ref - 1.0).abs() < 1e-3, "ppl {ppl} vs {ppl_ref}");
+    assert!(mean(&diff) < 2e-3 && diff.iter().all(|&d| d < 5e-2), "per-position NLL differs");
+    // Without the sliding windows the positions past 512 see other keys.
+    let mut full = m.clone();
+    full.config.sliding = None;
+    let without = nll(&full, &ids);
+    let late = |x: &[f64]| mean(&x[520..]);
+    eprintln!("positions 520..: NLL {:.4} with the windows, {:.4} without", late(&got), late(&without));
+    assert!((late(&without) - late(&want)).abs() > 10.0 * (late(&got) - late(&want)).abs().max(1e-4));
+}
+
+/// Slow (about 2 minutes on two cores): run by `cargo xtask ci` with `--ignored`. One
+/// window of 640 tokens through the cache token by token: the f16 cache within f16
+/// rounding of exact attention, k4v2 within 3%, k2v2 worse than k4v2.
+#[test]
+#[ignore = "slow: Gemma 3 perplexity through the cache; cargo xtask ci runs it"]
+fn gemma3_perplexity_through_the_cache() {
+    let Some((m, tok, text)) = gemma() else { return };
+    let ids = window(&tok, &text);
+    let exact = (nll(&m, &ids).iter().sum::<f64>() / (CTX - 1) as f64).exp();
+    let methods: Vec<KvMethod> =
+        ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 256, CTX).unwrap()).collect();
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1 };
+    let r = model::perplexity(&m, std::slice::from_ref(&ids), &methods, &opts, &mut |_, _| {}).unwrap();
+    for x in &r {
+        eprintln!("{:<6} ppl {:.3} KL {:.4} top-1 {:.3}", x.method.name, x.ppl, x.kl.unwrap(), x.top1.unwrap());
+    }
+    eprintln!("exact attention: ppl {exact:.3}");
+    let (f16, k4v2, k2v2) = (r[0].ppl, r[1].ppl, r[2].ppl);
+    assert!((f16 / exact - 1.0).abs() < 2e-3, "f16 cache {f16} vs exact {exact}");
+    // Measured: f16 23.820 against exact 23.821, k4v2 24.201 (+1.6%), k2v2 45.316 (+90%):
+    // Gemma's keys have outlier channels, which the uncalibrated presets do not handle
+    // (the calibrated recipe, README "Quality on a real model", does).
+    assert!((k4v2 / f16 - 1.0).abs() < 0.03, "k4v2 {k4v2} vs f16 {f16}");
+    assert!(k2v2 > k4v2, "k2v2 {k2v2} vs k4v2 {k4v2}");
+}
