@@ -8,9 +8,9 @@
 //! `decode_tokens` for the last 4 prompt tokens, causal), then the output projection.
 //! The same tokens also go through the device path on the emulated GPU
 //! (`rotkv::candle::device_append` and `device_decode` on a `rotkv::device::DeviceLayer`
-//! of `Device::sim()`: the tensors are read in place as device views; v is copied to
-//! k's row stride first, since the device append takes one stride for both). Each output is compared with candle's own f32 softmax attention over the
-//! unquantized keys and values, and with the same layer on rotkv's f64 reference backend:
+//! of `Device::sim()`: the tensors are read in place as device views, k contiguous and v
+//! at the fused projection's row stride, with no copy). Each output is compared with
+//! candle's own f32 softmax attention over the unquantized keys and values, and with the same layer on rotkv's f64 reference backend:
 //!
 //! - cpu backend vs reference backend: the same quantized cache, so they agree to
 //!   rounding (asserted below [`BACKEND_BOUND`]);
@@ -202,11 +202,10 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         for (c, id) in caches.iter_mut().zip(&ids) {
             rotkv::candle::append(c, 0, id[s], &k, &v)?;
         }
-        // The device append takes one token stride for K and V (the kernel's
-        // `token_stride`): RoPE made k a new contiguous tensor, so v (a view of the fused
-        // projection, rows 768 elements apart) is copied to match. A fused K/V layout
-        // with one stride (k and v both views of one buffer) needs no copy.
-        rotkv::candle::device_append(&mut layer, dids[s], &k, &v.contiguous()?)?;
+        // RoPE made k a new contiguous tensor; v is still a view of the fused projection
+        // (rows 768 elements apart): the device append reads each at its own token
+        // stride, in place.
+        rotkv::candle::device_append(&mut layer, dids[s], &k, &v)?;
         for i in n - SPEC..n {
             let row = q.get(i)?;
             spec_exact.push(exact_attention(&row, &k.narrow(0, 0, i + 1)?, &v.narrow(0, 0, i + 1)?)?);
@@ -237,7 +236,7 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
             for (c, id) in caches.iter_mut().zip(&ids) {
                 rotkv::candle::append(c, 0, id[i], &ki, &vi)?;
             }
-            rotkv::candle::device_append(&mut layer, dids[i], &ki, &vi.contiguous()?)?;
+            rotkv::candle::device_append(&mut layer, dids[i], &ki, &vi)?;
             let grown = (Tensor::cat(&[&hist[i].0, &ki], 0)?, Tensor::cat(&[&hist[i].1, &vi], 0)?);
             hist[i] = grown;
         }

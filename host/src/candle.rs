@@ -27,10 +27,12 @@
 //! # The device path (features `sim` or `cuda`)
 //!
 //! `device_append`, `device_decode` and `with_tensor_view` take tensors as views of a
-//! `rotkv::device::DeviceLayer`'s memory, **without a copy**: `DeviceLayer::append` and
-//! `DecodePlan::run_strided` on the tensor's own storage, a row stride (a narrowed fused
-//! projection) passed to the kernels as their row stride. Rows must be contiguous
-//! (`[heads, head_dim]`); other layouts are an error (call `.contiguous()` first).
+//! `rotkv::device::DeviceLayer`'s memory, **without a copy**:
+//! `DeviceLayer::append_strided` and `DecodePlan::run_strided` on the tensor's own
+//! storage, a row stride (a narrowed fused projection) passed to the kernels as their row
+//! stride; K and V may have different row strides (each is the kernel's token stride for
+//! that input). Rows must be contiguous (`[heads, head_dim]`); other layouts are an error
+//! (call `.contiguous()` first).
 //!
 //! - On the emulated device (`Device::sim`), whose device memory is host memory, CPU
 //!   tensors are the views: the whole device path runs, and is tested, without a GPU.
@@ -465,8 +467,9 @@ pub fn cuda_device(dev: &candle_core::Device) -> Result<crate::device::Device> {
 }
 
 /// Appends `k` and `v` (`[tokens, num_kv_heads, head_dim]`, f32, f16 or bf16, the same
-/// dtype and row stride) to `seq` of a device layer, reading the tensors in place:
-/// [`DeviceLayer::append`] on views of their storage, no copy. Returns the new length.
+/// dtype; each at its own row stride) to `seq` of a device layer, reading the tensors in
+/// place: [`DeviceLayer::append_strided`] on views of their storage, no copy. Returns the
+/// new length.
 ///
 /// - A sim layer takes CPU tensors (the emulator's device memory is host memory): the
 ///   whole device path, tested without a GPU.
@@ -475,10 +478,11 @@ pub fn cuda_device(dev: &candle_core::Device) -> Result<crate::device::Device> {
 ///   stream with no synchronization.
 ///
 /// Each row (`[num_kv_heads, head_dim]`) must be contiguous; rows may lie any stride
-/// apart (`qkv.narrow(1, ..)` of a fused projection): that stride goes to the kernel as
-/// the token stride. Any start offset is fine. Costs what [`DeviceLayer::append`] costs:
-/// launches, plus a 4-byte block-table upload when the sequence takes a new page; no
-/// allocation.
+/// apart (`qkv.narrow(1, ..)` of a fused projection), and K's and V's strides may differ
+/// (a RoPE'd contiguous `k` next to a `v` narrowed from the projection): each goes to
+/// the kernel as that input's token stride. Any start offset is fine. Costs what
+/// [`DeviceLayer::append_strided`] costs: launches, plus a 4-byte block-table upload when
+/// the sequence takes a new page; no allocation.
 ///
 /// # Errors
 ///
@@ -487,8 +491,8 @@ pub fn cuda_device(dev: &candle_core::Device) -> Result<crate::device::Device> {
 /// tensor on a sim layer, a CPU tensor on a cuda layer, Metal, CUDA without the
 /// `candle-cuda` feature); [`Error::Backend`] for a CUDA tensor of another context or
 /// stream; [`Error::Shape`] for a rank other than 3, heads or head_dim other than the
-/// layer's, `v` shaped unlike `k`, a layout other than contiguous rows at a stride, or
-/// different row strides of `k` and `v`; then every error of [`DeviceLayer::append`].
+/// layer's, `v` shaped unlike `k`, or a layout other than contiguous rows at a stride;
+/// then every error of [`DeviceLayer::append_strided`].
 /// On error nothing is enqueued and the layer is unchanged.
 #[cfg(any(feature = "sim", feature = "cuda"))]
 pub fn device_append(layer: &mut DeviceLayer, seq: SeqId, k: &Tensor, v: &Tensor) -> Result<usize> {
@@ -518,14 +522,7 @@ fn device_append_as<T: Elem>(
     // The views borrow the tensors, not the layer (a handle of its device is enough).
     let dev = layer.device().clone();
     with_tensor_view::<T, _>(&dev, "k", k, |kv, ks| {
-        with_tensor_view::<T, _>(&dev, "v", v, |vv, vs| {
-            if ks != vs {
-                return Err(Error::Shape(format!(
-                    "k's rows are {ks} elements apart and v's {vs}: the append takes one token stride"
-                )));
-            }
-            layer.append(seq, tokens, &kv, &vv, ks)
-        })
+        with_tensor_view::<T, _>(&dev, "v", v, |vv, vs| layer.append_strided(seq, tokens, &kv, ks, &vv, vs))
     })
 }
 

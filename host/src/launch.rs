@@ -332,7 +332,7 @@ pub struct MergePtrs {
 pub struct AppendPtrs {
     /// Keys, `[token][kv_head][head_dim]` of `input_dtype`, `token_stride` apart.
     pub k: u64,
-    /// Values, as `k`.
+    /// Values, as `k` but `v_token_stride` apart.
     pub v: u64,
     /// Key mean, f32 `[kv_head][head_dim]`.
     pub key_mean: u64,
@@ -419,6 +419,15 @@ pub fn token_chunks(p: &AppendParams) -> impl Iterator<Item = (u32, AppendParams
     (0..p.count).step_by(MAX_GRID_YZ as usize).map(move |first| {
         (first, AppendParams { start: p.start + first, count: (p.count - first).min(MAX_GRID_YZ), ..*p })
     })
+}
+
+/// The inputs of the `append_tokens` launch of `p` that starts `first` tokens in (a
+/// [`token_chunks`] chunk): `k` advanced by `first` K token strides, `v` by `first` V
+/// token strides (elements of `p.input_dtype`), every other address as in `ptrs`.
+pub fn chunk_ptrs(p: &AppendParams, first: u32, ptrs: &AppendPtrs) -> AppendPtrs {
+    let elem = dtype_bytes(p.input_dtype) as u64;
+    let skip = |stride: u32| first as u64 * stride as u64 * elem;
+    AppendPtrs { k: ptrs.k + skip(p.token_stride), v: ptrs.v + skip(p.v_token_stride), ..*ptrs }
 }
 
 /// A sequence's protected list as the append and decode kernels read it: `fmt.protected`
@@ -611,6 +620,7 @@ mod tests {
             num_blocks: u32::MAX,
             flags: 0,
             token_stride: 64,
+            v_token_stride: 64,
             head_stride: 64,
             input_dtype: rotkv_kernels::params::DTYPE_F32,
         }
@@ -646,6 +656,22 @@ mod tests {
         assert!(c.iter().all(|(_, p)| (1..=MAX_GRID_YZ).contains(&p.count) && p.new_len == 7 + n));
         assert!(c.windows(2).all(|w| w[0].1.start + w[0].1.count == w[1].1.start && w[1].0 - w[0].0 == w[0].1.count));
         assert_eq!(c.iter().map(|c| c.1.count).sum::<u32>(), n);
+    }
+
+    /// A chunk's K and V inputs start `first` tokens in, each at its own token stride,
+    /// in bytes of the input type; the other addresses are kept.
+    #[test]
+    fn chunk_inputs_advance_k_and_v_by_their_own_strides() {
+        let ptrs = AppendPtrs { k: 1 << 20, v: 1 << 30, pool: 77, seq_len: 5, ..AppendPtrs::default() };
+        let p = AppendParams { token_stride: 3 * 64, v_token_stride: 64, ..params(0, 3 * MAX_GRID_YZ) };
+        let c = chunk_ptrs(&p, MAX_GRID_YZ, &ptrs);
+        let n = MAX_GRID_YZ as u64;
+        assert_eq!((c.k, c.v), ((1 << 20) + n * 3 * 64 * 4, (1 << 30) + n * 64 * 4));
+        assert_eq!(AppendPtrs { k: ptrs.k, v: ptrs.v, ..c }, ptrs);
+        let h = AppendParams { input_dtype: rotkv_kernels::params::DTYPE_BF16, v_token_stride: 5 * 64, ..p };
+        let c = chunk_ptrs(&h, 2, &ptrs);
+        assert_eq!((c.k, c.v), ((1 << 20) + 2 * 3 * 64 * 2, (1 << 30) + 2 * 5 * 64 * 2));
+        assert_eq!(chunk_ptrs(&p, 0, &ptrs), ptrs);
     }
 
     /// The device-side destination of every token (`append::destination`) against the

@@ -391,6 +391,7 @@ pub fn append<T: KvElement>(
         num_blocks: blocks as u32,
         flags: config.flags() | calib.flags(),
         token_stride: (hkv * d) as u32,
+        v_token_stride: (hkv * d) as u32,
         head_stride: d as u32,
         input_dtype: rotkv_kernels::params::DTYPE_F32,
     };

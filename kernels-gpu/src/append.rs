@@ -71,8 +71,9 @@ pub unsafe fn destination(p: &AppendParams, pos: u32, block_table: *const u32, p
 /// Fused append of new tokens: stored f16 rows, then f16 side rows or page slots.
 ///
 /// # Safety
-/// `k` and `v` valid at element `t * p.token_stride + h * p.head_stride + c` for `t < p.count`,
-/// `h < p.num_kv_heads`, `c < D`; `key_mean` and `key_scale` (finite, > 0) for `Hkv * D` reads; `key_perm` and
+/// `k` valid at element `t * p.token_stride + h * p.head_stride + c` and `v` at element
+/// `t * p.v_token_stride + h * p.head_stride + c` for `t < p.count`, `h < p.num_kv_heads`,
+/// `c < D`; `key_mean` and `key_scale` (finite, > 0) for `Hkv * D` reads; `key_perm` and
 /// `value_perm` for `Hkv * D` (rows are permutations of `0..D`); `key_rot` (with
 /// `FLAG_DENSE_KEYS`) and `value_rot` (with `FLAG_DENSE_VALUES`) for `Hkv * D * D`
 /// (unused, and may be null, without the flag); `block_table` and `protected` as
@@ -120,7 +121,9 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     let fmt = &p.format;
     let [h, t, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
-    let src = t as usize * p.token_stride as usize + h as usize * p.head_stride as usize + lane * V;
+    let head = h as usize * p.head_stride as usize + lane * V;
+    let k_src = t as usize * p.token_stride as usize + head;
+    let v_src = t as usize * p.v_token_stride as usize + head;
     // SAFETY: the table and list as the contract gives them.
     let dest = unsafe { destination(p, p.start + t, block_table, protected) };
     if h == 0 && t == 0 && lane == 0 && !seq_len.is_null() && p.start + p.count == p.new_len {
@@ -135,10 +138,10 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
             if value {
-                load_elem(v, p.input_dtype, src + c)
+                load_elem(v, p.input_dtype, v_src + c)
             } else {
                 let at = h as usize * D + lane * V + c;
-                (load_elem(k, p.input_dtype, src + c) - *key_mean.add(at)) / *key_scale.add(at)
+                (load_elem(k, p.input_dtype, k_src + c) - *key_mean.add(at)) / *key_scale.add(at)
             }
         });
         let (dense, hadamard, rot) = if value {

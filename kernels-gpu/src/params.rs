@@ -45,6 +45,11 @@ pub unsafe fn load_elem(x: *const u8, dtype: u32, i: usize) -> f32 {
 
 /// Parameters of the fused append (rotate, quantize, pack, store) of new tokens of one
 /// sequence and one layer.
+///
+/// Layout (`#[repr(C)]`, shared with the PTX entry points, which take it by value): the
+/// [`Format`], then ten `u32` fields in declaration order, no padding. K and V each have
+/// their own token stride (`token_stride`, `v_token_stride`: a K read from a fused QKV
+/// row next to a contiguous V, say); the head stride is shared.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct AppendParams {
@@ -66,13 +71,20 @@ pub struct AppendParams {
     pub num_blocks: u32,
     /// `FLAG_*` bits.
     pub flags: u32,
-    /// Elements between consecutive tokens of the K and V inputs.
+    /// Elements between consecutive tokens of the K input.
     pub token_stride: u32,
-    /// Elements between consecutive heads of the K and V inputs.
+    /// Elements between consecutive tokens of the V input (equal to `token_stride` when
+    /// K and V share a layout).
+    pub v_token_stride: u32,
+    /// Elements between consecutive heads of the K and V inputs (both).
     pub head_stride: u32,
     /// Element type of the K and V inputs (`DTYPE_*`).
     pub input_dtype: u32,
 }
+
+// The layout the doc comment states: the format, then ten u32, no padding.
+const _: () = assert!(core::mem::size_of::<AppendParams>() == core::mem::size_of::<Format>() + 10 * 4);
+const _: () = assert!(core::mem::align_of::<AppendParams>() == 4);
 
 /// Parameters of the split-K decode of `q_len` query tokens per sequence.
 ///

@@ -473,6 +473,7 @@ fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
     let zeros = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, &Device::Cpu).unwrap();
     // [tokens, heads, D] storage seen through a transpose: rows are not contiguous.
     let kt = kc.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
+    let vt = vc.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
     // A stride inside the row (every other channel of a [10, HKV, 2D] tensor).
     let wide = zeros(&[10, HKV, 2 * D], DType::F32);
     let gappy = wide.reshape((10, HKV, D, 2)).unwrap().narrow(3, 0, 1).unwrap().squeeze(3).unwrap();
@@ -487,7 +488,7 @@ fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
         ("v tokens", k.clone(), v.narrow(0, 0, 9).unwrap(), is_shape),
         ("transposed k", kt.clone(), vc.clone(), is_shape),
         ("channel stride", gappy.clone(), gappy.clone(), is_shape),
-        ("k and v row strides differ", k.clone(), vc.clone(), is_shape),
+        ("transposed v (k at another row stride)", k.clone(), vt, is_shape),
     ];
     for (what, k, v, kind) in bad_appends {
         let before = dev.counters();
@@ -547,6 +548,74 @@ fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
     // The good calls still work.
     assert_eq!(rotkv::candle::device_decode(&mut p, &layer, 1, &q1).unwrap().dims(), &[1, HQ, D]);
     assert_eq!(rotkv::candle::device_append(&mut layer, seq, &k, &v).unwrap(), 20);
+}
+
+/// How [`device_append_k_and_v_at_different_row_strides`] hands K or V over.
+#[derive(Clone, Copy, Debug)]
+enum Input {
+    /// A new contiguous tensor (rows `HKV * D` apart), as RoPE leaves k.
+    Contiguous,
+    /// The view of the fused projection (rows `(HQ + 2 HKV) * D` apart).
+    Fused,
+    /// A view of a `[n, 3 HKV, D]` tensor's middle heads (rows `3 HKV * D` apart).
+    Wide,
+}
+
+/// `device_append` with K and V at different row strides, both read in place: a
+/// contiguous k next to a v narrowed from the fused projection (37 tokens, then 160: one
+/// past the first page boundary, so a page is quantized from window rows and new rows),
+/// a fused k next to a contiguous v (197 tokens at once), a fused k next to a v of
+/// another projection width (1 token, then 60). The layer's pool and side stores equal,
+/// byte for byte, those of the same tokens appended as contiguous tensors.
+fn device_append_k_and_v_at_different_row_strides<T: WithDType>() {
+    let dev = rotkv::device::Device::sim();
+    let config = CacheConfig::k2v2(D);
+    let fmt = config.format().unwrap();
+    assert_eq!((fmt.sinks + fmt.window + fmt.page_size) as usize, 196);
+    let (mut mixed, mut dense) = (device_layer(&dev, config), device_layer(&dev, config));
+    let cases: [(&[usize], Input, Input); 3] = [
+        (&[37, 160], Input::Contiguous, Input::Fused),
+        (&[197], Input::Fused, Input::Contiguous),
+        (&[1, 60], Input::Fused, Input::Wide),
+    ];
+    let mut seed = 50;
+    for (counts, kin, vin) in cases {
+        let (a, b) = (mixed.add_sequence().unwrap(), dense.add_sequence().unwrap());
+        for &n in counts {
+            seed += 2;
+            let (_, kf, vf) = fused::<T>(n, seed);
+            let wide = tensor(&rows(Data::Normal, n * 3 * HKV, D, seed + 1), (n, 3 * HKV, D));
+            let wide = wide.to_dtype(<T as WithDType>::DTYPE).unwrap().narrow(1, HKV, HKV).unwrap();
+            let pick = |input, f: &Tensor| match input {
+                Input::Contiguous => f.contiguous().unwrap(),
+                Input::Fused => f.clone(),
+                Input::Wide => wide.clone(),
+            };
+            let (k, v) = (pick(kin, &kf), pick(vin, &vf));
+            if n > 1 {
+                assert_ne!(k.stride()[0], v.stride()[0], "{kin:?} k, {vin:?} v");
+            }
+            let len = rotkv::candle::device_append(&mut mixed, a, &k, &v).unwrap();
+            let want = rotkv::candle::device_append(&mut dense, b, &k.contiguous().unwrap(), &v.contiguous().unwrap());
+            assert_eq!(len, want.unwrap());
+        }
+    }
+    // Two sequences quantized their page (the layer's three blocks hold one each).
+    assert_eq!((mixed.free_blocks(), dense.free_blocks()), (1, 1));
+    let ((pool, sides), (want_pool, want_sides)) = (mixed.read_cache().unwrap(), dense.read_cache().unwrap());
+    assert!(pool.iter().any(|&x| x != 0));
+    assert!(pool == want_pool, "pool bytes differ");
+    assert!(sides.iter().zip(&want_sides).all(|(x, y)| x.to_bits() == y.to_bits()), "side stores differ");
+}
+
+#[test]
+fn device_append_k_and_v_at_different_row_strides_f32() {
+    device_append_k_and_v_at_different_row_strides::<f32>();
+}
+
+#[test]
+fn device_append_k_and_v_at_different_row_strides_bf16() {
+    device_append_k_and_v_at_different_row_strides::<bf16>();
 }
 
 /// CUDA tensors on a cuda layer (feature `candle-cuda`; GPU 0): the same appends and

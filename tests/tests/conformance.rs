@@ -252,6 +252,86 @@ fn chunking_of_appends_is_invisible() {
     }
 }
 
+/// Every backend's append reads V at its own token stride (`AppendParams::v_token_stride`;
+/// the paged API passes one stride for both, the device API may not): K inside a wider
+/// fused row with V dense, and K dense with V inside a wider row, write the bytes of the
+/// same tokens given dense at one stride, on the reference, the cpu backend and the
+/// emulated kernels, for 37 tokens then 160 (one past the first page boundary: a page
+/// quantized from window rows and new rows).
+#[test]
+fn append_reads_v_at_its_own_token_stride_on_every_backend() {
+    use rotkv::paged::{self, PoolBuffer};
+    use rotkv_kernels::params::{AppendParams, DTYPE_F32};
+    let config = CacheConfig::k2v2(64);
+    let fmt = config.format().unwrap();
+    let (hkv, d) = (2, 64);
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: 4 };
+    let calib = rotkv::LayerCalibration::identity(hkv, d);
+    let row = hkv * d;
+    let wide = 3 * row + 8;
+    let counts = [37, 160];
+    assert_eq!(fmt.pages_for(37 + 160), 1);
+    let n: usize = counts.iter().sum();
+    let (k, v) = (rows(Data::Keys, n * hkv, d, 31), rows(Data::Normal, n * hkv, d, 32));
+    // The same rows inside wider rows (at element 5 of each), garbage around them.
+    let widen = |x: &[f32]| -> Vec<f32> {
+        let mut out = rows(Data::Normal, n * wide / d + 1, d, 33);
+        for t in 0..n {
+            out[t * wide + 5..t * wide + 5 + row].copy_from_slice(&x[t * row..(t + 1) * row]);
+        }
+        out
+    };
+    let (kw, vw) = (widen(&k), widen(&v));
+    // (K input, K stride, V input, V stride): dense, K wide, V wide.
+    let inputs: [(&[f32], usize, &[f32], usize); 3] =
+        [(&k, row, &v, row), (&kw[5..], wide, &v, row), (&k, row, &vw[5..], wide)];
+    for backend in ["reference", "cpu", "sim"] {
+        let mut stored = Vec::new();
+        for &(ki, ks, vi, vs) in &inputs {
+            let mut pool = PoolBuffer::new(paged::pool_bytes(&config, &shape, 1).unwrap());
+            let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+            let mut start = 0;
+            for &count in &counts {
+                let p = AppendParams {
+                    format: fmt,
+                    num_kv_heads: hkv as u32,
+                    start: start as u32,
+                    count: count as u32,
+                    new_len: (start + count) as u32,
+                    num_blocks: 1,
+                    flags: config.flags() | calib.flags(),
+                    token_stride: ks as u32,
+                    v_token_stride: vs as u32,
+                    head_stride: d as u32,
+                    input_dtype: DTYPE_F32,
+                };
+                let (ki, vi) = (&ki[start * ks..], &vi[start * vs..]);
+                let (pool, side) = (pool.bytes_mut(), &mut side[..]);
+                match backend {
+                    "reference" => reference::append(&p, &calib, pool, &[0], side, &[], ki, vi),
+                    "cpu" => rotkv::cpu::append(&p, &calib, pool, &[0], side, &[], ki, vi),
+                    _ => {
+                        let (kb, vb) = (f32_bytes(ki), f32_bytes(vi));
+                        rotkv::sim::append_sim(&p, &calib, pool, &[0], side, &[], kb, vb).unwrap()
+                    }
+                }
+                start += count;
+            }
+            assert!(pool.bytes().iter().any(|&b| b != 0), "{backend}: no page was written");
+            stored.push((pool.bytes().to_vec(), side.iter().map(|x| x.to_bits()).collect::<Vec<_>>()));
+        }
+        assert!(stored[1] == stored[0], "{backend}: K at its own stride changed the bytes");
+        assert!(stored[2] == stored[0], "{backend}: V at its own stride changed the bytes");
+    }
+}
+
+/// `x`'s bytes (native order), as the emulated kernels read an f32 input.
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: any f32 slice is a valid byte slice of 4x its length (no padding, u8 has
+    // alignment 1), borrowed for `x`'s lifetime.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
 /// Fills a store through the reference and decodes one query on every backend.
 /// `emulate`: also on the SIMT emulator (else only the fast backends). The calibration
 /// is random (key mean, permutations); every seed divisible by 3 also has learned

@@ -750,3 +750,116 @@ fn mma_selftest_packing_on_the_emulator() {
     let swapped: Vec<u32> = b.chunks(2).flat_map(|p| [p[1], p[0]]).collect();
     assert!(mma_selftest_check(&cases, &run(&swapped)).is_err());
 }
+
+/// Appends `counts` tokens to a fresh sequence of `strided` with K and V each at its own
+/// row stride (`append_strided`), and the same tokens to a fresh sequence of `dense` as
+/// contiguous rows at one stride (`append`). `k_fused`: K is a head range of a fused QKV
+/// row (`[t][HQ + 2 hkv][D]`, K's heads after the `HQ` query heads) and V contiguous;
+/// otherwise K is contiguous and V the fused row's last heads.
+fn strided_against_contiguous<T: rotkv::KvElement>(
+    strided: &mut DeviceLayer,
+    dense: &mut DeviceLayer,
+    counts: &[usize],
+    k_fused: bool,
+    seed: u64,
+    conv: fn(f32) -> T,
+) {
+    let dev = strided.device().clone();
+    let hkv = strided.shape().num_kv_heads;
+    let (hq, row) = (strided.shape().num_q_heads, hkv * D);
+    let fused_row = (hq + 2 * hkv) * D;
+    let (a, b) = (strided.add_sequence().unwrap(), dense.add_sequence().unwrap());
+    for (i, &n) in counts.iter().enumerate() {
+        let seed = seed + 10 * i as u64;
+        let fused: Vec<T> = rows(n * fused_row, seed).into_iter().map(conv).collect();
+        let other: Vec<T> = rows(n * row, seed + 1).into_iter().map(conv).collect();
+        // The fused input's K (heads hq..hq + hkv) or V (the last hkv heads): the buffer
+        // starts at that head range of token 0 and keeps the fused row stride.
+        let at = if k_fused { hq * D } else { (hq + hkv) * D };
+        let fused_part = dev.upload(&fused[at..]).unwrap();
+        let contiguous = dev.upload(&other).unwrap();
+        // The same tokens as dense rows.
+        let dense_part: Vec<T> = (0..n).flat_map(|t| fused[at + t * fused_row..][..row].to_vec()).collect();
+        let dense_part = dev.upload(&dense_part).unwrap();
+        let len = if k_fused {
+            strided.append_strided(a, n, &fused_part, fused_row, &contiguous, row).unwrap();
+            dense.append(b, n, &dense_part, &contiguous, row).unwrap()
+        } else {
+            strided.append_strided(a, n, &contiguous, row, &fused_part, fused_row).unwrap();
+            dense.append(b, n, &contiguous, &dense_part, row).unwrap()
+        };
+        assert_eq!(strided.len(a).unwrap(), len);
+    }
+}
+
+/// K and V at different row strides (`DeviceLayer::append_strided`: K inside a wider
+/// fused QKV row with V contiguous, and the other way round; f32 and f16) store exactly
+/// the bytes of the same tokens appended contiguously: the pool and every side store are
+/// equal byte for byte, after appends of 1 token, 37 tokens, up to one past the first
+/// page boundary (a page quantized from window rows and new rows at once) and one
+/// more, and after one append of 197 tokens (one past the page boundary) at once.
+#[test]
+fn k_and_v_at_their_own_row_strides_equal_contiguous_appends() {
+    let dev = test_device();
+    let (hkv, hq) = (2, 4);
+    let config = CacheConfig::k2v2(D);
+    let fmt = config.format().unwrap();
+    // The first page is quantized when the sequence reaches sinks + window + page + 1.
+    let boundary = (fmt.sinks + fmt.window + fmt.page_size) as usize;
+    assert_eq!(boundary, 196);
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+    let size = LayerSize { max_seqs: 4, max_tokens: 256, num_blocks: None };
+    let new = || DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, D), size).unwrap();
+    let (mut strided, mut dense) = (new(), new());
+    let stepwise = [1, 37, boundary + 1 - 38, 1];
+    strided_against_contiguous(&mut strided, &mut dense, &stepwise, true, 100, |x| x);
+    strided_against_contiguous(&mut strided, &mut dense, &stepwise, false, 200, f16::from_f32);
+    strided_against_contiguous(&mut strided, &mut dense, &[boundary + 1], true, 300, f16::from_f32);
+    strided_against_contiguous(&mut strided, &mut dense, &[boundary + 1, 2], false, 400, |x| x);
+    let (pool, sides) = strided.read_cache().unwrap();
+    let (want_pool, want_sides) = dense.read_cache().unwrap();
+    // Every sequence quantized its one page (max_tokens 256 gives each slot one block):
+    // the pools hold real codes.
+    assert_eq!((strided.free_blocks(), dense.free_blocks()), (0, 0));
+    assert!(pool.iter().any(|&b| b != 0));
+    let differ = pool.iter().zip(&want_pool).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{differ} pool bytes differ");
+    assert!(sides.iter().zip(&want_sides).all(|(a, b)| a.to_bits() == b.to_bits()), "side stores differ");
+}
+
+/// `append_strided` checks K's and V's strides and sizes each on its own: a V too short
+/// for its own stride (K fine at another), a V stride below a row or past u32, and a K
+/// stride below a row are `Error::Shape`s naming the input, enqueue nothing and change
+/// nothing (length, blocks, stored bytes); the same V at a stride it fits works.
+#[test]
+fn append_strided_checks_each_input_and_changes_nothing_on_error() {
+    let mut t = Twin::new(2, 4, 2);
+    let s = t.add();
+    t.append(s, 70, false);
+    let dev = t.dev.clone();
+    let row = 2 * D;
+    let n = 5;
+    let k = dev.upload(&rows(n * 3 * row, 1)).unwrap();
+    // Room for 5 rows at stride `row`, not at `2 * row`.
+    let v = dev.upload(&rows(n * row, 2)).unwrap();
+    let names = |e: &Error, what: &str| matches!(e, Error::Shape(m) if m.starts_with(what));
+    let (len, free, (pool, sides)) =
+        (t.layer.len(t.did(s)).unwrap(), t.layer.free_blocks(), t.layer.read_cache().unwrap());
+    let cases: [(&str, usize, usize, &str); 4] = [
+        ("v too short for its stride", 3 * row, 2 * row, "v has"),
+        ("v stride below a row", 3 * row, row - 1, "v: token stride"),
+        ("v stride past u32", 3 * row, u32::MAX as usize + 1, "v: token stride"),
+        ("k stride below a row", row - D, row, "k: token stride"),
+    ];
+    let before = dev.counters();
+    for (what, ks, vs, msg) in cases {
+        let e = t.layer.append_strided(t.did(s), n, &k, ks, &v, vs).unwrap_err();
+        assert!(names(&e, msg), "{what}: {e}");
+    }
+    assert_eq!(dev.counters(), before, "an error enqueued work");
+    assert_eq!((t.layer.len(t.did(s)).unwrap(), t.layer.free_blocks()), (len, free));
+    let (pool2, sides2) = t.layer.read_cache().unwrap();
+    assert!(pool2 == pool && sides2.iter().zip(&sides).all(|(a, b)| a.to_bits() == b.to_bits()), "bytes changed");
+    // The same buffers at strides they fit: appended (K every third row, V dense).
+    assert_eq!(t.layer.append_strided(t.did(s), n, &k, 3 * row, &v, row).unwrap(), 75);
+}

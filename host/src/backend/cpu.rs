@@ -429,6 +429,18 @@ fn quantize_into_page<K: Kernels>(kern: K, fmt: &Format, row: &[f16], value: boo
     reference::set_page_params(fmt, bytes, value, slot, params);
 }
 
+/// Element of new token `t`, KV head `h` of the K input (`p.token_stride` apart).
+#[inline(always)]
+fn k_src(p: &AppendParams, t: u32, h: usize) -> usize {
+    t as usize * p.token_stride as usize + h * p.head_stride as usize
+}
+
+/// Element of new token `t`, KV head `h` of the V input (`p.v_token_stride` apart).
+#[inline(always)]
+fn v_src(p: &AppendParams, t: u32, h: usize) -> usize {
+    t as usize * p.v_token_stride as usize + h * p.head_stride as usize
+}
+
 /// Everything one head-page of an append reads: the format, the calibration, the old
 /// window rows and the new input rows.
 struct PageInputs<'a, T> {
@@ -468,11 +480,12 @@ fn fill_page<K: Kernels, T: KvElement>(
         if at < len {
             return Some(fmt.side_row_at(h, value, fmt.window_row(at)));
         }
-        let src = (at - len) as usize * p.token_stride as usize + hu * p.head_stride as usize;
         let rot = inp.calib.rotation(value, hu, d, p.flags);
         if value {
+            let src = v_src(p, at - len, hu);
             stage_input(kern, &inp.v[src..src + d], None, rot, vperm, scr);
         } else {
+            let src = k_src(p, at - len, hu);
             stage_input(kern, &inp.k[src..src + d], key_mean, rot, kperm, scr);
         }
         None
@@ -498,9 +511,9 @@ fn fill_page<K: Kernels, T: KvElement>(
     let prefetch = |slot: u32| {
         let at = pos(slot);
         if slot < fmt.page_size && at >= len {
-            let src = (at - len) as usize * p.token_stride as usize + hu * p.head_stride as usize;
-            kern.prefetch(bytemuck::cast_slice(&inp.k[src..src + d]));
-            kern.prefetch(bytemuck::cast_slice(&inp.v[src..src + d]));
+            let (ks, vs) = (k_src(p, at - len, hu), v_src(p, at - len, hu));
+            kern.prefetch(bytemuck::cast_slice(&inp.k[ks..ks + d]));
+            kern.prefetch(bytemuck::cast_slice(&inp.v[vs..vs + d]));
         }
     };
     (0..PREFETCH).for_each(prefetch);
@@ -539,8 +552,9 @@ fn fill_page_best<T: KvElement>(inp: &PageInputs<'_, T>, page: u32, h: u32, byte
     fill_page(Portable, inp, page, h, bytes, scr)
 }
 
-/// Appends `p.count` new tokens (`k[t * p.token_stride + h * p.head_stride + c]`, f32,
-/// f16 or bf16, already validated) to a sequence of `p.start` tokens, producing the
+/// Appends `p.count` new tokens (`k[t * p.token_stride + h * p.head_stride + c]`,
+/// `v[t * p.v_token_stride + h * p.head_stride + c]`, f32, f16 or bf16, already
+/// validated) to a sequence of `p.start` tokens, producing the
 /// bytes of [`crate::reference::append`] (f16 rows may differ only at rounding ties of
 /// the f32 rotation, and codes then by one step). First the pages that fill, one
 /// head-page per task written straight into its pool block (`fill_page`: rotation, f16
@@ -594,10 +608,10 @@ pub fn append<T: KvElement>(
         for h in 0..hkv {
             let (mean, kperm, vperm) = calib.head(h, d);
             let mean = (mean, calib.head_key_scale(h, d));
-            let src = (pos - len) as usize * p.token_stride as usize + h * p.head_stride as usize;
+            let (ks, vs) = (k_src(p, pos - len, h), v_src(p, pos - len, h));
             for value in [false, true] {
                 let rot = calib.rotation(value, h, d, p.flags);
-                stage_input_best(&k[src..src + d], &v[src..src + d], value, mean, rot, kperm, vperm, &mut scr);
+                stage_input_best(&k[ks..ks + d], &v[vs..vs + d], value, mean, rot, kperm, vperm, &mut scr);
                 for r in row.into_iter().chain(copy) {
                     let at = fmt.side_row_at(h as u32, value, r);
                     side[at..at + d].copy_from_slice(&scr.row);

@@ -396,10 +396,8 @@ impl Kernels {
         ptrs: &launch::AppendPtrs,
     ) -> Result<()> {
         let name = launch::append_entries(p.format.head_dim)?.0;
-        let elem = launch::dtype_bytes(p.input_dtype) as u64;
         for (first, mut cp) in launch::token_chunks(p) {
-            let skip = first as u64 * p.token_stride as u64 * elem;
-            let mut x = launch::AppendPtrs { k: ptrs.k + skip, v: ptrs.v + skip, ..*ptrs };
+            let mut x = launch::chunk_ptrs(p, first, ptrs);
             let mut args = [
                 (&mut cp as *mut AppendParams).cast(),
                 (&mut x.k as *mut u64).cast(),

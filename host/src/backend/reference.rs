@@ -192,8 +192,8 @@ pub fn stored_value(v: &[f32], rot: HeadRotation<'_>, perm: &[u16]) -> Vec<f16> 
     rotate(&x, rot, perm).into_iter().map(f16::from_f64).collect()
 }
 
-/// Appends `p.count` tokens (`k[t * p.token_stride + h * p.head_stride + c]`, likewise
-/// `v`) to a sequence of `p.start` tokens, one token at a time: each goes to a sink row
+/// Appends `p.count` tokens (`k[t * p.token_stride + h * p.head_stride + c]`,
+/// `v[t * p.v_token_stride + h * p.head_stride + c]`) to a sequence of `p.start` tokens, one token at a time: each goes to a sink row
 /// or the window ring (and, when its position is in `protected`, to its protected row
 /// too); when the window reaches `window + page_size` tokens its oldest page is
 /// quantized into the page `block_table[page]`.
@@ -216,9 +216,10 @@ pub fn append(
         for h in 0..hkv {
             let (mean, kperm, vperm) = calib.head(h, d);
             let x = i * p.token_stride as usize + h * p.head_stride as usize;
+            let y = i * p.v_token_stride as usize + h * p.head_stride as usize;
             let rows = [
                 stored_key(&k[x..x + d], mean, calib.head_key_scale(h, d), calib.rotation(false, h, d, p.flags), kperm),
-                stored_value(&v[x..x + d], calib.rotation(true, h, d, p.flags), vperm),
+                stored_value(&v[y..y + d], calib.rotation(true, h, d, p.flags), vperm),
             ];
             // A new token enters the sinks or the window (and may be flushed just below);
             // a protected one is copied to its protected row as well.

@@ -336,10 +336,8 @@ pub unsafe fn flush_raw(p: &AppendParams, ptrs: &FlushPtrs) -> Result<()> {
 /// The buffers at `ptrs` are live host buffers as `append_tokens`'s `# Safety` section
 /// asks for `p`, and nothing else accesses them during the call.
 pub unsafe fn append_tokens_raw(p: &AppendParams, ptrs: &AppendPtrs) -> Result<()> {
-    let elem = launch::dtype_bytes(p.input_dtype) as u64;
     for (first, cp) in launch::token_chunks(p) {
-        let skip = first as u64 * p.token_stride as u64 * elem;
-        let ptrs = AppendPtrs { k: ptrs.k + skip, v: ptrs.v + skip, ..*ptrs };
+        let ptrs = launch::chunk_ptrs(p, first, ptrs);
         macro_rules! run {
             ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
                 match p.format.head_dim {

@@ -14,7 +14,9 @@
 //! - [`DeviceLayer`]: one layer's cache (or one tensor-parallel shard of it: the shard's
 //!   KV and query heads) in device memory, allocated once: the page pool, one side-store
 //!   slot per sequence slot, the block tables, the sequence lengths, the protected lists
-//!   and the calibration. [`DeviceLayer::append`] reads K/V from device buffers or views.
+//!   and the calibration. [`DeviceLayer::append`] reads K/V from device buffers or views
+//!   at a row stride; [`DeviceLayer::append_strided`] gives K and V each their own row
+//!   stride (K in a fused QKV row, V contiguous: no copy).
 //! - [`DecodePlan`]: a decode launch fixed for a batch shape (sequence slots, most query
 //!   tokens, longest context, multiprocessors): grid, split count and partials workspace
 //!   are chosen once; [`DecodePlan::run`] reads the current lengths on the device and
@@ -857,6 +859,18 @@ impl DeviceLayer {
         Ok(self.seq(seq)?.len)
     }
 
+    /// The layer's cache as stored, copied to the host: the page pool's bytes (blocks in
+    /// pool order, as `FORMAT.md` lays them out) and every slot's f16 side store (sinks,
+    /// window ring, protected rows; `max_seqs` slots in slot order). Two downloads and a
+    /// wait for the device: for inspection and tests, not for a serving step.
+    pub fn read_cache(&self) -> Result<(Vec<u8>, Vec<half::f16>)> {
+        let mut pool = vec![0u8; self.pool.len()];
+        self.device.read(&self.pool, &mut pool)?;
+        let mut sides = vec![0u16; self.sides.len()];
+        self.device.read(&self.sides, &mut sides)?;
+        Ok((pool, sides.into_iter().map(half::f16::from_bits).collect()))
+    }
+
     /// Protects `positions` of `seq` (as [`crate::KvCache::protect`]): the ascending list
     /// extends the sequence's; a position already appended must still be in the f16
     /// window (its rows are copied to the protected rows on the device, a few
@@ -907,8 +921,10 @@ impl DeviceLayer {
 
     /// Appends `tokens` tokens to `seq` from device buffers `k` and `v` (f32, f16 or
     /// bf16): token `t`, KV head `h`, channel `c` at element `t * token_stride + h *
-    /// head_dim + c` (`token_stride >= num_kv_heads * head_dim`; a fused QKV buffer's
-    /// row, say). Returns the new length. Checks everything the host knows first.
+    /// head_dim + c` of each (`token_stride >= num_kv_heads * head_dim`; a fused QKV
+    /// buffer's row, say). Returns the new length. Checks everything the host knows
+    /// first. [`DeviceLayer::append_strided`] with `token_stride` for both; use that for
+    /// K and V at different row strides.
     pub fn append<T: KvElement>(
         &mut self,
         seq: SeqId,
@@ -916,6 +932,27 @@ impl DeviceLayer {
         k: &impl AsDeviceSlice<Elem = T>,
         v: &impl AsDeviceSlice<Elem = T>,
         token_stride: usize,
+    ) -> Result<usize> {
+        self.append_strided(seq, tokens, k, token_stride, v, token_stride)
+    }
+
+    /// Appends `tokens` tokens to `seq` from device buffers `k` and `v` (f32, f16 or
+    /// bf16), each at its own row stride: token `t`, KV head `h`, channel `c` at element
+    /// `t * k_stride + h * head_dim + c` of `k` and `t * v_stride + h * head_dim + c` of
+    /// `v` (each stride `>= num_kv_heads * head_dim`): K a view of a fused QKV
+    /// projection's rows and V a contiguous tensor, say, without a copy. Returns the new
+    /// length. Checks everything the host knows first ([`Error::Shape`] naming `k` or
+    /// `v` for a stride below a row or past `u32::MAX`, or a buffer too short for
+    /// `tokens` rows at its stride); on error nothing is enqueued and the layer is
+    /// unchanged.
+    pub fn append_strided<T: KvElement>(
+        &mut self,
+        seq: SeqId,
+        tokens: usize,
+        k: &impl AsDeviceSlice<Elem = T>,
+        k_stride: usize,
+        v: &impl AsDeviceSlice<Elem = T>,
+        v_stride: usize,
     ) -> Result<usize> {
         let (k, v) = (k.device_slice(), v.device_slice());
         let s = self.seq(seq)?;
@@ -932,15 +969,19 @@ impl DeviceLayer {
                 self.size.max_tokens
             )));
         }
-        if token_stride < hkv * d || token_stride > u32::MAX as usize {
-            return Err(Error::Shape(format!("token stride {token_stride} (at least {} heads x {d})", hkv)));
-        }
-        let need = (tokens - 1) * token_stride + hkv * d;
-        for (what, b) in [("k", k), ("v", v)] {
-            self.device.check_view(b.device, what)?;
-            if b.len() < need {
+        for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
+            if stride < hkv * d || stride > u32::MAX as usize {
                 return Err(Error::Shape(format!(
-                    "{what} has {} elements; {tokens} tokens at stride {token_stride} need {need}",
+                    "{what}: token stride {stride} (at least {hkv} heads x {d}, at most {})",
+                    u32::MAX
+                )));
+            }
+            self.device.check_view(b.device, what)?;
+            // (tokens - 1) * stride fits: tokens <= max_tokens < 2^31, stride < 2^32.
+            let need = (tokens - 1) as u64 * stride as u64 + (hkv * d) as u64;
+            if (b.len() as u64) < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {} elements; {tokens} tokens at stride {stride} need {need}",
                     b.len()
                 )));
             }
@@ -964,7 +1005,8 @@ impl DeviceLayer {
             new_len: new_len as u32,
             num_blocks: self.num_blocks as u32,
             flags: self.config.flags() | self.calib.flags(),
-            token_stride: token_stride as u32,
+            token_stride: k_stride as u32,
+            v_token_stride: v_stride as u32,
             head_stride: d as u32,
             input_dtype: T::DTYPE,
         };
@@ -979,8 +1021,8 @@ impl DeviceLayer {
         // SAFETY: every address is a live buffer of this device with the sizes the
         // kernels' contracts ask: the table row holds every block of `table` (taken from
         // the pool's free list, written above), the protected row is the slot's padded
-        // list, the side store and the length are the slot's, k and v were checked for
-        // `tokens` rows at `token_stride`.
+        // list, the side store and the length are the slot's, k was checked for `tokens`
+        // rows at `k_stride` and v for `tokens` rows at `v_stride`.
         unsafe {
             raw::append_flush(&dev, &p, &FlushPtrs { block_table, side, pool: self.pool.addr() })?;
             raw::append_tokens(

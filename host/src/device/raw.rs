@@ -93,8 +93,11 @@ pub unsafe fn append_flush(device: &Device, p: &AppendParams, ptrs: &FlushPtrs) 
 /// 65,535 tokens.
 ///
 /// # Safety
-/// As `rotkv_kernels::append::append_tokens` asks for `p`: K and V of `p.input_dtype`
-/// valid for `p.count` tokens at `p.token_stride`, the layer's calibration buffers, the
+/// As `rotkv_kernels::append::append_tokens` asks for `p`: K and V of `p.input_dtype`,
+/// K valid for `p.count` tokens at `p.token_stride` and V for `p.count` tokens at
+/// `p.v_token_stride` (element `t * stride + h * p.head_stride + c` for `t < p.count`,
+/// `h < p.num_kv_heads`, `c < head_dim`, each at its own stride: `p.token_stride` is
+/// never used for V), the layer's calibration buffers, the
 /// sequence's block table (at least `p.format.pages_for(p.new_len)` entries) and
 /// protected list (`p.format.protected` entries, ascending, padded with `u32::MAX`), the
 /// pool (`p.num_blocks` blocks, 16-byte aligned), the sequence's side store and, unless
