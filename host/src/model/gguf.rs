@@ -231,9 +231,8 @@ impl Gguf {
         Self::parse(bytes)
     }
 
-    /// Parses a GGUF file held in memory.
-    pub fn parse(bytes: Vec<u8>) -> Result<Self> {
-        let mut c = Cursor { b: &bytes, at: 0, elements_left: MAX_METADATA_ELEMENTS };
+    /// The magic, version, tensor count and metadata of a GGUF header.
+    fn header(c: &mut Cursor<'_>) -> Result<(usize, HashMap<String, Value>)> {
         if c.take(4)? != b"GGUF" {
             return Err(Error::Input("not a GGUF file (magic bytes differ)".into()));
         }
@@ -253,6 +252,25 @@ impl Gguf {
             }
             metadata.insert(key, value);
         }
+        Ok((n_tensors, metadata))
+    }
+
+    /// Parses only the metadata of a GGUF header, no tensors: enough for the tokenizer
+    /// ([`super::tokenizer::Tokenizer::from_gguf`]) and the hyper-parameters, and it reads
+    /// the first chunk of a file split into parts. The result has no tensors.
+    pub fn parse_metadata(mut bytes: Vec<u8>) -> Result<Self> {
+        let mut c = Cursor { b: &bytes, at: 0, elements_left: MAX_METADATA_ELEMENTS };
+        let (_, metadata) = Self::header(&mut c)?;
+        let data_start = c.at;
+        // Nothing past the metadata is read.
+        bytes.truncate(data_start);
+        Ok(Self { metadata, tensors: HashMap::new(), bytes, data_start })
+    }
+
+    /// Parses a GGUF file held in memory.
+    pub fn parse(bytes: Vec<u8>) -> Result<Self> {
+        let mut c = Cursor { b: &bytes, at: 0, elements_left: MAX_METADATA_ELEMENTS };
+        let (n_tensors, metadata) = Self::header(&mut c)?;
         let mut tensors = HashMap::new();
         for _ in 0..n_tensors {
             let name = c.string()?;
@@ -485,7 +503,12 @@ mod tests {
         far.extend_from_slice(&32u64.to_le_bytes());
         far.extend_from_slice(&0u32.to_le_bytes());
         far.extend_from_slice(&(u64::MAX - 8).to_le_bytes());
-        assert!(Gguf::parse(far).is_err());
+        assert!(Gguf::parse(far.clone()).is_err());
+        // Its metadata alone (none here) reads, without tensors, as from a split file's
+        // first part; a broken header is still an error.
+        let meta = Gguf::parse_metadata(far).unwrap();
+        assert!(meta.metadata.is_empty() && meta.tensors.is_empty());
+        assert!(Gguf::parse_metadata(b"GGUF\x03\0\0\0\x01".to_vec()).is_err());
         let mut huge = b"GGUF\x03\0\0\0".to_vec();
         huge.extend_from_slice(&u64::MAX.to_le_bytes());
         huge.extend_from_slice(&0u64.to_le_bytes());
