@@ -137,7 +137,8 @@ def forward(meta, t, tokens):
     scale = 1.0 / np.sqrt(dim / heads if gemma and layers == 62 else d)
     for l in range(layers):
         p = lambda s: t[f"blk.{l}.{s}"]
-        sliding = gemma and (l + 1) % pattern != 0
+        # A period (llama.cpp's set_swa_pattern) or one bool per layer (true: sliding).
+        sliding = gemma and (pattern[l] if isinstance(pattern, list) else (l + 1) % pattern != 0)
         h = rms(x, p("attn_norm.weight"), eps)
         wq, wk = p("attn_q.weight"), p("attn_k.weight")
         if arch == "llama":

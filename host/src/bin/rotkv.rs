@@ -586,7 +586,24 @@ fn capture(
         ("n_q_heads", c.heads.to_string()),
         ("n_kv_heads", c.kv_heads.to_string()),
         ("n_layers", c.layers.to_string()),
-        ("attn_scaling", format!("{:?}", 1.0 / (c.head_dim as f64).sqrt())),
+        ("attn_scaling", format!("{:?}", c.attn_scale as f64)),
+        // Per captured layer: its RoPE base and sliding window (gemma3's sliding layers
+        // differ from `rope_theta`; `none`: the layer sees every position).
+        (
+            "layer_rope_theta",
+            format!(
+                "{:?}",
+                layers
+                    .iter()
+                    .map(|&l| c
+                        .sliding
+                        .as_ref()
+                        .filter(|_| c.window_left(l).is_some())
+                        .map_or(c.rope_theta, |s| s.rope_theta) as f64)
+                    .collect::<Vec<_>>()
+            ),
+        ),
+        ("layer_window_left", format!("{:?}", layers.iter().map(|&l| c.window_left(l)).collect::<Vec<_>>())),
         ("rope_convention", "HF rotate_half (non-interleaved: channel i pairs with i+D/2)".into()),
         ("layout", "[T, H, D]; q and k post-RoPE, v, k_pre_rope = k before RoPE".into()),
         ("dtype", "float16 (computed in fp32)".into()),

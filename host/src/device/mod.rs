@@ -962,13 +962,12 @@ impl DeviceLayer {
         if tokens == 0 {
             return Ok(len);
         }
-        let new_len = len + tokens;
-        if new_len > self.size.max_tokens {
+        let Some(new_len) = len.checked_add(tokens).filter(|&n| n <= self.size.max_tokens) else {
             return Err(Error::Capacity(format!(
-                "sequence {seq} would hold {new_len} tokens; max_tokens is {}",
+                "sequence {seq} holds {len} tokens; {tokens} more are past max_tokens {}",
                 self.size.max_tokens
             )));
-        }
+        };
         for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
             if stride < hkv * d || stride > u32::MAX as usize {
                 return Err(Error::Shape(format!(

@@ -50,6 +50,13 @@ impl Value {
             _ => None,
         }
     }
+    /// The value as booleans, if it is an array of booleans.
+    pub fn as_bool_array(&self) -> Option<Vec<bool>> {
+        match self {
+            Value::Array(a) => a.iter().map(|v| if let Value::Bool(b) = v { Some(*b) } else { None }).collect(),
+            _ => None,
+        }
+    }
 }
 
 /// One entry of the tensor directory.
@@ -261,9 +268,11 @@ impl Gguf {
     pub fn parse_metadata(mut bytes: Vec<u8>) -> Result<Self> {
         let mut c = Cursor { b: &bytes, at: 0, elements_left: MAX_METADATA_ELEMENTS };
         let (_, metadata) = Self::header(&mut c)?;
+        // Nothing past the metadata is kept; `data_start` is the metadata's end, with no
+        // tensor data behind it.
         let data_start = c.at;
-        // Nothing past the metadata is read.
         bytes.truncate(data_start);
+        bytes.shrink_to_fit();
         Ok(Self { metadata, tensors: HashMap::new(), bytes, data_start })
     }
 

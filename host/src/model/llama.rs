@@ -68,9 +68,9 @@ pub struct SlidingWindow {
     /// Positions a query sees, itself included (Hugging Face's `sliding_window`; rotkv's
     /// `window_left` is one less).
     pub window: usize,
-    /// Layer `l` slides unless `(l + 1)` is a multiple of `pattern` (Gemma 3: 6, so
-    /// layers 5, 11, 17, .. attend to every position).
-    pub pattern: usize,
+    /// Per layer, whether it slides (Gemma 3: all but every sixth, so layers 5, 11, 17,
+    /// .. attend to every position).
+    pub layers: Vec<bool>,
     /// RoPE base of the sliding layers (no RoPE scaling there).
     pub rope_theta: f32,
 }
@@ -110,7 +110,7 @@ impl LlamaConfig {
     /// window_left ..= q`), `None` for a layer that sees every position.
     pub fn window_left(&self, layer: usize) -> Option<usize> {
         let s = self.sliding.as_ref()?;
-        (!(layer + 1).is_multiple_of(s.pattern.max(1))).then(|| s.window.saturating_sub(1))
+        s.layers.get(layer).copied().unwrap_or(false).then(|| s.window.saturating_sub(1))
     }
 
     /// RoPE tables `(cos, sin)` of one position for `layer` (a sliding layer has its own
@@ -310,13 +310,28 @@ impl Llama {
         // window of `attention.sliding_window` positions with RoPE base 10,000 and no
         // scaling; queries scaled by `1 / sqrt(head_dim)`, except the 62-layer 27B model's
         // `1 / sqrt(dim / heads)` (its `query_pre_attn_scalar`).
+        // `attention.sliding_window_pattern`, when present: a period `n` (layer `l` slides
+        // unless `(l + 1) % n == 0`, llama.cpp's `set_swa_pattern`) or one bool per layer
+        // (true: sliding), as llama.cpp's `get_key_or_arr` reads it.
         let sliding = if gemma {
             let window = u("attention.sliding_window")?;
-            let pattern = u("attention.sliding_window_pattern").unwrap_or(6);
-            if window == 0 || pattern == 0 {
-                return Err(Error::Unsupported(format!("sliding window {window}, pattern {pattern}")));
+            let key = format!("{arch}.attention.sliding_window_pattern");
+            let flags: Vec<bool> = match g.metadata.get(&key) {
+                None => (0..layers).map(|l| !(l + 1).is_multiple_of(6)).collect(),
+                Some(v) => match (v.as_u64(), v.as_bool_array()) {
+                    (Some(n), _) if n > 0 => (0..layers).map(|l| !(l as u64 + 1).is_multiple_of(n)).collect(),
+                    (_, Some(b)) if b.len() == layers => b,
+                    _ => {
+                        return Err(Error::Unsupported(format!(
+                            "{key} {v:?} (a positive period or one bool per layer is read)"
+                        )));
+                    }
+                },
+            };
+            if window == 0 {
+                return Err(Error::Unsupported("sliding window of 0 positions".into()));
             }
-            Some(SlidingWindow { window, pattern, rope_theta: 10000.0 })
+            Some(SlidingWindow { window, layers: flags, rope_theta: 10000.0 })
         } else {
             None
         };
@@ -435,6 +450,11 @@ impl Llama {
         {
             return Err(Error::Shape(format!("{} RoPE frequency factors for head_dim {}", f.len(), c.head_dim)));
         }
+        for (what, x) in [("attention scale", c.attn_scale), ("embedding scale", c.embed_scale)] {
+            if !(x.is_finite() && x > 0.0) {
+                return Err(Error::Value(format!("{what} {x} must be finite and positive")));
+            }
+        }
         let n = rows.len();
         if tokens.len() != n {
             return Err(Error::Shape(format!("{} tokens for {n} rows", tokens.len())));
@@ -451,8 +471,8 @@ impl Llama {
         let (mut g, mut u) = (vec![0f32; n * c.ffn], vec![0f32; n * c.ffn]);
         // RoPE tables of the full-attention layers, and of the sliding ones when they differ.
         let tables: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().map(|r| c.rope_table(r.pos)).collect();
-        let sliding_tables: Vec<(Vec<f32>, Vec<f32>)> = match c.sliding {
-            Some(_) => rows.iter().map(|r| c.rope_table_of(0, r.pos)).collect(),
+        let sliding_tables: Vec<(Vec<f32>, Vec<f32>)> = match &c.sliding {
+            Some(sw) => rows.iter().map(|r| rope_table(r.pos, c.head_dim, sw.rope_theta, None)).collect(),
             None => Vec::new(),
         };
         let mut post = vec![0f32; if self.layers.iter().any(|w| w.post_norms.is_some()) { n * c.dim } else { 0 }];
@@ -652,12 +672,10 @@ impl CacheAttention {
         // The model's sliding windows and softmax scale, on every cache's layers.
         let mut caches = caches;
         for cache in &mut caches {
-            for l in (0..config.layers).filter(|&l| config.window_left(l).is_some()) {
+            for l in 0..config.layers {
                 cache.set_window_left(l, config.window_left(l))?;
             }
-            if config.attn_scale != 1.0 / (config.head_dim as f32).sqrt() {
-                cache.set_softmax_scale(config.attn_scale)?;
-            }
+            cache.set_softmax_scale(config.attn_scale)?;
         }
         Ok(Self { caches, slots, multi_token_decode: false, prefill: ExactAttention::new(config) })
     }

@@ -60,7 +60,7 @@ pub fn detect(model: &Llama, tokens: &[u32], k: usize, skip: usize, how: Detecto
                 }
             }
             Detector::Attention => {
-                let scale = 1.0 / (d as f64).sqrt();
+                let scale = c.attn_scale as f64;
                 let mut probs = vec![0f64; n];
                 for h in 0..hq {
                     let kvh = h / (hq / hkv);
