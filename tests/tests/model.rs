@@ -277,6 +277,41 @@ fn chunked_decode_matches_token_by_token() {
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
 }
 
+/// The pre-RoPE simulation (`-pre`, `rotkv::model::prerope`) and its post-RoPE control
+/// (`-sim`) on a random model, with 16-token windows and pages so that pages are
+/// quantized: the control reproduces the real cache's perplexity (same quantizer, same
+/// sinks, window and pages; exact rows rounded to f16 unrotated rather than rotated, so
+/// a 2-bit code can move on a tie: measured nll 82.839 vs 82.862 at chunk 1, 82.614 vs
+/// 82.635 at chunk 8, 2.8e-4 relative; bound 1e-2), the pre-RoPE method with nothing to
+/// quantize (`-w128`) is f16 up to rounding (measured KL 1.1e-12, bound 1e-4), and
+/// quantized it drifts from f16 (measured KL 0.15 / 0.14 for k2v2, 3.7e-3 / 4.7e-2 for
+/// k4v2; bound above 1e-3).
+#[test]
+fn pre_rope_simulation_against_the_cache() {
+    let m = random_model(31, false);
+    let windows = vec![tokens(70, 32), tokens(70, 33)];
+    let names =
+        ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-sim", "k2v2-s2-w16-p16-pre", "k2v2-w128-pre", "k4v2-w16-p16-pre"];
+    let methods: Vec<KvMethod> = names.iter().map(|n| KvMethod::parse(n, 64, 70).unwrap()).collect();
+    for chunk in [1, 8] {
+        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None };
+        let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
+        for x in &r {
+            eprintln!("chunk {chunk} {:<22} nll {:.6} kl {:.3e}", x.method.name, x.nll, x.kl.unwrap());
+        }
+        let d = (r[2].nll / r[1].nll - 1.0).abs();
+        assert!(d < 1e-2, "chunk {chunk}: -sim nll {} vs the cache's {} ({d:.1e})", r[2].nll, r[1].nll);
+        assert!(r[4].kl.unwrap() < 1e-4, "chunk {chunk}: unquantized -pre kl {:?}", r[4].kl);
+        for i in [3, 5] {
+            assert!(r[i].kl.unwrap() > 1e-3 && r[i].nll.is_finite(), "chunk {chunk}: {} kl {:?}", names[i], r[i].kl);
+        }
+    }
+    // A -pre method with -c needs the pre-RoPE calibration.
+    let c = KvMethod::parse("k2v2-c-pre", 64, 70).unwrap();
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
+    assert!(model::perplexity(&m, &windows, &[c], &opts, &mut |_, _| {}).is_err());
+}
+
 /// `CacheAttention::multi_token_decode`: several rows of one sequence, into a sequence
 /// that already holds tokens, are appended and decoded together; with an f16 cache that
 /// is the token-by-token result up to f32 rounding. Logits measured 1.0e-5 apart: the
