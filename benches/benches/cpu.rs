@@ -1,6 +1,8 @@
 //! CPU benchmarks: decode (k2v2 and k4v2, each with the exact f32 and the integer key
 //! paths, against an f16 baseline and a memcpy of the f16 cache's size, all in one run),
-//! append (Hadamard and learned dense rotations), FWHT against FFHT.
+//! append (Hadamard and learned dense rotations), FWHT against FFHT, and the extra
+//! per-cached-key work a pre-RoPE key cache would add to decode (`prerope/...`: inverse
+//! FWHT and RoPE of every key, beside the k2v2 decode of the same token-heads).
 //!
 //! `cargo bench -p rotkv-benches --bench cpu` (all) or with a filter, e.g.
 //! `cargo bench -p rotkv-benches --bench cpu -- decode/d64`. Set `ROTKV_BENCH_MAX_CTX`
@@ -311,10 +313,98 @@ fn fwht(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode, append, fwht);
+/// The cost a pre-RoPE key cache (RotateKV: keys quantized before RoPE, RoPE
+/// re-applied at decode) adds per cached key and decode step, beside the k2v2 decode of
+/// the same token-heads in one run: `unrotate_rope` runs rotkv's FWHT (the inverse
+/// Hadamard rotation) and RoPE (cos/sin tables precomputed per position, the cheapest
+/// form) on 8 x 4096 dequantized key rows per KV head, single-threaded; `decode_k2v2`
+/// is the CPU backend's decode of a batch of 8 sequences of 4096 tokens (all threads). Both
+/// over `8 * 4096 * kv_heads` token-heads (the throughput's elements), so time / elements
+/// is ns per token and KV head. Shapes: d64 (SmolLM2: 3 KV / 9 query heads), d128
+/// (Llama 8B: 8 / 32), d256 (Gemma 3 270M: 1 / 4).
+fn bench_prerope<M: Measurement>(c: &mut Criterion<M>, name: &str) {
+    const CTX: usize = 4096;
+    let shapes = [
+        Shape { name: "d64", hkv: 3, hq: 9, d: 64 },
+        Shape { name: "d128", hkv: 8, hq: 32, d: 128 },
+        Shape { name: "d256", hkv: 1, hq: 4, d: 256 },
+    ];
+    for Shape { name: sname, hkv, hq, d } in shapes {
+        let mut group = c.benchmark_group(format!("{name}/{sname}"));
+        group.sample_size(10);
+        group.warm_up_time(std::time::Duration::from_millis(500));
+        group.measurement_time(std::time::Duration::from_secs(2));
+        let token_heads = BATCH * CTX * hkv;
+        group.throughput(Throughput::Elements(token_heads as u64));
+        let cshape = CacheShape {
+            layers: 1,
+            num_kv_heads: hkv,
+            num_q_heads: hq,
+            max_seqs: BATCH,
+            max_tokens: CTX,
+            num_blocks: None,
+        };
+        let mut cache = KvCache::new(CacheConfig::k2v2(d), cshape, Backend::Cpu).expect("cache");
+        let mut seqs = Vec::with_capacity(BATCH);
+        for b in 0..BATCH {
+            let s = cache.add_sequence().expect("slot");
+            seqs.push(s);
+            let k = synthetic_rows(CTX * hkv, d, 1 + b as u64);
+            let v = synthetic_rows(CTX * hkv, d, 1000 + b as u64);
+            cache.append(0, s, CTX, &k, &v).expect("append");
+        }
+        let q = synthetic_rows(BATCH * hq, d, 77);
+        let mut out = vec![0f32; BATCH * hq * d];
+        group.bench_function(BenchmarkId::new("decode_k2v2", CTX), |b| {
+            b.iter(|| cache.decode(0, &seqs, black_box(&q), &mut out).expect("decode"))
+        });
+        drop(cache);
+        // RoPE tables [pos][d / 2] (base 10,000), and the dequantized rows, [seq][pos][head].
+        let half = d / 2;
+        let (mut cos, mut sin) = (vec![0f32; CTX * half], vec![0f32; CTX * half]);
+        for p in 0..CTX {
+            for i in 0..half {
+                let a = p as f32 / 10000f32.powf(2.0 * i as f32 / d as f32);
+                (cos[p * half + i], sin[p * half + i]) = (a.cos(), a.sin());
+            }
+        }
+        let mut rows = synthetic_rows(token_heads, d, 5);
+        group.bench_function(BenchmarkId::new("unrotate_rope", CTX), |b| {
+            b.iter(|| {
+                for (i, row) in rows.chunks_exact_mut(d).enumerate() {
+                    let p = i / hkv % CTX;
+                    rotkv::cpu::fwht(row);
+                    let (cs, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
+                    let (lo, hi) = row.split_at_mut(half);
+                    for j in 0..half {
+                        let (a, bb) = (lo[j], hi[j]);
+                        lo[j] = a * cs[j] - bb * sn[j];
+                        hi[j] = bb * cs[j] + a * sn[j];
+                    }
+                }
+                black_box(&mut rows);
+            })
+        });
+        group.finish();
+    }
+}
+
+fn prerope(c: &mut Criterion) {
+    bench_prerope(c, "prerope");
+}
+
+/// [`bench_prerope`] in process CPU time, only when `ROTKV_BENCH_CPU_TIME` is set (the
+/// decode runs on every thread, the extra work on one: CPU time compares total work).
+fn prerope_cputime(c: &mut Criterion<cputime::CpuTime>) {
+    if std::env::var_os("ROTKV_BENCH_CPU_TIME").is_some() {
+        bench_prerope(c, "prerope_cputime");
+    }
+}
+
+criterion_group!(benches, decode, append, fwht, prerope);
 criterion_group! {
     name = cpu_time;
     config = Criterion::default().with_measurement(cputime::CpuTime);
-    targets = decode_cputime, append_cputime
+    targets = decode_cputime, append_cputime, prerope_cputime
 }
 criterion_main!(benches, cpu_time);

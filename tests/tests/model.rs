@@ -236,7 +236,7 @@ fn chunked_decode_matches_token_by_token() {
         .map(|n| KvMethod::parse(n, 64, 70).unwrap())
         .collect();
     let run = |chunk: usize| {
-        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk };
+        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None };
         let mut steps = Vec::new();
         let r = model::perplexity(&m, &windows, &methods, &opts, &mut |done, of| steps.push((done, of))).unwrap();
         assert_eq!(steps.last(), Some(&(69, 69)), "chunk {chunk}: progress");
@@ -259,7 +259,7 @@ fn chunked_decode_matches_token_by_token() {
         }
     }
     assert!(one[2].kl > one[3].kl && one[2].top1 < Some(1.0), "k2v2 drifts further than k4v4");
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 8 };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 8, pre_calibration: None };
     let no_f16 = model::perplexity(&m, &windows, &methods[1..2], &opts, &mut |_, _| {}).unwrap();
     assert_eq!((no_f16[0].kl, no_f16[0].top1), (None, None), "no unquantized method, no KL");
     for chunk in [4, 7, 64] {
@@ -271,10 +271,45 @@ fn chunked_decode_matches_token_by_token() {
             assert!(d < bound, "{} chunk {chunk}: nll {} vs {}", a.method.name, a.nll, b.nll);
         }
     }
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 0 };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 0, pre_calibration: None };
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
     let opts = PplOptions { chunk: 65, ..opts };
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
+}
+
+/// The pre-RoPE simulation (`-pre`, `rotkv::model::prerope`) and its post-RoPE control
+/// (`-sim`) on a random model, with 16-token windows and pages so that pages are
+/// quantized: the control reproduces the real cache's perplexity (same quantizer, same
+/// sinks, window and pages; exact rows rounded to f16 unrotated rather than rotated, so
+/// a 2-bit code can move on a tie: measured nll 82.839 vs 82.862 at chunk 1, 82.614 vs
+/// 82.635 at chunk 8, 2.8e-4 relative; bound 1e-2), the pre-RoPE method with nothing to
+/// quantize (`-w128`) is f16 up to rounding (measured KL 1.1e-12, bound 1e-4), and
+/// quantized it drifts from f16 (measured KL 0.15 / 0.14 for k2v2, 3.7e-3 / 4.7e-2 for
+/// k4v2; bound above 1e-3).
+#[test]
+fn pre_rope_simulation_against_the_cache() {
+    let m = random_model(31, false);
+    let windows = vec![tokens(70, 32), tokens(70, 33)];
+    let names =
+        ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-sim", "k2v2-s2-w16-p16-pre", "k2v2-w128-pre", "k4v2-w16-p16-pre"];
+    let methods: Vec<KvMethod> = names.iter().map(|n| KvMethod::parse(n, 64, 70).unwrap()).collect();
+    for chunk in [1, 8] {
+        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None };
+        let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
+        for x in &r {
+            eprintln!("chunk {chunk} {:<22} nll {:.6} kl {:.3e}", x.method.name, x.nll, x.kl.unwrap());
+        }
+        let d = (r[2].nll / r[1].nll - 1.0).abs();
+        assert!(d < 1e-2, "chunk {chunk}: -sim nll {} vs the cache's {} ({d:.1e})", r[2].nll, r[1].nll);
+        assert!(r[4].kl.unwrap() < 1e-4, "chunk {chunk}: unquantized -pre kl {:?}", r[4].kl);
+        for i in [3, 5] {
+            assert!(r[i].kl.unwrap() > 1e-3 && r[i].nll.is_finite(), "chunk {chunk}: {} kl {:?}", names[i], r[i].kl);
+        }
+    }
+    // A -pre method with -c needs the pre-RoPE calibration.
+    let c = KvMethod::parse("k2v2-c-pre", 64, 70).unwrap();
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
+    assert!(model::perplexity(&m, &windows, &[c], &opts, &mut |_, _| {}).is_err());
 }
 
 /// `CacheAttention::multi_token_decode`: several rows of one sequence, into a sequence
@@ -576,7 +611,7 @@ fn smollm2_perplexity_2x256() {
     let ids = tok.encode(&text).unwrap();
     let windows: Vec<Vec<u32>> = ids.chunks_exact(256).take(2).map(<[u32]>::to_vec).collect();
     let methods: Vec<KvMethod> = ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 64, 256).unwrap()).collect();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1 };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
     let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
     for x in &r {
         let (kl, top1) = (x.kl.unwrap(), x.top1.unwrap());
@@ -623,7 +658,7 @@ fn calibration_feeds_the_perplexity_harness() {
     .map(|n| KvMethod::parse(n, 64, 48).unwrap())
     .collect();
     // A method that asks for calibration without one is an error, not a silent identity.
-    let none = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1 };
+    let none = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
     let err = model::perplexity(&m, &windows, &methods, &none, &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("calibration"), "{err}");
     // Calibrated, on the CPU and on the emulated GPU kernels: the same perplexities up to
@@ -632,7 +667,7 @@ fn calibration_feeds_the_perplexity_harness() {
     // weights) is compared, to 2e-2 nats (seen: 2e-3 for f16, 6e-3 for k2v2).
     let mut results = Vec::new();
     for backend in [Backend::Cpu, Backend::Sim] {
-        let opts = PplOptions { backend, calibration: Some(cal.clone()), chunk: 1 };
+        let opts = PplOptions { backend, calibration: Some(cal.clone()), chunk: 1, pre_calibration: None };
         results.push(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap());
     }
     for (a, b) in results[0].iter().zip(&results[1]) {
@@ -649,13 +684,13 @@ fn calibration_feeds_the_perplexity_harness() {
     // -a without key_std in the file is an error, not a silent identity.
     let mut no_std = cal.clone();
     no_std.layers.iter_mut().for_each(|l| l.key_scale.fill(1.0));
-    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(no_std), chunk: 1 };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(no_std), chunk: 1, pre_calibration: None };
     let err = model::perplexity(&m, &windows, &methods[6..7], &opts, &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("key_std"), "{err}");
     // -l with -r does not combine; -l without rotations in the file is an error.
     assert!(KvMethod::parse("k2v2-c-r-l", 64, 48).is_err());
     let plain = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(plain), chunk: 1 };
+    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(plain), chunk: 1, pre_calibration: None };
     assert!(model::perplexity(&m, &windows, &methods[4..5], &opts, &mut |_, _| {}).is_err());
 }
 

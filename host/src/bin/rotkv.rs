@@ -56,7 +56,10 @@ enum Command {
         /// -v<iterations> (KVarN) -o<N> (online key mean) -da<k> -dk<k> -dh<k> (detected
         /// sinks), and -c (key centering) -r (reordering) -l (learned rotations)
         /// -a<alpha %> (key smoothing, e.g. -a50 for alpha 0.5) from --calib (e.g.
-        /// k2v2-c-g32-x80, k2v2-c-l-dh8, k2v2-c-a50).
+        /// k2v2-c-g32-x80, k2v2-c-l-dh8, k2v2-c-a50). -pre quantizes the keys before RoPE
+        /// and re-applies RoPE to each dequantized key (RotateKV; a harness simulation, not
+        /// a cache option; its -c and -a use --pre-calib), -sim runs the post-RoPE method
+        /// through the same simulation (the control): e.g. k2v2-c-sim, k2v2-c-pre.
         #[arg(long, value_delimiter = ',', default_value = "f16,naive2,k2v2,k4v2")]
         kv: Vec<String>,
         /// cpu, sim, cuda, reference or auto.
@@ -65,6 +68,10 @@ enum Command {
         /// A calibration file from `rotkv calibrate`, for the methods with -c, -r, -l or -a.
         #[arg(long)]
         calib: Option<PathBuf>,
+        /// A calibration of the pre-RoPE keys (`rotkv calibrate --methods prerope,...`), for
+        /// the -pre methods with -c or -a.
+        #[arg(long)]
+        pre_calib: Option<PathBuf>,
         /// Tokens per decode step (1 to 64): each step appends this many tokens and decodes
         /// them with one multi-token decode (causal rows), as speculative decoding verifies
         /// a draft; 1 is token by token. Unquantized methods give the same perplexity up to
@@ -89,7 +96,9 @@ enum Command {
         tokens: usize,
         /// What to calibrate: center (key means), reorder (channel permutations), smooth
         /// (key channel standard deviations, for the smoothing of `-a<alpha %>`), optr
-        /// (learned key and value rotations, trained on the centered, unsmoothed keys).
+        /// (learned key and value rotations, trained on the centered, unsmoothed keys);
+        /// prerope: the statistics of the keys before RoPE instead (for `ppl --pre-calib`;
+        /// with center and smooth only).
         #[arg(long, value_delimiter = ',', default_value = "center,reorder,smooth")]
         methods: Vec<String>,
         /// The KV method (as for `ppl`) whose quantizer the optr rotations are trained
@@ -204,8 +213,9 @@ fn main() -> ExitCode {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
         Command::Configs => print_configs(&mut out),
-        Command::Ppl { model, text, ctx, windows, kv, backend, calib, chunk, json } => {
-            ppl(&mut out, &model, &text, (ctx, windows, chunk), &kv, &backend, calib.as_deref(), json)
+        Command::Ppl { model, text, ctx, windows, kv, backend, calib, pre_calib, chunk, json } => {
+            let calibs = (calib.as_deref(), pre_calib.as_deref());
+            ppl(&mut out, &model, &text, (ctx, windows, chunk), &kv, &backend, calibs, json)
         }
         Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, optr_queries, out: path } => {
             calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps, optr_queries), &path)
@@ -469,11 +479,12 @@ fn ppl(
     (ctx, windows, chunk): (usize, usize, usize),
     kv: &[String],
     backend: &str,
-    calib: Option<&std::path::Path>,
+    (calib, pre_calib): (Option<&std::path::Path>, Option<&std::path::Path>),
     json: bool,
 ) -> Result<(), CliError> {
     let backend = Backend::parse(backend)?;
     let calibration = calib.map(model::calibrate::Calibration::load).transpose()?;
+    let pre_calibration = pre_calib.map(model::calibrate::Calibration::load).transpose()?;
     if ctx < 2 || windows == 0 {
         return Err(CliError::Lib(rotkv::Error::Shape(format!("{windows} windows of {ctx} tokens"))));
     }
@@ -502,7 +513,7 @@ fn ppl(
         kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
     let started = Instant::now();
-    let opts = model::PplOptions { backend, calibration, chunk };
+    let opts = model::PplOptions { backend, calibration, chunk, pre_calibration };
     let results = model::perplexity(&llama, &wins, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
     bar.finish_and_clear();
     let base = results.iter().find(|r| !r.method.quantized).map(|r| r.ppl);
@@ -519,7 +530,8 @@ fn ppl(
             .collect();
         let doc = serde_json::json!({
             "model": file_name(model_path), "text": file_name(text), "ctx": ctx, "windows": windows, "chunk": chunk,
-            "backend": backend.name(), "calib": calib.map(file_name), "results": rows,
+            "backend": backend.name(), "calib": calib.map(file_name), "pre_calib": pre_calib.map(file_name),
+            "results": rows,
         });
         writeln!(out, "{doc}")?;
         return Ok(());
@@ -745,8 +757,10 @@ fn calibrate(
     // The key channel standard deviations are kept as they are (a cache turns them into
     // scales with the alpha of its method, `-a<percent>`).
     let mut keep_std = false;
+    let mut pre_rope = false;
     for m in methods {
         match m.as_str() {
+            "prerope" => pre_rope = true,
             "center" => what.center = true,
             "reorder" => what.reorder = true,
             "optr" => what.learned = true,
@@ -760,7 +774,7 @@ fn calibrate(
             }
             other => {
                 return Err(CliError::Lib(rotkv::Error::Unsupported(format!(
-                    "calibration method {other:?} (this build calibrates: center, reorder, smooth, optr)"
+                    "calibration method {other:?} (this build calibrates: center, reorder, smooth, optr, prerope)"
                 ))));
             }
         }
@@ -778,7 +792,16 @@ fn calibrate(
     };
     let started = Instant::now();
     let bar = progress(if optr.is_some() { llama.config.layers } else { 0 }, "optr rotations (layers)");
-    let mut cal = model::calibrate::calibrate(&llama, &ids, optr.as_ref(), &mut |_| bar.inc(1))?;
+    if pre_rope && (what.reorder || what.learned) {
+        return Err(CliError::Lib(rotkv::Error::Unsupported(
+            "calibration method prerope goes with center and smooth only".into(),
+        )));
+    }
+    let mut cal = if pre_rope {
+        model::prerope::pre_rope_calibration(&llama, &ids)?
+    } else {
+        model::calibrate::calibrate(&llama, &ids, optr.as_ref(), &mut |_| bar.inc(1))?
+    };
     bar.finish_and_clear();
     cal.layers = (0..cal.layers.len())
         .map(|l| rotkv::LayerCalibration {

@@ -9,6 +9,7 @@ pub mod llama;
 pub mod math;
 pub mod optr;
 pub mod passkey;
+pub mod prerope;
 pub mod sinks;
 pub mod tokenizer;
 
@@ -78,6 +79,13 @@ pub struct KvMethod {
     /// window's first [`DETECT_PREFILL`] tokens that the detector ranks highest are
     /// protected (kept in f16) before the window is fed.
     pub detect: Option<(sinks::Detector, usize)>,
+    /// `-pre`: keys quantized before RoPE (RotateKV), RoPE re-applied to each dequantized
+    /// key; simulated in the harness ([`prerope`]), with the pre-RoPE calibration of
+    /// [`PplOptions::pre_calibration`] for `-c` and `-a`.
+    pub pre_rope: bool,
+    /// Run through the harness simulation of [`prerope`] instead of a rotkv cache: set by
+    /// `-pre`, and by `-sim` (post-RoPE keys, the control of `-pre`).
+    pub simulated: bool,
 }
 
 /// Tokens of the exact prefill that sink detection looks at (each window's first ones,
@@ -100,7 +108,11 @@ impl KvMethod {
     /// with `-r`), `-a<percent>` (smooth the keys: divide each centered key channel by the
     /// calibrated channel standard deviation raised to alpha = percent / 100, normalized
     /// to mean 1, and multiply the query by the same; `-a50` is alpha 0.5; see
-    /// [`calibrate::smoothing_scales`]). `ctx` sizes the window of `f16`.
+    /// [`calibrate::smoothing_scales`]). `-pre` quantizes the keys before RoPE and
+    /// re-applies RoPE to each dequantized key at its position (RotateKV's recipe), and
+    /// `-sim` runs the post-RoPE method through the same harness simulation (its control):
+    /// both only on the Hadamard presets, with `-g -s -w -p -x -y -c -a` (see [`prerope`]:
+    /// a simulation, not a cache option). `ctx` sizes the window of `f16`.
     pub fn parse(name: &str, head_dim: usize, ctx: usize) -> Result<Self> {
         let mut parts = name.split('-');
         let base = parts.next().unwrap_or("");
@@ -131,7 +143,13 @@ impl KvMethod {
         let mut calib = calibrate::Use::default();
         let mut online = None;
         let mut detect = None;
+        let (mut pre_rope, mut simulated) = (false, false);
         for m in parts {
+            if quantized && base != "naive2" && base != "naive4" && (m == "pre" || m == "sim") {
+                pre_rope |= m == "pre";
+                simulated = true;
+                continue;
+            }
             if let Some(rest) = m.strip_prefix('d').filter(|_| quantized) {
                 let how = match rest.chars().next() {
                     Some('a') => sinks::Detector::Attention,
@@ -190,7 +208,14 @@ impl KvMethod {
                 "{name}: -a (key smoothing) does not combine with -r or -l (calibrated on unsmoothed keys)"
             )));
         }
-        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect })
+        if simulated
+            && (online.is_some() || detect.is_some() || calib.reorder || calib.learned || config.channel_norm > 0)
+        {
+            return Err(Error::Value(format!(
+                "{name}: -pre and -sim (the harness simulation) take -g -s -w -p -x -y -c -a only"
+            )));
+        }
+        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect, pre_rope, simulated })
     }
 
     /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
@@ -214,7 +239,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %>"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -pre -sim"
     ))
 }
 
@@ -254,6 +279,9 @@ pub struct PplOptions {
     /// step pushed a page of the window into quantization (its earlier rows then read
     /// that page quantized, as a speculative decoder's verification rows would).
     pub chunk: usize,
+    /// The calibration of the pre-RoPE keys ([`prerope::pre_rope_calibration`]) that `-pre`
+    /// methods with `-c` or `-a` use.
+    pub pre_calibration: Option<calibrate::Calibration>,
 }
 
 /// Perplexity of `model` on `windows` (token windows of equal length) for each method,
@@ -297,6 +325,14 @@ pub fn perplexity(
     let mut caches = Vec::new();
     let mut slots = Vec::new();
     for (m, method) in methods.iter().enumerate() {
+        // A simulated method's cache is never used (its rows go to the simulation).
+        let plain;
+        let method = if method.simulated {
+            plain = KvMethod { calib: calibrate::Use::default(), ..method.clone() };
+            &plain
+        } else {
+            method
+        };
         let mut cache = method_cache(c, method, shape, opts.backend, opts.calibration.as_ref())?;
         for _ in windows {
             slots.push((m, cache.add_sequence()?));
@@ -331,6 +367,28 @@ pub fn perplexity(
     }
     let mut attn = CacheAttention::new(c, caches, slots)?;
     attn.multi_token_decode = true;
+    // Simulated methods (`-pre`, `-sim`): their sequences go to the harness simulation.
+    let mut sims = Vec::new();
+    let mut seq_method = Vec::new();
+    for method in methods {
+        let id = if method.simulated {
+            let cal = if method.pre_rope { opts.pre_calibration.as_ref() } else { opts.calibration.as_ref() };
+            sims.push(prerope::SimMethod {
+                config: method.config,
+                pre_rope: method.pre_rope,
+                key_stats: sim_key_stats(c, method, cal)?,
+            });
+            Some(sims.len() - 1)
+        } else {
+            None
+        };
+        seq_method.extend(std::iter::repeat_n(id, windows.len()));
+    }
+    let mut split = prerope::Split {
+        simulated: seq_method.iter().map(Option::is_some).collect(),
+        sim: prerope::SimAttention::new(c, sims, seq_method)?,
+        rest: &mut attn,
+    };
     let n = methods.len() * windows.len();
     let mut nll = vec![0f64; methods.len()];
     // KL(f16 || method) and top-1 agreement against the first unquantized method.
@@ -342,7 +400,7 @@ pub fn perplexity(
         let step = chunk.min(ctx - 1 - t);
         let rows: Vec<Row> = (0..n * step).map(|r| Row { seq: r / step, pos: t + r % step }).collect();
         let tokens: Vec<u32> = rows.iter().map(|r| windows[r.seq % windows.len()][r.pos]).collect();
-        let hidden = model.forward(&tokens, &rows, &mut attn, None, c.layers)?;
+        let hidden = model.forward(&tokens, &rows, &mut split, None, c.layers)?;
         let logits = model.logits(&hidden);
         for (r, l) in rows.iter().zip(logits.chunks_exact(c.vocab)) {
             nll[r.seq / windows.len()] += neg_log_softmax(l, windows[r.seq % windows.len()][r.pos + 1] as usize);
@@ -383,6 +441,37 @@ pub fn perplexity(
             })
         })
         .collect()
+}
+
+/// Per layer, the key mean and key scale `[kv_heads][head_dim]` a simulated method uses:
+/// from `cal` (post-RoPE or pre-RoPE statistics, as the method's keys) where it centers
+/// or smooths, zeros and ones otherwise.
+fn sim_key_stats(
+    c: &llama::LlamaConfig,
+    method: &KvMethod,
+    cal: Option<&calibrate::Calibration>,
+) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    let n = c.kv_heads * c.head_dim;
+    if method.calib == calibrate::Use::default() {
+        return Ok(vec![(vec![0.0; n], vec![1.0; n]); c.layers]);
+    }
+    let which = if method.pre_rope { "pre-RoPE (--pre-calib)" } else { "post-RoPE (--calib)" };
+    let cal = cal.ok_or_else(|| Error::Calibration(format!("method {} needs a {which} calibration", method.name)))?;
+    if cal.layers.len() != c.layers || cal.kv_heads != c.kv_heads || cal.head_dim != c.head_dim {
+        return Err(Error::Calibration(format!("the {which} calibration does not fit the model")));
+    }
+    if method.calib.smooth.is_some() && !cal.has_key_std() {
+        return Err(Error::Calibration(format!(
+            "method {} smooths; the {which} calibration has no key_std",
+            method.name
+        )));
+    }
+    Ok((0..c.layers)
+        .map(|l| {
+            let lc = cal.layer(l, method.calib);
+            (lc.key_mean, lc.key_scale)
+        })
+        .collect())
 }
 
 /// Per layer, the mean post-RoPE key `[kv_heads][head_dim]` of `tokens` (positions before
