@@ -276,6 +276,61 @@ pub(crate) fn to_f32_rows<T: KvElement>(
     Ok(x.iter().map(|v| v.to_f32()).collect())
 }
 
+/// Checks the buffers of an append at the level of [`AppendParams`] (what the sim and
+/// cuda entry points hand to the kernels as raw addresses, so nothing may be out of
+/// bounds): the format, the calibration's shapes, the pool (`num_blocks` whole blocks),
+/// the side store, the block table (the pages this append writes are blocks of the pool),
+/// the protected list, and the K and V inputs (`k_bytes` and `v_bytes`) for `count`
+/// tokens at their own token strides, heads `head_stride` apart, in `input_dtype`.
+/// [`append`] checks all of this (and the rows' values) before it gets here.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_append_buffers(
+    p: &AppendParams,
+    calib: &LayerCalibration,
+    pool_len: usize,
+    block_table: &[u32],
+    side_len: usize,
+    protected: &[u32],
+    k_bytes: usize,
+    v_bytes: usize,
+) -> Result<()> {
+    let fmt = &p.format;
+    crate::launch::check_format(fmt)?;
+    let (hkv, d) = (p.num_kv_heads as usize, fmt.head_dim as usize);
+    calib.validate(hkv, d)?;
+    if p.start.checked_add(p.count) != Some(p.new_len) || p.new_len > u32::MAX / 2 {
+        return Err(Error::Value(format!("append of {} tokens at {} to length {}", p.count, p.start, p.new_len)));
+    }
+    let blocks = p.num_blocks as usize;
+    if (fmt.page_bytes() as u64 * hkv as u64).checked_mul(blocks as u64) != Some(pool_len as u64) {
+        return Err(Error::Shape(format!("pool of {pool_len} bytes is not {blocks} blocks of {hkv} pages")));
+    }
+    if side_len < fmt.side_elems(p.num_kv_heads) {
+        return Err(Error::Shape(format!(
+            "side store of {side_len} elements, expected {}",
+            fmt.side_elems(p.num_kv_heads)
+        )));
+    }
+    let full = fmt.pages_for(p.start) as usize;
+    check_block_table(block_table, fmt.pages_for(p.new_len) as usize, full, blocks, 0, &mut BlockSet::new(blocks))?;
+    check_protected(fmt, protected)?;
+    if p.count > 0 {
+        let elem = crate::launch::dtype_bytes(p.input_dtype) as u64;
+        for (what, have, stride) in [("k", k_bytes, p.token_stride), ("v", v_bytes, p.v_token_stride)] {
+            // The last element read: token count - 1, head hkv - 1, channel d - 1.
+            let need =
+                ((p.count as u64 - 1) * stride as u64 + (hkv as u64 - 1) * p.head_stride as u64 + d as u64) * elem;
+            if (have as u64) < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {have} bytes; {} tokens at its strides read {need}",
+                    p.count
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// An input's size, finite values, and each row's L2 norm (f64, eight partial sums; of
 /// `(x - mean) / scale` where `mean` is given: the key as stored) at most the f16 range,
 /// so that no rotated channel can overflow f16. Rows are checked in parallel; the error

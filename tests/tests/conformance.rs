@@ -325,6 +325,65 @@ fn append_reads_v_at_its_own_token_stride_on_every_backend() {
     }
 }
 
+/// The emulated append's raw entry point (`rotkv::sim::append_sim`, public and safe, its
+/// kernels on raw addresses) checks its buffers itself: V too short at its own stride, a
+/// block-table entry past the pool, a pool that is not whole blocks, a short side store,
+/// an inconsistent length are errors, and nothing is written.
+#[test]
+fn raw_sim_append_checks_its_buffers() {
+    use rotkv::paged::{self, PoolBuffer};
+    use rotkv_kernels::params::{AppendParams, DTYPE_F32};
+    let config = CacheConfig::k2v2(64);
+    let fmt = config.format().unwrap();
+    let (hkv, d, count) = (2, 64, 197);
+    assert_eq!(fmt.pages_for(count as u32), 1);
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: 4 };
+    let calib = rotkv::LayerCalibration::identity(hkv, d);
+    let (k, v) = (rows(Data::Keys, count * hkv, d, 41), rows(Data::Normal, count * hkv, d, 42));
+    let p = AppendParams {
+        format: fmt,
+        num_kv_heads: hkv as u32,
+        start: 0,
+        count: count as u32,
+        new_len: count as u32,
+        num_blocks: 1,
+        flags: config.flags() | calib.flags(),
+        token_stride: (hkv * d) as u32,
+        v_token_stride: (hkv * d) as u32,
+        head_stride: d as u32,
+        input_dtype: DTYPE_F32,
+    };
+    let mut pool = PoolBuffer::new(paged::pool_bytes(&config, &shape, 1).unwrap());
+    let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+    let (kb, vb) = (f32_bytes(&k), f32_bytes(&v));
+    let wide_v = AppendParams { v_token_stride: (2 * hkv * d) as u32, ..p };
+    // (what, params, block table, pool bytes, side elements, v input)
+    type Case<'a> = (&'a str, AppendParams, &'a [u32], usize, usize, &'a [u8]);
+    let cases: [Case<'_>; 5] = [
+        ("v short at its stride", wide_v, &[0], pool.bytes().len(), side.len(), vb),
+        ("block past the pool", p, &[1], pool.bytes().len(), side.len(), vb),
+        ("pool not whole blocks", p, &[0], pool.bytes().len() - 1, side.len(), vb),
+        ("short side store", p, &[0], pool.bytes().len(), side.len() - 1, vb),
+        ("length", AppendParams { new_len: count as u32 + 1, ..p }, &[0], pool.bytes().len(), side.len(), vb),
+    ];
+    for (what, p, table, pool_len, side_len, v) in cases {
+        let e = rotkv::sim::append_sim(
+            &p,
+            &calib,
+            &mut pool.bytes_mut()[..pool_len],
+            table,
+            &mut side[..side_len],
+            &[],
+            kb,
+            v,
+        );
+        assert!(e.is_err(), "{what}: accepted");
+        assert!(pool.bytes().iter().all(|&b| b == 0) && side.iter().all(|x| x.to_bits() == 0), "{what}: wrote");
+    }
+    rotkv::sim::append_sim(&p, &calib, pool.bytes_mut(), &[0], &mut side, &[], kb, vb).unwrap();
+    assert!(pool.bytes().iter().any(|&b| b != 0) || side.iter().any(|x| x.to_bits() != 0));
+}
+
 /// `x`'s bytes (native order), as the emulated kernels read an f32 input.
 fn f32_bytes(x: &[f32]) -> &[u8] {
     // SAFETY: any f32 slice is a valid byte slice of 4x its length (no padding, u8 has

@@ -173,7 +173,7 @@ pub fn append_cuda(
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
-    launch::check_format(&p.format)?;
+    crate::paged::check_append_buffers(p, calib, pool.len(), block_table, side.len(), protected, k.len(), v.len())?;
     let g = gpu()?;
     let s = &g.stream;
     let up = err("upload");
@@ -191,9 +191,9 @@ pub fn append_cuda(
     let block_table = table_d.device_ptr(s).0;
     let (pool_a, side_a) = (pool_d.device_ptr_mut(s).0, side_d.device_ptr_mut(s).0);
     // SAFETY: every address is a buffer just made on `s` with what the kernels' contracts
-    // ask: the paged layer checked the inputs' sizes and the block table (its first
-    // `pages_for(new_len)` entries are blocks of the pool), the protected list is padded
-    // to the format's length.
+    // ask: `check_append_buffers` checked the inputs' sizes at their strides and the block
+    // table (the pages written are blocks of the pool), the protected list is padded to
+    // the format's length.
     unsafe {
         g.kernels.flush(s.cu_stream(), p, &launch::FlushPtrs { block_table, side: side_a, pool: pool_a })?;
         g.kernels.append_tokens(

@@ -272,15 +272,15 @@ pub fn append_sim(
     k: &[u8],
     v: &[u8],
 ) -> Result<()> {
-    launch::check_format(&p.format)?;
+    crate::paged::check_append_buffers(p, calib, pool.len(), block_table, side.len(), protected, k.len(), v.len())?;
     let protected = launch::protected_row(&p.format, protected);
     let table = if block_table.is_empty() { &[u32::MAX][..] } else { block_table };
     let side: &mut [u16] = bytemuck::cast_slice_mut(side);
     let (pool, side) = (addr(pool.as_mut_ptr()), addr(side.as_mut_ptr()));
     let block_table = addr(table.as_ptr());
-    // SAFETY: the paged layer validated the inputs' sizes, the block table (every entry
-    // of `pages_for(new_len)` is a block of the pool) and the side store; the padded
-    // protected list lives through the calls.
+    // SAFETY: `check_append_buffers` validated the inputs' sizes at their strides, the
+    // pool, the block table (every entry of the pages written is a block of the pool) and
+    // the side store; the padded protected list lives through the calls.
     unsafe {
         flush_raw(p, &FlushPtrs { block_table, side, pool })?;
         append_tokens_raw(
