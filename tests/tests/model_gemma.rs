@@ -156,7 +156,7 @@ fn gemma3_exact_forward_matches_the_numpy_reference() {
 /// reference window through the cache, 16 tokens per decode step (one multi-token decode
 /// each, causal rows; token by token reads Gemma's 640 MiB output matrix 639 times): the
 /// f16 cache within f16 rounding of the numpy reference's exact perplexity, k4v2 within
-/// 3%, k2v2 worse than k4v2.
+/// 3% (two methods only: each costs about a minute in CI; k2v2 is in the README's table).
 #[test]
 #[ignore = "slow: Gemma 3 perplexity through the cache; cargo xtask ci runs it"]
 fn gemma3_perplexity_through_the_cache() {
@@ -172,20 +172,18 @@ fn gemma3_perplexity_through_the_cache() {
         .map(|s| s.parse().unwrap())
         .collect();
     let exact = (all.iter().sum::<f64>() / all.len() as f64).exp();
-    let methods: Vec<KvMethod> =
-        ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 256, CTX).unwrap()).collect();
+    let methods: Vec<KvMethod> = ["f16", "k4v2"].iter().map(|n| KvMethod::parse(n, 256, CTX).unwrap()).collect();
     let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 16, pre_calibration: None };
     let r = model::perplexity(&m, std::slice::from_ref(&ids), &methods, &opts, &mut |_, _| {}).unwrap();
     for x in &r {
         eprintln!("{:<6} ppl {:.3} KL {:.4} top-1 {:.3}", x.method.name, x.ppl, x.kl.unwrap(), x.top1.unwrap());
     }
     eprintln!("exact attention (numpy): ppl {exact:.3}");
-    let (f16, k4v2, k2v2) = (r[0].ppl, r[1].ppl, r[2].ppl);
+    let (f16, k4v2) = (r[0].ppl, r[1].ppl);
     assert!((f16 / exact - 1.0).abs() < 2e-3, "f16 cache {f16} vs exact {exact}");
     // Measured, 16 tokens per step: f16 23.820 against numpy's exact 23.821, k4v2 24.253
     // (+1.8%), k2v2 44.926 (+89%); token by token: 23.820, 24.201, 45.316. Gemma's keys have outlier channels,
     // which the uncalibrated presets do not handle (the calibrated recipe, README "Quality
     // on a real model", does).
     assert!((k4v2 / f16 - 1.0).abs() < 0.03, "k4v2 {k4v2} vs f16 {f16}");
-    assert!(k2v2 > k4v2, "k2v2 {k2v2} vs k4v2 {k4v2}");
 }
