@@ -11,7 +11,7 @@
 use criterion::measurement::Measurement;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rotkv::paged::KeyScores;
-use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, SeqId, f16};
 use rotkv_benches::{Shape, synthetic_rows};
 use std::hint::black_box;
 
@@ -19,6 +19,23 @@ const BATCH: usize = 8;
 
 fn max_ctx() -> usize {
     std::env::var("ROTKV_BENCH_MAX_CTX").ok().and_then(|s| s.parse().ok()).unwrap_or(32 * 1024)
+}
+
+/// A one-layer cache of `config` holding `BATCH` sequences of `shape.max_tokens`
+/// synthetic tokens each (the decode benchmarks' input).
+fn filled_cache(config: CacheConfig, shape: CacheShape) -> (KvCache, Vec<SeqId>) {
+    let (ctx, hkv, d) = (shape.max_tokens, shape.num_kv_heads, config.head_dim);
+    let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
+    let seqs = (0..BATCH)
+        .map(|b| {
+            let s = cache.add_sequence().expect("slot");
+            let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
+            let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
+            cache.append(0, s, ctx, &k, &v).expect("append");
+            s
+        })
+        .collect();
+    (cache, seqs)
 }
 
 fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape) {
@@ -41,15 +58,7 @@ fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape
         let mut out = vec![0f32; BATCH * hq * d];
         // The quantized caches, each with its exact and integer key paths.
         for (name, config) in [("k2v2", CacheConfig::k2v2(d)), ("k4v2", CacheConfig::k4v2(d))] {
-            let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
-            let mut seqs = Vec::with_capacity(BATCH);
-            for b in 0..BATCH {
-                let s = cache.add_sequence().expect("slot");
-                seqs.push(s);
-                let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
-                let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
-                cache.append(0, s, ctx, &k, &v).expect("append");
-            }
+            let (mut cache, seqs) = filled_cache(config, cshape);
             let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
             group.throughput(Throughput::Bytes(quant_bytes as u64));
             for (path, keys) in [("", KeyScores::Exact), ("_int8", KeyScores::Int8), ("_int8x2", KeyScores::Int8x2)] {
@@ -344,15 +353,7 @@ fn bench_prerope<M: Measurement>(c: &mut Criterion<M>, name: &str) {
             max_tokens: CTX,
             num_blocks: None,
         };
-        let mut cache = KvCache::new(CacheConfig::k2v2(d), cshape, Backend::Cpu).expect("cache");
-        let mut seqs = Vec::with_capacity(BATCH);
-        for b in 0..BATCH {
-            let s = cache.add_sequence().expect("slot");
-            seqs.push(s);
-            let k = synthetic_rows(CTX * hkv, d, 1 + b as u64);
-            let v = synthetic_rows(CTX * hkv, d, 1000 + b as u64);
-            cache.append(0, s, CTX, &k, &v).expect("append");
-        }
+        let (cache, seqs) = filled_cache(CacheConfig::k2v2(d), cshape);
         let q = synthetic_rows(BATCH * hq, d, 77);
         let mut out = vec![0f32; BATCH * hq * d];
         group.bench_function(BenchmarkId::new("decode_k2v2", CTX), |b| {

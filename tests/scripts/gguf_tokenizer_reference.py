@@ -6,7 +6,8 @@ GGUF tokenizer builder, for tests/tests/model_gemma.rs (recorded there by hand).
     python3 gguf_tokenizer_reference.py MODEL.gguf TEXT...
 
 `transformers.integrations.gguf` reads GGUF metadata through torch; this script reads the
-metadata itself (the header only, so the first chunk of a split file is enough) and
+metadata itself (`reference_forward.read_header`: the header only, so the first chunk of
+a split file is enough) and
 hands it to the same builder (`convert_gguf_tokenizer`). For Gemma it
 then also adds the file's all-space user-defined pieces (token type 4, stored with real
 spaces) as whole-match tokens, longest first: SentencePiece matches user-defined pieces
@@ -15,9 +16,9 @@ and leaves them to the BPE merges (54 spaces become 16 + 16 + 22 instead of 31 +
 With that one rule its ids equal rotkv's on alice29.txt and lcet10.txt. Texts are read
 with universal newlines; ids are hashed as little-endian u32 bytes.
 """
-import struct
 import sys
 
+from reference_forward import read_header  # the same directory: the GGUF header reader
 from tokenizers import AddedToken
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
@@ -30,47 +31,8 @@ def fnv(ids):
     return h
 
 
-def read_metadata(path):
-    """The GGUF metadata key/values (the header only)."""
-    b = open(path, "rb").read(256 << 20)
-    o = 0
-
-    def rd(fmt):
-        nonlocal o
-        v = struct.unpack_from("<" + fmt, b, o)
-        o += struct.calcsize("<" + fmt)
-        return v[0]
-
-    def rstr():
-        nonlocal o
-        n = rd("Q")
-        s = b[o:o + n].decode("utf-8")
-        o += n
-        return s
-
-    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-    def value(t):
-        if t == 8:
-            return rstr()
-        if t == 9:
-            inner, n = rd("I"), rd("Q")
-            return [value(inner) for _ in range(n)]
-        return rd(scalar[t])
-
-    assert b[:4] == b"GGUF"
-    o = 4
-    rd("I")
-    rd("Q")
-    meta = {}
-    for _ in range(rd("Q")):
-        k = rstr()
-        meta[k] = value(rd("I"))
-    return meta
-
-
 def main():
-    meta = read_metadata(sys.argv[1])
+    meta, _, _ = read_header(open(sys.argv[1], "rb").read(256 << 20))
     d = {
         name: meta[f"tokenizer.{key}"]
         for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()

@@ -30,50 +30,59 @@ import sys
 import numpy as np
 
 
-def read_gguf(path):
-    b = open(path, "rb").read()
-    o = 0
+class Cursor:
+    """Little-endian GGUF fields from `b`, starting at offset `o`."""
 
-    def rd(fmt):
-        nonlocal o
-        v = struct.unpack_from("<" + fmt, b, o)
-        o += struct.calcsize("<" + fmt)
+    SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def __init__(self, b, o=0):
+        self.b, self.o = b, o
+
+    def rd(self, fmt):
+        v = struct.unpack_from("<" + fmt, self.b, self.o)
+        self.o += struct.calcsize("<" + fmt)
         return v[0]
 
-    def rstr():
-        nonlocal o
-        n = rd("Q")
-        s = b[o:o + n].decode("utf-8")
-        o += n
+    def rstr(self):
+        n = self.rd("Q")
+        s = self.b[self.o:self.o + n].decode("utf-8")
+        self.o += n
         return s
 
-    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-    def value(t):
+    def value(self, t):
         if t == 8:
-            return rstr()
+            return self.rstr()
         if t == 9:
-            inner = rd("I")
-            n = rd("Q")
-            return [value(inner) for _ in range(n)]
-        return rd(scalar[t])
+            inner, n = self.rd("I"), self.rd("Q")
+            return [self.value(inner) for _ in range(n)]
+        return self.rd(self.SCALAR[t])
 
+
+def read_header(b):
+    """The metadata of GGUF bytes `b`, the tensor count, and the cursor after them (the
+    header alone is enough: the first chunk of a split file reads)."""
     assert b[:4] == b"GGUF"
-    o = 4
-    rd("I")
-    n_tensors, n_kv = rd("Q"), rd("Q")
+    c = Cursor(b, 4)
+    c.rd("I")
+    n_tensors, n_kv = c.rd("Q"), c.rd("Q")
     meta = {}
     for _ in range(n_kv):
-        k = rstr()
-        meta[k] = value(rd("I"))
+        k = c.rstr()
+        meta[k] = c.value(c.rd("I"))
+    return meta, n_tensors, c
+
+
+def read_gguf(path):
+    b = open(path, "rb").read()
+    meta, n_tensors, c = read_header(b)
     infos = []
     for _ in range(n_tensors):
-        name = rstr()
-        dims = [rd("Q") for _ in range(rd("I"))]
-        kind, off = rd("I"), rd("Q")
+        name = c.rstr()
+        dims = [c.rd("Q") for _ in range(c.rd("I"))]
+        kind, off = c.rd("I"), c.rd("Q")
         infos.append((name, dims, kind, off))
     align = meta.get("general.alignment", 32)
-    start = (o + align - 1) // align * align
+    start = (c.o + align - 1) // align * align
     tensors = {}
     for name, dims, kind, off in infos:
         n = int(np.prod(dims))

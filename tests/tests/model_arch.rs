@@ -295,6 +295,28 @@ fn rope_scaling_changes_the_logits() {
     }
 }
 
+/// Logits of `toks` fed token by token through an f16 rotkv cache (the model's 2 layers,
+/// head_dim 64), with the windows and softmax scale `CacheAttention` sets.
+fn f16_cache_logits(m: &Llama, toks: &[u32]) -> Vec<f32> {
+    let c = &m.config;
+    let shape = CacheShape {
+        layers: 2,
+        num_kv_heads: c.kv_heads,
+        num_q_heads: c.heads,
+        max_seqs: 1,
+        max_tokens: TOKENS,
+        num_blocks: None,
+    };
+    let mut cache = KvCache::new(KvMethod::parse("f16", 64, TOKENS).unwrap().config, shape, Backend::Cpu).unwrap();
+    let id = cache.add_sequence().unwrap();
+    let mut attn = CacheAttention::new(c, vec![cache], vec![(0, id)]).unwrap();
+    let mut got = Vec::new();
+    for (p, &t) in toks.iter().enumerate() {
+        got.extend(m.logits(&m.forward(&[t], &[Row { seq: 0, pos: p }], &mut attn, None, 2).unwrap()));
+    }
+    got
+}
+
 /// qwen3 (head_dim 64, `heads * head_dim` = 256 query channels against a hidden size of
 /// 96) through the rotkv cache: the f16 cache follows exact attention (f16 rounding of
 /// keys and values: bound 2e-3), and `perplexity` runs with KL against f16.
@@ -305,16 +327,7 @@ fn qwen3_runs_through_the_cache() {
     let toks = tokens(62);
     let rows: Vec<Row> = (0..TOKENS).map(|p| Row { seq: 0, pos: p }).collect();
     let exact = m.logits(&m.forward(&toks, &rows, &mut ExactAttention::new(c), None, 2).unwrap());
-    let shape =
-        CacheShape { layers: 2, num_kv_heads: 2, num_q_heads: 4, max_seqs: 1, max_tokens: TOKENS, num_blocks: None };
-    let mut cache = KvCache::new(KvMethod::parse("f16", 64, TOKENS).unwrap().config, shape, Backend::Cpu).unwrap();
-    let id = cache.add_sequence().unwrap();
-    let mut attn = CacheAttention::new(c, vec![cache], vec![(0, id)]).unwrap();
-    let mut got = Vec::new();
-    for (p, &t) in toks.iter().enumerate() {
-        got.extend(m.logits(&m.forward(&[t], &[Row { seq: 0, pos: p }], &mut attn, None, 2).unwrap()));
-    }
-    let e = rotkv_tests::rel_err(&got, &exact);
+    let e = rotkv_tests::rel_err(&f16_cache_logits(&m, &toks), &exact);
     assert!(e < 2e-3, "f16 cache vs exact: {e}");
     let methods: Vec<KvMethod> =
         ["f16", "k2v2-s2-w16-p16"].iter().map(|n| KvMethod::parse(n, 64, TOKENS).unwrap()).collect();
@@ -374,16 +387,6 @@ fn gemma3_sliding_window_runs_through_the_cache() {
     let unwindowed = full.logits(&full.forward(&toks, &rows, &mut ExactAttention::new(&full.config), None, 2).unwrap());
     let e = rotkv_tests::rel_err(&unwindowed, &exact);
     assert!(e > 1e-2, "the window changes nothing: {e}");
-    let shape =
-        CacheShape { layers: 2, num_kv_heads: 1, num_q_heads: 4, max_seqs: 1, max_tokens: TOKENS, num_blocks: None };
-    let cache = KvCache::new(KvMethod::parse("f16", 64, TOKENS).unwrap().config, shape, Backend::Cpu).unwrap();
-    let mut cache = cache;
-    let id = cache.add_sequence().unwrap();
-    let mut attn = CacheAttention::new(c, vec![cache], vec![(0, id)]).unwrap();
-    let mut got = Vec::new();
-    for (p, &t) in toks.iter().enumerate() {
-        got.extend(m.logits(&m.forward(&[t], &[Row { seq: 0, pos: p }], &mut attn, None, 2).unwrap()));
-    }
-    let e = rotkv_tests::rel_err(&got, &exact);
+    let e = rotkv_tests::rel_err(&f16_cache_logits(&m, &toks), &exact);
     assert!(e < 2e-3, "f16 cache vs exact windowed attention: {e}");
 }
