@@ -284,6 +284,7 @@ pub(crate) fn to_f32_rows<T: KvElement>(
 /// tokens at their own token strides, heads `head_stride` apart, in `input_dtype`.
 /// [`append`] checks all of this (and the rows' values) before it gets here.
 #[allow(clippy::too_many_arguments)]
+#[cfg(any(feature = "sim", feature = "cuda"))]
 pub(crate) fn check_append_buffers(
     p: &AppendParams,
     calib: &LayerCalibration,

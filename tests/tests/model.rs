@@ -8,15 +8,23 @@
 
 use rotkv::model::gguf::Gguf;
 use rotkv::model::llama::{CacheAttention, ExactAttention, LayerWeights, Llama, LlamaConfig, Row};
-use rotkv::model::math::Matrix;
+use rotkv::model::math::{Matrix, Weight};
 use rotkv::model::tokenizer::{Pre, Tokenizer};
 use rotkv::model::{self, KvMethod, PplOptions};
 use rotkv::{Backend, CacheShape, KvCache};
 use rotkv_tests::gguf_writer::{Meta, gguf_bytes};
 use rotkv_tests::{Rng, rel_err, repo_data, shared_data};
 
-fn matrix(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Matrix {
-    Matrix { rows, cols, data: (0..rows * cols).map(|_| rng.normal() * scale).collect() }
+fn matrix(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Weight {
+    Weight::F32(Matrix { rows, cols, data: (0..rows * cols).map(|_| rng.normal() * scale).collect() })
+}
+
+/// The f32 matrix of a weight built by [`matrix`].
+fn f32s(w: &Weight) -> &Matrix {
+    match w {
+        Weight::F32(m) => m,
+        Weight::Blocks(_) => panic!("the random models hold f32 weights"),
+    }
 }
 
 /// A 2-layer llama with random weights: 4 query heads, 2 KV heads of 64 channels.
@@ -63,7 +71,8 @@ fn random_model(seed: u64, bias: bool) -> Llama {
 fn forward_f64(m: &Llama, tokens: &[u32]) -> Vec<f64> {
     let c = &m.config;
     let (d, n) = (c.head_dim, tokens.len());
-    let mv = |w: &Matrix, x: &[f64]| -> Vec<f64> {
+    let mv = |w: &Weight, x: &[f64]| -> Vec<f64> {
+        let w = f32s(w);
         (0..w.rows).map(|o| (0..w.cols).map(|i| w.data[o * w.cols + i] as f64 * x[i]).sum()).collect()
     };
     let norm = |x: &[f64], g: &[f32]| -> Vec<f64> {
@@ -80,7 +89,7 @@ fn forward_f64(m: &Llama, tokens: &[u32]) -> Vec<f64> {
         }
     };
     let mut xs: Vec<Vec<f64>> =
-        tokens.iter().map(|&t| m.embed.row(t as usize).iter().map(|&v| v as f64).collect()).collect();
+        tokens.iter().map(|&t| f32s(&m.embed).row(t as usize).iter().map(|&v| v as f64).collect()).collect();
     for w in &m.layers {
         let mut qs = Vec::new();
         let mut ks = Vec::new();
@@ -383,7 +392,8 @@ fn gguf_written_here_loads_with_llama_rows_unpermuted() {
     let m = random_model(8, false);
     let c = &m.config;
     // llama.cpp's conversion: GGUF row 2i + h of a head is Hugging Face row h * d/2 + i.
-    let permute = |w: &Matrix, heads: usize| -> Vec<f32> {
+    let permute = |w: &Weight, heads: usize| -> Vec<f32> {
+        let w = f32s(w);
         let d = w.rows / heads;
         let mut out = vec![0f32; w.data.len()];
         for hd in 0..heads {
@@ -395,9 +405,9 @@ fn gguf_written_here_loads_with_llama_rows_unpermuted() {
         }
         out
     };
-    let dims = |w: &Matrix| vec![w.cols as u64, w.rows as u64];
+    let dims = |w: &Weight| vec![w.cols() as u64, w.rows() as u64];
     let mut tensors = vec![
-        ("token_embd.weight".to_string(), dims(&m.embed), m.embed.data.clone()),
+        ("token_embd.weight".to_string(), dims(&m.embed), f32s(&m.embed).data.clone()),
         ("output_norm.weight".to_string(), vec![256], m.norm.clone()),
     ];
     for (l, w) in m.layers.iter().enumerate() {
@@ -412,7 +422,7 @@ fn gguf_written_here_loads_with_llama_rows_unpermuted() {
             ("ffn_up.weight", &w.up),
             ("ffn_down.weight", &w.down),
         ] {
-            tensors.push((n(name), dims(x), x.data.clone()));
+            tensors.push((n(name), dims(x), f32s(x).data.clone()));
         }
         tensors.push((n("ffn_norm.weight"), vec![256], w.ffn_norm.clone()));
     }
@@ -712,7 +722,7 @@ fn sink_detectors_pick_positions_after_the_prefix() {
         if how == Detector::Hidden {
             let norms: Vec<f64> = t
                 .iter()
-                .map(|&id| m.embed.row(id as usize).iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+                .map(|&id| f32s(&m.embed).row(id as usize).iter().map(|&x| x as f64 * x as f64).sum::<f64>())
                 .collect();
             let mut order: Vec<usize> = (4..40).collect();
             order.sort_by(|&a, &b| norms[b].total_cmp(&norms[a]).then(a.cmp(&b)));

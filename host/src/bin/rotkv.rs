@@ -18,6 +18,12 @@ static TILE: &[u8] = include_bytes!("../../../data/smollm2-alice-kv-l0-l5.safete
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How a model's weight matrices are kept in memory: f32 (dequantized at load),
+    /// quantized (as the GGUF stores them, dequantized a block of rows at a time inside
+    /// each product; the same results bit for bit, a fraction of the memory) or auto
+    /// (quantized when the f32 weights would take more than half the available memory).
+    #[arg(long, global = true, default_value = "auto")]
+    weights: String,
 }
 
 #[derive(Subcommand)]
@@ -209,6 +215,14 @@ type Out<'a> = std::io::StdoutLock<'a>;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let mut out = std::io::stdout().lock();
+    let storage = match model::llama::WeightStorage::parse(&cli.weights) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    WEIGHTS.set(storage).expect("set once");
     let result = match cli.command {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
@@ -466,10 +480,20 @@ fn model_and_tokens(
 
 fn load_model(path: &std::path::Path) -> Result<(model::llama::Llama, model::tokenizer::Tokenizer), CliError> {
     let started = Instant::now();
-    let m = model::load(path)?;
-    eprintln!("loaded {} in {:.1} s", path.display(), started.elapsed().as_secs_f64());
+    let storage = WEIGHTS.get().copied().unwrap_or_default();
+    let m = model::load_with(path, storage)?;
+    eprintln!(
+        "loaded {} in {:.1} s (weights {}: {:.1} MiB)",
+        path.display(),
+        started.elapsed().as_secs_f64(),
+        if matches!(m.0.embed, model::math::Weight::Blocks(_)) { "as stored" } else { "in f32" },
+        m.0.weight_bytes() as f64 / (1u64 << 20) as f64
+    );
     Ok(m)
 }
+
+/// `--weights`, set once from the command line.
+static WEIGHTS: std::sync::OnceLock<model::llama::WeightStorage> = std::sync::OnceLock::new();
 
 #[allow(clippy::too_many_arguments)]
 fn ppl(

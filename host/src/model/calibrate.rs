@@ -349,8 +349,17 @@ pub fn calibrate(
     for (l, [q, k, v]) in acts.iter().enumerate() {
         let mut cal = calibrate_layer(k, v, c.kv_heads, c.head_dim)?;
         if let Some(o) = optr {
-            let data =
-                optr::layer_data(q, k, v, &cal.key_mean, &model.layers[l].wo, c.heads, c.kv_heads, c.head_dim, o)?;
+            let data = optr::layer_data(
+                q,
+                k,
+                v,
+                &cal.key_mean,
+                &model.layers[l].wo.to_matrix(),
+                c.heads,
+                c.kv_heads,
+                c.head_dim,
+                o,
+            )?;
             let rot = optr::learn_layer(&data, o);
             for (h, (kr, vr)) in rot.reports.iter().enumerate() {
                 metadata.insert(

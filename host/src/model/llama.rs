@@ -22,7 +22,7 @@
 //! stored in that order already.
 
 use super::gguf::Gguf;
-use super::math::{Matrix, geglu, matmul, rms_norm, rope, rope_table, swiglu};
+use super::math::{Blocks, Matrix, Weight, geglu, matmul, rms_norm, rope, rope_table, swiglu};
 use crate::error::{Error, Result};
 
 /// Model hyper-parameters read from the GGUF metadata.
@@ -142,11 +142,11 @@ pub struct LayerWeights {
     /// Attention RMSNorm gain.
     pub attn_norm: Vec<f32>,
     /// Query projection (rows in Hugging Face order).
-    pub wq: Matrix,
+    pub wq: Weight,
     /// Key projection (rows in Hugging Face order).
-    pub wk: Matrix,
+    pub wk: Weight,
     /// Value projection.
-    pub wv: Matrix,
+    pub wv: Weight,
     /// q, k, v biases (qwen2).
     pub bias: Option<[Vec<f32>; 3]>,
     /// Per-head RMSNorm gains of q and k (`[head_dim]` each), applied before RoPE (qwen3,
@@ -156,15 +156,15 @@ pub struct LayerWeights {
     /// joins the residual stream (gemma3's post-norms).
     pub post_norms: Option<[Vec<f32>; 2]>,
     /// Attention output projection.
-    pub wo: Matrix,
+    pub wo: Weight,
     /// MLP RMSNorm gain.
     pub ffn_norm: Vec<f32>,
     /// Gate projection of the gated MLP.
-    pub gate: Matrix,
+    pub gate: Weight,
     /// Up projection of the gated MLP.
-    pub up: Matrix,
+    pub up: Weight,
     /// MLP down projection.
-    pub down: Matrix,
+    pub down: Weight,
 }
 
 /// A llama-family model in f32.
@@ -173,13 +173,13 @@ pub struct Llama {
     /// Hyper-parameters.
     pub config: LlamaConfig,
     /// Token embeddings `[vocab][dim]`.
-    pub embed: Matrix,
+    pub embed: Weight,
     /// Layers.
     pub layers: Vec<LayerWeights>,
     /// Final RMSNorm gain.
     pub norm: Vec<f32>,
     /// Output projection `[vocab][dim]`; `None`: tied to the embeddings.
-    pub output: Option<Matrix>,
+    pub output: Option<Weight>,
 }
 
 /// One row of a forward batch: a token of sequence `seq` (an index the [`Attention`]
@@ -236,22 +236,89 @@ pub fn check_model_head_dim(head_dim: usize) -> Result<()> {
     Ok(())
 }
 
-fn hf_order(m: Matrix, heads: usize) -> Matrix {
-    // GGUF row 2i + h2 of a head holds Hugging Face row h2 * d/2 + i.
-    let d = m.rows / heads;
-    let mut data = vec![0f32; m.data.len()];
-    for h in 0..heads {
-        for j in 0..d {
-            let src = if j < d / 2 { 2 * j } else { 2 * (j - d / 2) + 1 };
-            data[(h * d + j) * m.cols..][..m.cols].copy_from_slice(m.row(h * d + src));
+/// The llama q/k row order undone: GGUF row `2i + h2` of a head holds Hugging Face row
+/// `h2 * d/2 + i`. Rows move whole, so blocks move as bytes.
+fn hf_order(w: Weight, heads: usize) -> Weight {
+    let d = w.rows() / heads;
+    let src = |r: usize| {
+        let (h, j) = (r / d, r % d);
+        h * d + if j < d / 2 { 2 * j } else { 2 * (j - d / 2) + 1 }
+    };
+    match w {
+        Weight::F32(m) => {
+            let mut data = vec![0f32; m.data.len()];
+            for (r, row) in data.chunks_exact_mut(m.cols).enumerate() {
+                row.copy_from_slice(m.row(src(r)));
+            }
+            Weight::F32(Matrix { data, ..m })
+        }
+        Weight::Blocks(b) => {
+            let mut data = vec![0u8; b.data.len()];
+            for (r, row) in data.chunks_exact_mut(b.row_bytes).enumerate() {
+                row.copy_from_slice(&b.data[src(r) * b.row_bytes..][..b.row_bytes]);
+            }
+            Weight::Blocks(Blocks { data, ..b })
         }
     }
-    Matrix { data, ..m }
+}
+
+/// How [`Llama::from_gguf_with`] keeps the weight matrices in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WeightStorage {
+    /// Dequantized to f32 at load (4 bytes per weight).
+    #[default]
+    F32,
+    /// As the file stores them (Q4_K: 4.5 bits per weight), dequantized a block of rows
+    /// at a time inside each product. The products are bit-identical to [`Self::F32`]'s;
+    /// they cost the dequantization of every weight row once per product.
+    Quantized,
+    /// `Quantized` when the f32 weights would take more than half of the memory available
+    /// at load (`MemAvailable` of `/proc/meminfo`), `F32` otherwise or where that cannot
+    /// be read.
+    Auto,
+}
+
+impl WeightStorage {
+    /// `f32`, `quantized` or `auto`.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "f32" => Ok(Self::F32),
+            "quantized" => Ok(Self::Quantized),
+            "auto" => Ok(Self::Auto),
+            other => Err(Error::Input(format!("weight storage {other:?} (f32, quantized or auto)"))),
+        }
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 impl Llama {
-    /// Loads a llama, qwen2, qwen3 or gemma3 model from a parsed GGUF file.
+    /// Loads a llama, qwen2, qwen3 or gemma3 model from a parsed GGUF file, every weight
+    /// dequantized to f32.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        Self::from_gguf_with(g, WeightStorage::F32)
+    }
+
+    /// [`Self::from_gguf`] with the weight matrices kept as `storage` says (norm gains,
+    /// biases and RoPE factors are always f32).
+    pub fn from_gguf_with(g: &Gguf, storage: WeightStorage) -> Result<Self> {
+        let storage = match storage {
+            WeightStorage::Auto => {
+                let f32_bytes: u64 =
+                    g.tensors.values().filter(|t| t.dims.len() >= 2).map(|t| t.elements().saturating_mul(4)).sum();
+                match available_memory() {
+                    Some(avail) if f32_bytes > avail / 2 => WeightStorage::Quantized,
+                    _ => WeightStorage::F32,
+                }
+            }
+            s => s,
+        };
         let arch = g.get("general.architecture")?.as_str().unwrap_or("").to_string();
         if !["llama", "qwen2", "qwen3", "gemma3"].contains(&arch.as_str()) {
             return Err(Error::Unsupported(format!(
@@ -337,12 +404,18 @@ impl Llama {
         };
         let attn_scale =
             if gemma && layers == 62 { 1.0 / ((dim / heads) as f32).sqrt() } else { 1.0 / (head_dim as f32).sqrt() };
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
-            let (data, dims) = g.tensor_f32(name)?;
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
+            let (kind, bytes, dims) = g.tensor_bytes(name)?;
             if dims != [cols as u64, rows as u64] {
                 return Err(Error::Shape(format!("{name} is {dims:?}, expected [{cols}, {rows}]")));
             }
-            Ok(Matrix { rows, cols, data })
+            // f32 tensors gain nothing from staying as stored.
+            if storage == WeightStorage::Quantized && kind != 0 {
+                let b =
+                    Blocks::new(kind, rows, cols, bytes.to_vec()).map_err(|e| Error::Shape(format!("{name}: {e}")))?;
+                return Ok(Weight::Blocks(b));
+            }
+            Ok(Weight::F32(Matrix { rows, cols, data: super::gguf::dequantize(kind, bytes)? }))
         };
         let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
             let (data, dims) = g.tensor_f32(name)?;
@@ -351,8 +424,9 @@ impl Llama {
             }
             Ok(data)
         };
-        let embed = g.tensor_f32("token_embd.weight")?;
-        let vocab = *embed.1.get(1).ok_or_else(|| Error::Shape("token_embd.weight is not a matrix".into()))? as usize;
+        let (_, _, embed_dims) = g.tensor_bytes("token_embd.weight")?;
+        let vocab =
+            *embed_dims.get(1).ok_or_else(|| Error::Shape("token_embd.weight is not a matrix".into()))? as usize;
         let embed = matrix("token_embd.weight", vocab, dim)?;
         let (kvd, qd) = (kv_heads * head_dim, heads * head_dim);
         let ffn = u("feed_forward_length")?;
@@ -463,8 +537,11 @@ impl Llama {
             return Err(Error::Value(format!("token {t} is outside the vocabulary of {}", c.vocab)));
         }
         let (d, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.q_dim());
-        let mut x: Vec<f32> =
-            tokens.iter().flat_map(|&t| self.embed.row(t as usize).iter().map(|&e| e * c.embed_scale)).collect();
+        let mut x = vec![0f32; n * c.dim];
+        for (xr, &t) in x.chunks_exact_mut(c.dim).zip(tokens) {
+            self.embed.row_into(t as usize, xr);
+            xr.iter_mut().for_each(|e| *e *= c.embed_scale);
+        }
         let mut h = vec![0f32; n * c.dim];
         let (mut q, mut k, mut v) = (vec![0f32; n * qd], vec![0f32; n * kvd], vec![0f32; n * kvd]);
         let mut att = vec![0f32; n * qd];
@@ -529,11 +606,22 @@ impl Llama {
         Ok(x)
     }
 
+    /// Bytes the weight matrices hold in memory (embeddings and output projection
+    /// included; norm gains and biases not).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|w| [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down].iter().map(|m| m.bytes()).sum::<usize>())
+            .sum();
+        layers + self.embed.bytes() + self.output.as_ref().map_or(0, Weight::bytes)
+    }
+
     /// Logits `[rows][vocab]` of final hidden states `[rows][dim]`.
     pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
         let n = hidden.len() / self.config.dim;
         let w = self.output.as_ref().unwrap_or(&self.embed);
-        let mut out = vec![0f32; n * w.rows];
+        let mut out = vec![0f32; n * w.rows()];
         matmul(w, hidden, n, &mut out);
         out
     }
