@@ -167,7 +167,8 @@ pub struct LayerWeights {
     pub down: Weight,
 }
 
-/// A llama-family model in f32.
+/// A llama-family model: f32 arithmetic over weights held in f32 or as the GGUF stores them
+/// ([`WeightStorage`]).
 #[derive(Clone, Debug)]
 pub struct Llama {
     /// Hyper-parameters.
