@@ -6,6 +6,7 @@
 //! within 1% of the shared file, and (ignored by default, run by `cargo xtask ci`)
 //! perplexity on 2 windows of 256 tokens.
 
+use rotkv::model::calibrate::Smooth;
 use rotkv::model::gguf::Gguf;
 use rotkv::model::llama::{CacheAttention, ExactAttention, LayerWeights, Llama, LlamaConfig, Row};
 use rotkv::model::math::{Matrix, Weight};
@@ -495,8 +496,9 @@ fn kv_methods_parse_and_size() {
         (Some((model::sinks::Detector::Hidden, 8)), 8, 3)
     );
     let m = KvMethod::parse("k2v2-c-a50", 64, 1024).unwrap();
-    assert!(m.calib.center && m.calib.smooth == Some(50));
-    assert_eq!(KvMethod::parse("k4v2-a100-g32", 64, 1024).unwrap().calib.smooth, Some(100));
+    assert!(m.calib.center && m.calib.smooth == Some(Smooth::Alpha(50)));
+    assert_eq!(KvMethod::parse("k4v2-a100-g32", 64, 1024).unwrap().calib.smooth, Some(Smooth::Alpha(100)));
+    assert_eq!(KvMethod::parse("k2v2-c-aa-dh8", 64, 1024).unwrap().calib.smooth, Some(Smooth::Auto));
     assert_eq!(KvMethod::parse("k2v2-c", 64, 1024).unwrap().calib.smooth, None);
     assert_eq!(KvMethod::parse("k2v2-da4", 64, 1024).unwrap().detect, Some((model::sinks::Detector::Attention, 4)));
     assert_eq!(KvMethod::parse("k2v2-dk2", 64, 1024).unwrap().detect, Some((model::sinks::Detector::KeyNorm, 2)));
@@ -522,6 +524,9 @@ fn kv_methods_parse_and_size() {
         "k2v2-a500",
         "k2v2-c-r-a50",
         "k2v2-c-l-a50",
+        "k2v2-c-r-aa",
+        "f16-aa",
+        "k2v2-ab",
     ] {
         assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
     }

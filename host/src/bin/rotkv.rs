@@ -61,7 +61,8 @@ enum Command {
         /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>
         /// -v<iterations> (KVarN) -o<N> (online key mean) -da<k> -dk<k> -dh<k> (detected
         /// sinks), and -c (key centering) -r (reordering) -l (learned rotations)
-        /// -a<alpha %> (key smoothing, e.g. -a50 for alpha 0.5) from --calib (e.g.
+        /// -a<alpha %> (key smoothing, e.g. -a50 for alpha 0.5; -aa: alpha 0.5 on the KV
+        /// heads with outlier key channels only) from --calib (e.g.
         /// k2v2-c-g32-x80, k2v2-c-l-dh8, k2v2-c-a50). -pre quantizes the keys before RoPE
         /// and re-applies RoPE to each dequantized key (RotateKV; a harness simulation, not
         /// a cache option; its -c and -a use --pre-calib), -sim runs the post-RoPE method

@@ -562,7 +562,8 @@ impl<'a, T> DeviceSlice<'a, T> {
     pub fn addr(&self) -> u64 {
         self.addr
     }
-    /// The identity of the device handle it belongs to.
+    /// The identity of the device handle it belongs to (read by the candle adapter).
+    #[cfg(feature = "candle")]
     pub(crate) fn device_id(&self) -> u64 {
         self.device
     }

@@ -115,7 +115,8 @@ impl KvMethod {
     /// with `-r`), `-a<percent>` (smooth the keys: divide each centered key channel by the
     /// calibrated channel standard deviation raised to alpha = percent / 100, normalized
     /// to mean 1, and multiply the query by the same; `-a50` is alpha 0.5; see
-    /// [`calibrate::smoothing_scales`]). `-pre` quantizes the keys before RoPE and
+    /// [`calibrate::smoothing_scales`]), `-aa` (the same with alpha 0.5 on the KV heads
+    /// whose keys have outlier channels, none on the others: [`calibrate::Smooth::Auto`]). `-pre` quantizes the keys before RoPE and
     /// re-applies RoPE to each dequantized key at its position (RotateKV's recipe), and
     /// `-sim` runs the post-RoPE method through the same harness simulation (its control):
     /// both only on the Hadamard presets, with `-g -s -w -p -x -y -c -a` (see [`prerope`]:
@@ -182,6 +183,10 @@ impl KvMethod {
                     calib.learned = true;
                     continue;
                 }
+                "aa" if quantized => {
+                    calib.smooth = Some(calibrate::Smooth::Auto);
+                    continue;
+                }
                 _ => {}
             }
             let (key, num) = m.split_at(m.chars().next().map_or(0, char::len_utf8));
@@ -195,7 +200,7 @@ impl KvMethod {
                 "x" if quantized => config.key_clip = n as f32 / 100.0,
                 "y" if quantized => config.value_clip = n as f32 / 100.0,
                 "v" if quantized => config.channel_norm = n as u32,
-                "a" if quantized && n <= 400 => calib.smooth = Some(n as u32),
+                "a" if quantized && n <= 400 => calib.smooth = Some(calibrate::Smooth::Alpha(n as u32)),
                 _ => return Err(unknown(name)),
             }
         }
@@ -246,7 +251,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -pre -sim"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -pre -sim"
     ))
 }
 

@@ -400,7 +400,7 @@ mod tests {
         let m = crate::model::KvMethod::parse("k2v2-c-pre", 64, 1024).unwrap();
         assert!(m.pre_rope && m.simulated && m.calib.center);
         let m = crate::model::KvMethod::parse("k4v2-sim-a50", 128, 1024).unwrap();
-        assert!(!m.pre_rope && m.simulated && m.calib.smooth == Some(50));
+        assert!(!m.pre_rope && m.simulated && m.calib.smooth == Some(crate::model::calibrate::Smooth::Alpha(50)));
         assert!(!crate::model::KvMethod::parse("k2v2", 64, 1024).unwrap().simulated);
         for bad in ["f16-pre", "naive2-pre", "k2v2-r-pre", "k2v2-pre-o64", "k2v2-da4-sim", "k2v2-v2-pre"] {
             assert!(crate::model::KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
