@@ -8,7 +8,7 @@
 
 use rotkv::model::calibrate::Smooth;
 use rotkv::model::gguf::Gguf;
-use rotkv::model::llama::{CacheAttention, ExactAttention, LayerWeights, Llama, LlamaConfig, Row};
+use rotkv::model::llama::{CacheAttention, ExactAttention, LayerWeights, Llama, LlamaConfig, Row, WeightStorage};
 use rotkv::model::math::{Matrix, Weight};
 use rotkv::model::tokenizer::{Pre, Tokenizer};
 use rotkv::model::{self, KvMethod, PplOptions};
@@ -465,6 +465,14 @@ fn gguf_written_here_loads_with_llama_rows_unpermuted() {
     tensors.retain(|t| t.0 != "blk.1.ffn_up.weight");
     let g = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap();
     assert!(Llama::from_gguf(&g).unwrap_err().to_string().contains("blk.1.ffn_up.weight"));
+    // An empty feed-forward layer is refused by name, whatever the storage (it once
+    // divided by zero in the product over stored blocks).
+    let mut zero = meta.clone();
+    zero[5].1 = Meta::U32(0);
+    let g = Gguf::parse(gguf_bytes(&zero, &tensors)).unwrap();
+    for s in [WeightStorage::F32, WeightStorage::Quantized, WeightStorage::Auto] {
+        assert!(Llama::from_gguf_with(&g, s).unwrap_err().to_string().contains("feed-forward length 0"), "{s:?}");
+    }
 }
 
 #[test]

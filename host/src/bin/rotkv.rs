@@ -22,7 +22,7 @@ struct Cli {
     /// quantized (as the GGUF stores them, dequantized a block of rows at a time inside
     /// each product; the same results bit for bit, a fraction of the memory) or auto
     /// (quantized when the f32 weights would take more than half the available memory).
-    #[arg(long, global = true, default_value = "auto")]
+    #[arg(long, global = true, default_value = "auto", value_parser = ["f32", "quantized", "auto"])]
     weights: String,
 }
 
@@ -487,7 +487,7 @@ fn load_model(path: &std::path::Path) -> Result<(model::llama::Llama, model::tok
         "loaded {} in {:.1} s (weights {}: {:.1} MiB)",
         path.display(),
         started.elapsed().as_secs_f64(),
-        if matches!(m.0.embed, model::math::Weight::Blocks(_)) { "as stored" } else { "in f32" },
+        if m.0.weights_as_stored() { "as stored" } else { "in f32" },
         m.0.weight_bytes() as f64 / (1u64 << 20) as f64
     );
     Ok(m)

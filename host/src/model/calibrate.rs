@@ -84,7 +84,7 @@ pub struct Use {
 }
 
 /// How [`Use::smooth`] smooths the keys.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Smooth {
     /// Every KV head with exponent `alpha` given in hundredths (`Alpha(50)`: alpha 0.5):
     /// key scales `sigma^alpha` normalized to mean 1 per KV head ([`smoothing_scales`]).
@@ -92,7 +92,6 @@ pub enum Smooth {
     /// Per KV head: alpha [`AUTO_SMOOTH_ALPHA`] where the head's largest channel standard
     /// deviation is at least [`AUTO_SMOOTH_RATIO`] times the mean of its channels (key
     /// outlier channels, which smoothing is for), none elsewhere ([`auto_smoothing_scales`]).
-    #[default]
     Auto,
 }
 

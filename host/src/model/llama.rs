@@ -253,13 +253,7 @@ fn hf_order(w: Weight, heads: usize) -> Weight {
             }
             Weight::F32(Matrix { data, ..m })
         }
-        Weight::Blocks(b) => {
-            let mut data = vec![0u8; b.data.len()];
-            for (r, row) in data.chunks_exact_mut(b.row_bytes).enumerate() {
-                row.copy_from_slice(&b.data[src(r) * b.row_bytes..][..b.row_bytes]);
-            }
-            Weight::Blocks(Blocks { data, ..b })
-        }
+        Weight::Blocks(b) => Weight::Blocks(b.permute_rows(src)),
     }
 }
 
@@ -311,8 +305,12 @@ impl Llama {
     pub fn from_gguf_with(g: &Gguf, storage: WeightStorage) -> Result<Self> {
         let storage = match storage {
             WeightStorage::Auto => {
-                let f32_bytes: u64 =
-                    g.tensors.values().filter(|t| t.dims.len() >= 2).map(|t| t.elements().saturating_mul(4)).sum();
+                // Matrices of the types the reader knows (the others fail the load anyway).
+                let f32_bytes = g
+                    .tensors
+                    .values()
+                    .filter(|t| t.dims.len() >= 2 && super::gguf::block_geometry(t.kind).is_some())
+                    .fold(0u64, |a, t| a.saturating_add(t.elements().saturating_mul(4)));
                 match available_memory() {
                     Some(avail) if f32_bytes > avail / 2 => WeightStorage::Quantized,
                     _ => WeightStorage::F32,
@@ -410,11 +408,12 @@ impl Llama {
             if dims != [cols as u64, rows as u64] {
                 return Err(Error::Shape(format!("{name} is {dims:?}, expected [{cols}, {rows}]")));
             }
+            // Whole blocks per row (as ggml requires) for both storages, so both accept the
+            // same files.
+            Blocks::row_bytes(kind, rows, cols, bytes.len()).map_err(|e| Error::Shape(format!("{name}: {e}")))?;
             // f32 tensors gain nothing from staying as stored.
             if storage == WeightStorage::Quantized && kind != 0 {
-                let b =
-                    Blocks::new(kind, rows, cols, bytes.to_vec()).map_err(|e| Error::Shape(format!("{name}: {e}")))?;
-                return Ok(Weight::Blocks(b));
+                return Ok(Weight::Blocks(Blocks::new(kind, rows, cols, bytes.to_vec())?));
             }
             Ok(Weight::F32(Matrix { rows, cols, data: super::gguf::dequantize(kind, bytes)? }))
         };
@@ -431,6 +430,11 @@ impl Llama {
         let embed = matrix("token_embd.weight", vocab, dim)?;
         let (kvd, qd) = (kv_heads * head_dim, heads * head_dim);
         let ffn = u("feed_forward_length")?;
+        if dim == 0 || ffn == 0 || vocab == 0 {
+            return Err(Error::Unsupported(format!(
+                "embedding length {dim}, feed-forward length {ffn}, vocabulary {vocab}"
+            )));
+        }
         let llama = arch == "llama";
         let layers = (0..layers)
             .map(|l| {
@@ -605,6 +609,16 @@ impl Llama {
             return Ok(h);
         }
         Ok(x)
+    }
+
+    /// Whether any weight matrix is kept as stored ([`WeightStorage::Quantized`]).
+    pub fn weights_as_stored(&self) -> bool {
+        let layer = |w: &LayerWeights| {
+            [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down].iter().any(|m| matches!(m, Weight::Blocks(_)))
+        };
+        matches!(self.embed, Weight::Blocks(_))
+            || matches!(self.output, Some(Weight::Blocks(_)))
+            || self.layers.iter().any(layer)
     }
 
     /// Bytes the weight matrices hold in memory (embeddings and output projection

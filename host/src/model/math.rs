@@ -66,48 +66,83 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_portable(a, b)
 }
 
-/// A weight kept as its GGUF blocks (`kind`, one of the ggml types
-/// [`super::gguf::dequantize`] reads): `rows` rows of `cols` values, each row
-/// `row_bytes` bytes of whole blocks. Rows are dequantized to f32 as a product needs them,
-/// a block of rows at a time, so the f32 weights are never all in memory at once.
+/// A weight kept as its GGUF blocks (one of the ggml types [`super::gguf::dequantize`]
+/// reads): `rows` rows of `cols` values, each row a whole number of blocks. Rows are
+/// dequantized to f32 as a product needs them, a block of rows at a time, so the f32
+/// weights are never all in memory at once.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Blocks {
-    /// The ggml type id.
-    pub kind: u32,
-    /// Rows (output features of a weight).
-    pub rows: usize,
-    /// Columns (input features of a weight).
-    pub cols: usize,
-    /// Bytes of one row.
-    pub row_bytes: usize,
-    /// `rows * row_bytes` bytes.
-    pub data: Vec<u8>,
+    kind: u32,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
 }
 
 impl Blocks {
-    /// Keeps `data` (`rows` rows of `cols` values of ggml type `kind`); an error when a row
-    /// is not a whole number of the type's blocks or the bytes do not match.
+    /// Keeps `data` (`rows` rows of `cols` values of ggml type `kind`); an error when the
+    /// type is not one the reader dequantizes, a row is empty or not a whole number of the
+    /// type's blocks, or the bytes do not match.
     pub fn new(kind: u32, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
-        let (block, bytes) = super::gguf::block_geometry(kind)
-            .ok_or_else(|| Error::Unsupported(format!("ggml type {}", super::gguf::type_name(kind))))?;
-        if !cols.is_multiple_of(block) {
-            return Err(Error::Shape(format!(
-                "rows of {cols} values are not whole {} blocks of {block}",
-                super::gguf::type_name(kind)
-            )));
-        }
-        let row_bytes = cols / block * bytes;
-        if rows.checked_mul(row_bytes) != Some(data.len()) {
-            return Err(Error::Shape(format!("{} bytes for {rows} rows of {row_bytes} bytes", data.len())));
-        }
+        let row_bytes = Self::row_bytes(kind, rows, cols, data.len())?;
         Ok(Self { kind, rows, cols, row_bytes, data })
     }
 
-    /// Dequantizes rows `first..first + out.len() / cols` into `out`.
+    /// The bytes of one row of `rows` x `cols` values of type `kind` stored in `len` bytes,
+    /// or the error [`Self::new`] gives. Whole blocks per row is what ggml requires of every
+    /// weight, so the model loader checks it for both storages.
+    pub fn row_bytes(kind: u32, rows: usize, cols: usize, len: usize) -> Result<usize> {
+        let name = super::gguf::type_name(kind);
+        let (block, bytes) =
+            super::gguf::block_geometry(kind).ok_or_else(|| Error::Unsupported(format!("ggml type {name}")))?;
+        if cols == 0 || !cols.is_multiple_of(block) {
+            return Err(Error::Shape(format!("rows of {cols} values are not whole {name} blocks of {block}")));
+        }
+        let row_bytes = (cols / block)
+            .checked_mul(bytes)
+            .ok_or_else(|| Error::Shape(format!("rows of {cols} {name} values do not fit in memory")))?;
+        if rows.checked_mul(row_bytes) != Some(len) {
+            return Err(Error::Shape(format!("{len} bytes for {rows} rows of {row_bytes} bytes")));
+        }
+        Ok(row_bytes)
+    }
+
+    /// The ggml type id.
+    pub fn kind(&self) -> u32 {
+        self.kind
+    }
+
+    /// Rows (output features of a weight).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (input features of a weight).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The stored bytes, `rows` rows of whole blocks.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The same blocks with row `r` taken from row `src(r)` (rows move whole).
+    pub fn permute_rows(&self, src: impl Fn(usize) -> usize) -> Self {
+        let mut data = vec![0u8; self.data.len()];
+        for (r, row) in data.chunks_exact_mut(self.row_bytes).enumerate() {
+            row.copy_from_slice(&self.data[src(r) * self.row_bytes..][..self.row_bytes]);
+        }
+        Self { data, ..*self }
+    }
+
+    /// Dequantizes rows `first..first + out.len() / cols` into `out`, whose length must be
+    /// a multiple of `cols`, the rows inside the matrix.
     pub fn rows_into(&self, first: usize, out: &mut [f32]) {
+        assert!(out.len().is_multiple_of(self.cols), "{} values are not whole rows of {}", out.len(), self.cols);
         let count = out.len() / self.cols;
         let bytes = &self.data[first * self.row_bytes..(first + count) * self.row_bytes];
-        super::gguf::dequantize_into(self.kind, bytes, out).expect("the geometry was checked at construction");
+        super::gguf::dequantize_into(self.kind, bytes, out).expect("whole blocks, as `new` checked");
     }
 }
 
@@ -154,11 +189,12 @@ impl Weight {
         }
     }
 
-    /// Row `r` in f32 into `out` (`cols` values).
+    /// Row `r` in f32 into `out` (exactly `cols` values).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols(), "one row");
         match self {
             Weight::F32(m) => out.copy_from_slice(m.row(r)),
-            Weight::Blocks(b) => b.rows_into(r, &mut out[..b.cols]),
+            Weight::Blocks(b) => b.rows_into(r, out),
         }
     }
 
@@ -189,7 +225,9 @@ const TILE_O: usize = 4;
 /// when the CPU has them). Every output is summed in the same order whatever the tile it
 /// falls in, the batch size or the weight's storage: lane `j` of its accumulator adds
 /// columns `8i + j` in order, the lanes are then summed by one fixed tree, and columns past
-/// the last multiple of 8 are added last, one at a time.
+/// the last multiple of 8 are added last, one at a time. So on one machine the result
+/// does not depend on the batch or the storage, bit for bit; across machines it may (the
+/// portable kernel, used without AVX2 and FMA, rounds each product before adding it).
 pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), n * cols, "matmul input");
@@ -249,8 +287,11 @@ fn block_product(w: &[f32], width: usize, x: &[f32], n: usize, cols: usize, out:
     }
 }
 
-/// One micro-tile with the fastest kernel the CPU runs.
+/// One micro-tile with the fastest kernel the CPU runs. Every row of `x` and `w` must have
+/// the same length (checked: the AVX2 kernel's loads rely on it).
 fn micro<const R: usize, const O: usize>(x: [&[f32]; R], w: [&[f32]; O], out: &mut [[f32; TILE_O]; TILE_R]) {
+    let cols = x[0].len();
+    assert!(x.iter().chain(&w).all(|r| r.len() == cols), "micro-tile rows of unequal length");
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 and FMA were detected at run time.
@@ -289,7 +330,8 @@ fn micro_portable<const R: usize, const O: usize>(x: [&[f32]; R], w: [&[f32]; O]
 /// loaded once per 8 columns.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; every slice of `x` and `w` has the same length.
+/// The CPU must support AVX2 and FMA; every slice of `x` and `w` has the same length
+/// ([`micro`] checks it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn micro_avx2<const R: usize, const O: usize>(
@@ -299,7 +341,6 @@ unsafe fn micro_avx2<const R: usize, const O: usize>(
 ) {
     use std::arch::x86_64::*;
     let cols = x[0].len();
-    debug_assert!(x.iter().all(|r| r.len() == cols) && w.iter().all(|r| r.len() == cols));
     let body = cols / 8 * 8;
     let mut acc = [[_mm256_setzero_ps(); O]; R];
     let mut c = 0;
@@ -459,7 +500,9 @@ mod tests {
                 }
             }
             let q = Weight::Blocks(Blocks::new(kind, rows, cols, data.clone()).unwrap());
-            let m = q.to_matrix();
+            // The f32 form as the f32 storage makes it: the whole tensor dequantized at once.
+            let m = Matrix { rows, cols, data: crate::model::gguf::dequantize(kind, &data).unwrap() };
+            assert_eq!(q.to_matrix(), m, "kind {kind}");
             assert!(m.data.iter().all(|v| v.is_finite()), "kind {kind}");
             let f = Weight::F32(m.clone());
             let mut row = vec![0f32; cols];
@@ -485,7 +528,67 @@ mod tests {
             }
         }
         assert!(Blocks::new(12, 2, 128, vec![0; 144]).is_err(), "rows of half a Q4_K block");
+        assert!(Blocks::new(8, 2, 0, vec![]).is_err(), "empty rows");
+        assert!(Blocks::new(1, 0, 1 << 63, vec![]).is_err(), "rows past any memory");
         assert!(Blocks::new(8, 2, 64, vec![0; 135]).is_err(), "bytes that do not match");
         assert!(Blocks::new(13, 2, 256, vec![0; 10]).is_err(), "a type the reader does not know");
+    }
+
+    /// Both kernels (portable, and AVX2 where the CPU has it) give every output the same
+    /// bits whatever micro-tile shape computes it, for column counts around the 8-lane
+    /// body: what makes a product independent of the batch size.
+    #[test]
+    fn every_tile_shape_sums_each_output_alike() {
+        type Kernel = fn([&[f32]; 1], [&[f32]; 1], &mut [[f32; TILE_O]; TILE_R]);
+        let mut kernels: Vec<(&str, Kernel)> = vec![("portable", micro_portable::<1, 1>)];
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            kernels.push(("avx2", |x, w, o| {
+                // SAFETY: AVX2 and FMA were detected; the rows have equal lengths.
+                unsafe { micro_avx2::<1, 1>(x, w, o) }
+            }));
+        }
+        for cols in [1, 7, 8, 9, 29, 64, 67] {
+            let v =
+                |k: usize| -> Vec<f32> { (0..cols).map(|c| (((c * 37 + k * 11) % 23) as f32 - 11.0) / 7.0).collect() };
+            let (xs, ws): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ((0..3).map(v).collect(), (3..7).map(v).collect());
+            for (name, one) in &kernels {
+                let single = |i: usize, j: usize| {
+                    let mut o = [[0f32; TILE_O]; TILE_R];
+                    one([&xs[i]], [&ws[j]], &mut o);
+                    o[0][0]
+                };
+                let mut tile = [[0f32; TILE_O]; TILE_R];
+                let (x3, w4) = ([&xs[0][..], &xs[1], &xs[2]], [&ws[0][..], &ws[1], &ws[2], &ws[3]]);
+                if *name == "portable" {
+                    micro_portable::<3, 4>(x3, w4, &mut tile);
+                } else {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: this kernel is listed only where AVX2 and FMA were detected.
+                    unsafe {
+                        micro_avx2::<3, 4>(x3, w4, &mut tile)
+                    };
+                }
+                for (i, row) in tile.iter().enumerate() {
+                    for (j, &got) in row.iter().enumerate() {
+                        assert_eq!(got.to_bits(), single(i, j).to_bits(), "{name} cols {cols} ({i}, {j})");
+                    }
+                }
+            }
+        }
+        // The product of a batch equals the products of its rows one at a time.
+        let w = Weight::F32(Matrix {
+            rows: 21,
+            cols: 67,
+            data: (0..21 * 67).map(|i| ((i % 19) as f32 - 9.0) / 4.0).collect(),
+        });
+        let x: Vec<f32> = (0..7 * 67).map(|i| ((i % 13) as f32 - 6.0) / 3.0).collect();
+        let mut all = vec![0f32; 7 * 21];
+        matmul(&w, &x, 7, &mut all);
+        for r in 0..7 {
+            let mut one = vec![0f32; 21];
+            matmul(&w, &x[r * 67..(r + 1) * 67], 1, &mut one);
+            assert!(one.iter().zip(&all[r * 21..]).all(|(a, b)| a.to_bits() == b.to_bits()), "row {r}");
+        }
     }
 }
