@@ -1202,22 +1202,23 @@ if [ -x bin/cuda ]; then
     bin/cuda --exact a_mma_selftest --nocapture 2>&1 | tee logs/mma_selftest.log
 fi
 # bin/candle_cuda (candle-core's `cuda` feature) is linked against the CUDA libraries:
-# libcuda.so.1 (the driver's), libcublas.so.13, libcublasLt.so.13, libcurand.so.10,
-# libcudart.so.13, libnvrtc.so.13. Those the loader does not find are looked for in the
-# driver's and the CUDA toolkit's folders, the Python packages' (PyTorch's nvidia-*
-# wheels) and the toolkit `cargo xtask candle-cuda` unpacks; where no driver is
-# installed, the bundle's stub libcuda.so.1 (each call returns CUDA_ERROR_STUB_LIBRARY)
-# lets the tests start and say SKIPPED. Still missing: the binary is SKIPPED.
+# libcuda.so.1 (the driver's), libcublas.so.13 (and its libcublasLt.so.13),
+# libcurand.so.10 and libcudart.so.13, which the bundle carries (lib/cuda: the runtime it
+# was built with; nvcc's code calls entry points of that version). Those the loader does
+# not find are looked for in the driver's and the CUDA toolkit's folders, the Python
+# packages' (PyTorch's nvidia-* wheels) and the toolkit `cargo xtask candle-cuda`
+# unpacks; where no driver is installed, the bundle's stub libcuda.so.1 (each call
+# returns CUDA_ERROR_STUB_LIBRARY) lets the tests start and say SKIPPED. Still missing:
+# the binary is SKIPPED.
 missing_libs() { ldd "$1" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' '; }
-cuda_path=""
-if [ -x bin/candle_cuda ] && [ -n "$(missing_libs bin/candle_cuda)" ]; then
+cuda_path="$PWD/lib/cuda"
+if [ -x bin/candle_cuda ] && [ -n "$(LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs bin/candle_cuda)" ]; then
     for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu \
         /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
         $(python3 -c 'import glob, site; print(" ".join(sorted({p.rsplit("/", 1)[0] for s in site.getsitepackages() for p in glob.glob(s + "/nvidia/*/lib/lib*.so.*")})))' 2>/dev/null) \
         "${ROTKV_CACHE:-${XDG_CACHE_HOME:-${HOME:-}/.cache}/rotkv}/cuda-13.2/site/nvidia/cu13/lib"; do
         [ -d "$d" ] && cuda_path="$cuda_path:$d"
     done
-    cuda_path=${cuda_path#:}
     if LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs bin/candle_cuda | grep -q libcuda.so.1; then
         echo "candle_cuda: no libcuda.so.1 (no NVIDIA driver): using the bundle's stub, its tests will say SKIPPED"
         cuda_path="$cuda_path:$PWD/lib/stub"
@@ -1329,11 +1330,14 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
     let mut candle_failed = None;
     let mut skipped = String::new();
     match candle {
-        Ok((exe, stub)) => {
+        Ok((exe, stub, cudart)) => {
             unpacked +=
                 std::fs::copy(&exe, staging.join("bin/candle_cuda")).map_err(|e| format!("{}: {e}", exe.display()))?;
             std::fs::create_dir_all(staging.join("lib/stub")).map_err(|e| e.to_string())?;
             unpacked += std::fs::copy(&stub, staging.join("lib/stub/libcuda.so.1")).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(staging.join("lib/cuda")).map_err(|e| e.to_string())?;
+            let name = cudart.file_name().ok_or("libcudart without a name")?;
+            unpacked += std::fs::copy(&cudart, staging.join("lib/cuda").join(name)).map_err(|e| e.to_string())?;
         }
         Err(Step::Skipped(why)) => skipped = format!("SKIPPED: candle-cuda ({why})\n"),
         Err(Step::Failed(why)) => {
@@ -1384,9 +1388,14 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
 /// The candle test binary with the feature `candle-cuda` (`tests/tests/candle.rs`, whose
 /// `cuda_tensors_on_a_cuda_layer` runs on GPU 0 and which includes the `candle_attention`
 /// example), built in release and stripped in `target` with the toolkit of
-/// [`cuda_toolkit`] for the H200 (sm_90); its path and the stub `libcuda.so` it was
-/// linked against. Skipped where the toolkit cannot be had; failed where the build fails.
-fn candle_cuda_binary(target: &Path) -> Result<(PathBuf, PathBuf), Step> {
+/// [`cuda_toolkit`] for the H200 (sm_90); its path, the stub `libcuda.so` it was linked
+/// against, and the toolkit's `libcudart.so.<major>`: nvcc's host code for the statically
+/// linked candle-kernels calls runtime entry points of its own version
+/// (`__cudaGetKernel`, `__cudaLaunchKernel_ptsz`) that an older runtime of the same major
+/// version may lack, so the bundle carries the runtime (0.7 MiB; cuBLAS and cuRAND, far
+/// larger, it finds on the GPU machine). Skipped where the toolkit cannot be had; failed
+/// where the build fails.
+fn candle_cuda_binary(target: &Path) -> Result<(PathBuf, PathBuf, PathBuf), Step> {
     let unavailable = |e: Step| match e {
         Step::Skipped(why) | Step::Failed(why) => Step::Skipped(why),
     };
@@ -1415,7 +1424,16 @@ fn candle_cuda_binary(target: &Path) -> Result<(PathBuf, PathBuf), Step> {
         .find(|(short, _)| short == "candle")
         .ok_or_else(|| Step::Failed("cargo named no candle test binary".into()))?
         .1;
-    Ok((exe, stub))
+    let lib = home.join("lib");
+    let cudart = std::fs::read_dir(&lib)
+        .map_err(|e| Step::Failed(format!("{}: {e}", lib.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            name.strip_prefix("libcudart.so.").is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .ok_or_else(|| Step::Failed(format!("no libcudart.so.<major> in {}", lib.display())))?;
+    Ok((exe, stub, cudart))
 }
 
 /// The CUDA toolkit `cargo xtask candle-cuda` and `gpu-bundle` build candle-kernels with:
