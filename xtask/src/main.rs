@@ -15,11 +15,18 @@
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
 //!   `nvptx64-nvidia-cuda` target (installing `rust-src` if missing) and writes
 //!   `host/ptx/rotkv.ptx` (sm_80); `--check` fails when the committed file differs.
-//! - `gpu-bundle`: builds the test binaries (release, stripped) and gathers them with the
-//!   bundled data and `run.sh` into `target/gpu-bundle` (under 64 MiB) for a machine that
-//!   has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs every test on every
-//!   backend, the cuda one included, then the GPU decode benchmark (`gpu_decode`), whose
-//!   table it prints last.
+//! - `gpu-bundle [--no-candle-cuda]`: builds the test binaries (release, stripped) and
+//!   gathers them with the bundled data and `run.sh` into `target/gpu-bundle` (under 64
+//!   MiB) for a machine that has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs
+//!   every test on every backend, the cuda one included, then the GPU decode benchmark
+//!   (`gpu_decode`), whose table it prints last. It also builds the candle tests with the
+//!   feature `candle-cuda` (CUDA tensors on a cuda layer, GPU 0) as `bin/candle_cuda`,
+//!   with the toolkit of `candle-cuda` below and candle-kernels compiled for sm_90 (the
+//!   H200), plus a stub `libcuda.so.1` so that it starts and says SKIPPED where no driver
+//!   is installed; run.sh finds the CUDA libraries it is linked against (driver, toolkit,
+//!   PyTorch's nvidia wheels). Where the toolkit cannot be had it prints `SKIPPED:
+//!   candle-cuda (<why>)` and writes the bundle without it; `--no-candle-cuda` leaves it
+//!   out (its cold build compiles candle-kernels with nvcc, the longest part).
 //! - `candle-cuda`: compile-checks the feature `candle-cuda` (candle's CUDA tensors on the
 //!   device path), which CI leaves out ([`NOT_IN_CI`]): assembles a CUDA 13.2 toolkit
 //!   from pinned PyPI wheels ([`CUDA_WHEELS`]) in `<cache>/cuda-13.2` once, then runs
@@ -81,7 +88,11 @@ fn main() -> ExitCode {
             _ => Err(Step::Failed("usage: cargo xtask sass [--dump <entry point>]".into())),
         }
         .map_err(|e| e.to_string()),
-        Some("gpu-bundle") => gpu_bundle(),
+        Some("gpu-bundle") => match args.get(1).map(String::as_str) {
+            None => gpu_bundle(true),
+            Some("--no-candle-cuda") => gpu_bundle(false),
+            _ => Err("usage: cargo xtask gpu-bundle [--no-candle-cuda]".into()),
+        },
         Some("candle-cuda") => candle_cuda().map_err(|e| e.to_string()),
         Some("sanitize") => sanitize::run(),
         Some("fuzz") => match (args.get(1).map(String::as_str), args.get(2).map(|s| s.parse::<u64>())) {
@@ -93,7 +104,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -1170,20 +1181,65 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # every backend; the cuda backend runs when a driver and a device are present, and each
 # test prints SKIPPED for it otherwise). Prints a summary table last.
 set -u
-cd "$(dirname "$0")"
+# The binaries, data and stub library travel as one xz-compressed tar (the binaries share
+# most of their code); they are unpacked into a temporary folder, removed at the end, so
+# that the bundle folder stays small. The logs are written to the bundle's logs/.
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$here/logs"
+work=$(mktemp -d "${TMPDIR:-/tmp}/rotkv-gpu-bundle.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+if command -v xz > /dev/null; then
+    tar -xJf "$here/bundle.tar.xz" -C "$work"
+else
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$here/bundle.tar.xz" "$work"
+fi || { echo "cannot unpack $here/bundle.tar.xz"; exit 1; }
+ln -s "$here/logs" "$work/logs"
+cd "$work"
 export ROTKV_REPO_DATA="$PWD/data"
-mkdir -p logs
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
 # First: the tensor-core fragment layout on this GPU (one mma.sync per warp, exact).
 if [ -x bin/cuda ]; then
     bin/cuda --exact a_mma_selftest --nocapture 2>&1 | tee logs/mma_selftest.log
+fi
+# bin/candle_cuda (candle-core's `cuda` feature) is linked against the CUDA libraries:
+# libcuda.so.1 (the driver's), libcublas.so.13 (and its libcublasLt.so.13),
+# libcurand.so.10 and libcudart.so.13, which the bundle carries (lib/cuda: the runtime it
+# was built with; nvcc's code calls entry points of that version). Those the loader does
+# not find are looked for in the driver's and the CUDA toolkit's folders, the Python
+# packages' (PyTorch's nvidia-* wheels) and the toolkit `cargo xtask candle-cuda`
+# unpacks; where no driver is installed, the bundle's stub libcuda.so.1 (each call
+# returns CUDA_ERROR_STUB_LIBRARY) lets the tests start and say SKIPPED. Still missing:
+# the binary is SKIPPED.
+missing_libs() { ldd "$1" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' '; }
+cuda_path="$PWD/lib/cuda"
+if [ -x bin/candle_cuda ] && [ -n "$(LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs bin/candle_cuda)" ]; then
+    for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu \
+        /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+        $(python3 -c 'import glob, site; print(" ".join(sorted({p.rsplit("/", 1)[0] for s in site.getsitepackages() for p in glob.glob(s + "/nvidia/*/lib/lib*.so.*")})))' 2>/dev/null) \
+        "${ROTKV_CACHE:-${XDG_CACHE_HOME:-${HOME:-}/.cache}/rotkv}/cuda-13.2/site/nvidia/cu13/lib"; do
+        [ -d "$d" ] && cuda_path="$cuda_path:$d"
+    done
+    if LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs bin/candle_cuda | grep -q libcuda.so.1; then
+        echo "candle_cuda: no libcuda.so.1 (no NVIDIA driver): using the bundle's stub, its tests will say SKIPPED"
+        cuda_path="$cuda_path:$PWD/lib/stub"
+    fi
 fi
 summary=$(mktemp)
 printf '%-24s %8s %8s %6s\n' binary passed failed status > "$summary"
 status=0
 for bin in bin/*; do
     name=$(basename "$bin")
-    "$bin" --test-threads=2 --nocapture > "logs/$name.log" 2>&1
+    if [ "$name" = candle_cuda ]; then
+        lost=$(LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs "$bin")
+        if [ -n "$lost" ]; then
+            echo "SKIPPED: candle_cuda (CUDA libraries not found: $lost)" | tee "logs/$name.log"
+            printf '%-24s %8s %8s %6s\n' "$name" - - SKIPPED >> "$summary"
+            continue
+        fi
+        LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$bin" --test-threads=2 --nocapture > "logs/$name.log" 2>&1
+    else
+        "$bin" --test-threads=2 --nocapture > "logs/$name.log" 2>&1
+    fi
     rc=$?
     passed=$(grep -o '[0-9]* passed' "logs/$name.log" | awk '{s += $1} END {print s + 0}')
     failed=$(grep -o '[0-9]* failed' "logs/$name.log" | awk '{s += $1} END {print s + 0}')
@@ -1203,13 +1259,31 @@ else
 fi
 grep -h "SKIPPED" logs/*.log | sort | uniq -c || true
 cat "$summary"
+# What the bundle was built without (`cargo xtask gpu-bundle` wrote why).
+[ -f "$here/SKIPPED.txt" ] && cat "$here/SKIPPED.txt"
 echo
 echo "GPU decode benchmark (device API, one plan per case; CUDA-event medians; a copy counts read + write):"
 ./gpu_decode || status=1
 exit $status
 "#;
 
-fn gpu_bundle() -> Result<(), String> {
+/// The test executables of a `cargo test --no-run --message-format=json...` output, each
+/// as (target name, path): test binaries are named `<target>-<hash>`.
+fn test_executables(stdout: &[u8]) -> Result<Vec<(String, PathBuf)>, String> {
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let (Some(exe), true) = (msg["executable"].as_str(), msg["profile"]["test"].as_bool() == Some(true)) else {
+            continue;
+        };
+        let name = Path::new(exe).file_name().ok_or("executable without a name")?.to_string_lossy().into_owned();
+        let short = name.rsplit_once('-').map_or(name.as_str(), |(a, _)| a).to_string();
+        found.push((short, PathBuf::from(exe)));
+    }
+    Ok(found)
+}
+
+fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
     let target = root().join("target/gpu-build");
     let mut c = cargo();
     c.args(["test", "--release", "--no-run", "-p", "rotkv-tests", "--message-format=json-render-diagnostics"])
@@ -1222,25 +1296,20 @@ fn gpu_bundle() -> Result<(), String> {
     if !out.status.success() {
         return Err("building the test binaries failed".into());
     }
-    let bundle = root().join("target/gpu-bundle");
-    let _ = std::fs::remove_dir_all(&bundle);
-    std::fs::create_dir_all(bundle.join("bin")).map_err(|e| e.to_string())?;
-    let mut total = 0u64;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-        let (Some(exe), true) = (msg["executable"].as_str(), msg["profile"]["test"].as_bool() == Some(true)) else {
-            continue;
-        };
-        let name = Path::new(exe).file_name().ok_or("executable without a name")?.to_string_lossy().into_owned();
-        // Test binaries are named <target>-<hash>; keep the target's name.
-        let short = name.rsplit_once('-').map_or(name.as_str(), |(a, _)| a).to_string();
-        let dst = bundle.join("bin").join(&short);
-        total += std::fs::copy(exe, &dst).map_err(|e| format!("{exe}: {e}"))?;
+    // What run.sh unpacks: the binaries, the data, the stub libcuda.so.1.
+    let staging = root().join("target/gpu-bundle-files");
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(staging.join("bin")).map_err(|e| e.to_string())?;
+    let mut unpacked = 0u64;
+    for (short, exe) in test_executables(&out.stdout)? {
+        unpacked +=
+            std::fs::copy(&exe, staging.join("bin").join(&short)).map_err(|e| format!("{}: {e}", exe.display()))?;
     }
-    std::fs::create_dir_all(bundle.join("data")).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(staging.join("data")).map_err(|e| e.to_string())?;
     for entry in std::fs::read_dir(root().join("data")).map_err(|e| e.to_string())? {
         let entry = entry.map_err(|e| e.to_string())?;
-        total += std::fs::copy(entry.path(), bundle.join("data").join(entry.file_name())).map_err(|e| e.to_string())?;
+        unpacked +=
+            std::fs::copy(entry.path(), staging.join("data").join(entry.file_name())).map_err(|e| e.to_string())?;
     }
     let mut c = cargo();
     c.args(["build", "--release", "-p", "rotkv-benches", "--features", "cuda", "--bin", "gpu_decode", "--target-dir"])
@@ -1250,17 +1319,126 @@ fn gpu_bundle() -> Result<(), String> {
     if !run("GPU decode benchmark", c)? {
         return Err("building gpu_decode failed".into());
     }
-    total += std::fs::copy(target.join("release/gpu_decode"), bundle.join("gpu_decode")).map_err(|e| e.to_string())?;
+    unpacked +=
+        std::fs::copy(target.join("release/gpu_decode"), staging.join("gpu_decode")).map_err(|e| e.to_string())?;
+    // The candle tests on CUDA tensors (`bin/candle_cuda`), with the stub libcuda.so.1 that
+    // lets them start (and say SKIPPED) where no driver is installed. Never fails the
+    // bundle when the toolkit cannot be had: it is left out and the reason written to
+    // `SKIPPED.txt`, which run.sh prints under its summary.
+    let candle =
+        if with_candle_cuda { candle_cuda_binary(&target) } else { Err(Step::Skipped("--no-candle-cuda".into())) };
+    let mut candle_failed = None;
+    let mut skipped = String::new();
+    match candle {
+        Ok((exe, stub, cudart)) => {
+            unpacked +=
+                std::fs::copy(&exe, staging.join("bin/candle_cuda")).map_err(|e| format!("{}: {e}", exe.display()))?;
+            std::fs::create_dir_all(staging.join("lib/stub")).map_err(|e| e.to_string())?;
+            unpacked += std::fs::copy(&stub, staging.join("lib/stub/libcuda.so.1")).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(staging.join("lib/cuda")).map_err(|e| e.to_string())?;
+            let name = cudart.file_name().ok_or("libcudart without a name")?;
+            unpacked += std::fs::copy(&cudart, staging.join("lib/cuda").join(name)).map_err(|e| e.to_string())?;
+        }
+        Err(Step::Skipped(why)) => skipped = format!("SKIPPED: candle-cuda ({why})\n"),
+        Err(Step::Failed(why)) => {
+            skipped = format!("FAILED: candle-cuda ({why})\n");
+            candle_failed = Some(why);
+        }
+    }
+    print!("{skipped}");
+    // One xz stream over the whole tree with a dictionary larger than it: the test
+    // binaries share most of their code (rotkv, its dependencies, std), which the
+    // compressor then stores once (about 150 MiB of stripped binaries become about 5 MiB).
+    let bundle = root().join("target/gpu-bundle");
+    let _ = std::fs::remove_dir_all(&bundle);
+    std::fs::create_dir_all(&bundle).map_err(|e| e.to_string())?;
+    let mut tar = Command::new("tar");
+    tar.arg("-cJf").arg(bundle.join("bundle.tar.xz")).arg("-C").arg(&staging).arg(".");
+    tar.env("XZ_OPT", "-T1 --lzma2=preset=6,dict=256MiB");
+    if !run("compressing the bundle", tar)? {
+        return Err("tar/xz failed".into());
+    }
+    if !skipped.is_empty() {
+        std::fs::write(bundle.join("SKIPPED.txt"), &skipped).map_err(|e| e.to_string())?;
+    }
     std::fs::write(bundle.join("run.sh"), RUN_SH).map_err(|e| e.to_string())?;
-    println!("wrote {} ({:.1} MiB): bash target/gpu-bundle/run.sh", bundle.display(), total as f64 / (1 << 20) as f64);
+    let mut total = 0;
+    for entry in std::fs::read_dir(&bundle).map_err(|e| e.to_string())? {
+        total += entry.map_err(|e| e.to_string())?.metadata().map_err(|e| e.to_string())?.len();
+    }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "wrote {} ({:.1} MiB; {:.1} MiB unpacked, in {}): bash target/gpu-bundle/run.sh",
+        bundle.display(),
+        mib(total),
+        mib(unpacked),
+        staging.display()
+    );
     if total > 64 << 20 {
         return Err(format!("the bundle is {total} bytes, over 64 MiB"));
     }
-    Ok(())
+    match candle_failed {
+        // The bundle is complete without it; a build that broke with the toolkit at hand
+        // is still an error.
+        Some(why) => Err(format!("the bundle was written without bin/candle_cuda: {why}")),
+        None => Ok(()),
+    }
 }
 
-/// The CUDA toolkit `cargo xtask candle-cuda` builds candle-kernels with: pinned PyPI
-/// wheels of CUDA 13.2 (cudarc 0.19.10's version detection knows CUDA up to 13.4).
+/// The candle test binary with the feature `candle-cuda` (`tests/tests/candle.rs`, whose
+/// `cuda_tensors_on_a_cuda_layer` runs on GPU 0 and which includes the `candle_attention`
+/// example), built in release and stripped in `target` with the toolkit of
+/// [`cuda_toolkit`] for the H200 (sm_90); its path, the stub `libcuda.so` it was linked
+/// against, and the toolkit's `libcudart.so.<major>`: nvcc's host code for the statically
+/// linked candle-kernels calls runtime entry points of its own version
+/// (`__cudaGetKernel`, `__cudaLaunchKernel_ptsz`) that an older runtime of the same major
+/// version may lack, so the bundle carries the runtime (0.7 MiB; cuBLAS and cuRAND, far
+/// larger, it finds on the GPU machine). Skipped where the toolkit cannot be had; failed
+/// where the build fails.
+fn candle_cuda_binary(target: &Path) -> Result<(PathBuf, PathBuf, PathBuf), Step> {
+    let unavailable = |e: Step| match e {
+        Step::Skipped(why) | Step::Failed(why) => Step::Skipped(why),
+    };
+    let home = cuda_toolkit().map_err(unavailable)?;
+    let stub = cuda_link_files(&home).map_err(unavailable)?;
+    let mut c = cargo();
+    c.args(["test", "--release", "--no-run", "-p", "rotkv-tests", "--features", "candle-cuda", "--test", "candle"])
+        .arg("--message-format=json-render-diagnostics")
+        .arg("--target-dir")
+        .arg(target)
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "true");
+    // Compute capability 9.0, the H200's: candle-kernels' PTX is compiled for sm_90 and
+    // its statically linked MoE/GGUF kernels as sm_90 code.
+    with_cuda_toolkit(&mut c, &home, "90")?;
+    println!("==> building the candle tests with candle-cuda: {c:?}");
+    let start = std::time::Instant::now();
+    let out = c.stderr(std::process::Stdio::inherit()).output().map_err(|e| Step::Failed(e.to_string()))?;
+    println!("candle-cuda test binary: {:.0} s wall", start.elapsed().as_secs_f64());
+    if !out.status.success() {
+        return Err(Step::Failed("building the candle test binary with candle-cuda failed".into()));
+    }
+    let exe = test_executables(&out.stdout)
+        .map_err(Step::Failed)?
+        .into_iter()
+        .find(|(short, _)| short == "candle")
+        .ok_or_else(|| Step::Failed("cargo named no candle test binary".into()))?
+        .1;
+    let lib = home.join("lib");
+    let cudart = std::fs::read_dir(&lib)
+        .map_err(|e| Step::Failed(format!("{}: {e}", lib.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            name.strip_prefix("libcudart.so.").is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .ok_or_else(|| Step::Failed(format!("no libcudart.so.<major> in {}", lib.display())))?;
+    Ok((exe, stub, cudart))
+}
+
+/// The CUDA toolkit `cargo xtask candle-cuda` and `gpu-bundle` build candle-kernels with:
+/// pinned PyPI wheels of CUDA 13.2 (cudarc 0.19.10's version detection knows CUDA up to
+/// 13.4).
 const CUDA_WHEELS: &[&str] = &[
     "nvidia-cuda-nvcc==13.2.86",
     "nvidia-nvvm==13.2.86",
@@ -1314,35 +1492,101 @@ for name in names:
     Ok(home)
 }
 
+/// Sets the environment in which candle-core's `cuda` feature builds with the toolkit at
+/// `home` (from [`cuda_toolkit`]): `CUDA_HOME` and `CUDA_PATH` (where cudaforge,
+/// candle-kernels' kernel builder, finds nvcc and cudarc's build script the libraries),
+/// the toolkit's `bin` first on `PATH` (cudarc runs `nvcc --version` to pick its CUDA
+/// bindings), and `CUDA_COMPUTE_CAP`, the variable cudaforge reads for the compute
+/// capability nvcc compiles candle-kernels for (`"80"`: sm_80, `"90"`: sm_90).
+fn with_cuda_toolkit(c: &mut Command, home: &Path, compute_cap: &str) -> Result<(), Step> {
+    let path = std::env::join_paths(
+        std::iter::once(home.join("bin")).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
+    )
+    .map_err(|e| Step::Failed(e.to_string()))?;
+    c.env("CUDA_HOME", home).env("CUDA_PATH", home).env("PATH", path).env("CUDA_COMPUTE_CAP", compute_cap);
+    Ok(())
+}
+
+/// What linking a binary with candle-core's `cuda` (cudarc's `dynamic-linking`: `-lcuda
+/// -lcublas -lcublasLt -lcurand -lnvrtc -lcudart`) needs beyond the wheels, made in the
+/// toolkit at `home` once: the unversioned names (`lib/libcublas.so` for
+/// `libcublas.so.13`, ...), which the wheels leave out, and `lib/stubs/libcuda.so` (soname
+/// `libcuda.so.1`), the driver library's stub as a full CUDA toolkit has it: every driver
+/// function cudarc declares, each returning `CUDA_ERROR_STUB_LIBRARY` (34). The stub's
+/// path: the GPU bundle carries it for machines without a driver, where a test then says
+/// SKIPPED (no CUDA device) instead of failing to start.
+fn cuda_link_files(home: &Path) -> Result<PathBuf, Step> {
+    let lib = home.join("lib");
+    for entry in std::fs::read_dir(&lib).map_err(|e| Step::Failed(format!("{}: {e}", lib.display())))? {
+        let name = entry.map_err(|e| Step::Failed(e.to_string()))?.file_name().to_string_lossy().into_owned();
+        let Some((stem, version)) = name.rsplit_once(".so.") else { continue };
+        let link = lib.join(format!("{stem}.so"));
+        if version.bytes().all(|b| b.is_ascii_digit()) && std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(&name, &link).map_err(|e| Step::Failed(format!("{}: {e}", link.display())))?;
+        }
+    }
+    let stubs = lib.join("stubs");
+    let stub = stubs.join("libcuda.so");
+    if stub.exists() {
+        return Ok(stub);
+    }
+    // The driver API as cudarc declares it (`pub unsafe fn cuXxx(`), from its source.
+    let out = cargo()
+        .args(["metadata", "--format-version", "1"])
+        .output()
+        .map_err(|e| Step::Failed(format!("cargo metadata: {e}")))?;
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| Step::Failed(format!("cargo metadata: {e}")))?;
+    let manifest = meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "cudarc")
+        .and_then(|p| p["manifest_path"].as_str())
+        .ok_or_else(|| Step::Failed("cargo metadata lists no cudarc".into()))?;
+    let sys = Path::new(manifest).with_file_name("src/driver/sys/mod.rs");
+    let text = std::fs::read_to_string(&sys).map_err(|e| Step::Failed(format!("{}: {e}", sys.display())))?;
+    // One name may be declared more than once (under different CUDA versions' cfgs).
+    let names: std::collections::BTreeSet<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("pub unsafe fn ")?.split('(').next()).collect();
+    let mut c_source = String::from("/* libcuda.so.1 stub (cargo xtask gpu-bundle): CUDA_ERROR_STUB_LIBRARY */\n");
+    for name in names.iter().filter(|n| n.starts_with("cu")) {
+        c_source.push_str(&format!("int {name}(void) {{ return 34; }}\n"));
+    }
+    std::fs::create_dir_all(&stubs).map_err(|e| Step::Failed(format!("{}: {e}", stubs.display())))?;
+    let source = stubs.join("libcuda_stub.c");
+    std::fs::write(&source, c_source).map_err(|e| Step::Failed(format!("{}: {e}", source.display())))?;
+    let mut cc = Command::new("cc");
+    cc.args(["-shared", "-fPIC", "-O1", "-s", "-Wl,-soname,libcuda.so.1", "-o"]).arg(&stub).arg(&source);
+    if !matches!(cc.status(), Ok(s) if s.success()) {
+        return Err(Step::Skipped("cannot compile the stub libcuda.so with cc".into()));
+    }
+    Ok(stub)
+}
+
 /// `cargo xtask candle-cuda`: clippy (warnings denied, all targets) on `rotkv` and
 /// `rotkv-tests` with `candle-cuda` and `sim`, then `rotkv`'s docs (warnings denied),
 /// candle-kernels compiled by the toolkit of [`cuda_toolkit`] for sm_80, in
 /// `target/candle-cuda`.
 fn candle_cuda() -> Result<(), Step> {
     let home = cuda_toolkit()?;
-    let path = std::env::join_paths(
-        std::iter::once(home.join("bin")).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
-    )
-    .map_err(|e| Step::Failed(e.to_string()))?;
-    let with_toolkit = |c: &mut Command| {
-        c.arg("--target-dir")
-            .arg(root().join("target/candle-cuda"))
-            .env("CUDA_HOME", &home)
-            .env("CUDA_PATH", &home)
-            .env("PATH", &path)
-            .env("CUDA_COMPUTE_CAP", "80");
-    };
+    let target = root().join("target/candle-cuda");
     let start = std::time::Instant::now();
     let mut c = cargo();
     c.args(["clippy", "-p", "rotkv", "-p", "rotkv-tests", "--all-targets", "--features"])
-        .arg("rotkv/candle-cuda,rotkv/sim,rotkv-tests/candle-cuda");
-    with_toolkit(&mut c);
+        .arg("rotkv/candle-cuda,rotkv/sim,rotkv-tests/candle-cuda")
+        .arg("--target-dir")
+        .arg(&target);
+    with_cuda_toolkit(&mut c, &home, "80")?;
     c.args(["--", "-D", "warnings"]);
     let clippy = run("candle-cuda (clippy with candle-core's cuda)", c).map_err(Step::Failed)?;
     // The documentation of the candle-cuda items (intra-doc links), warnings denied.
     let mut c = cargo();
-    c.args(["doc", "--no-deps", "-p", "rotkv", "--features", "candle-cuda,sim"]).env("RUSTDOCFLAGS", "-D warnings");
-    with_toolkit(&mut c);
+    c.args(["doc", "--no-deps", "-p", "rotkv", "--features", "candle-cuda,sim"])
+        .arg("--target-dir")
+        .arg(&target)
+        .env("RUSTDOCFLAGS", "-D warnings");
+    with_cuda_toolkit(&mut c, &home, "80")?;
     let docs = run("candle-cuda (docs)", c).map_err(Step::Failed)?;
     println!("candle-cuda: {:.0} s wall", start.elapsed().as_secs_f64());
     match (clippy, docs) {
