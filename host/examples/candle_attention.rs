@@ -6,10 +6,12 @@
 //! cache (`rotkv::candle::append`), decode attention from the packed cache
 //! (`rotkv::candle::decode`, both sequences in one call; after the prompts also
 //! `decode_tokens` for the last 4 prompt tokens, causal), then the output projection.
-//! The same tokens also go through the device path on the emulated GPU
-//! (`rotkv::candle::device_append` and `device_decode` on a `rotkv::device::DeviceLayer`
-//! of `Device::sim()`: the tensors are read in place as device views, k contiguous and v
-//! at the fused projection's row stride, with no copy). Each output is compared with
+//! The same tokens also go through the device path (`rotkv::candle::device_append` and
+//! `device_decode` on a `rotkv::device::DeviceLayer`): on GPU 0 with CUDA tensors when
+//! built with the feature `candle-cuda` and a GPU is there (the GPU bundle's
+//! `bin/candle_cuda`), else on the emulated GPU (`Device::sim()`) with the CPU tensors.
+//! Either way the tensors are read in place as device views, k contiguous and v at the
+//! fused projection's row stride, with no copy (`to_device` keeps the layout). Each output is compared with
 //! candle's own f32 softmax attention over the unquantized keys and values, and with the same layer on rotkv's f64 reference backend:
 //!
 //! - cpu backend vs reference backend: the same quantized cache, so they agree to
@@ -41,8 +43,8 @@ const SPEC: usize = 4;
 
 /// cpu backend vs the f64 reference backend (relative L2 over all outputs).
 pub const BACKEND_BOUND: f64 = 3e-3;
-/// The device path (emulated GPU) vs the f64 reference backend: the device tolerance of
-/// tests/tests/device.rs (f32 accumulation, f16 probabilities in the MMA).
+/// The device path (emulated GPU, or GPU 0) vs the f64 reference backend: the device
+/// tolerance of tests/tests/device.rs (f32 accumulation, f16 probabilities in the MMA).
 pub const DEVICE_BOUND: f64 = 3e-3;
 /// k4v4 vs exact f32 attention (relative L2 of the layer output; measured 0.090).
 ///
@@ -155,6 +157,16 @@ impl Err2 {
     }
 }
 
+/// Where the device path runs: GPU 0 through candle when built with `candle-cuda` and a
+/// GPU is present, else the emulated GPU with CPU tensors; its name for the output.
+fn device_path() -> Res<(rotkv::device::Device, Device, &'static str)> {
+    #[cfg(feature = "candle-cuda")]
+    if let Ok(cuda) = Device::new_cuda(0) {
+        return Ok((rotkv::candle::cuda_device(&cuda)?, cuda, "GPU 0"));
+    }
+    Ok((rotkv::device::Device::sim(), Device::Cpu, "emulated GPU"))
+}
+
 /// Relative errors of one configuration: (cpu vs exact, reference vs exact, cpu vs
 /// reference, device path vs reference).
 fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Res<(f64, f64, f64, f64)> {
@@ -167,8 +179,11 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
     for c in &mut caches {
         ids.push([c.add_sequence()?, c.add_sequence()?]);
     }
-    // The device path: one layer on the emulated GPU, one plan for both sequences.
-    let dev = rotkv::device::Device::sim();
+    // The device path: one layer, one plan for both sequences; `on` moves a tensor to
+    // its device (a no-op on the emulator).
+    let (dev, tdev, place) = device_path()?;
+    let on = |t: &Tensor| t.to_device(&tdev);
+    let back = |t: Tensor| t.to_device(&Device::Cpu);
     let mut layer = DeviceLayer::new(
         &dev,
         config,
@@ -205,7 +220,7 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         // RoPE made k a new contiguous tensor; v is still a view of the fused projection
         // (rows 768 elements apart): the device append reads each at its own token
         // stride, in place.
-        rotkv::candle::device_append(&mut layer, dids[s], &k, &v)?;
+        rotkv::candle::device_append(&mut layer, dids[s], &on(&k)?, &on(&v)?)?;
         for i in n - SPEC..n {
             let row = q.get(i)?;
             spec_exact.push(exact_attention(&row, &k.narrow(0, 0, i + 1)?, &v.narrow(0, 0, i + 1)?)?);
@@ -220,7 +235,8 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         .map(|(c, id)| project_out(w, &rotkv::candle::decode_tokens(c, 0, id, SPEC, &q)?))
         .collect::<Res<_>>()?;
     // The plan's rows are slot s's q_len rows at s * q_len: the same order.
-    dev_ref.add(&project_out(w, &rotkv::candle::device_decode(&mut plan, &layer, SPEC, &q)?)?, &outs[1])?;
+    let out = back(rotkv::candle::device_decode(&mut plan, &layer, SPEC, &on(&q)?)?)?;
+    dev_ref.add(&project_out(w, &out)?, &outs[1])?;
     let exact = project_out(w, &Tensor::stack(&spec_exact, 0)?)?;
     cpu_exact.add(&outs[0], &exact)?;
     ref_exact.add(&outs[1], &exact)?;
@@ -236,7 +252,7 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
             for (c, id) in caches.iter_mut().zip(&ids) {
                 rotkv::candle::append(c, 0, id[i], &ki, &vi)?;
             }
-            rotkv::candle::device_append(&mut layer, dids[i], &ki, &vi)?;
+            rotkv::candle::device_append(&mut layer, dids[i], &on(&ki)?, &on(&vi)?)?;
             let grown = (Tensor::cat(&[&hist[i].0, &ki], 0)?, Tensor::cat(&[&hist[i].1, &vi], 0)?);
             hist[i] = grown;
         }
@@ -251,12 +267,13 @@ fn run_config(name: &str, config: CacheConfig, w: &Weights, rng: &mut Rng) -> Re
         cpu_exact.add(&outs[0], &exact)?;
         ref_exact.add(&outs[1], &exact)?;
         cpu_ref.add(&outs[0], &outs[1])?;
-        dev_ref.add(&project_out(w, &rotkv::candle::device_decode(&mut plan, &layer, 1, &q)?)?, &outs[1])?;
+        let out = back(rotkv::candle::device_decode(&mut plan, &layer, 1, &on(&q)?)?)?;
+        dev_ref.add(&project_out(w, &out)?, &outs[1])?;
     }
     let lens: Vec<usize> = ids[0].iter().map(|&s| caches[0].len(0, s)).collect::<rotkv::Result<_>>()?;
     println!(
         "{name}: lens {lens:?}, {} query rows; rel. L2 error vs exact f32 attention: cpu {:.4}, reference {:.4}; \
-         cpu vs reference {:.2e}; device path (emulated GPU) vs reference {:.2e}",
+         cpu vs reference {:.2e}; device path ({place}) vs reference {:.2e}",
         2 * (SPEC + STEPS),
         cpu_exact.rel(),
         ref_exact.rel(),

@@ -57,7 +57,10 @@ fn bad_arguments_fail_with_a_message() {
         assert!(err.contains(says), "{args:?}: {err}");
     };
     fail(&["ppl", "--model", "/nonexistent.gguf", "--text", "/dev/null"], "nonexistent.gguf");
-    fail(&["ppl", "--weights", "q3", "--model", "/no.gguf", "--text", "/dev/null"], "weight storage \"q3\"");
+    fail(
+        &["ppl", "--weights", "q3", "--model", "/no.gguf", "--text", "/dev/null"],
+        "invalid value 'q3' for '--weights",
+    );
     fail(&["ppl", "--weights", "quantized", "--model", "/no.gguf", "--text", "/dev/null"], "no.gguf");
     fail(&["capture", "--model", "/no.gguf", "--text", "/dev/null", "--out", "/tmp/x"], "no.gguf");
     // A file that is not GGUF (the bundled safetensors tile).
