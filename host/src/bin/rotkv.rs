@@ -862,5 +862,22 @@ fn calibrate(
     if let Some(r) = cal.metadata.get("optr.mean_loss_ratio") {
         writeln!(out, "optr: {r}")?;
     }
+    if keep_std {
+        // What `-aa` will decide per KV head from this file.
+        let mut r: Vec<f64> =
+            cal.layers.iter().flat_map(|l| model::calibrate::outlier_ratios(&l.key_scale, cal.head_dim)).collect();
+        r.sort_by(f64::total_cmp);
+        let limit = model::calibrate::AUTO_SMOOTH_RATIO;
+        if let (Some(lo), Some(hi)) = (r.first(), r.last()) {
+            writeln!(
+                out,
+                "key channel std, largest / mean per KV head: min {lo:.2}, median {:.2}, max {hi:.2}; \
+                 -aa smooths {} of {} heads (ratio >= {limit})",
+                r[r.len() / 2],
+                r.iter().filter(|&&x| x >= limit).count(),
+                r.len()
+            )?;
+        }
+    }
     Ok(())
 }

@@ -105,15 +105,26 @@ pub const AUTO_SMOOTH_RATIO: f64 = 3.0;
 /// The exponent [`Smooth::Auto`] smooths with (the best of 0.25, 0.5 and 1.0 on Gemma 3).
 pub const AUTO_SMOOTH_ALPHA: f64 = 0.5;
 
+/// Per KV head, the largest channel `sigma` over the mean of the head's channels (what
+/// [`Smooth::Auto`] compares with [`AUTO_SMOOTH_RATIO`]).
+pub fn outlier_ratios(sigma: &[f32], head_dim: usize) -> Vec<f64> {
+    sigma
+        .chunks_exact(head_dim)
+        .map(|head| {
+            let mean = head.iter().map(|&x| x as f64).sum::<f64>() / head_dim as f64;
+            head.iter().fold(0f64, |m, &x| m.max(x as f64)) / mean
+        })
+        .collect()
+}
+
 /// [`smoothing_scales`] with each head's alpha chosen as [`Smooth::Auto`] says: ones for
 /// heads whose largest channel `sigma` is below [`AUTO_SMOOTH_RATIO`] times their mean.
 pub fn auto_smoothing_scales(sigma: &[f32], head_dim: usize) -> Vec<f32> {
     sigma
         .chunks_exact(head_dim)
-        .flat_map(|head| {
-            let mean = head.iter().map(|&x| x as f64).sum::<f64>() / head_dim as f64;
-            let max = head.iter().fold(0f64, |m, &x| m.max(x as f64));
-            let alpha = if max >= AUTO_SMOOTH_RATIO * mean { AUTO_SMOOTH_ALPHA } else { 0.0 };
+        .zip(outlier_ratios(sigma, head_dim))
+        .flat_map(|(head, ratio)| {
+            let alpha = if ratio >= AUTO_SMOOTH_RATIO { AUTO_SMOOTH_ALPHA } else { 0.0 };
             smoothing_scales(head, head_dim, alpha)
         })
         .collect()
@@ -590,6 +601,11 @@ mod tests {
         };
         let sigma: Vec<f32> = [2.9, 3.1, 18.0].iter().flat_map(|&r| head(r)).collect();
         let s = auto_smoothing_scales(&sigma, d);
+        let r = outlier_ratios(&sigma, d);
+        assert!(
+            r.len() == 3 && (r[0] - 2.9).abs() < 1e-5 && (r[1] - 3.1).abs() < 1e-5 && (r[2] - 18.0).abs() < 1e-4,
+            "{r:?}"
+        );
         assert_eq!(&s[..d], &vec![1.0; d][..], "below the ratio: no smoothing");
         assert_eq!(&s[d..], &smoothing_scales(&sigma[d..], d, 0.5)[..], "above it: alpha 0.5");
         assert!(s[d + 7] > 1.5 && s[2 * d + 7] > s[d + 7]);
