@@ -611,25 +611,22 @@ impl Llama {
         Ok(x)
     }
 
+    /// Every weight matrix: the embeddings, the output projection when untied, and each
+    /// layer's seven projections.
+    fn matrices(&self) -> impl Iterator<Item = &Weight> {
+        let layers = self.layers.iter().flat_map(|w| [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down]);
+        std::iter::once(&self.embed).chain(self.output.as_ref()).chain(layers)
+    }
+
     /// Whether any weight matrix is kept as stored ([`WeightStorage::Quantized`]).
     pub fn weights_as_stored(&self) -> bool {
-        let layer = |w: &LayerWeights| {
-            [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down].iter().any(|m| matches!(m, Weight::Blocks(_)))
-        };
-        matches!(self.embed, Weight::Blocks(_))
-            || matches!(self.output, Some(Weight::Blocks(_)))
-            || self.layers.iter().any(layer)
+        self.matrices().any(|m| matches!(m, Weight::Blocks(_)))
     }
 
     /// Bytes the weight matrices hold in memory (embeddings and output projection
     /// included; norm gains and biases not).
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|w| [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down].iter().map(|m| m.bytes()).sum::<usize>())
-            .sum();
-        layers + self.embed.bytes() + self.output.as_ref().map_or(0, Weight::bytes)
+        self.matrices().map(Weight::bytes).sum()
     }
 
     /// Logits `[rows][vocab]` of final hidden states `[rows][dim]`.
