@@ -344,6 +344,20 @@ pub(crate) fn check_rows<T: KvElement>(
     d: usize,
     mean: Option<(&[f32], &[f32])>,
 ) -> Result<()> {
+    check_len(what, x, tokens, heads, d)?;
+    // First in f32 (vectorized): a row whose f32 norm is below the fast limit is fine; the
+    // others get the f64 test.
+    let head = |i: usize| mean.map(|(m, s)| head_slices(m, s, i % heads, d));
+    let bad = cpu::first_bad_row(x, heads, d, mean, FAST_NORM2_LIMIT, |i, row| row_is_bad(row, head(i)))
+        .map(|i| (i, &x[i * d..(i + 1) * d]));
+    match bad {
+        Some((i, row)) => Err(row_error(what, i / heads, i % heads, row, head(i))),
+        None => Ok(()),
+    }
+}
+
+/// The size check of [`check_rows`].
+fn check_len<T>(what: &str, x: &[T], tokens: usize, heads: usize, d: usize) -> Result<()> {
     if x.len() != tokens * heads * d {
         return Err(Error::Shape(format!(
             "{what} has {} elements, expected {tokens} tokens x {heads} heads x {d} = {}",
@@ -351,43 +365,53 @@ pub(crate) fn check_rows<T: KvElement>(
             tokens * heads * d
         )));
     }
-    let limit = f16::MAX.to_f64();
-    // The row's norm as stored, `(x - mean) / scale` (f64, eight partial sums), or NaN
-    // when a value is not finite.
-    let norm = |i: usize, row: &[T]| -> f64 {
-        let h = i % heads;
-        let mut acc = [0f64; 8];
-        let mut finite = true;
-        for (c0, r8) in (0..d).step_by(8).zip(row.chunks(8)) {
-            for (l, v) in r8.iter().enumerate() {
-                let v = v.to_f32();
-                finite &= v.is_finite();
-                let at = h * d + c0 + l;
-                let c = mean.map_or(v as f64, |(m, s)| (v as f64 - m[at] as f64) / s[at] as f64);
-                acc[l] += c * c;
-            }
+    Ok(())
+}
+
+/// The largest L2 norm of a stored row: the f16 range.
+const ROW_NORM_LIMIT: f64 = 65504.0;
+
+/// The fast test's limit on a row's f32 squared norm: a row below 0.999 of the limit is
+/// fine (the f32 sum's relative error is below 1e-4; an infinity or NaN anywhere makes the
+/// sum fail the test); the others get the exact test ([`row_is_bad`]).
+const FAST_NORM2_LIMIT: f32 = (0.999 * ROW_NORM_LIMIT * ROW_NORM_LIMIT) as f32;
+
+/// One head's `(mean, scale)` slices.
+fn head_slices<'a>(m: &'a [f32], s: &'a [f32], h: usize, d: usize) -> (&'a [f32], &'a [f32]) {
+    (&m[h * d..(h + 1) * d], &s[h * d..(h + 1) * d])
+}
+
+/// A row's L2 norm as stored, `(x - mean) / scale` with the head's `mean` (f64, eight
+/// partial sums), or NaN when a value is not finite.
+fn row_norm<T: KvElement>(row: &[T], mean: Option<(&[f32], &[f32])>) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut finite = true;
+    for (c0, r8) in (0..row.len()).step_by(8).zip(row.chunks(8)) {
+        for (l, v) in r8.iter().enumerate() {
+            let v = v.to_f32();
+            finite &= v.is_finite();
+            let c = mean.map_or(v as f64, |(m, s)| (v as f64 - m[c0 + l] as f64) / s[c0 + l] as f64);
+            acc[l] += c * c;
         }
-        if finite { acc.iter().sum::<f64>().sqrt() } else { f64::NAN }
-    };
-    // First in f32 (vectorized): a row whose f32 norm is below 0.999 of the limit is
-    // fine (the f32 sum's relative error is below 1e-4; an infinity or NaN anywhere makes
-    // the sum fail the test); the others get the f64 test.
-    let fast_limit = (0.999 * limit * limit) as f32;
-    let bad = cpu::first_bad_row(x, heads, d, mean, fast_limit, |i, row| {
-        let n = norm(i, row);
-        n.is_nan() || n > limit
-    })
-    .map(|i| (i, &x[i * d..(i + 1) * d]));
-    let Some((i, row)) = bad else { return Ok(()) };
-    let h = i % heads;
-    if let Some(j) = row.iter().position(|v| !v.to_f32().is_finite()) {
-        return Err(Error::Value(format!("{what}[token {}][head {h}][{j}] is {}", i / heads, row[j].to_f32())));
     }
-    Err(Error::Value(format!(
-        "{what}[token {}][head {h}] has norm {:.1}: above the f16 range the cache stores ({limit})",
-        i / heads,
-        norm(i, row)
-    )))
+    if finite { acc.iter().sum::<f64>().sqrt() } else { f64::NAN }
+}
+
+/// The exact test: a value not finite, or a norm as stored above the f16 range.
+fn row_is_bad<T: KvElement>(row: &[T], mean: Option<(&[f32], &[f32])>) -> bool {
+    let n = row_norm(row, mean);
+    n.is_nan() || n > ROW_NORM_LIMIT
+}
+
+/// The error for a bad row of `what` (token `t`, head `h`).
+fn row_error<T: KvElement>(what: &str, t: usize, h: usize, row: &[T], mean: Option<(&[f32], &[f32])>) -> Error {
+    if let Some(j) = row.iter().position(|v| !v.to_f32().is_finite()) {
+        return Error::Value(format!("{what}[token {t}][head {h}][{j}] is {}", row[j].to_f32()));
+    }
+    Error::Value(format!(
+        "{what}[token {t}][head {h}] has norm {:.1}: above the f16 range the cache stores ({ROW_NORM_LIMIT})",
+        row_norm(row, mean)
+    ))
 }
 
 /// Appends `tokens` new tokens to one sequence of one layer and returns the new length.
@@ -436,8 +460,15 @@ pub fn append<T: KvElement>(
     let full = fmt.pages_for(len as u32) as usize;
     check_block_table(block_table, fmt.pages_for(new_len as u32) as usize, full, blocks, 0, &mut used)?;
     check_protected(&fmt, protected)?;
-    check_rows("k", k, tokens, hkv, d, Some((&calib.key_mean, &calib.key_scale)))?;
-    check_rows("v", v, tokens, hkv, d, None)?;
+    let key_mean = Some((&calib.key_mean[..], &calib.key_scale[..]));
+    if backend == Backend::Cpu {
+        // The fused append checks the rows as it reads them (below).
+        check_len("k", k, tokens, hkv, d)?;
+        check_len("v", v, tokens, hkv, d)?;
+    } else {
+        check_rows("k", k, tokens, hkv, d, key_mean)?;
+        check_rows("v", v, tokens, hkv, d, None)?;
+    }
     let params = AppendParams {
         format: fmt,
         num_kv_heads: hkv as u32,
@@ -464,8 +495,21 @@ pub fn append<T: KvElement>(
                 (k.iter().map(|x| x.to_f32()).collect(), v.iter().map(|x| x.to_f32()).collect());
             reference::append(&params, calib, pool, block_table, side, protected, &k, &v)
         }
-        // The caller's elements as they are: the fused append converts row by row.
-        Backend::Cpu => cpu::append(&params, calib, pool, block_table, side, protected, k, v),
+        // The caller's elements as they are: the fused append converts, checks and
+        // quantizes row by row, and changes nothing when a row fails the check.
+        Backend::Cpu => {
+            let head = |h: usize| key_mean.map(|(m, s)| head_slices(m, s, h, d));
+            let exact_bad =
+                |value: bool, _t: usize, h: usize, row: &[T]| row_is_bad(row, if value { None } else { head(h) });
+            let check = cpu::RowCheck { fast_limit: FAST_NORM2_LIMIT, exact_bad: &exact_bad };
+            if !cpu::append_checked(&params, calib, pool, block_table, side, protected, k, v, Some(&check)) {
+                // A row failed: the error names the first bad row, as the other backends'.
+                check_rows("k", k, tokens, hkv, d, key_mean)?;
+                check_rows("v", v, tokens, hkv, d, None)?;
+                // Unreachable (the same exact test), but if so, the rows are fine.
+                cpu::append(&params, calib, pool, block_table, side, protected, k, v);
+            }
+        }
         #[cfg(feature = "sim")]
         Backend::Sim => crate::sim::append_sim(&raw, calib, pool, block_table, side, protected, raw_k, raw_v)?,
         #[cfg(feature = "cuda")]

@@ -127,3 +127,75 @@ fn invalid_input_is_refused_alike_for_every_element_type() {
     assert_eq!(b.layer_bytes(0).unwrap().0, &before[..]);
     assert_eq!((a.len(0, sa).unwrap(), b.len(0, sb).unwrap()), (n, n));
 }
+
+/// The fused append checks each row as it reads it and restores the pool blocks it wrote
+/// when one fails: whichever row is bad (in the first, a middle or the last page that
+/// fills, among the sinks, in the window), the cpu backend gives the reference backend's
+/// error and leaves every byte of the pool and the side store as it was; a valid append
+/// afterwards writes what it would have written without the failed one.
+#[test]
+fn a_bad_row_anywhere_restores_every_byte_and_names_the_first_bad_row() {
+    let d = 64;
+    let hkv = 3;
+    let config = CacheConfig { sinks: 4, window: 40, page_size: 16, ..CacheConfig::k2v2(d) };
+    let shape =
+        CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hkv, max_seqs: 2, max_tokens: 400, num_blocks: None };
+    // Centered and scaled keys: a key row can fail only as stored, `(k - mean) / scale`.
+    let mut calib = LayerCalibration::identity(hkv, d);
+    calib.key_mean = (0..hkv * d).map(|i| (i % 7) as f32 - 3.0).collect();
+    calib.key_scale = (0..hkv * d).map(|i| if i % d == 9 { 1e-3 } else { 1.0 }).collect();
+    let mut rng = Rng::new(77);
+    for (start, n) in [(0usize, 1usize), (0, 200), (30, 150), (45, 3)] {
+        let k = rows(&mut rng, n, hkv, d);
+        let v = rows(&mut rng, n, hkv, d);
+        let warm_k = rows(&mut rng, start.max(1), hkv, d);
+        let warm_v = rows(&mut rng, start.max(1), hkv, d);
+        // (token, head, is value, element, value): a value too large or not finite.
+        let bads = [
+            (0, 0, false, 3, f32::NAN),
+            (n / 2, 1, true, 0, f32::INFINITY),
+            (n - 1, 2, false, 9, 70.0), // 70 / 1e-3 as stored: far past the f16 range
+            (n / 3, 2, true, 63, f32::NEG_INFINITY),
+            (n - 1, 0, true, 1, 65504.0),
+        ];
+        for (t, h, value, c, x) in bads {
+            let fresh = |backend| {
+                let mut cache = KvCache::new(config, shape, backend).unwrap();
+                cache.set_calibration(0, calib.clone()).unwrap();
+                let s = cache.add_sequence().unwrap();
+                if start > 0 {
+                    cache.append(0, s, start, &warm_k[..start * hkv * d], &warm_v[..start * hkv * d]).unwrap();
+                }
+                (cache, s)
+            };
+            let (mut cpu, s) = fresh(Backend::Cpu);
+            let (mut reference, r) = fresh(Backend::Reference);
+            let (mut bk, mut bv) = (k.clone(), v.clone());
+            let at = (t * hkv + h) * d + c;
+            if value {
+                bv[at] = x
+            } else {
+                bk[at] = x
+            };
+            // A second bad row after the first: the error names the first.
+            if t + 1 < n {
+                bk[((t + 1) * hkv) * d] = f32::NAN;
+            }
+            let (pool, side) = {
+                let (p, s) = cpu.layer_bytes(0).unwrap();
+                (p.to_vec(), s.to_vec())
+            };
+            let e_cpu = cpu.append(0, s, n, &bk, &bv).unwrap_err().to_string();
+            let e_ref = reference.append(0, r, n, &bk, &bv).unwrap_err().to_string();
+            assert_eq!(e_cpu, e_ref, "start {start}, {n} tokens, bad row ({t}, {h}, value {value})");
+            let (p, sd) = cpu.layer_bytes(0).unwrap();
+            assert!(p == &pool[..] && sd == &side[..], "bytes changed: start {start}, {n} tokens, row ({t}, {h})");
+            assert_eq!(cpu.len(0, s).unwrap(), start);
+            // The same input made valid: the bytes of a cache that never saw the failure.
+            cpu.append(0, s, n, &k, &v).unwrap();
+            let (mut clean, c2) = fresh(Backend::Cpu);
+            clean.append(0, c2, n, &k, &v).unwrap();
+            assert!(cpu.layer_bytes(0).unwrap() == clean.layer_bytes(0).unwrap());
+        }
+    }
+}

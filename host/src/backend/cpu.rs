@@ -277,23 +277,64 @@ impl AppendScratch {
     }
 }
 
+/// How a key row becomes `(k - mean) / scale` before its rotation, per KV head: the
+/// same f32 operations as [`stage_row`], with the ones that change no bit left out
+/// (`x - 0.0 == x` and `x / 1.0 == x` for every finite `x`, signed zeros included).
+#[derive(Clone, Copy)]
+enum KeyAffine<'a> {
+    /// Mean `+0.0` and scale 1 everywhere: the row as it is.
+    None,
+    /// Scale 1 everywhere: `x - mean`.
+    Center(&'a [f32]),
+    /// `(x - mean) / scale`.
+    Full(&'a [f32], &'a [f32]),
+}
+
+impl<'a> KeyAffine<'a> {
+    fn of(mean: &'a [f32], scale: &'a [f32]) -> Self {
+        match (mean.iter().all(|m| m.to_bits() == 0), scale.iter().all(|&s| s == 1.0)) {
+            (true, true) => Self::None,
+            (false, true) => Self::Center(mean),
+            _ => Self::Full(mean, scale),
+        }
+    }
+}
+
+/// Loads an input row into `x` as f32 and centers and scales it (keys) as
+/// [`stage_row`] does; returns its squared L2 norm in f32, eight partial sums as
+/// [`first_bad_row`]'s fast test computes it (NaN or infinite when a value is not finite).
+#[inline(always)]
+fn load_affine<K: Kernels, T: KvElement>(kern: K, src: &[T], affine: KeyAffine<'_>, x: &mut [f32]) -> f32 {
+    load_row(kern, src, x);
+    match affine {
+        KeyAffine::None => {}
+        KeyAffine::Center(m) => x.iter_mut().zip(m).for_each(|(x, m)| *x -= m),
+        KeyAffine::Full(m, s) => x.iter_mut().zip(m.iter().zip(s)).for_each(|(x, (m, s))| *x = (*x - m) / s),
+    }
+    let mut acc = [0f32; LANES];
+    for x8 in x.chunks_exact(LANES) {
+        for l in 0..LANES {
+            acc[l] += x8[l] * x8[l];
+        }
+    }
+    acc.iter().sum()
+}
+
 /// [`stage_row`] for an input row of any element type into `scr.row`, with the kernel
 /// set's FWHT and f16 conversions (the same bits as [`stage_row`]: the same f32
-/// operations, conversions rounding to nearest even).
+/// operations, conversions rounding to nearest even). Returns [`load_affine`]'s squared
+/// norm, so that the fused append checks each row as it reads it.
 #[inline(always)]
 fn stage_input<K: Kernels, T: KvElement>(
     kern: K,
     src: &[T],
-    mean: Option<(&[f32], &[f32])>,
+    mean: KeyAffine<'_>,
     rot: HeadRotation<'_>,
     perm: Option<&[u16]>,
     scr: &mut AppendScratch,
-) {
+) -> f32 {
     let AppendScratch { x, y, row, .. } = scr;
-    load_row(kern, src, x);
-    if let Some((m, s)) = mean {
-        x.iter_mut().zip(m.iter().zip(s)).for_each(|(x, (m, s))| *x = (*x - m) / s);
-    }
+    let norm2 = load_affine(kern, src, mean, x);
     match rot {
         HeadRotation::None => {}
         HeadRotation::Hadamard => kern.fwht(x),
@@ -311,6 +352,7 @@ fn stage_input<K: Kernels, T: KvElement>(
         }
         None => kern.round_to_f16(x, row),
     }
+    norm2
 }
 
 /// `Some(perm)` unless it is the identity.
@@ -441,21 +483,67 @@ fn v_src(p: &AppendParams, t: u32, h: usize) -> usize {
     t as usize * p.v_token_stride as usize + h * p.head_stride as usize
 }
 
+/// The exact test of an append's input row: `(value, token, kv_head, row)`, true when
+/// the row is bad.
+pub(crate) type ExactRowTest<'a, T> = dyn Fn(bool, usize, usize, &[T]) -> bool + Sync + 'a;
+
+/// The input check of an append, made by the CPU backend's fused pass on the rows it
+/// reads anyway (the test of [`crate::paged::check_rows`]: finite values and an L2 norm as
+/// stored within the f16 range), so the input crosses memory once.
+pub(crate) struct RowCheck<'a, T> {
+    /// Rows whose f32 squared norm (eight partial sums) is below this pass without the
+    /// exact test (the caller sets it below the exact limit by more than the f32 sum's
+    /// error; a NaN or infinite norm fails it).
+    pub fast_limit: f32,
+    /// The exact test of a row that fails the fast one: `(value, token, kv_head, row)`,
+    /// true when the row is bad.
+    pub exact_bad: &'a ExactRowTest<'a, T>,
+}
+
+impl<T> RowCheck<'_, T> {
+    /// Whether the row of `(value, token, kv_head)` with fast squared norm `norm2` is bad.
+    #[inline(always)]
+    fn bad(&self, norm2: f32, value: bool, token: usize, h: usize, row: &[T]) -> bool {
+        // A NaN norm is not below the limit: it goes to the exact test.
+        let fast_ok = norm2 < self.fast_limit;
+        !fast_ok && (self.exact_bad)(value, token, h, row)
+    }
+}
+
+/// A KV head's key and value permutations (`None`: the identity).
+type HeadPerms<'a> = (Option<&'a [u16]>, Option<&'a [u16]>);
+
 /// Everything one head-page of an append reads: the format, the calibration, the old
-/// window rows and the new input rows.
+/// window rows and the new input rows, and the check the new rows must pass.
 struct PageInputs<'a, T> {
     p: &'a AppendParams,
     calib: &'a LayerCalibration,
+    /// Per KV head: how its key rows are centered and scaled, and its key and value
+    /// permutations (`None`: the identity).
+    affine: &'a [KeyAffine<'a>],
+    perms: &'a [HeadPerms<'a>],
     side: &'a [f16],
     k: &'a [T],
     v: &'a [T],
+    check: Option<&'a RowCheck<'a, T>>,
+}
+
+/// Where [`fill_page`] found the stored f16 row of a slot.
+enum Staged {
+    /// Row `at` of the side store (an old window row).
+    Side(usize),
+    /// A new input row, staged into the scratch row.
+    Scratch,
+    /// A new input row that fails the check: nothing more is written.
+    Bad,
 }
 
 /// Quantizes head-page `(page, h)` into `bytes` in one pass over its rows: a row already
-/// in the window is quantized from its f16 side row; a new row is rotated and rounded
-/// to f16 ([`stage_input`]) and quantized right away ([`quantize_into_page`]), with no
-/// staging buffer between. Variance-normalized pages (which need the whole page's rows
-/// first) go through [`crate::reference::quantize_page`] on the same rows.
+/// in the window is quantized from its f16 side row; a new row is checked, rotated and
+/// rounded to f16 ([`stage_input`]) and quantized right away ([`quantize_into_page`]), with
+/// no staging buffer between. Variance-normalized pages (which need the whole page's rows
+/// first) go through [`crate::reference::quantize_page`] on the same rows. False when a
+/// new row fails the check (then `bytes` may be partly written).
 #[inline(always)]
 fn fill_page<K: Kernels, T: KvElement>(
     kern: K,
@@ -464,45 +552,48 @@ fn fill_page<K: Kernels, T: KvElement>(
     h: u32,
     bytes: &mut [u8],
     scr: &mut AppendScratch,
-) {
+) -> bool {
     let p = inp.p;
     let fmt = &p.format;
     let d = fmt.head_dim as usize;
     let hu = h as usize;
     let len = p.start;
-    let (mean, kperm, vperm) = inp.calib.head(hu, d);
-    let key_mean = Some((mean, inp.calib.head_key_scale(hu, d)));
-    let (kperm, vperm) = (non_identity(kperm), non_identity(vperm));
+    let (kperm, vperm) = inp.perms[hu];
+    let (krot, vrot) = (inp.calib.rotation(false, hu, d, p.flags), inp.calib.rotation(true, hu, d, p.flags));
     let pos = |slot: u32| fmt.sinks + page * fmt.page_size + slot;
     // The stored f16 row of (slot, value): from the side store or staged into scr.row.
-    let stage = |slot: u32, value: bool, scr: &mut AppendScratch| -> Option<usize> {
+    let stage = |slot: u32, value: bool, scr: &mut AppendScratch| -> Staged {
         let at = pos(slot);
         if at < len {
-            return Some(fmt.side_row_at(h, value, fmt.window_row(at)));
+            return Staged::Side(fmt.side_row_at(h, value, fmt.window_row(at)));
         }
-        let rot = inp.calib.rotation(value, hu, d, p.flags);
-        if value {
-            let src = v_src(p, at - len, hu);
-            stage_input(kern, &inp.v[src..src + d], None, rot, vperm, scr);
+        let t = (at - len) as usize;
+        let (row, norm2) = if value {
+            let row = &inp.v[v_src(p, at - len, hu)..][..d];
+            (row, stage_input(kern, row, KeyAffine::None, vrot, vperm, scr))
         } else {
-            let src = k_src(p, at - len, hu);
-            stage_input(kern, &inp.k[src..src + d], key_mean, rot, kperm, scr);
+            let row = &inp.k[k_src(p, at - len, hu)..][..d];
+            (row, stage_input(kern, row, inp.affine[hu], krot, kperm, scr))
+        };
+        match inp.check {
+            Some(c) if c.bad(norm2, value, t, hu, row) => Staged::Bad,
+            _ => Staged::Scratch,
         }
-        None
     };
     if fmt.channel_norm > 0 {
         for value in [false, true] {
             let mut rows = Vec::with_capacity(fmt.page_size as usize * d);
             for slot in 0..fmt.page_size {
                 let row = match stage(slot, value, scr) {
-                    Some(at) => &inp.side[at..at + d],
-                    None => &scr.row[..],
+                    Staged::Side(at) => &inp.side[at..at + d],
+                    Staged::Scratch => &scr.row[..],
+                    Staged::Bad => return false,
                 };
                 rows.extend(row.iter().map(|x| x.to_f64()));
             }
             reference::quantize_page(fmt, &rows, value, bytes);
         }
-        return;
+        return true;
     }
     // New rows of one head are a token stride apart (a new memory page every row or two
     // at head_dim 128 and up, which hardware prefetchers do not cross): ask for them
@@ -521,11 +612,13 @@ fn fill_page<K: Kernels, T: KvElement>(
         prefetch(slot + PREFETCH);
         for value in [false, true] {
             match stage(slot, value, scr) {
-                Some(at) => quantize_into_page(kern, fmt, &inp.side[at..at + d], value, slot, bytes),
-                None => quantize_into_page(kern, fmt, &scr.row, value, slot, bytes),
+                Staged::Side(at) => quantize_into_page(kern, fmt, &inp.side[at..at + d], value, slot, bytes),
+                Staged::Scratch => quantize_into_page(kern, fmt, &scr.row, value, slot, bytes),
+                Staged::Bad => return false,
             }
         }
     }
+    true
 }
 
 /// [`fill_page`] with the AVX2 kernels, compiled for AVX2 (and FMA, F16C).
@@ -538,12 +631,18 @@ fn fill_page_avx2<T: KvElement>(
     h: u32,
     bytes: &mut [u8],
     scr: &mut AppendScratch,
-) {
+) -> bool {
     fill_page(kern, inp, page, h, bytes, scr)
 }
 
 /// [`fill_page`] with the best kernels this processor supports.
-fn fill_page_best<T: KvElement>(inp: &PageInputs<'_, T>, page: u32, h: u32, bytes: &mut [u8], scr: &mut AppendScratch) {
+fn fill_page_best<T: KvElement>(
+    inp: &PageInputs<'_, T>,
+    page: u32,
+    h: u32,
+    bytes: &mut [u8],
+    scr: &mut AppendScratch,
+) -> bool {
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = Avx2::detect() {
         // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
@@ -552,17 +651,32 @@ fn fill_page_best<T: KvElement>(inp: &PageInputs<'_, T>, page: u32, h: u32, byte
     fill_page(Portable, inp, page, h, bytes, scr)
 }
 
+/// Bytes of saved pool blocks a thread keeps for its next append (larger saves are
+/// allocated per call).
+const SAVE_KEEP: usize = 16 << 20;
+
+thread_local! {
+    /// The calling thread's buffer for the pool blocks an append overwrites (restored when
+    /// a row fails the check), kept between calls up to [`SAVE_KEEP`] bytes so that a
+    /// steady stream of appends does not fault in fresh pages every call.
+    static SAVED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Appends `p.count` new tokens (`k[t * p.token_stride + h * p.head_stride + c]`,
-/// `v[t * p.v_token_stride + h * p.head_stride + c]`, f32, f16 or bf16, already
-/// validated) to a sequence of `p.start` tokens, producing the
-/// bytes of [`crate::reference::append`] (f16 rows may differ only at rounding ties of
-/// the f32 rotation, and codes then by one step). First the pages that fill, one
-/// head-page per task written straight into its pool block (`fill_page`: rotation, f16
-/// rounding, min/max, quantization and packing in one pass over the rows, old window rows
-/// and new rows alike), then the new sink, window and protected rows (after, since the
-/// pages read the old window rows that the new ones may overwrite).
+/// `v[t * p.v_token_stride + h * p.head_stride + c]`, f32, f16 or bf16) to a sequence
+/// of `p.start` tokens, producing the bytes of [`crate::reference::append`] (f16 rows may
+/// differ only at rounding ties of the f32 rotation, and codes then by one step).
+///
+/// With `check`, every new row is checked as it is read, and `false` is returned, with
+/// nothing changed, when one fails: the rows that go to the side store (sinks, window)
+/// first, then the pages that fill, one head-page per task, each task saving its pool
+/// block before writing it (`fill_page`: check, rotation, f16 rounding, min/max,
+/// quantization and packing in one pass over the rows, old window rows and new rows
+/// alike); a bad row there restores every block. Then the new sink, window and protected
+/// rows (after, since the pages read the old window rows that the new ones may
+/// overwrite). Without `check` the rows must have been validated.
 #[allow(clippy::too_many_arguments)]
-pub fn append<T: KvElement>(
+pub(crate) fn append_checked<T: KvElement>(
     p: &AppendParams,
     calib: &LayerCalibration,
     pool: &mut [u8],
@@ -571,11 +685,33 @@ pub fn append<T: KvElement>(
     protected: &[u32],
     k: &[T],
     v: &[T],
-) {
+    check: Option<&RowCheck<'_, T>>,
+) -> bool {
     let fmt = &p.format;
     let d = fmt.head_dim as usize;
     let hkv = p.num_kv_heads as usize;
     let (len, new_len) = (p.start, p.start + p.count);
+    let affine: Vec<KeyAffine<'_>> =
+        (0..hkv).map(|h| KeyAffine::of(calib.head(h, d).0, calib.head_key_scale(h, d))).collect();
+    // The new rows that stay in f16 only (sinks, window): checked before anything is written.
+    if let Some(c) = check {
+        let mut buf = [0f32; 256];
+        for pos in len..new_len {
+            if matches!(fmt.place(pos, new_len), Place::Page { .. }) {
+                continue;
+            }
+            let t = (pos - len) as usize;
+            for h in 0..hkv {
+                let kr = &k[k_src(p, pos - len, h)..][..d];
+                let vr = &v[v_src(p, pos - len, h)..][..d];
+                if c.bad(row_norm2_best(kr, affine[h], &mut buf[..d]), false, t, h, kr)
+                    || c.bad(row_norm2_best(vr, KeyAffine::None, &mut buf[..d]), true, t, h, vr)
+                {
+                    return false;
+                }
+            }
+        }
+    }
     let (p0, p1) = (fmt.pages_for(len), fmt.pages_for(new_len));
     if p1 > p0 {
         let pb = fmt.page_bytes() as usize;
@@ -588,10 +724,57 @@ pub fn append<T: KvElement>(
                 tasks.push((page, h as u32, bytes.expect("distinct blocks in the block table")));
             }
         }
-        let inp = PageInputs { p, calib, side: &*side, k, v };
-        tasks
-            .into_par_iter()
-            .for_each_init(|| AppendScratch::new(d), |scr, (page, h, bytes)| fill_page_best(&inp, page, h, bytes, scr));
+        let perms: Vec<_> = (0..hkv)
+            .map(|h| {
+                let (_, kperm, vperm) = calib.head(h, d);
+                (non_identity(kperm), non_identity(vperm))
+            })
+            .collect();
+        let inp = PageInputs { p, calib, affine: &affine, perms: &perms, side: &*side, k, v, check };
+        let ok = match check {
+            None => {
+                tasks.into_par_iter().for_each_init(
+                    || AppendScratch::new(d),
+                    |scr, (page, h, bytes)| {
+                        fill_page_best(&inp, page, h, bytes, scr);
+                    },
+                );
+                true
+            }
+            Some(_) => SAVED.with_borrow_mut(|saved| {
+                let size = tasks.len() * pb;
+                let mut fresh = Vec::new();
+                let saved = if size <= SAVE_KEEP {
+                    saved.resize(size.max(saved.len()), 0);
+                    &mut saved[..size]
+                } else {
+                    fresh.resize(size, 0);
+                    &mut fresh[..]
+                };
+                let bad = std::sync::atomic::AtomicBool::new(false);
+                tasks.par_iter_mut().zip(saved.par_chunks_mut(pb)).for_each_init(
+                    || AppendScratch::new(d),
+                    |scr, ((page, h, bytes), save)| {
+                        save.copy_from_slice(bytes);
+                        if !bad.load(std::sync::atomic::Ordering::Relaxed)
+                            && !fill_page_best(&inp, *page, *h, bytes, scr)
+                        {
+                            bad.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    },
+                );
+                let bad = bad.into_inner();
+                if bad {
+                    for ((_, _, bytes), save) in tasks.iter_mut().zip(saved.chunks_exact(pb)) {
+                        bytes.copy_from_slice(save);
+                    }
+                }
+                !bad
+            }),
+        };
+        if !ok {
+            return false;
+        }
     }
     // New tokens that stay in f16: sink and window rows, and protected rows.
     let mut scr = AppendScratch::new(d);
@@ -605,13 +788,12 @@ pub fn append<T: KvElement>(
         if row.is_none() && copy.is_none() {
             continue;
         }
-        for h in 0..hkv {
-            let (mean, kperm, vperm) = calib.head(h, d);
-            let mean = (mean, calib.head_key_scale(h, d));
+        for (h, &key_affine) in affine.iter().enumerate() {
+            let (_, kperm, vperm) = calib.head(h, d);
             let (ks, vs) = (k_src(p, pos - len, h), v_src(p, pos - len, h));
             for value in [false, true] {
                 let rot = calib.rotation(value, h, d, p.flags);
-                stage_input_best(&k[ks..ks + d], &v[vs..vs + d], value, mean, rot, kperm, vperm, &mut scr);
+                stage_input_best(&k[ks..ks + d], &v[vs..vs + d], value, key_affine, rot, kperm, vperm, &mut scr);
                 for r in row.into_iter().chain(copy) {
                     let at = fmt.side_row_at(h as u32, value, r);
                     side[at..at + d].copy_from_slice(&scr.row);
@@ -619,6 +801,50 @@ pub fn append<T: KvElement>(
             }
         }
     }
+    true
+}
+
+/// Appends `p.count` new tokens (`k[t * p.token_stride + h * p.head_stride + c]`,
+/// `v[t * p.v_token_stride + h * p.head_stride + c]`, f32, f16 or bf16, already
+/// validated: finite, each row's norm as stored within the f16 range) to a sequence of
+/// `p.start` tokens, producing the bytes of [`crate::reference::append`] (f16 rows may
+/// differ only at rounding ties of the f32 rotation, and codes then by one step): the
+/// pages that fill first, one head-page per task written straight into its pool block
+/// (rotation, f16 rounding, min/max, quantization and packing in one pass over the rows,
+/// old window rows and new rows alike), then the new sink, window and protected rows.
+/// [`crate::paged::append`] on the cpu backend runs the same pass with the input check
+/// fused into it, restoring the pool blocks it wrote when a row fails.
+#[allow(clippy::too_many_arguments)]
+pub fn append<T: KvElement>(
+    p: &AppendParams,
+    calib: &LayerCalibration,
+    pool: &mut [u8],
+    block_table: &[u32],
+    side: &mut [f16],
+    protected: &[u32],
+    k: &[T],
+    v: &[T],
+) {
+    append_checked(p, calib, pool, block_table, side, protected, k, v, None);
+}
+
+/// The row's squared norm as stored before its rotation (see [`stage_input`]), with the
+/// best kernels; `buf` is scratch of the row's length.
+fn row_norm2_best<T: KvElement>(row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 {
+    #[inline(always)]
+    fn go<K: Kernels, T: KvElement>(kern: K, row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 {
+        load_affine(kern, row, affine, buf)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = Avx2::detect() {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn go_avx2<T: KvElement>(kern: Avx2, row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 {
+            go(kern, row, affine, buf)
+        }
+        // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
+        return unsafe { go_avx2(kern, row, affine, buf) };
+    }
+    go(Portable, row, affine, buf)
 }
 
 /// [`stage_input`] of the key (`value == false`) or value row with the best kernels.
@@ -627,7 +853,7 @@ fn stage_input_best<T: KvElement>(
     k: &[T],
     v: &[T],
     value: bool,
-    mean: (&[f32], &[f32]),
+    affine: KeyAffine<'_>,
     rot: HeadRotation<'_>,
     kperm: &[u16],
     vperm: &[u16],
@@ -640,16 +866,16 @@ fn stage_input_best<T: KvElement>(
         k: &[T],
         v: &[T],
         value: bool,
-        mean: (&[f32], &[f32]),
+        affine: KeyAffine<'_>,
         rot: HeadRotation<'_>,
         kperm: &[u16],
         vperm: &[u16],
         scr: &mut AppendScratch,
     ) {
         if value {
-            stage_input(kern, v, None, rot, non_identity(vperm), scr)
+            stage_input(kern, v, KeyAffine::None, rot, non_identity(vperm), scr);
         } else {
-            stage_input(kern, k, Some(mean), rot, non_identity(kperm), scr)
+            stage_input(kern, k, affine, rot, non_identity(kperm), scr);
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -661,18 +887,18 @@ fn stage_input_best<T: KvElement>(
             k: &[T],
             v: &[T],
             value: bool,
-            mean: (&[f32], &[f32]),
+            affine: KeyAffine<'_>,
             rot: HeadRotation<'_>,
             kperm: &[u16],
             vperm: &[u16],
             scr: &mut AppendScratch,
         ) {
-            go(kern, k, v, value, mean, rot, kperm, vperm, scr)
+            go(kern, k, v, value, affine, rot, kperm, vperm, scr)
         }
         // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
-        return unsafe { go_avx2(kern, k, v, value, mean, rot, kperm, vperm, scr) };
+        return unsafe { go_avx2(kern, k, v, value, affine, rot, kperm, vperm, scr) };
     }
-    go(Portable, k, v, value, mean, rot, kperm, vperm, scr)
+    go(Portable, k, v, value, affine, rot, kperm, vperm, scr)
 }
 
 /// The split count the CPU backend uses when the caller does not choose: enough
@@ -1034,6 +1260,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
     fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len());
         let n8 = src.len() / 8 * 8;
@@ -1048,6 +1275,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
     fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
         assert_eq!(src.len(), dst.len());
         let n8 = src.len() / 8 * 8;
@@ -1102,12 +1330,19 @@ mod avx2 {
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(eight.as_ptr().cast())) }
         };
         for j in 0..d / g {
-            let (mut lo, mut hi) = (_mm256_set1_ps(f32::INFINITY), _mm256_set1_ps(f32::NEG_INFINITY));
-            for i in (j * g..(j + 1) * g).step_by(8) {
-                let v = load(i);
-                lo = _mm256_min_ps(lo, v);
-                hi = _mm256_max_ps(hi, v);
+            // Four independent min/max chains (g >= 32); min and max are exact, and a range
+            // ending at a zero of either sign is recomputed by `group_params`.
+            let mut lo = [_mm256_set1_ps(f32::INFINITY); 4];
+            let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+            for i in (j * g..(j + 1) * g).step_by(32) {
+                for q in 0..4 {
+                    let v = load(i + 8 * q);
+                    lo[q] = _mm256_min_ps(lo[q], v);
+                    hi[q] = _mm256_max_ps(hi[q], v);
+                }
             }
+            let lo = _mm256_min_ps(_mm256_min_ps(lo[0], lo[1]), _mm256_min_ps(lo[2], lo[3]));
+            let hi = _mm256_max_ps(_mm256_max_ps(hi[0], hi[1]), _mm256_max_ps(hi[2], hi[3]));
             let (lo, hi) = (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)), hmax(hi));
             let (scale, zero) = super::group_params(&row[j * g..(j + 1) * g], lo, hi, bits, clip);
             params[4 * j..4 * j + 2].copy_from_slice(&scale.to_le_bytes());
