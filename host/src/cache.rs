@@ -31,7 +31,7 @@ pub struct CacheShape {
 /// grows each time the slot is reused) and the cache that made it. A freed id (even once
 /// its slot is reused) and an id of another cache are [`Error::UnknownSequence`].
 ///
-/// A [`crate::device::DeviceLayer`] hands out ids of the same kind (slot, generation, the
+/// A `rotkv::device::DeviceLayer` (features `sim`, `cuda`) hands out ids of the same kind (slot, generation, the
 /// layer's identity) and refuses stale and foreign ones the same way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SeqId {

@@ -99,7 +99,7 @@ pub enum Backend {
 
 impl Backend {
     /// The backend for [`KvCache`] and [`paged`] on host buffers: always
-    /// [`Backend::Cpu`]. [`Backend::Cuda`] on host buffers uploads the whole pool per
+    /// [`Backend::Cpu`]. `Backend::Cuda` (feature `cuda`) on host buffers uploads the whole pool per
     /// call (a conformance-test path, chosen only by name); the GPU API is
     /// `rotkv::device` (features `sim`/`cuda`), whose cache stays in device memory.
     pub fn auto() -> Self {

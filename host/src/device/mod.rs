@@ -1,7 +1,7 @@
 //! Device-resident storage and decode (features `sim`, `cuda`): the API a serving stack
 //! on a GPU uses.
 //!
-//! - [`Device`]: where buffers live and kernels run: [`Device::sim`] (the SIMT emulator,
+//! - [`Device`]: where buffers live and kernels run: `Device::sim` (feature `sim`: the SIMT emulator,
 //!   its "device memory" host memory behind the same types; it counts every allocation,
 //!   copy, synchronization and launch, see [`Device::counters`]) or `Device::cuda` (a
 //!   caller-made `Arc<CudaStream>` of cudarc 0.19; the PTX is loaded once per device
@@ -183,7 +183,7 @@ impl Device {
 
     /// Blocks of the decode launch `l` that one multiprocessor holds at once: the
     /// driver's occupancy calculation for the entry point on a GPU (registers, shared
-    /// memory, block size); on the emulator [`crate::sim::SIM_RESIDENT_BLOCKS`].
+    /// memory, block size); on the emulator `rotkv::sim::SIM_RESIDENT_BLOCKS`.
     pub fn resident_blocks(&self, fmt: &Format, l: &launch::DecodeLaunch) -> Result<usize> {
         match &self.0.kind {
             #[cfg(feature = "sim")]
