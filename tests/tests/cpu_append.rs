@@ -199,3 +199,41 @@ fn a_bad_row_anywhere_restores_every_byte_and_names_the_first_bad_row() {
         }
     }
 }
+
+/// Appends made from inside rayon tasks, as a stack working on several caches (or layers)
+/// in parallel makes them: each append runs its own parallel pass and keeps its saved
+/// pool blocks per calling thread (taken out of the thread-local for the call, so that a
+/// worker picking up another append while it waits cannot trip over the first one's; that
+/// interleaving is up to rayon's scheduler and was not seen in this test's runs). The
+/// bytes equal those of one-by-one appends.
+#[test]
+fn appends_from_inside_rayon_tasks_write_what_sequential_appends_write() {
+    use rayon::prelude::*;
+    let (d, hkv) = (64, 2);
+    let config = CacheConfig { page_size: 16, window: 16, ..CacheConfig::k2v2(d) };
+    let shape =
+        CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hkv, max_seqs: 1, max_tokens: 600, num_blocks: None };
+    let mut rng = Rng::new(404);
+    let inputs: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..12).map(|_| (rows(&mut rng, 300, hkv, d), rows(&mut rng, 300, hkv, d))).collect();
+    let run = |parallel: bool| -> Vec<Vec<u8>> {
+        let mut caches: Vec<KvCache> =
+            (0..inputs.len()).map(|_| KvCache::new(config, shape, Backend::Cpu).unwrap()).collect();
+        let one = |(cache, (k, v)): (&mut KvCache, &(Vec<f32>, Vec<f32>))| {
+            let s = cache.add_sequence().unwrap();
+            // Three appends, the middle one refused (a NaN key): every call saves blocks.
+            cache.append(0, s, 150, &k[..150 * hkv * d], &v[..150 * hkv * d]).unwrap();
+            let mut bad = k[150 * hkv * d..].to_vec();
+            bad[100 * hkv * d + 7] = f32::NAN;
+            assert!(cache.append(0, s, 150, &bad, &v[150 * hkv * d..]).is_err());
+            cache.append(0, s, 150, &k[150 * hkv * d..], &v[150 * hkv * d..]).unwrap();
+        };
+        if parallel {
+            caches.par_iter_mut().zip(inputs.par_iter()).for_each(one);
+        } else {
+            caches.iter_mut().zip(inputs.iter()).for_each(one);
+        }
+        caches.iter().map(|c| c.layer_bytes(0).unwrap().0.to_vec()).collect()
+    };
+    assert_eq!(run(true), run(false));
+}

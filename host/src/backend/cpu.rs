@@ -651,8 +651,8 @@ fn fill_page_best<T: KvElement>(
     fill_page(Portable, inp, page, h, bytes, scr)
 }
 
-/// Bytes of saved pool blocks a thread keeps for its next append (larger saves are
-/// allocated per call).
+/// Bytes of saved pool blocks a thread keeps for its next append (a larger buffer is
+/// freed after its call).
 const SAVE_KEEP: usize = 16 << 20;
 
 thread_local! {
@@ -741,18 +741,15 @@ pub(crate) fn append_checked<T: KvElement>(
                 );
                 true
             }
-            Some(_) => SAVED.with_borrow_mut(|saved| {
+            Some(_) => {
+                // Taken out of the thread-local for the call (not borrowed): a rayon worker
+                // that runs another append while this one waits for its tasks finds it
+                // empty and allocates its own.
                 let size = tasks.len() * pb;
-                let mut fresh = Vec::new();
-                let saved = if size <= SAVE_KEEP {
-                    saved.resize(size.max(saved.len()), 0);
-                    &mut saved[..size]
-                } else {
-                    fresh.resize(size, 0);
-                    &mut fresh[..]
-                };
+                let mut saved = SAVED.take();
+                saved.resize(size.max(saved.len()), 0);
                 let bad = std::sync::atomic::AtomicBool::new(false);
-                tasks.par_iter_mut().zip(saved.par_chunks_mut(pb)).for_each_init(
+                tasks.par_iter_mut().zip(saved[..size].par_chunks_mut(pb)).for_each_init(
                     || AppendScratch::new(d),
                     |scr, ((page, h, bytes), save)| {
                         save.copy_from_slice(bytes);
@@ -769,8 +766,11 @@ pub(crate) fn append_checked<T: KvElement>(
                         bytes.copy_from_slice(save);
                     }
                 }
+                if saved.len() <= SAVE_KEEP {
+                    SAVED.set(saved);
+                }
                 !bad
-            }),
+            }
         };
         if !ok {
             return false;
