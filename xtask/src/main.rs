@@ -1199,7 +1199,7 @@ fn ptxas() -> Result<(), Step> {
         Ok(log)
     };
     let mut rows = Vec::new();
-    for log in in_parallel(&["sm_80", "sm_90"], |arch| assemble(*arch)) {
+    for log in in_parallel(&["sm_80", "sm_90"], |arch| assemble(arch)) {
         rows.extend(parse_ptxas(&log?));
     }
     println!("| kernel | arch | registers | spill bytes | shared memory |");

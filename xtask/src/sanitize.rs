@@ -14,7 +14,9 @@
 //!   build`, then each binary run for [`CARGO_FUZZ_SECONDS`] from a scratch copy of its
 //!   committed corpus (`fuzz/corpus/<target>/`, so git stays clean); a crash fails the
 //!   step and names the input libFuzzer wrote under `fuzz/artifacts/<target>/`.
-//! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored): the kernel
+//! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored; in `ci` it runs
+//!   on a thread of its own alongside PTX freshness, ptxas and the SASS gate, each of
+//!   them mostly one core, its output printed after the gate: [`miri_captured`]): the kernel
 //!   crate's layout and emulator unit tests, and the host's buffer, slot-mapping,
 //!   split-count, unpack-order and small-cache tests (append and decode on the
 //!   reference and the portable cpu path) ([`MIRI_KERNEL_TESTS`], [`MIRI_HOST_TESTS`]).
