@@ -4,8 +4,9 @@
 //!   whole test suite (every cargo call with [`ci_features`]: every feature but
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
-//!   test, PTX freshness, ptxas, the static SASS gate (`sass`), cargo-fuzz, Miri and
-//!   AddressSanitizer (`xtask/src/sanitize.rs`). Every step runs; the
+//!   test, PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
+//!   alongside those three (`ptx-checks`), cargo-fuzz and AddressSanitizer
+//!   (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
@@ -68,6 +69,10 @@
 //!   and a modeled step time per `gpu_decode` case of `kernels-gpu/perf-gate.toml`; fails
 //!   on local memory in a decode entry point marked `no_local_memory` or a modeled
 //!   bandwidth fraction below an enforced floor.
+//! - `ptx-checks`: `ci`'s PTX freshness, ptxas and SASS gate steps with its Miri step
+//!   running alongside on a thread of its own (each of them runs mostly on one core; on
+//!   CI's two cores the two lanes overlap), Miri's output printed after the gate. ptxas
+//!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
 mod sanitize;
 mod sass;
@@ -94,6 +99,12 @@ fn main() -> ExitCode {
             _ => Err("usage: cargo xtask gpu-bundle [--no-candle-cuda]".into()),
         },
         Some("candle-cuda") => candle_cuda().map_err(|e| e.to_string()),
+        Some("ptx-checks") => {
+            let (mut failed, mut skipped, mut clock) = (Vec::new(), Vec::new(), Clock::new());
+            ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
+            clock.print();
+            if failed.is_empty() { Ok(()) } else { Err(format!("failed steps: {}", failed.join(", "))) }
+        }
         Some("sanitize") => sanitize::run(),
         Some("fuzz") => match (args.get(1).map(String::as_str), args.get(2).map(|s| s.parse::<u64>())) {
             (None, _) => sanitize::cargo_fuzz(sanitize::CARGO_FUZZ_SECONDS).map_err(|e| e.to_string()),
@@ -104,7 +115,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -262,17 +273,9 @@ fn ci() -> Result<(), String> {
         failed.push("cuda");
     }
     clock.lap("cuda presence");
-    println!("\n==> PTX freshness: cargo xtask ptx --check");
-    tally("ptx", ptx(true), &mut failed, &mut skipped);
-    clock.lap("ptx freshness");
-    println!("\n==> ptxas: cargo xtask ptxas");
-    tally("ptxas", ptxas(), &mut failed, &mut skipped);
-    clock.lap("ptxas");
-    println!("\n==> static SASS performance gate: cargo xtask sass");
-    tally("sass", sass::sass(None), &mut failed, &mut skipped);
-    // Fuzzing, Miri and AddressSanitizer (xtask/src/sanitize.rs).
-    clock.lap("sass gate");
-    let sanitizers = sanitize::steps(false, &mut failed, &mut skipped);
+    ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
+    // Fuzzing and AddressSanitizer (xtask/src/sanitize.rs).
+    let sanitizers = sanitize::steps(false, false, &mut failed, &mut skipped);
     clock.steps.extend(sanitizers);
     clock.print();
 
@@ -286,6 +289,30 @@ fn ci() -> Result<(), String> {
     // The summed test counts of every test binary, as the closing line.
     println!("tests: {} passed, {} failed, {} skipped", counts.0, counts.1, counts.2);
     if failed.is_empty() { Ok(()) } else { Err(verdict) }
+}
+
+/// PTX freshness, ptxas and the SASS gate, with Miri on a thread of its own alongside
+/// them (each of the four runs mostly on one core: see `sanitize::miri_captured`); Miri's
+/// output is printed after the SASS gate. `ci`'s steps, also `cargo xtask ptx-checks`.
+fn ptx_checks_with_miri(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
+    println!("\n==> miri: started now, alongside the next three steps (its output follows the SASS gate)");
+    let miri = std::thread::spawn(sanitize::miri_captured);
+    println!("\n==> PTX freshness: cargo xtask ptx --check");
+    tally("ptx", ptx(true), failed, skipped);
+    clock.lap("ptx freshness");
+    println!("\n==> ptxas: cargo xtask ptxas");
+    tally("ptxas", ptxas(), failed, skipped);
+    clock.lap("ptxas");
+    println!("\n==> static SASS performance gate: cargo xtask sass");
+    tally("sass", sass::sass(None), failed, skipped);
+    clock.lap("sass gate");
+    let (miri_result, miri_log, miri_secs) =
+        miri.join().unwrap_or_else(|_| (Err(Step::Failed("the Miri thread panicked".into())), String::new(), 0.0));
+    println!("\n==> miri (ran alongside PTX freshness, ptxas and the SASS gate)");
+    print!("{miri_log}");
+    tally("miri", miri_result, failed, skipped);
+    println!("miri: {miri_secs:.0} s (alongside the three steps above)");
+    clock.lap("miri (beyond sass)");
 }
 
 /// Wall time of each `ci` step, printed as a table at the end (CI's budget is measured
@@ -1146,11 +1173,20 @@ fn parse_ptxas(log: &str) -> Vec<Usage> {
     out
 }
 
+/// `f` of every item, each on its own thread, results in the items' order.
+fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items.iter().map(|item| s.spawn(|| f(item))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
 fn ptxas() -> Result<(), Step> {
     let bin = ptxas_binary()?;
     let ptx = root().join(PTX_FILE);
-    let mut rows = Vec::new();
-    for arch in ["sm_80", "sm_90"] {
+    // Both architectures assembled at once (ptxas is single-threaded; CI has two cores),
+    // read back in order: the table and the first error are those of a sequential run.
+    let assemble = |arch: &'static str| -> Result<String, Step> {
         let out = Command::new(&bin)
             .args(["-v", "-arch", arch, "-o", "/dev/null"])
             .arg(&ptx)
@@ -1160,7 +1196,11 @@ fn ptxas() -> Result<(), Step> {
         if !out.status.success() {
             return Err(Step::Failed(format!("ptxas -arch {arch} rejected {PTX_FILE}:\n{log}")));
         }
-        rows.extend(parse_ptxas(&log));
+        Ok(log)
+    };
+    let mut rows = Vec::new();
+    for log in in_parallel(&["sm_80", "sm_90"], |arch| assemble(arch)) {
+        rows.extend(parse_ptxas(&log?));
     }
     println!("| kernel | arch | registers | spill bytes | shared memory |");
     println!("|---|---|---:|---:|---:|");

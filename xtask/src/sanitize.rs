@@ -14,7 +14,9 @@
 //!   build`, then each binary run for [`CARGO_FUZZ_SECONDS`] from a scratch copy of its
 //!   committed corpus (`fuzz/corpus/<target>/`, so git stays clean); a crash fails the
 //!   step and names the input libFuzzer wrote under `fuzz/artifacts/<target>/`.
-//! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored): the kernel
+//! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored; in `ci` it runs
+//!   on a thread of its own alongside PTX freshness, ptxas and the SASS gate, each of
+//!   them mostly one core, its output printed after the gate: [`miri_captured`]): the kernel
 //!   crate's layout and emulator unit tests, and the host's buffer, slot-mapping,
 //!   split-count, unpack-order and small-cache tests (append and decode on the
 //!   reference and the portable cpu path) ([`MIRI_KERNEL_TESTS`], [`MIRI_HOST_TESTS`]).
@@ -64,15 +66,23 @@ type StepFn = fn() -> Result<(), Step>;
 /// Runs the steps, recording failures and skips as `ci` does; returns the seconds each
 /// took. `stable_fuzz`: the long stable mutation run first (`cargo xtask sanitize`; CI
 /// leaves it to the suite's shorter run and cargo-fuzz).
+/// `ci` runs Miri on its own (`miri_captured`, alongside the PTX steps): `with_miri` false
+/// leaves it out here.
 pub fn steps(
     stable_fuzz: bool,
+    with_miri: bool,
     failed: &mut Vec<&'static str>,
     skipped: &mut Vec<&'static str>,
 ) -> Vec<(&'static str, f64)> {
     let mut times = Vec::new();
-    let all: [(&'static str, StepFn); 4] =
-        [("fuzz", fuzz), ("cargo-fuzz", || cargo_fuzz(CARGO_FUZZ_SECONDS)), ("miri", miri), ("asan", asan)];
-    for (name, step) in all.into_iter().skip(usize::from(!stable_fuzz)) {
+    let all: [(&'static str, StepFn); 4] = [
+        ("fuzz", fuzz),
+        ("cargo-fuzz", || cargo_fuzz(CARGO_FUZZ_SECONDS)),
+        ("miri", || miri(&mut status)),
+        ("asan", asan),
+    ];
+    let all = all.into_iter().filter(|(name, _)| (stable_fuzz || *name != "fuzz") && (with_miri || *name != "miri"));
+    for (name, step) in all {
         println!("\n==> {name}");
         let started = Instant::now();
         tally(name, step(), failed, skipped);
@@ -86,7 +96,7 @@ pub fn steps(
 /// `cargo xtask sanitize`: the steps alone.
 pub fn run() -> Result<(), String> {
     let (mut failed, mut skipped) = (Vec::new(), Vec::new());
-    let times = steps(true, &mut failed, &mut skipped);
+    let times = steps(true, true, &mut failed, &mut skipped);
     for (name, secs) in times {
         println!("{name:>6}: {secs:>5.0} s");
     }
@@ -202,19 +212,55 @@ fn runs(args: &[&str]) -> bool {
     nightly(args).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
-fn miri() -> Result<(), Step> {
+/// Miri's commands, each run by `run` (`status`, or `captured` for `miri_captured`).
+fn miri(run: &mut dyn FnMut(std::process::Command) -> Result<(), Step>) -> Result<(), Step> {
     nightly_component("miri", || runs(&["cargo", "miri", "--version"]))?;
     // rayon's global pool threads never exit (by design): their leak is not checked.
     let flags = "-Zmiri-tree-borrows -Zmiri-ignore-leaks";
     let mut setup = nightly(&["cargo", "miri", "setup"]);
     setup.env("MIRIFLAGS", flags);
-    status(setup).map_err(|e| Step::Skipped(format!("cargo miri setup: {e}")))?;
+    run(setup).map_err(|e| Step::Skipped(format!("cargo miri setup: {e}")))?;
     for (package, tests) in [("rotkv-kernels", MIRI_KERNEL_TESTS), ("rotkv", MIRI_HOST_TESTS)] {
         let mut c = nightly(&["cargo", "miri", "test", "-p", package, "--features", "sim", "--lib", "--"]);
         c.args(tests).env("MIRIFLAGS", flags);
-        status(c)?;
+        run(c)?;
     }
     Ok(())
+}
+
+/// The Miri step with its output (stdout and stderr of every command, merged in order)
+/// returned instead of printed, and its wall seconds: `ci` runs it on a thread alongside
+/// PTX freshness, ptxas and the SASS gate, and prints the output when both are done. The
+/// Miri interpreter runs on one core, and so do the nvptx build of `core`, ptxas and
+/// nvdisasm for the most part: on CI's two cores the two lanes overlap instead of queuing.
+pub fn miri_captured() -> (Result<(), Step>, String, f64) {
+    let started = Instant::now();
+    let mut log = String::new();
+    let result = miri(&mut |c| captured(c, &mut log));
+    (result, log, started.elapsed().as_secs_f64())
+}
+
+/// As `status`, with the command line and its merged output appended to `log`.
+fn captured(mut c: std::process::Command, log: &mut String) -> Result<(), Step> {
+    use std::io::Read;
+    let line = format!("{c:?}");
+    log.push_str(&line);
+    log.push('\n');
+    let (mut reader, writer) = std::io::pipe().map_err(|e| Step::Skipped(format!("cannot make a pipe: {e}")))?;
+    let writer2 = writer.try_clone().map_err(|e| Step::Skipped(format!("cannot make a pipe: {e}")))?;
+    c.stdout(writer).stderr(writer2);
+    let mut child = c.spawn().map_err(|e| Step::Skipped(format!("cannot start {c:?}: {e}")))?;
+    // The pipe's write ends are held by the child alone from here, so that the read ends
+    // at its exit.
+    drop(c);
+    let mut bytes = Vec::new();
+    let _ = reader.read_to_end(&mut bytes);
+    log.push_str(&String::from_utf8_lossy(&bytes));
+    match child.wait() {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(Step::Failed(format!("{line} exited with {s}"))),
+        Err(e) => Err(Step::Failed(format!("cannot wait for {line}: {e}"))),
+    }
 }
 
 fn asan() -> Result<(), Step> {

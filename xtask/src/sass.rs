@@ -1063,8 +1063,9 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
     let nvdisasm = wheel_tool(NVDISASM_WHEEL, "nvdisasm-13.2.86", "nvidia/cu13/bin/nvdisasm")?;
 
     let mut reports: Vec<EntryReport> = Vec::new();
-    for arch in &ARCHS {
-        let (usages, funcs) = assemble(&ptxas, &nvdisasm, arch)?;
+    // Both architectures assembled at once (two cores), read back in order.
+    for (arch, assembled) in ARCHS.iter().zip(crate::in_parallel(&ARCHS, |arch| assemble(&ptxas, &nvdisasm, arch))) {
+        let (usages, funcs) = assembled?;
         for usage in usages {
             let f = funcs.iter().find(|f| f.name == usage.kernel).ok_or_else(|| {
                 Step::Failed(format!("nvdisasm printed no CFG for {} on {}", usage.kernel, arch.name))
