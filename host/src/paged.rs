@@ -464,7 +464,11 @@ pub fn append<T: KvElement>(
     if backend == Backend::Cpu {
         // The fused append checks the rows as it reads them (below).
         check_len("k", k, tokens, hkv, d)?;
-        check_len("v", v, tokens, hkv, d)?;
+        if let Err(e) = check_len("v", v, tokens, hkv, d) {
+            // The other backends' order: a bad key value before the values' length.
+            check_rows("k", k, tokens, hkv, d, key_mean)?;
+            return Err(e);
+        }
     } else {
         check_rows("k", k, tokens, hkv, d, key_mean)?;
         check_rows("v", v, tokens, hkv, d, None)?;

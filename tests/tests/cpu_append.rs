@@ -237,3 +237,67 @@ fn appends_from_inside_rayon_tasks_write_what_sequential_appends_write() {
     };
     assert_eq!(run(true), run(false));
 }
+
+/// The fused check on the paths the first test leaves out: pages quantized with variance
+/// normalization (`channel_norm`), protected positions (their extra f16 copies), f16
+/// input, learned rotations; and two bad inputs at once (a NaN key and values of the
+/// wrong length), where the error must be the one the reference backend gives first.
+#[test]
+fn the_fused_check_covers_normalized_pages_protected_rows_and_mixed_errors() {
+    let (d, hkv) = (64, 2);
+    let shape =
+        CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hkv, max_seqs: 1, max_tokens: 300, num_blocks: None };
+    let mut learned = LayerCalibration::identity(hkv, d);
+    let r: Vec<f32> = (0..hkv * d * d).map(|i| if (i / d) % d == (i % d + 7) % d { -1.0 } else { 0.0 }).collect();
+    (learned.key_rotation, learned.value_rotation) = (Some(r.clone()), Some(r));
+    let norm = CacheConfig { channel_norm: 2, page_size: 16, window: 16, ..CacheConfig::k2v2(d) };
+    let prot = CacheConfig { protected: 4, page_size: 16, window: 16, ..CacheConfig::k2v2(d) };
+    let mut rng = Rng::new(9);
+    for (config, calib) in [(norm, None), (prot, None), (prot, Some(&learned))] {
+        let n = 100;
+        let k = rows(&mut rng, n, hkv, d);
+        let v = rows(&mut rng, n, hkv, d);
+        // Token 40 is protected (a page row with an f16 copy), token 95 stays in the window.
+        for (t, value) in [(40, false), (95, true), (20, true)] {
+            let fresh = |backend| {
+                let mut cache = KvCache::new(config, shape, backend).unwrap();
+                if let Some(c) = calib {
+                    cache.set_calibration(0, c.clone()).unwrap();
+                }
+                let s = cache.add_sequence().unwrap();
+                if config.protected > 0 {
+                    cache.protect(0, s, &[40, 95]).unwrap();
+                }
+                (cache, s)
+            };
+            let (mut cpu, s) = fresh(Backend::Cpu);
+            let (mut reference, r) = fresh(Backend::Reference);
+            let (mut bk, mut bv) = (k.clone(), v.clone());
+            let at = (t * hkv + 1) * d + 2;
+            if value {
+                bv[at] = f32::INFINITY
+            } else {
+                bk[at] = 1e9
+            };
+            let (bk16, bv16): (Vec<f16>, Vec<f16>) =
+                (bk.iter().map(|&x| f16::from_f32(x)).collect(), bv.iter().map(|&x| f16::from_f32(x)).collect());
+            let before = cpu.layer_bytes(0).unwrap().0.to_vec();
+            let e_ref = reference.append(0, r, n, &bk, &bv).unwrap_err().to_string();
+            assert_eq!(cpu.append(0, s, n, &bk, &bv).unwrap_err().to_string(), e_ref, "{config:?}");
+            let e16 = cpu.append(0, s, n, &bk16, &bv16).unwrap_err().to_string();
+            let e16_ref = reference.append(0, r, n, &bk16, &bv16).unwrap_err().to_string();
+            assert_eq!(e16, e16_ref);
+            assert_eq!(cpu.layer_bytes(0).unwrap().0, &before[..]);
+            // A NaN key and values one row short: the key's value error comes first.
+            let mut nan_k = k.clone();
+            nan_k[3] = f32::NAN;
+            let short = &v[..v.len() - d];
+            let e_ref = reference.append(0, r, n, &nan_k, short).unwrap_err().to_string();
+            assert_eq!(cpu.append(0, s, n, &nan_k, short).unwrap_err().to_string(), e_ref);
+            assert!(e_ref.contains("k[token 0][head 0][3] is NaN"), "{e_ref}");
+            assert_eq!(cpu.layer_bytes(0).unwrap().0, &before[..]);
+            cpu.append(0, s, n, &k, &v).unwrap();
+            reference.append(0, r, n, &k, &v).unwrap();
+        }
+    }
+}

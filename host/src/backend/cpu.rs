@@ -518,9 +518,9 @@ type HeadPerms<'a> = (Option<&'a [u16]>, Option<&'a [u16]>);
 struct PageInputs<'a, T> {
     p: &'a AppendParams,
     calib: &'a LayerCalibration,
-    /// Per KV head: how its key rows are centered and scaled, and its key and value
-    /// permutations (`None`: the identity).
+    /// Per KV head: how its key rows are centered and scaled.
     affine: &'a [KeyAffine<'a>],
+    /// Per KV head: its key and value permutations (`None`: the identity).
     perms: &'a [HeadPerms<'a>],
     side: &'a [f16],
     k: &'a [T],
