@@ -200,17 +200,8 @@ pub(crate) fn first_bad_row<T: KvElement>(
     const ROWS: usize = 64;
     #[inline(always)]
     fn norm2<K: Kernels, T: KvElement>(kern: K, row: &[T], mean: Option<(&[f32], &[f32])>, buf: &mut [f32]) -> f32 {
-        load_row(kern, row, buf);
-        if let Some((m, s)) = mean {
-            buf.iter_mut().zip(m.iter().zip(s)).for_each(|(x, (m, s))| *x = (*x - m) / s);
-        }
-        let mut acc = [0f32; LANES];
-        for x8 in buf.chunks_exact(LANES) {
-            for l in 0..LANES {
-                acc[l] += x8[l] * x8[l];
-            }
-        }
-        acc.iter().sum()
+        let affine = mean.map_or(KeyAffine::None, |(m, s)| KeyAffine::Full(m, s));
+        load_affine(kern, row, affine, buf)
     }
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
@@ -301,8 +292,9 @@ impl<'a> KeyAffine<'a> {
 }
 
 /// Loads an input row into `x` as f32 and centers and scales it (keys) as
-/// [`stage_row`] does; returns its squared L2 norm in f32, eight partial sums as
-/// [`first_bad_row`]'s fast test computes it (NaN or infinite when a value is not finite).
+/// [`stage_row`] does; returns its squared L2 norm in f32, eight partial sums (NaN or
+/// infinite when a value is not finite): the fast test of [`first_bad_row`] and of the
+/// fused append.
 #[inline(always)]
 fn load_affine<K: Kernels, T: KvElement>(kern: K, src: &[T], affine: KeyAffine<'_>, x: &mut [f32]) -> f32 {
     load_row(kern, src, x);
