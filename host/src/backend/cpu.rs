@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use rotkv_kernels::layout::{Format, NO_CLIP, Place, clip_range};
 pub use rotkv_kernels::math::exp_neg;
 use rotkv_kernels::math::f64_to_f16;
-use rotkv_kernels::params::{AppendParams, DTYPE_F16, DTYPE_F32, DecodeParams};
+use rotkv_kernels::params::{AppendParams, DTYPE_BF16, DTYPE_F16, DTYPE_F32, DecodeParams};
 
 /// Tokens scored per softmax step (one max and one rescale per chunk).
 const CHUNK: usize = 64;
@@ -255,24 +255,62 @@ pub(crate) fn first_bad_row<T: KvElement>(
     })
 }
 
-/// Scratch rows of the fused append (one set per worker thread).
+/// Scratch rows of the fused append (one set per worker thread): `x`, `y` and `row` of
+/// one row, `page` the stored f16 rows of a head-page (keys, then values), `ranges` the
+/// min and max of each of their groups and `params` their row-local scales and zeros.
 struct AppendScratch {
     x: Vec<f32>,
     y: Vec<f32>,
     row: Vec<f16>,
+    page: Vec<f16>,
+    ranges: Vec<(f32, f32)>,
+    params: Vec<u8>,
 }
 
 impl AppendScratch {
-    fn new(d: usize) -> Self {
-        Self { x: vec![0.0; d], y: vec![0.0; d], row: vec![f16::ZERO; d] }
+    /// For rows of `d` and pages of `page_size` tokens (groups of at least 32).
+    fn new(d: usize, page_size: usize) -> Self {
+        let mut s = Self { x: vec![], y: vec![], row: vec![], page: vec![], ranges: vec![], params: vec![] };
+        s.fit(d, page_size);
+        s
     }
+
+    /// Rows of exactly `d`, and room for pages of `page_size` tokens.
+    fn fit(&mut self, d: usize, page_size: usize) {
+        self.x.resize(d, 0.0);
+        self.y.resize(d, 0.0);
+        self.row.resize(d, f16::ZERO);
+        let rows = 2 * page_size;
+        let groups = rows * d.div_ceil(32);
+        self.page.resize(self.page.len().max(rows * d), f16::ZERO);
+        self.ranges.resize(self.ranges.len().max(groups), (0.0, 0.0));
+        self.params.resize(self.params.len().max(4 * groups), 0);
+    }
+}
+
+thread_local! {
+    /// The calling thread's append scratch, kept between tasks and calls (a head-page's
+    /// rows are tens of KiB: allocating and zeroing them per task showed in profiles).
+    static SCRATCH: std::cell::RefCell<AppendScratch> = std::cell::RefCell::new(AppendScratch::new(0, 0));
+}
+
+/// Runs `f` with this thread's append scratch fitted to `d` and `page_size` (a fresh one if
+/// it is in use further up this thread's stack).
+fn with_scratch<R>(d: usize, page_size: usize, f: impl FnOnce(&mut AppendScratch) -> R) -> R {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => {
+            s.fit(d, page_size);
+            f(&mut s)
+        }
+        Err(_) => f(&mut AppendScratch::new(d, page_size)),
+    })
 }
 
 /// How a key row becomes `(k - mean) / scale` before its rotation, per KV head: the
 /// same f32 operations as [`stage_row`], with the ones that change no bit left out
 /// (`x - 0.0 == x` and `x / 1.0 == x` for every finite `x`, signed zeros included).
 #[derive(Clone, Copy)]
-enum KeyAffine<'a> {
+pub(crate) enum KeyAffine<'a> {
     /// Mean `+0.0` and scale 1 everywhere: the row as it is.
     None,
     /// Scale 1 everywhere: `x - mean`.
@@ -312,10 +350,11 @@ fn load_affine<K: Kernels, T: KvElement>(kern: K, src: &[T], affine: KeyAffine<'
     acc.iter().sum()
 }
 
-/// [`stage_row`] for an input row of any element type into `scr.row`, with the kernel
+/// [`stage_row`] for an input row of any element type into `dst`, with the kernel
 /// set's FWHT and f16 conversions (the same bits as [`stage_row`]: the same f32
 /// operations, conversions rounding to nearest even). Returns [`load_affine`]'s squared
 /// norm, so that the fused append checks each row as it reads it.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn stage_input<K: Kernels, T: KvElement>(
     kern: K,
@@ -323,9 +362,10 @@ fn stage_input<K: Kernels, T: KvElement>(
     mean: KeyAffine<'_>,
     rot: HeadRotation<'_>,
     perm: Option<&[u16]>,
-    scr: &mut AppendScratch,
+    x: &mut [f32],
+    y: &mut [f32],
+    row: &mut [f16],
 ) -> f32 {
-    let AppendScratch { x, y, row, .. } = scr;
     let norm2 = load_affine(kern, src, mean, x);
     match rot {
         HeadRotation::None => {}
@@ -418,21 +458,41 @@ fn group_params(x: &[f16], lo: f32, hi: f32, bits: u32, clip_q16: u32) -> (f16, 
     (f16::from_bits(f64_to_f16((hi - lo) / levels)), f16::from_bits(f64_to_f16(lo)))
 }
 
-/// Quantizes one stored f16 row (finite values, groups of `g`) into packed codes and
-/// `(scale, zero)` pairs, bit for bit [`crate::reference::quantize_row`]: min/max, then
-/// threshold codes ([`group_codes`]), dividing only where a threshold is not finite.
+/// The min and max of each group of `g` values of a stored f16 row (finite values),
+/// exact; a range ending at a zero of either sign is recomputed by [`group_params`], so
+/// the sign of a zero found here does not matter.
 #[inline(always)]
-fn quantize_row_portable(row: &[f16], bits: u32, g: usize, clip_q16: u32, codes: &mut [u8], params: &mut [u8]) {
+fn group_ranges_portable(row: &[f16], g: usize, ranges: &mut [(f32, f32)]) {
+    for (x, range) in row.chunks_exact(g).zip(ranges.iter_mut()) {
+        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+        for v in x.iter().map(|v| v.to_f32()) {
+            lo = if v < lo { v } else { lo };
+            hi = if v > hi { v } else { hi };
+        }
+        *range = (lo, hi);
+    }
+}
+
+/// Quantizes one stored f16 row (finite values, groups of `g` whose min and max are
+/// `ranges`, see [`group_ranges_portable`]) into packed codes and `(scale, zero)` pairs,
+/// bit for bit [`crate::reference::quantize_row`]: threshold codes ([`group_codes`]),
+/// dividing only where a threshold is not finite.
+#[inline(always)]
+fn quantize_row_portable(
+    row: &[f16],
+    bits: u32,
+    g: usize,
+    clip_q16: u32,
+    ranges: &[(f32, f32)],
+    codes: &mut [u8],
+    params: &mut [u8],
+) {
     let levels = ((1u32 << bits) - 1) as f64;
     let (mut x, mut c) = ([0f32; 256], [0u8; 256]);
     let (x, c) = (&mut x[..row.len()], &mut c[..row.len()]);
     row.convert_to_f32_slice(x);
     for (j, (x, out)) in x.chunks_exact(g).zip(c.chunks_exact_mut(g)).enumerate() {
-        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-        for &v in x.iter() {
-            lo = if v < lo { v } else { lo };
-            hi = if v > hi { v } else { hi };
-        }
+        let (lo, hi) = ranges[j];
         let (scale, zero) = group_params(&row[j * g..(j + 1) * g], lo, hi, bits, clip_q16);
         params[4 * j..4 * j + 2].copy_from_slice(&scale.to_le_bytes());
         params[4 * j + 2..4 * j + 4].copy_from_slice(&zero.to_le_bytes());
@@ -451,16 +511,39 @@ fn quantize_row_portable(row: &[f16], bits: u32, g: usize, clip_q16: u32, codes:
     pack_into(c, bits, codes);
 }
 
-/// Quantizes one stored f16 row into the head-page `bytes` (its codes and its scale/zero
-/// pairs at `slot`) with the kernel set's quantizer (bit for bit the reference's).
+/// Quantizes stored f16 rows (`rows`: `[n][head_dim]`, `n` at most a page; `ranges`:
+/// the min and max of each of their groups, `[n][groups]`, as
+/// [`Kernels::group_ranges`] finds them) into the head-page `bytes` (their codes and
+/// scale/zero pairs at slots `slot..slot + n`) with the kernel set's quantizer (bit for
+/// bit the reference's); `params` is scratch of at least `n` rows' scale/zero bytes.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn quantize_into_page<K: Kernels>(kern: K, fmt: &Format, row: &[f16], value: bool, slot: u32, bytes: &mut [u8]) {
-    let mut params = [0u8; 4 * 8];
-    let params = &mut params[..fmt.param_bytes() as usize];
+fn quantize_into_page<K: Kernels>(
+    kern: K,
+    fmt: &Format,
+    rows: &[f16],
+    ranges: &[(f32, f32)],
+    value: bool,
+    slot: u32,
+    bytes: &mut [u8],
+    params: &mut [u8],
+) {
+    let (d, groups) = (fmt.head_dim as usize, fmt.groups() as usize);
+    let (n, pb, cb) = (rows.len() / d, fmt.param_bytes() as usize, fmt.code_bytes(value) as usize);
+    assert!(rows.len() == n * d && ranges.len() == n * groups && slot as usize + n <= fmt.page_size as usize);
+    let params = &mut params[..n * pb];
     let c = fmt.codes_at(value, slot) as usize;
-    let codes = &mut bytes[c..c + fmt.code_bytes(value) as usize];
-    kern.quantize_row(row, fmt.bits(value), fmt.group_size as usize, fmt.clip(value), codes, params);
-    reference::set_page_params(fmt, bytes, value, slot, params);
+    let codes = &mut bytes[c..c + n * cb];
+    kern.quantize_rows(rows, d, fmt.bits(value), fmt.group_size as usize, fmt.clip(value), ranges, codes, params);
+    // Row-local (scale, zero) pairs to the page's planar layout: one group's scales (and
+    // zeros) of consecutive slots are contiguous.
+    for j in 0..groups {
+        let (s0, z0) = (fmt.scale_at(value, j as u32, slot) as usize, fmt.zero_at(value, j as u32, slot) as usize);
+        for (i, p) in params.chunks_exact(pb).enumerate() {
+            bytes[s0 + 2 * i..s0 + 2 * i + 2].copy_from_slice(&p[4 * j..4 * j + 2]);
+            bytes[z0 + 2 * i..z0 + 2 * i + 2].copy_from_slice(&p[4 * j + 2..4 * j + 4]);
+        }
+    }
 }
 
 /// Element of new token `t`, KV head `h` of the K input (`p.token_stride` apart).
@@ -524,8 +607,9 @@ struct PageInputs<'a, T> {
 enum Staged {
     /// Row `at` of the side store (an old window row).
     Side(usize),
-    /// A new input row, staged into the scratch row.
-    Scratch,
+    /// A new input row, staged into the row given; `true` when its groups' ranges were
+    /// found too.
+    Scratch(bool),
     /// A new input row that fails the check: nothing more is written.
     Bad,
 }
@@ -553,32 +637,42 @@ fn fill_page<K: Kernels, T: KvElement>(
     let (kperm, vperm) = inp.perms[hu];
     let (krot, vrot) = (inp.calib.rotation(false, hu, d, p.flags), inp.calib.rotation(true, hu, d, p.flags));
     let pos = |slot: u32| fmt.sinks + page * fmt.page_size + slot;
-    // The stored f16 row of (slot, value): from the side store or staged into scr.row.
-    let stage = |slot: u32, value: bool, scr: &mut AppendScratch| -> Staged {
+    let g = fmt.group_size as usize;
+    let groups = fmt.groups() as usize;
+    let AppendScratch { x, y, row: scr_row, page: staged, ranges, params } = scr;
+    // The stored f16 row of (slot, value): from the side store, or staged into `dst` (with
+    // its groups' ranges into `rg` where the kernel set stages it in one pass).
+    let stage = |slot: u32, value: bool, x: &mut [f32], y: &mut [f32], dst: &mut [f16], rg: &mut [(f32, f32)]| {
         let at = pos(slot);
         if at < len {
             return Staged::Side(fmt.side_row_at(h, value, fmt.window_row(at)));
         }
         let t = (at - len) as usize;
-        let (row, norm2) = if value {
-            let row = &inp.v[v_src(p, at - len, hu)..][..d];
-            (row, stage_input(kern, row, KeyAffine::None, vrot, vperm, scr))
+        let (row, affine, rot, perm) = if value {
+            (&inp.v[v_src(p, at - len, hu)..][..d], KeyAffine::None, vrot, vperm)
         } else {
-            let row = &inp.k[k_src(p, at - len, hu)..][..d];
-            (row, stage_input(kern, row, inp.affine[hu], krot, kperm, scr))
+            (&inp.k[k_src(p, at - len, hu)..][..d], inp.affine[hu], krot, kperm)
+        };
+        let fused = match (rot, perm) {
+            (HeadRotation::Hadamard, None) => kern.stage_hadamard(row, affine, g, dst, rg),
+            _ => None,
+        };
+        let (norm2, ranged) = match fused {
+            Some(norm2) => (norm2, true),
+            None => (stage_input(kern, row, affine, rot, perm, x, y, dst), false),
         };
         match inp.check {
             Some(c) if c.bad(norm2, value, t, hu, row) => Staged::Bad,
-            _ => Staged::Scratch,
+            _ => Staged::Scratch(ranged),
         }
     };
     if fmt.channel_norm > 0 {
         for value in [false, true] {
             let mut rows = Vec::with_capacity(fmt.page_size as usize * d);
             for slot in 0..fmt.page_size {
-                let row = match stage(slot, value, scr) {
+                let row = match stage(slot, value, x, y, scr_row, &mut ranges[..groups]) {
                     Staged::Side(at) => &inp.side[at..at + d],
-                    Staged::Scratch => &scr.row[..],
+                    Staged::Scratch(_) => &scr_row[..],
                     Staged::Bad => return false,
                 };
                 rows.extend(row.iter().map(|x| x.to_f64()));
@@ -600,16 +694,30 @@ fn fill_page<K: Kernels, T: KvElement>(
         }
     };
     (0..PREFETCH).for_each(prefetch);
-    for slot in 0..fmt.page_size {
+    // Every stored row of the page first (keys, then values, in `staged`), then the page
+    // quantized in two calls, so that the quantizer works on many rows at once.
+    let ps = fmt.page_size as usize;
+    let (keys, values) = staged[..2 * ps * d].split_at_mut(ps * d);
+    let (key_ranges, value_ranges) = ranges[..2 * ps * groups].split_at_mut(ps * groups);
+    let slots = keys.chunks_exact_mut(d).zip(key_ranges.chunks_exact_mut(groups));
+    let slots = slots.zip(values.chunks_exact_mut(d).zip(value_ranges.chunks_exact_mut(groups)));
+    for (slot, (k, v)) in slots.enumerate() {
+        let slot = slot as u32;
         prefetch(slot + PREFETCH);
-        for value in [false, true] {
-            match stage(slot, value, scr) {
-                Staged::Side(at) => quantize_into_page(kern, fmt, &inp.side[at..at + d], value, slot, bytes),
-                Staged::Scratch => quantize_into_page(kern, fmt, &scr.row, value, slot, bytes),
+        for (value, (dst, rg)) in [(false, k), (true, v)] {
+            match stage(slot, value, x, y, dst, rg) {
+                Staged::Side(at) => {
+                    dst.copy_from_slice(&inp.side[at..at + d]);
+                    kern.group_ranges(dst, g, rg);
+                }
+                Staged::Scratch(true) => {}
+                Staged::Scratch(false) => kern.group_ranges(dst, g, rg),
                 Staged::Bad => return false,
             }
         }
     }
+    quantize_into_page(kern, fmt, keys, key_ranges, false, 0, bytes, params);
+    quantize_into_page(kern, fmt, values, value_ranges, true, 0, bytes, params);
     true
 }
 
@@ -704,6 +812,12 @@ pub(crate) fn append_checked<T: KvElement>(
             }
         }
     }
+    let perms: Vec<HeadPerms<'_>> = (0..hkv)
+        .map(|h| {
+            let (_, kperm, vperm) = calib.head(h, d);
+            (non_identity(kperm), non_identity(vperm))
+        })
+        .collect();
     let (p0, p1) = (fmt.pages_for(len), fmt.pages_for(new_len));
     if p1 > p0 {
         let pb = fmt.page_bytes() as usize;
@@ -716,21 +830,12 @@ pub(crate) fn append_checked<T: KvElement>(
                 tasks.push((page, h as u32, bytes.expect("distinct blocks in the block table")));
             }
         }
-        let perms: Vec<_> = (0..hkv)
-            .map(|h| {
-                let (_, kperm, vperm) = calib.head(h, d);
-                (non_identity(kperm), non_identity(vperm))
-            })
-            .collect();
         let inp = PageInputs { p, calib, affine: &affine, perms: &perms, side: &*side, k, v, check };
         let ok = match check {
             None => {
-                tasks.into_par_iter().for_each_init(
-                    || AppendScratch::new(d),
-                    |scr, (page, h, bytes)| {
-                        fill_page_best(&inp, page, h, bytes, scr);
-                    },
-                );
+                tasks.into_par_iter().for_each(|(page, h, bytes)| {
+                    with_scratch(d, fmt.page_size as usize, |scr| fill_page_best(&inp, page, h, bytes, scr));
+                });
                 true
             }
             Some(_) => {
@@ -741,17 +846,14 @@ pub(crate) fn append_checked<T: KvElement>(
                 let mut saved = SAVED.take();
                 saved.resize(size.max(saved.len()), 0);
                 let bad = std::sync::atomic::AtomicBool::new(false);
-                tasks.par_iter_mut().zip(saved[..size].par_chunks_mut(pb)).for_each_init(
-                    || AppendScratch::new(d),
-                    |scr, ((page, h, bytes), save)| {
-                        save.copy_from_slice(bytes);
-                        if !bad.load(std::sync::atomic::Ordering::Relaxed)
-                            && !fill_page_best(&inp, *page, *h, bytes, scr)
-                        {
-                            bad.store(true, std::sync::atomic::Ordering::Relaxed);
-                        }
-                    },
-                );
+                tasks.par_iter_mut().zip(saved[..size].par_chunks_mut(pb)).for_each(|((page, h, bytes), save)| {
+                    save.copy_from_slice(bytes);
+                    if !bad.load(std::sync::atomic::Ordering::Relaxed)
+                        && !with_scratch(d, fmt.page_size as usize, |scr| fill_page_best(&inp, *page, *h, bytes, scr))
+                    {
+                        bad.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
                 let bad = bad.into_inner();
                 if bad {
                     for ((_, _, bytes), save) in tasks.iter_mut().zip(saved.chunks_exact(pb)) {
@@ -769,30 +871,30 @@ pub(crate) fn append_checked<T: KvElement>(
         }
     }
     // New tokens that stay in f16: sink and window rows, and protected rows.
-    let mut scr = AppendScratch::new(d);
-    for pos in len..new_len {
-        let row = match fmt.place(pos, new_len) {
-            Place::Sink { index } => Some(index),
-            Place::Window { slot } => Some(slot),
-            Place::Page { .. } => None,
-        };
-        let copy = reference::protected_index(protected, pos).map(|i| fmt.protected_row(i));
-        if row.is_none() && copy.is_none() {
-            continue;
-        }
-        for (h, &key_affine) in affine.iter().enumerate() {
-            let (_, kperm, vperm) = calib.head(h, d);
-            let (ks, vs) = (k_src(p, pos - len, h), v_src(p, pos - len, h));
-            for value in [false, true] {
-                let rot = calib.rotation(value, h, d, p.flags);
-                stage_input_best(&k[ks..ks + d], &v[vs..vs + d], value, key_affine, rot, kperm, vperm, &mut scr);
-                for r in row.into_iter().chain(copy) {
-                    let at = fmt.side_row_at(h as u32, value, r);
-                    side[at..at + d].copy_from_slice(&scr.row);
+    with_scratch(d, 0, |scr| {
+        for pos in len..new_len {
+            let row = match fmt.place(pos, new_len) {
+                Place::Sink { index } => Some(index),
+                Place::Window { slot } => Some(slot),
+                Place::Page { .. } => None,
+            };
+            let copy = reference::protected_index(protected, pos).map(|i| fmt.protected_row(i));
+            if row.is_none() && copy.is_none() {
+                continue;
+            }
+            for (h, (&key_affine, &(kperm, vperm))) in affine.iter().zip(&perms).enumerate() {
+                let (ks, vs) = (k_src(p, pos - len, h), v_src(p, pos - len, h));
+                for value in [false, true] {
+                    let rot = calib.rotation(value, h, d, p.flags);
+                    stage_input_best(&k[ks..ks + d], &v[vs..vs + d], value, key_affine, rot, kperm, vperm, scr);
+                    for r in row.into_iter().chain(copy) {
+                        let at = fmt.side_row_at(h as u32, value, r);
+                        side[at..at + d].copy_from_slice(&scr.row);
+                    }
                 }
             }
         }
-    }
+    });
     true
 }
 
@@ -847,8 +949,8 @@ fn stage_input_best<T: KvElement>(
     value: bool,
     affine: KeyAffine<'_>,
     rot: HeadRotation<'_>,
-    kperm: &[u16],
-    vperm: &[u16],
+    kperm: Option<&[u16]>,
+    vperm: Option<&[u16]>,
     scr: &mut AppendScratch,
 ) {
     #[inline(always)]
@@ -860,14 +962,15 @@ fn stage_input_best<T: KvElement>(
         value: bool,
         affine: KeyAffine<'_>,
         rot: HeadRotation<'_>,
-        kperm: &[u16],
-        vperm: &[u16],
+        kperm: Option<&[u16]>,
+        vperm: Option<&[u16]>,
         scr: &mut AppendScratch,
     ) {
+        let AppendScratch { x, y, row, .. } = scr;
         if value {
-            stage_input(kern, v, KeyAffine::None, rot, non_identity(vperm), scr);
+            stage_input(kern, v, KeyAffine::None, rot, vperm, x, y, row);
         } else {
-            stage_input(kern, k, affine, rot, non_identity(kperm), scr);
+            stage_input(kern, k, affine, rot, kperm, x, y, row);
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -881,8 +984,8 @@ fn stage_input_best<T: KvElement>(
             value: bool,
             affine: KeyAffine<'_>,
             rot: HeadRotation<'_>,
-            kperm: &[u16],
-            vperm: &[u16],
+            kperm: Option<&[u16]>,
+            vperm: Option<&[u16]>,
             scr: &mut AppendScratch,
         ) {
             go(kern, k, v, value, affine, rot, kperm, vperm, scr)
@@ -1006,11 +1109,53 @@ pub(crate) trait Kernels: Copy {
         sum(s)
     }
 
-    /// Quantizes a stored f16 row (at most 256 finite values; see
-    /// [`quantize_row_portable`], the same bytes).
+    /// The min and max of each group of `g` values of a stored f16 row (see
+    /// [`group_ranges_portable`]).
     #[inline(always)]
-    fn quantize_row(self, row: &[f16], bits: u32, g: usize, clip_q16: u32, codes: &mut [u8], params: &mut [u8]) {
-        quantize_row_portable(row, bits, g, clip_q16, codes, params)
+    fn group_ranges(self, row: &[f16], g: usize, ranges: &mut [(f32, f32)]) {
+        group_ranges_portable(row, g, ranges)
+    }
+
+    /// Stages a new input row of a Hadamard-rotated head with no channel permutation in
+    /// one pass ([`stage_input`]'s f16 row into `dst`, the same bits, and its groups'
+    /// ranges as [`Kernels::group_ranges`] finds them), returning [`load_affine`]'s
+    /// squared norm (up to f32 rounding: it only decides which rows get the exact test),
+    /// or `None`, with nothing written, where the kernel set has no such pass.
+    #[inline(always)]
+    fn stage_hadamard<T: KvElement>(
+        self,
+        src: &[T],
+        affine: KeyAffine<'_>,
+        g: usize,
+        dst: &mut [f16],
+        ranges: &mut [(f32, f32)],
+    ) -> Option<f32> {
+        let _ = (src, affine, g, dst, ranges);
+        None
+    }
+
+    /// Quantizes stored f16 rows (`rows`: `[n][d]`, `d <= 256`, finite values; `ranges`:
+    /// `[n][d / g]`, each group's min and max as [`Kernels::group_ranges`] finds them) into
+    /// `codes` (`[n][d * bits / 8]`) and `params` (`[n][4 * d / g]`), each row as
+    /// [`quantize_row_portable`] does (the same bytes).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn quantize_rows(
+        self,
+        rows: &[f16],
+        d: usize,
+        bits: u32,
+        g: usize,
+        clip_q16: u32,
+        ranges: &[(f32, f32)],
+        codes: &mut [u8],
+        params: &mut [u8],
+    ) {
+        let (cb, pb) = (d * bits as usize / 8, 4 * (d / g));
+        let rows = rows.chunks_exact(d).zip(ranges.chunks_exact(d / g));
+        for ((row, ranges), (c, p)) in rows.zip(codes.chunks_exact_mut(cb).zip(params.chunks_exact_mut(pb))) {
+            quantize_row_portable(row, bits, g, clip_q16, ranges, c, p)
+        }
     }
 
     /// [`Kernels::dots`] over packed `bits`-bit codes (`[n][d * bits / 8]` bytes) instead
@@ -1232,7 +1377,8 @@ pub(crate) use avx2::Avx2;
 mod avx2 {
     //! AVX2 + FMA micro-kernels: register-blocked over up to 4 query heads and 2 tokens
     //! (scores) or 16 channels (values).
-    use super::{CHUNK, IntQuery, Kernels};
+    use super::{CHUNK, DTYPE_BF16, DTYPE_F16, DTYPE_F32, IntQuery, Kernels, KeyAffine};
+    use crate::KvElement;
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -1285,16 +1431,16 @@ mod avx2 {
     }
 
     /// The codes of 8 values against `LEVELS` thresholds (the count of thresholds at or
-    /// below each value), shifted left by `shifts` lane by lane.
+    /// below each value), one per i32 lane.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn codes8<const LEVELS: usize>(v: __m256, th: &[__m256; 15], shifts: __m256i) -> __m256i {
+    fn codes8<const LEVELS: usize>(v: __m256, th: &[__m256; 15]) -> __m256i {
         let mut c = _mm256_setzero_si256();
         for t in th.iter().take(LEVELS) {
             // The mask is -1 where v >= t: subtracting it counts.
             c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(v, *t)));
         }
-        _mm256_sllv_epi32(c, shifts)
+        c
     }
 
     /// Byte 0 of each i32 lane of `h` in bytes 0..4 of each 128-bit half.
@@ -1305,85 +1451,268 @@ mod avx2 {
         (_mm_shuffle_epi8(_mm256_castsi256_si128(h), pick), _mm_shuffle_epi8(_mm256_extracti128_si256::<1>(h), pick))
     }
 
-    /// [`super::quantize_row_portable`] in AVX2 (the same bytes): per group a vector
-    /// min/max, then codes by threshold comparisons, packed 32 (2-bit) or 16 (4-bit)
-    /// channels to 8 bytes by variable shifts, horizontal adds and byte shuffles. Groups
-    /// whose thresholds are not all finite go to the portable quantizer.
+    /// The exact min and max of a group of f16 values (`g` a multiple of 32), four
+    /// independent chains. A range ending at a zero of either sign is recomputed by
+    /// `group_params`, so the sign of a zero found here does not matter.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn quantize_row(row: &[f16], bits: u32, g: usize, clip: u32, codes: &mut [u8], params: &mut [u8]) {
-        let d = row.len();
+    #[inline]
+    fn group_range(x: &[f16]) -> (f32, f32) {
+        assert!(x.len().is_multiple_of(32));
+        let p = x.as_ptr();
+        // SAFETY: i + 8 * q + 8 <= x.len() for every load.
+        let load = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.add(i).cast())) };
+        let mut lo = [_mm256_set1_ps(f32::INFINITY); 4];
+        let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+        for i in (0..x.len()).step_by(32) {
+            for q in 0..4 {
+                let v = load(i + 8 * q);
+                lo[q] = _mm256_min_ps(lo[q], v);
+                hi[q] = _mm256_max_ps(hi[q], v);
+            }
+        }
+        let lo = _mm256_min_ps(_mm256_min_ps(lo[0], lo[1]), _mm256_min_ps(lo[2], lo[3]));
+        let hi = _mm256_max_ps(_mm256_max_ps(hi[0], hi[1]), _mm256_max_ps(hi[2], hi[3]));
+        (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)), hmax(hi))
+    }
+
+    /// The packed codes of a group of f16 values against its `2^bits - 1` thresholds
+    /// (`th`, ascending; a code is the count of thresholds at or below its value), 8 bytes
+    /// at a time: 32 2-bit codes saturated to bytes (the i32 lanes of four registers, in
+    /// the order `packs`/`packus` leave them: runs of four consecutive channels), each
+    /// run of four joined into its byte by two multiply-adds (`c0 + 4 c1`, then
+    /// `+ 16 (c2 + 4 c3)`), the bytes gathered and the two halves interleaved back into
+    /// channel order; or 16 4-bit codes by variable shifts, a horizontal add and byte
+    /// shuffles. `out` is the group's `x.len() * bits / 8` bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn group_codes(x: &[f16], th: &[f32], bits: u32, out: &mut [u8]) {
+        let g = x.len();
+        assert!(g.is_multiple_of(32) && out.len() == g * bits as usize / 8 && th.len() == (1 << bits) - 1);
+        let mut t = [_mm256_setzero_ps(); 15];
+        for (t, &v) in t.iter_mut().zip(th) {
+            *t = _mm256_set1_ps(v);
+        }
+        let p = x.as_ptr();
+        // SAFETY: every load below reads 8 values inside `x` (bounds in the loops).
+        let load = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.add(i).cast())) };
+        let op = out.as_mut_ptr();
+        if bits == 2 {
+            let (w4, w16) = (_mm256_set1_epi16(0x0401), _mm256_set1_epi32(0x0010_0001));
+            for b in 0..g / 32 {
+                // 32 * b + 32 <= g.
+                let r: [__m256i; 4] = std::array::from_fn(|q| codes8::<3>(load(32 * b + 8 * q), &t));
+                // Bytes: per 128-bit half, channels [0, 4) of r[0], r[1], r[2], r[3], then
+                // [4, 8) of each in the upper half.
+                let c = _mm256_packus_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+                // Each run of four codes joined into the low byte of its i32 lane: the
+                // bytes of channels 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31.
+                let q = _mm256_madd_epi16(_mm256_maddubs_epi16(c, w4), w16);
+                let (even, odd) = low_bytes(q);
+                // SAFETY: 8 * b + 8 <= g / 4 = out.len().
+                unsafe { _mm_storel_epi64(op.add(8 * b).cast(), _mm_unpacklo_epi8(even, odd)) };
+            }
+        } else {
+            let shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+            for b in 0..g / 16 {
+                // 16 * b + 16 <= g.
+                let r: [__m256i; 2] =
+                    std::array::from_fn(|q| _mm256_sllv_epi32(codes8::<15>(load(16 * b + 8 * q), &t), shifts));
+                let (lo4, hi4) = low_bytes(_mm256_hadd_epi32(r[0], r[1]));
+                // SAFETY: 8 * b + 8 <= g / 2 = out.len().
+                unsafe { _mm_storel_epi64(op.add(8 * b).cast(), _mm_unpacklo_epi16(lo4, hi4)) };
+            }
+        }
+    }
+
+    /// [`super::quantize_row_portable`] in AVX2 on `rows.len() / d` rows of `d` (the same
+    /// bytes; `ranges` is `[rows][d / g]`, `codes` `[rows][d * bits / 8]`, `params`
+    /// `[rows][4 * d / g]`), in blocks of 16 rows and two passes per block, so that the
+    /// scalar work of one row (the f64 scale and zero, their f16 rounding, the thresholds:
+    /// a long dependent chain) runs beside that of the other rows instead of stalling its
+    /// own codes: every group's scale, zero and thresholds (`z + (k + 1/2) s` rounded up
+    /// to f32, see [`super::group_codes`]; all `+inf` for a constant group, whose codes
+    /// are all 0), then the codes ([`group_codes`]). A row with a threshold that is not
+    /// finite goes to the portable quantizer.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn quantize_rows(
+        rows: &[f16],
+        d: usize,
+        bits: u32,
+        g: usize,
+        clip: u32,
+        ranges: &[(f32, f32)],
+        codes: &mut [u8],
+        params: &mut [u8],
+    ) {
+        const BLOCK: usize = 16;
+        // Groups of a block: at most 8 per row.
+        const ITEMS: usize = BLOCK * 8;
         assert!(d <= 256 && g.is_multiple_of(32) && d.is_multiple_of(g) && (bits == 2 || bits == 4));
-        assert!(codes.len() == d * bits as usize / 8 && params.len() == 4 * (d / g));
-        let levels = (1usize << bits) - 1;
-        // Eight values from `i` (bounds-checked slice).
-        let load = |i: usize| {
-            let eight = &row[i..i + 8];
-            // SAFETY: `eight` holds 8 f16, the 16 bytes the load reads.
-            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(eight.as_ptr().cast())) }
-        };
-        for j in 0..d / g {
-            // Four independent min/max chains (g >= 32); min and max are exact, and a range
-            // ending at a zero of either sign is recomputed by `group_params`.
-            let mut lo = [_mm256_set1_ps(f32::INFINITY); 4];
-            let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
-            for i in (j * g..(j + 1) * g).step_by(32) {
-                for q in 0..4 {
-                    let v = load(i + 8 * q);
-                    lo[q] = _mm256_min_ps(lo[q], v);
-                    hi[q] = _mm256_max_ps(hi[q], v);
+        let n = rows.len() / d;
+        let (groups, levels) = (d / g, (1usize << bits) - 1);
+        let (cb, pb, gb) = (d * bits as usize / 8, 4 * groups, g * bits as usize / 8);
+        assert!(rows.len() == n * d && ranges.len() == n * groups && codes.len() == n * cb && params.len() == n * pb);
+        // Thresholds by level, then group of the block: `th[k * ITEMS + i]`.
+        let mut th = [0f32; 15 * ITEMS];
+        let mut portable = [false; BLOCK];
+        for r0 in (0..n).step_by(BLOCK) {
+            let m = BLOCK.min(n - r0);
+            let row = |r: usize| &rows[(r0 + r) * d..(r0 + r + 1) * d];
+            let items = m * groups;
+            portable.fill(false);
+            for i0 in (0..items).step_by(4) {
+                let lanes = 4.min(items - i0);
+                let (mut lo, mut hi) = ([1f64; 4], [1f64; 4]);
+                for l in 0..lanes {
+                    (lo[l], hi[l]) = (ranges[r0 * groups + i0 + l].0 as f64, ranges[r0 * groups + i0 + l].1 as f64);
+                }
+                // SAFETY: four f64 each.
+                let (lo, hi) = unsafe { (_mm256_loadu_pd(lo.as_ptr()), _mm256_loadu_pd(hi.as_ptr())) };
+                let (scale, zero, thresholds, nonfinite) = group_params4(lo, hi, bits, clip);
+                let zero_end = _mm256_movemask_pd(_mm256_or_pd(
+                    _mm256_cmp_pd::<_CMP_EQ_OQ>(lo, _mm256_setzero_pd()),
+                    _mm256_cmp_pd::<_CMP_EQ_OQ>(hi, _mm256_setzero_pd()),
+                ));
+                for l in 0..lanes {
+                    let i = i0 + l;
+                    let (r, j) = (i / groups, i % groups);
+                    if zero_end >> l & 1 == 1 {
+                        // A range that ends at a zero: the scalar path decides its sign.
+                        let x = &row(r)[j * g..(j + 1) * g];
+                        let (lo, hi) = ranges[r0 * groups + i];
+                        let (s, z) = super::group_params(x, lo, hi, bits, clip);
+                        let p = (r0 + r) * pb + 4 * j;
+                        params[p..p + 2].copy_from_slice(&s.to_le_bytes());
+                        params[p + 2..p + 4].copy_from_slice(&z.to_le_bytes());
+                        let (s, z) = (s.to_f64(), z.to_f64());
+                        for k in 0..levels {
+                            let exact = z + (k as f64 + 0.5) * s;
+                            portable[r] |= s != 0.0 && !exact.is_finite();
+                            let mut v = exact as f32;
+                            if (v as f64) < exact {
+                                v = v.next_up();
+                            }
+                            th[k * ITEMS + i] = if s == 0.0 { f32::INFINITY } else { v };
+                        }
+                        continue;
+                    }
+                    let p = (r0 + r) * pb + 4 * j;
+                    params[p..p + 2].copy_from_slice(&scale[l].to_le_bytes());
+                    params[p + 2..p + 4].copy_from_slice(&zero[l].to_le_bytes());
+                    portable[r] |= nonfinite >> l & 1 == 1;
+                    for k in 0..levels {
+                        th[k * ITEMS + i] = thresholds[k][l];
+                    }
                 }
             }
-            let lo = _mm256_min_ps(_mm256_min_ps(lo[0], lo[1]), _mm256_min_ps(lo[2], lo[3]));
-            let hi = _mm256_max_ps(_mm256_max_ps(hi[0], hi[1]), _mm256_max_ps(hi[2], hi[3]));
-            let (lo, hi) = (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)), hmax(hi));
-            let (scale, zero) = super::group_params(&row[j * g..(j + 1) * g], lo, hi, bits, clip);
-            params[4 * j..4 * j + 2].copy_from_slice(&scale.to_le_bytes());
-            params[4 * j + 2..4 * j + 4].copy_from_slice(&zero.to_le_bytes());
-            let (s, z) = (scale.to_f64(), zero.to_f64());
-            let out = &mut codes[j * g * bits as usize / 8..(j + 1) * g * bits as usize / 8];
-            if s == 0.0 {
-                out.fill(0);
-                continue;
-            }
-            let mut th = [_mm256_setzero_ps(); 15];
-            let mut finite = true;
-            for (k, t) in th.iter_mut().enumerate().take(levels) {
-                let exact = z + (k as f64 + 0.5) * s;
-                finite &= exact.is_finite();
-                let mut r = exact as f32;
-                if (r as f64) < exact {
-                    r = r.next_up();
+            for r in 0..m {
+                let (c, p) = (&mut codes[(r0 + r) * cb..][..cb], &mut params[(r0 + r) * pb..][..pb]);
+                if portable[r] {
+                    // Rare (scales or zeros at the ends of the f16 range): the same bytes.
+                    let ranges = &ranges[(r0 + r) * groups..][..groups];
+                    super::quantize_row_portable(row(r), bits, g, clip, ranges, c, p);
+                    continue;
                 }
-                *t = _mm256_set1_ps(r);
-            }
-            if !finite {
-                // Rare: let the portable quantizer do this row (the same bytes).
-                return super::quantize_row_portable(row, bits, g, clip, codes, params);
-            }
-            let op = out.as_mut_ptr();
-            if bits == 2 {
-                let shifts = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-                for b in 0..g / 32 {
-                    let at = j * g + 32 * b;
-                    // at + 32 <= (j + 1) * g <= d.
-                    let r: [__m256i; 4] = std::array::from_fn(|q| codes8::<3>(load(at + 8 * q), &th, shifts));
-                    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
-                    let (even, odd) = low_bytes(h);
-                    // SAFETY: group j's 2-bit codes are g / 4 bytes; 8 * b + 8 <= g / 4.
-                    unsafe { _mm_storel_epi64(op.add(8 * b).cast(), _mm_unpacklo_epi8(even, odd)) };
-                }
-            } else {
-                let shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
-                for b in 0..g / 16 {
-                    let at = j * g + 16 * b;
-                    // at + 16 <= (j + 1) * g <= d.
-                    let r: [__m256i; 2] = std::array::from_fn(|q| codes8::<15>(load(at + 8 * q), &th, shifts));
-                    let (lo4, hi4) = low_bytes(_mm256_hadd_epi32(r[0], r[1]));
-                    // SAFETY: group j's 4-bit codes are g / 2 bytes; 8 * b + 8 <= g / 2.
-                    unsafe { _mm_storel_epi64(op.add(8 * b).cast(), _mm_unpacklo_epi16(lo4, hi4)) };
+                for (j, (x, out)) in row(r).chunks_exact(g).zip(c.chunks_exact_mut(gb)).enumerate() {
+                    let mut t = [0f32; 15];
+                    for (k, t) in t.iter_mut().enumerate().take(levels) {
+                        *t = th[k * ITEMS + r * groups + j];
+                    }
+                    group_codes(x, &t[..levels], bits, out);
                 }
             }
         }
+    }
+
+    /// The f64 lanes' masks (all ones or zero) as i32 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn mask32(m: __m256d) -> __m128i {
+        let pick = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(m), pick))
+    }
+
+    /// Four f64 rounded to f16 bits, to nearest even, as [`f64_to_f16`] rounds them:
+    /// first to f32 by rounding to odd (the nearest f32, one step toward zero where that
+    /// is larger in magnitude, then its last bit set where it is inexact), then by F16C.
+    /// Rounding to odd at 24 bits and then to nearest at 11 is rounding to nearest (the
+    /// intermediate format has at least two more bits); f16 subnormals and overflow to
+    /// infinity included.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn f64x4_to_f16(x: __m256d) -> [u16; 4] {
+        let r = _mm256_cvtpd_ps(x);
+        let back = _mm256_cvtps_pd(r);
+        let abs = _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX));
+        let away = _mm256_cmp_pd::<_CMP_GT_OQ>(_mm256_and_pd(back, abs), _mm256_and_pd(x, abs));
+        let inexact = _mm256_cmp_pd::<_CMP_NEQ_UQ>(back, x);
+        // Toward zero: one less in magnitude is one less in the bits, for either sign.
+        let bits = _mm_add_epi32(_mm_castps_si128(r), mask32(away));
+        let bits = _mm_or_si128(bits, _mm_srli_epi32::<31>(mask32(inexact)));
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_castsi128_ps(bits));
+        let mut out = [0u16; 4];
+        // SAFETY: the low 8 bytes of `h` into 4 u16.
+        unsafe { _mm_storel_epi64(out.as_mut_ptr().cast(), h) };
+        out
+    }
+
+    /// Four f64 rounded up to f32 (the nearest f32, one step up where it is below), as
+    /// [`super::group_codes`] rounds its thresholds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn f64x4_up_to_f32(t: __m256d) -> __m128 {
+        let r = _mm256_cvtpd_ps(t);
+        let up = mask32(_mm256_cmp_pd::<_CMP_LT_OQ>(_mm256_cvtps_pd(r), t));
+        let bits = _mm_castps_si128(r);
+        // One step up: +1 in the bits of a non-negative f32, -1 of a negative one.
+        let step = _mm_or_si128(_mm_srai_epi32::<31>(bits), _mm_set1_epi32(1));
+        _mm_castsi128_ps(_mm_add_epi32(bits, _mm_and_si128(up, step)))
+    }
+
+    /// [`super::group_params`] and the thresholds of [`super::group_codes`] for four
+    /// groups at once, from their ranges `lo`, `hi` (f64 lanes; a range that ends at a
+    /// zero must be redone by the scalar path, which decides the zero's sign): the clip
+    /// about the midpoint and the scale in the same f64 operations, the scale and zero
+    /// rounded to f16 ([`f64x4_to_f16`]), then `z + (k + 1/2) s` for each level, exact in
+    /// f64 and rounded up to f32 ([`f64x4_up_to_f32`]); `+inf` for a group whose scale is
+    /// 0. Returns the scales' and zeros' f16 bits, `thresholds[k][lane]`, and a bit per
+    /// lane whose thresholds are not all finite (that group's row must go to the portable
+    /// quantizer).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn group_params4(lo: __m256d, hi: __m256d, bits: u32, clip: u32) -> ([u16; 4], [u16; 4], [[f32; 4]; 15], i32) {
+        let (lo, hi) = if clip >= super::NO_CLIP {
+            (lo, hi)
+        } else {
+            // The operations of `clip_range`, in its order.
+            let ratio = _mm256_set1_pd(clip as f64 / super::NO_CLIP as f64);
+            let half = _mm256_mul_pd(_mm256_mul_pd(_mm256_set1_pd(0.5), _mm256_sub_pd(hi, lo)), ratio);
+            let mid = _mm256_mul_pd(_mm256_set1_pd(0.5), _mm256_add_pd(lo, hi));
+            (_mm256_sub_pd(mid, half), _mm256_add_pd(mid, half))
+        };
+        let levels = (1usize << bits) - 1;
+        let scale = f64x4_to_f16(_mm256_div_pd(_mm256_sub_pd(hi, lo), _mm256_set1_pd(levels as f64)));
+        let zero = f64x4_to_f16(lo);
+        let widen = |h: [u16; 4]| {
+            // SAFETY: 8 bytes from a [u16; 4].
+            _mm256_cvtps_pd(_mm_cvtph_ps(unsafe { _mm_loadl_epi64(h.as_ptr().cast()) }))
+        };
+        let (s, z) = (widen(scale), widen(zero));
+        let constant = mask32(_mm256_cmp_pd::<_CMP_EQ_OQ>(s, _mm256_setzero_pd()));
+        let inf = _mm256_set1_pd(f64::INFINITY);
+        let mut thresholds = [[0f32; 4]; 15];
+        let mut finite = _mm256_castsi256_pd(_mm256_set1_epi64x(-1));
+        for (k, out) in thresholds.iter_mut().enumerate().take(levels) {
+            let t = _mm256_add_pd(z, _mm256_mul_pd(_mm256_set1_pd(k as f64 + 0.5), s));
+            let abs = _mm256_and_pd(t, _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX)));
+            finite = _mm256_and_pd(finite, _mm256_cmp_pd::<_CMP_LT_OQ>(abs, inf));
+            let r = _mm_blendv_ps(f64x4_up_to_f32(t), _mm_set1_ps(f32::INFINITY), _mm_castsi128_ps(constant));
+            // SAFETY: four f32.
+            unsafe { _mm_storeu_ps(out.as_mut_ptr(), r) };
+        }
+        let constant = _mm_movemask_ps(_mm_castsi128_ps(constant));
+        (scale, zero, thresholds, !_mm256_movemask_pd(finite) & !constant & 0xf)
     }
 
     /// `e^x` in each lane for `x <= 88` (0 below -87, and for `-inf`), to 2e-7 relative:
@@ -1459,6 +1788,7 @@ mod avx2 {
 
     /// Largest of the eight lanes.
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
     fn hmax(v: __m256) -> f32 {
         let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -1467,6 +1797,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
     fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -1679,6 +2010,58 @@ mod avx2 {
         }
     }
 
+    /// Calls `f(0)`, `f(1)`, ..., `f(N - 1)` written out (for N of 4, 8 and 16), so that
+    /// each index is a constant once `f` is inlined: arrays of registers indexed by it stay
+    /// in registers, where LLVM leaves a loop over them rolled, with the array in memory.
+    #[inline(always)]
+    fn unrolled<const N: usize>(mut f: impl FnMut(usize)) {
+        macro_rules! calls {
+            ($($i:literal)*) => {{ $( f($i); )* }};
+        }
+        match N {
+            4 => calls!(0 1 2 3),
+            8 => calls!(0 1 2 3 4 5 6 7),
+            16 => calls!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15),
+            _ => (0..N).for_each(f),
+        }
+    }
+
+    /// The FWHT butterflies of [`fwht_regs`] on an array `$v` of `R` registers (`8 * R`
+    /// floats), unscaled; a macro so that the array stays in registers in every caller
+    /// (as a function LLVM may leave it out of line, with the array in memory).
+    macro_rules! fwht_in_regs {
+        ($v:expr, $r:expr) => {{
+            let v: &mut [__m256; $r] = $v;
+            let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
+            let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
+            let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
+            unrolled::<$r>(|r| {
+                let a = v[r];
+                let a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps::<0xB1>(a));
+                let a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps::<0x4E>(a));
+                v[r] = _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps::<1>(a, a));
+            });
+            // Stride h between registers, called with constants (so every index is one).
+            let mut stage = |h: usize| {
+                if h < $r {
+                    // Pair k of the stage: i = its block's start + k % h, with i + h.
+                    unrolled::<$r>(|k| {
+                        if k < $r / 2 {
+                            let i = k / h * 2 * h + k % h;
+                            let (a, b) = (v[i], v[i + h]);
+                            v[i] = _mm256_add_ps(a, b);
+                            v[i + h] = _mm256_sub_ps(a, b);
+                        }
+                    });
+                }
+            };
+            stage(1);
+            stage(2);
+            stage(4);
+            stage(8);
+        }};
+    }
+
     /// In-register FWHT butterflies of `8 * R` floats at `p` (strides 1, 2 and 4 inside
     /// each register by a lane swap and a multiply-add with +-1, exact since
     /// `x * -1 + y` rounds once like `y - x`; strides 8 and up between registers), then
@@ -1688,28 +2071,12 @@ mod avx2 {
     /// `p` is valid for reads and writes of `8 * R` floats, and AVX2 and FMA are present.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: Option<f32>) {
-        let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
-        let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
-        let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
         let mut v = [_mm256_setzero_ps(); R];
         for (r, v) in v.iter_mut().enumerate() {
             // SAFETY: r < R: the 8 floats at 8 * r are inside the caller's 8 * R.
-            let a = unsafe { _mm256_loadu_ps(p.add(8 * r)) };
-            let a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps::<0xB1>(a));
-            let a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps::<0x4E>(a));
-            *v = _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps::<1>(a, a));
+            *v = unsafe { _mm256_loadu_ps(p.add(8 * r)) };
         }
-        let mut h = 1;
-        while h < R {
-            for blk in (0..R).step_by(2 * h) {
-                for i in blk..blk + h {
-                    let (a, b) = (v[i], v[i + h]);
-                    v[i] = _mm256_add_ps(a, b);
-                    v[i + h] = _mm256_sub_ps(a, b);
-                }
-            }
-            h *= 2;
-        }
+        fwht_in_regs!(&mut v, R);
         for (r, v) in v.iter().enumerate() {
             let v = match scale {
                 Some(s) => _mm256_mul_ps(*v, _mm256_set1_ps(s)),
@@ -1718,6 +2085,98 @@ mod avx2 {
             // SAFETY: as for the loads.
             unsafe { _mm256_storeu_ps(p.add(8 * r), v) };
         }
+    }
+
+    /// Eight elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
+    /// into the high half), for the element types the fused staging reads.
+    ///
+    /// # Safety
+    /// `p` is valid for reads of 8 elements, `T` is f32, f16 or bf16 (by its `DTYPE`), and
+    /// AVX2 and F16C are present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
+        // SAFETY: the caller's contract (8 elements of 4 or 2 bytes).
+        unsafe {
+            if T::DTYPE == DTYPE_F32 {
+                _mm256_loadu_ps(p.cast())
+            } else if T::DTYPE == DTYPE_F16 {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+            } else {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+            }
+        }
+    }
+
+    /// The fused append's staging of one new row of `8 * R` channels (64 or 128) for a
+    /// Hadamard rotation with no channel permutation, in registers: the row loaded as f32,
+    /// centered and scaled (`affine`, the same f32 operations as
+    /// [`super::load_affine`]), its squared norm (the fast check's, in another order:
+    /// FMAs into eight lanes), the butterflies and the scale of [`fwht_regs`] (the same
+    /// bits as [`super::fwht`]), rounding to f16 into `dst`, and the min and max of each
+    /// group of `8 * PER` channels of the stored row into `ranges` (as [`group_range`]
+    /// finds them). Every loop has a constant trip count, so that the row stays in
+    /// registers. `None` (nothing written) for another element type or row length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
+        src: &[T],
+        affine: KeyAffine<'_>,
+        dst: &mut [f16],
+        ranges: &mut [(f32, f32)],
+    ) -> Option<f32> {
+        let d = 8 * R;
+        if ![DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) || src.len() != d || dst.len() != d {
+            return None;
+        }
+        assert!(PER >= 4 && R.is_multiple_of(PER) && R / PER <= 4 && ranges.len() == R / PER);
+        let sp = src.as_ptr();
+        let mut v = [_mm256_setzero_ps(); R];
+        // One loop per case, each with a constant trip count and a short body (so that
+        // LLVM unrolls it and the array stays in registers).
+        match affine {
+            KeyAffine::None => unrolled::<R>(|r| {
+                // SAFETY: 8 * r + 8 <= d = src.len(); T is one of the three types.
+                v[r] = unsafe { load8(sp.add(8 * r)) };
+            }),
+            KeyAffine::Center(m) => {
+                assert_eq!(m.len(), d);
+                unrolled::<R>(|r| {
+                    // SAFETY: as above, and `m` has d floats.
+                    v[r] = unsafe { _mm256_sub_ps(load8(sp.add(8 * r)), _mm256_loadu_ps(m.as_ptr().add(8 * r))) };
+                });
+            }
+            KeyAffine::Full(m, sc) => {
+                assert!(m.len() == d && sc.len() == d);
+                unrolled::<R>(|r| {
+                    // SAFETY: as above, and `m` and `sc` have d floats.
+                    v[r] = unsafe {
+                        let (m, sc) = (_mm256_loadu_ps(m.as_ptr().add(8 * r)), _mm256_loadu_ps(sc.as_ptr().add(8 * r)));
+                        _mm256_div_ps(_mm256_sub_ps(load8(sp.add(8 * r)), m), sc)
+                    };
+                });
+            }
+        }
+        let mut acc = [_mm256_setzero_ps(); 2];
+        unrolled::<R>(|r| acc[r % 2] = _mm256_fmadd_ps(v[r], v[r], acc[r % 2]));
+        fwht_in_regs!(&mut v, R);
+        let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
+        let dp = dst.as_mut_ptr();
+        // At most 4 groups (R / PER <= 16 / 4).
+        let mut lo = [_mm256_set1_ps(f32::INFINITY); 4];
+        let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+        unrolled::<R>(|r| {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(v[r], scale));
+            // SAFETY: 8 * r + 8 <= d = dst.len().
+            unsafe { _mm_storeu_si128(dp.add(8 * r).cast(), h) };
+            let y = _mm256_cvtph_ps(h);
+            lo[r / PER] = _mm256_min_ps(lo[r / PER], y);
+            hi[r / PER] = _mm256_max_ps(hi[r / PER], y);
+        });
+        for (j, range) in ranges.iter_mut().enumerate() {
+            *range = (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo[j])), hmax(hi[j]));
+        }
+        Some(hsum(_mm256_add_ps(acc[0], acc[1])))
     }
 
     /// A row of 256 floats: two halves of 128 in registers (16 registers each, no
@@ -1923,9 +2382,48 @@ mod avx2 {
             unsafe { exp_sum(s, m) }
         }
         #[inline(always)]
-        fn quantize_row(self, row: &[f16], bits: u32, g: usize, clip: u32, codes: &mut [u8], params: &mut [u8]) {
+        fn group_ranges(self, row: &[f16], g: usize, ranges: &mut [(f32, f32)]) {
+            for (x, range) in row.chunks_exact(g).zip(ranges.iter_mut()) {
+                // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+                *range = unsafe { group_range(x) };
+            }
+        }
+        #[inline(always)]
+        fn stage_hadamard<T: KvElement>(
+            self,
+            src: &[T],
+            affine: KeyAffine<'_>,
+            g: usize,
+            dst: &mut [f16],
+            ranges: &mut [(f32, f32)],
+        ) -> Option<f32> {
             // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
-            unsafe { quantize_row(row, bits, g, clip, codes, params) }
+            unsafe {
+                match (src.len(), g) {
+                    (64, 32) => stage_hadamard::<T, 8, 4>(src, affine, dst, ranges),
+                    (64, 64) => stage_hadamard::<T, 8, 8>(src, affine, dst, ranges),
+                    (128, 32) => stage_hadamard::<T, 16, 4>(src, affine, dst, ranges),
+                    (128, 64) => stage_hadamard::<T, 16, 8>(src, affine, dst, ranges),
+                    (128, 128) => stage_hadamard::<T, 16, 16>(src, affine, dst, ranges),
+                    _ => None,
+                }
+            }
+        }
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
+        fn quantize_rows(
+            self,
+            rows: &[f16],
+            d: usize,
+            bits: u32,
+            g: usize,
+            clip: u32,
+            ranges: &[(f32, f32)],
+            codes: &mut [u8],
+            params: &mut [u8],
+        ) {
+            // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+            unsafe { quantize_rows(rows, d, bits, g, clip, ranges, codes, params) }
         }
         #[inline(always)]
         fn dots(self, q: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
@@ -2981,9 +3479,146 @@ mod tests {
         rows
     }
 
+    /// The one-pass staging of a Hadamard row ([`Kernels::stage_hadamard`], AVX2) writes
+    /// the f16 row of [`stage_input`] bit for bit (f32, f16 and bf16 input; keys as they
+    /// are, centered, centered and scaled; head_dim 64 and 128; groups of 32 to 128), the
+    /// ranges [`Kernels::group_ranges`] finds in it, and the squared norm of
+    /// [`load_affine`] to f32 rounding (1e-5 relative; it only picks the rows for the exact
+    /// test). A row with a huge outlier is among them.
+    #[test]
+    fn one_pass_staging_writes_the_staged_row() {
+        #[cfg(target_arch = "x86_64")]
+        fn run<T: KvElement>(avx: Avx2, conv: impl Fn(f32) -> T) {
+            for d in [64usize, 128] {
+                let mean = values(d, 7);
+                let scale: Vec<f32> = values(d, 8).iter().map(|v| 1.0 + v.abs()).collect();
+                for (a, affine) in
+                    [KeyAffine::None, KeyAffine::Center(&mean), KeyAffine::Full(&mean, &scale)].into_iter().enumerate()
+                {
+                    for (i, mut row) in (0..6).map(|i| (i, values(d, 100 + i as u32))) {
+                        if i == 5 {
+                            row[d / 3] = 3.0e4;
+                        }
+                        let src: Vec<T> = row.iter().map(|&v| conv(v)).collect();
+                        let (mut x, mut y, mut want) = (vec![0f32; d], vec![0f32; d], vec![f16::ZERO; d]);
+                        let norm =
+                            stage_input(avx, &src, affine, HeadRotation::Hadamard, None, &mut x, &mut y, &mut want);
+                        for g in [32usize, 64, d] {
+                            let mut got = vec![f16::ONE; d];
+                            let mut ranges = vec![(f32::NAN, f32::NAN); d / g];
+                            let fast = avx.stage_hadamard(&src, affine, g, &mut got, &mut ranges).expect("one pass");
+                            let what = format!("d{d} affine {a} row {i} g{g}");
+                            assert_eq!(
+                                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                "{what}"
+                            );
+                            let mut found = vec![(0f32, 0f32); d / g];
+                            avx.group_ranges(&want, g, &mut found);
+                            assert_eq!(ranges, found, "{what}");
+                            assert!((fast - norm).abs() <= 1e-5 * norm, "{what}: {fast} vs {norm}");
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(avx) = Avx2::detect() {
+            run::<f32>(avx, |v| v);
+            run::<f16>(avx, f16::from_f32);
+            run::<half::bf16>(avx, half::bf16::from_f32);
+            return;
+        }
+        println!("SKIPPED: no AVX2, FMA and F16C on this processor");
+    }
+
+    /// The AVX2 quantizer's vector roundings agree with the scalar ones for every kind of
+    /// input: f64 to f16 to nearest even (`f64x4_to_f16` against [`f64_to_f16`]) and f64
+    /// up to f32 (`f64x4_up_to_f32` against `as f32` and `next_up`): random values over
+    /// the f16 range and beyond, exact f16 midpoints and their f64 neighbours, f16 and f32
+    /// subnormals, zeros of both signs, values past f16 and f32 overflow.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vector_roundings_match_scalar() {
+        use std::arch::x86_64::*;
+        let Some(_) = Avx2::detect() else {
+            println!("SKIPPED: no AVX2, FMA and F16C on this processor");
+            return;
+        };
+        let mut xs = vec![0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, 65536.0, 1e300, -1e300, 3.0e38, 4.0e38];
+        xs.extend([
+            f64::MIN_POSITIVE,
+            5e-324,
+            2f64.powi(-24),
+            2f64.powi(-25),
+            2f64.powi(-25) * 1.0000001,
+            2f64.powi(-26),
+        ]);
+        for b in (0..0x7c00u16).step_by(7) {
+            // Each f16 and the midpoint above it, exactly and one f64 step off either way.
+            let (a, c) = (f16::from_bits(b).to_f64(), f16::from_bits(b + 1).to_f64());
+            let mid = (a + c) / 2.0;
+            for x in [a, mid, mid.next_up(), mid.next_down(), (mid as f32) as f64] {
+                xs.extend([x, -x]);
+            }
+        }
+        let mut seed = 0x2545_f491u64;
+        for _ in 0..20_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let e = (seed >> 52) as i32 % 60 - 40;
+            xs.push(
+                f64::from_bits(seed >> 12 | 0x3ff0_0000_0000_0000)
+                    * 2f64.powi(e)
+                    * if seed & 1 == 0 { 1.0 } else { -1.0 },
+            );
+        }
+        xs.truncate(xs.len() / 4 * 4);
+        for x in xs.chunks_exact(4) {
+            // SAFETY: AVX2, FMA and F16C were detected above; four f64 read.
+            let (h, up) = unsafe {
+                let v = _mm256_loadu_pd(x.as_ptr());
+                let mut up = [0f32; 4];
+                _mm_storeu_ps(up.as_mut_ptr(), avx2::f64x4_up_to_f32(v));
+                (avx2::f64x4_to_f16(v), up)
+            };
+            for l in 0..4 {
+                assert_eq!(h[l], f64_to_f16(x[l]), "f16 of {:e} ({:#x})", x[l], x[l].to_bits());
+                let mut want = x[l] as f32;
+                if (want as f64) < x[l] {
+                    want = want.next_up();
+                }
+                assert_eq!(up[l].to_bits(), want.to_bits(), "f32 up of {:e}", x[l]);
+            }
+        }
+    }
+
+    /// [`quantize_into_page`] on `rows` at slots `slot..`, with the ranges the kernel set
+    /// finds.
+    fn quantize_rows_into<K: Kernels>(
+        kern: K,
+        fmt: &Format,
+        rows: &[Vec<f16>],
+        value: bool,
+        slot: u32,
+        bytes: &mut [u8],
+    ) {
+        let g = fmt.group_size as usize;
+        let flat: Vec<f16> = rows.concat();
+        let mut ranges = vec![(0f32, 0f32); rows.len() * fmt.groups() as usize];
+        for (row, rg) in flat.chunks_exact(fmt.head_dim as usize).zip(ranges.chunks_exact_mut(fmt.groups() as usize)) {
+            kern.group_ranges(row, g, rg);
+        }
+        let mut params = vec![0u8; rows.len() * fmt.param_bytes() as usize];
+        quantize_into_page(kern, fmt, &flat, &ranges, value, slot, bytes, &mut params);
+    }
+
     /// The fused append's quantizer (threshold comparisons, [`group_codes`]) writes the
     /// bytes of the reference's f64 division quantizer for every row, exact ties
-    /// included (the test counts them: it must meet some), with both kernel sets.
+    /// included (the test counts them: it must meet some), with both kernel sets, a row
+    /// at a time and a page of rows at a time (the AVX2 quantizer's blocks of 16 rows,
+    /// with rows that go to the portable quantizer among them).
     #[test]
     fn threshold_quantizer_matches_reference_bit_for_bit() {
         let mut ties = 0;
@@ -3008,7 +3643,8 @@ mod tests {
                 channel_norm: 0,
             };
             let d = d as usize;
-            for (i, row) in awkward_rows(d, d as u32 + kb + gs).into_iter().enumerate() {
+            let rows = awkward_rows(d, d as u32 + kb + gs);
+            for (i, row) in rows.iter().enumerate() {
                 let x: Vec<f64> = row.iter().map(|v| v.to_f64()).collect();
                 for value in [false, true] {
                     let bits = fmt.bits(value);
@@ -3030,14 +3666,42 @@ mod tests {
                         );
                         assert_eq!(reference::page_params(&fmt, bytes, value, slot), params, "{kernels} params");
                     };
+                    let one = std::slice::from_ref(row);
                     let mut bytes = vec![0xAAu8; fmt.page_bytes() as usize];
-                    quantize_into_page(Portable, &fmt, &row, value, slot, &mut bytes);
+                    quantize_rows_into(Portable, &fmt, one, value, slot, &mut bytes);
                     check(&bytes, "portable");
                     #[cfg(target_arch = "x86_64")]
                     if let Some(avx) = Avx2::detect() {
                         let mut bytes = vec![0x55u8; fmt.page_bytes() as usize];
-                        quantize_into_page(avx, &fmt, &row, value, slot, &mut bytes);
+                        quantize_rows_into(avx, &fmt, one, value, slot, &mut bytes);
                         check(&bytes, "avx2");
+                    }
+                }
+            }
+            // A page at a time: every slot's bytes as the same kernel set writes them a
+            // row at a time (so, by the loop above, the reference's).
+            for value in [false, true] {
+                for page in rows.chunks(16) {
+                    let slot = (16 - page.len()) as u32;
+                    let mut one_by_one = vec![0x33u8; fmt.page_bytes() as usize];
+                    for (i, row) in page.iter().enumerate() {
+                        quantize_rows_into(
+                            Portable,
+                            &fmt,
+                            std::slice::from_ref(row),
+                            value,
+                            slot + i as u32,
+                            &mut one_by_one,
+                        );
+                    }
+                    let mut bytes = vec![0x33u8; fmt.page_bytes() as usize];
+                    quantize_rows_into(Portable, &fmt, page, value, slot, &mut bytes);
+                    assert_eq!(bytes, one_by_one, "portable page, d{d} k{kb} v{vb} g{gs} value {value}");
+                    #[cfg(target_arch = "x86_64")]
+                    if let Some(avx) = Avx2::detect() {
+                        let mut bytes = vec![0x33u8; fmt.page_bytes() as usize];
+                        quantize_rows_into(avx, &fmt, page, value, slot, &mut bytes);
+                        assert_eq!(bytes, one_by_one, "avx2 page, d{d} k{kb} v{vb} g{gs} value {value}");
                     }
                 }
             }
