@@ -2166,15 +2166,17 @@ mod avx2 {
         let mut lo = [_mm256_set1_ps(f32::INFINITY); 4];
         let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
         unrolled::<R>(|r| {
-            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(v[r], scale));
+            let y = _mm256_mul_ps(v[r], scale);
             // SAFETY: 8 * r + 8 <= d = dst.len().
-            unsafe { _mm_storeu_si128(dp.add(8 * r).cast(), h) };
-            let y = _mm256_cvtph_ps(h);
+            unsafe { _mm_storeu_si128(dp.add(8 * r).cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y)) };
             lo[r / PER] = _mm256_min_ps(lo[r / PER], y);
             hi[r / PER] = _mm256_max_ps(hi[r / PER], y);
         });
+        // Rounding to f16 is monotone, so the rounded min and max are the min and max of
+        // the rounded row (up to the sign of a zero, which `group_params` decides).
+        let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
         for (j, range) in ranges.iter_mut().enumerate() {
-            *range = (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo[j])), hmax(hi[j]));
+            *range = (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), round(lo[j]))), hmax(round(hi[j])));
         }
         Some(hsum(_mm256_add_ps(acc[0], acc[1])))
     }
