@@ -186,13 +186,28 @@ fn append_bytes_match_reference_for_every_config() {
         let n = 100;
         let k = rows(Data::Keys, n * 2, d as usize, 10 + i as u64);
         let v = rows(Data::Normal, n * 2, d as usize, 20 + i as u64);
-        // Every other config with learned (dense) rotations instead of the Hadamard.
+        // Every other config with learned (dense) rotations instead of the Hadamard; every
+        // fourth with the channels in their own order (key mean and scales kept, or, every
+        // eighth, the mean only).
         let calib = if i % 2 == 1 {
             learned_calibration(2, d as usize, i as u64)
         } else {
-            random_calibration(2, d as usize, i as u64)
+            let mut c = random_calibration(2, d as usize, i as u64);
+            if i % 4 == 0 {
+                for perm in [&mut c.key_perm, &mut c.value_perm] {
+                    perm.iter_mut().enumerate().for_each(|(j, p)| *p = (j % d as usize) as u16);
+                }
+            }
+            if i % 8 == 0 {
+                c.key_scale.fill(1.0);
+            }
+            c
         };
         for backend in fast_backends() {
+            // Pages of 64 where the calibration keeps the channel order (the cpu backend's
+            // one-pass staging and its page-at-a-time quantizer, four blocks of 16 rows),
+            // except on the emulator, whose 60 tokens would not fill one.
+            let config = CacheConfig { page_size: if i % 4 == 0 && !emulated(backend) { 64 } else { 16 }, ..config };
             let mut a = Store::new(config, shape, n, Some(i as u64));
             let mut b = a.clone();
             a.calib = calib.clone();

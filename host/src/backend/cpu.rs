@@ -268,41 +268,41 @@ struct AppendScratch {
 }
 
 impl AppendScratch {
-    /// For rows of `d` and pages of `page_size` tokens (groups of at least 32).
-    fn new(d: usize, page_size: usize) -> Self {
+    /// For rows of `d` and pages of `page_size` tokens, `groups` per row.
+    fn new(d: usize, page_size: usize, groups: usize) -> Self {
         let mut s = Self { x: vec![], y: vec![], row: vec![], page: vec![], ranges: vec![], params: vec![] };
-        s.fit(d, page_size);
+        s.fit(d, page_size, groups);
         s
     }
 
-    /// Rows of exactly `d`, and room for pages of `page_size` tokens.
-    fn fit(&mut self, d: usize, page_size: usize) {
+    /// Rows of exactly `d`, and room for pages of `page_size` tokens, `groups` per row.
+    fn fit(&mut self, d: usize, page_size: usize, groups: usize) {
         self.x.resize(d, 0.0);
         self.y.resize(d, 0.0);
         self.row.resize(d, f16::ZERO);
         let rows = 2 * page_size;
-        let groups = rows * d.div_ceil(32);
         self.page.resize(self.page.len().max(rows * d), f16::ZERO);
-        self.ranges.resize(self.ranges.len().max(groups), (0.0, 0.0));
-        self.params.resize(self.params.len().max(4 * groups), 0);
+        self.ranges.resize(self.ranges.len().max(rows * groups), (0.0, 0.0));
+        self.params.resize(self.params.len().max(4 * rows * groups), 0);
     }
 }
 
 thread_local! {
     /// The calling thread's append scratch, kept between tasks and calls (a head-page's
     /// rows are tens of KiB: allocating and zeroing them per task showed in profiles).
-    static SCRATCH: std::cell::RefCell<AppendScratch> = std::cell::RefCell::new(AppendScratch::new(0, 0));
+    static SCRATCH: std::cell::RefCell<AppendScratch> = std::cell::RefCell::new(AppendScratch::new(0, 0, 0));
 }
 
-/// Runs `f` with this thread's append scratch fitted to `d` and `page_size` (a fresh one if
-/// it is in use further up this thread's stack).
-fn with_scratch<R>(d: usize, page_size: usize, f: impl FnOnce(&mut AppendScratch) -> R) -> R {
+/// Runs `f` with this thread's append scratch fitted to the format's rows and pages (a
+/// fresh one if it is in use further up this thread's stack).
+fn with_scratch<R>(fmt: &Format, f: impl FnOnce(&mut AppendScratch) -> R) -> R {
+    let (d, ps, groups) = (fmt.head_dim as usize, fmt.page_size as usize, fmt.groups() as usize);
     SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut s) => {
-            s.fit(d, page_size);
+            s.fit(d, ps, groups);
             f(&mut s)
         }
-        Err(_) => f(&mut AppendScratch::new(d, page_size)),
+        Err(_) => f(&mut AppendScratch::new(d, ps, groups)),
     })
 }
 
@@ -614,12 +614,16 @@ enum Staged {
     Bad,
 }
 
-/// Quantizes head-page `(page, h)` into `bytes` in one pass over its rows: a row already
-/// in the window is quantized from its f16 side row; a new row is checked, rotated and
-/// rounded to f16 ([`stage_input`]) and quantized right away ([`quantize_into_page`]), with
-/// no staging buffer between. Variance-normalized pages (which need the whole page's rows
-/// first) go through [`crate::reference::quantize_page`] on the same rows. False when a
-/// new row fails the check (then `bytes` may be partly written).
+/// Quantizes head-page `(page, h)` into `bytes`: first every stored f16 row of the page
+/// into the scratch (`scr.page`, with each group's min and max): an old window row copied
+/// from its f16 side row, a new row checked, rotated and rounded to f16 as it is read (in
+/// one pass in registers where the kernel set can, [`Kernels::stage_hadamard`]: a Hadamard
+/// rotation and no channel permutation; else [`stage_input`]); then the keys and the
+/// values quantized a page at a time ([`quantize_into_page`]). Variance-normalized pages
+/// (which need the whole page's rows first) go through
+/// [`crate::reference::quantize_page`] on the same rows. False when a new row fails the
+/// check (then nothing of a regular page has been written, but a variance-normalized
+/// page's key half may have been).
 #[inline(always)]
 fn fill_page<K: Kernels, T: KvElement>(
     kern: K,
@@ -770,9 +774,9 @@ thread_local! {
 /// With `check`, every new row is checked as it is read, and `false` is returned, with
 /// nothing changed, when one fails: the rows that go to the side store (sinks, window)
 /// first, then the pages that fill, one head-page per task, each task saving its pool
-/// block before writing it (`fill_page`: check, rotation, f16 rounding, min/max,
-/// quantization and packing in one pass over the rows, old window rows and new rows
-/// alike); a bad row there restores every block. Then the new sink, window and protected
+/// block before writing it (`fill_page`: each new row read once, checked, rotated and
+/// rounded to f16 into the task's scratch, old window rows alike, then the page's rows
+/// quantized and packed); a bad row there restores every block. Then the new sink, window and protected
 /// rows (after, since the pages read the old window rows that the new ones may
 /// overwrite). Without `check` the rows must have been validated.
 #[allow(clippy::too_many_arguments)]
@@ -834,7 +838,7 @@ pub(crate) fn append_checked<T: KvElement>(
         let ok = match check {
             None => {
                 tasks.into_par_iter().for_each(|(page, h, bytes)| {
-                    with_scratch(d, fmt.page_size as usize, |scr| fill_page_best(&inp, page, h, bytes, scr));
+                    with_scratch(fmt, |scr| fill_page_best(&inp, page, h, bytes, scr));
                 });
                 true
             }
@@ -849,7 +853,7 @@ pub(crate) fn append_checked<T: KvElement>(
                 tasks.par_iter_mut().zip(saved[..size].par_chunks_mut(pb)).for_each(|((page, h, bytes), save)| {
                     save.copy_from_slice(bytes);
                     if !bad.load(std::sync::atomic::Ordering::Relaxed)
-                        && !with_scratch(d, fmt.page_size as usize, |scr| fill_page_best(&inp, *page, *h, bytes, scr))
+                        && !with_scratch(fmt, |scr| fill_page_best(&inp, *page, *h, bytes, scr))
                     {
                         bad.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
@@ -871,7 +875,7 @@ pub(crate) fn append_checked<T: KvElement>(
         }
     }
     // New tokens that stay in f16: sink and window rows, and protected rows.
-    with_scratch(d, 0, |scr| {
+    with_scratch(fmt, |scr| {
         for pos in len..new_len {
             let row = match fmt.place(pos, new_len) {
                 Place::Sink { index } => Some(index),
@@ -904,8 +908,9 @@ pub(crate) fn append_checked<T: KvElement>(
 /// `p.start` tokens, producing the bytes of [`crate::reference::append`] (f16 rows may
 /// differ only at rounding ties of the f32 rotation, and codes then by one step): the
 /// pages that fill first, one head-page per task written straight into its pool block
-/// (rotation, f16 rounding, min/max, quantization and packing in one pass over the rows,
-/// old window rows and new rows alike), then the new sink, window and protected rows.
+/// (each new row read once, rotated and rounded to f16 into the task's scratch, old window
+/// rows alike, then the page's rows quantized and packed), then the new sink, window and
+/// protected rows.
 /// [`crate::paged::append`] on the cpu backend runs the same pass with the input check
 /// fused into it, restoring the pool blocks it wrote when a row fails.
 #[allow(clippy::too_many_arguments)]
@@ -1532,7 +1537,9 @@ mod avx2 {
     /// own codes: every group's scale, zero and thresholds (`z + (k + 1/2) s` rounded up
     /// to f32, see [`super::group_codes`]; all `+inf` for a constant group, whose codes
     /// are all 0), then the codes ([`group_codes`]). A row with a threshold that is not
-    /// finite goes to the portable quantizer.
+    /// finite would go to the portable quantizer (which divides there); for finite rows
+    /// none is (`|z| <= 65504` and `s <= 131008 / 3` keep every threshold below 2^18),
+    /// so that branch only keeps the function total.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn quantize_rows(
@@ -1609,7 +1616,7 @@ mod avx2 {
             for r in 0..m {
                 let (c, p) = (&mut codes[(r0 + r) * cb..][..cb], &mut params[(r0 + r) * pb..][..pb]);
                 if portable[r] {
-                    // Rare (scales or zeros at the ends of the f16 range): the same bytes.
+                    // Not met with finite rows (see above); the same bytes if it were.
                     let ranges = &ranges[(r0 + r) * groups..][..groups];
                     super::quantize_row_portable(row(r), bits, g, clip, ranges, c, p);
                     continue;
@@ -2031,6 +2038,7 @@ mod avx2 {
     /// (as a function LLVM may leave it out of line, with the array in memory).
     macro_rules! fwht_in_regs {
         ($v:expr, $r:expr) => {{
+            const { assert!($r <= 16, "stages 1 to 8 only") };
             let v: &mut [__m256; $r] = $v;
             let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
             let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
@@ -2091,8 +2099,8 @@ mod avx2 {
     /// into the high half), for the element types the fused staging reads.
     ///
     /// # Safety
-    /// `p` is valid for reads of 8 elements, `T` is f32, f16 or bf16 (by its `DTYPE`), and
-    /// AVX2 and F16C are present.
+    /// `p` is valid for reads of 8 elements, `T` is f32, f16 or bf16 (its `DTYPE`, with
+    /// the size of that type), and AVX2 and F16C are present.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
@@ -2126,7 +2134,10 @@ mod avx2 {
         ranges: &mut [(f32, f32)],
     ) -> Option<f32> {
         let d = 8 * R;
-        if ![DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) || src.len() != d || dst.len() != d {
+        // `KvElement` is a public trait: its `DTYPE` alone does not prove the element's size.
+        let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
+        let known = [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size;
+        if !known || src.len() != d || dst.len() != d {
             return None;
         }
         assert!(PER >= 4 && R.is_multiple_of(PER) && R / PER <= 4 && ranges.len() == R / PER);
@@ -3619,8 +3630,8 @@ mod tests {
     /// The fused append's quantizer (threshold comparisons, [`group_codes`]) writes the
     /// bytes of the reference's f64 division quantizer for every row, exact ties
     /// included (the test counts them: it must meet some), with both kernel sets, a row
-    /// at a time and a page of rows at a time (the AVX2 quantizer's blocks of 16 rows,
-    /// with rows that go to the portable quantizer among them).
+    /// at a time and a page at a time (pages of 64 rows: four of the AVX2 quantizer's
+    /// blocks of 16, the awkward rows spread over all of them, and a partial page).
     #[test]
     fn threshold_quantizer_matches_reference_bit_for_bit() {
         let mut ties = 0;
@@ -3636,7 +3647,7 @@ mod tests {
                 key_bits: kb,
                 value_bits: vb,
                 group_size: gs,
-                page_size: 16,
+                page_size: 64,
                 sinks: 0,
                 window: 0,
                 key_clip: clip,
@@ -3650,7 +3661,7 @@ mod tests {
                 let x: Vec<f64> = row.iter().map(|v| v.to_f64()).collect();
                 for value in [false, true] {
                     let bits = fmt.bits(value);
-                    let slot = (i % 16) as u32;
+                    let slot = (i % 64) as u32;
                     let (mut codes, mut params) =
                         (vec![0u8; fmt.code_bytes(value) as usize], vec![0u8; fmt.param_bytes() as usize]);
                     reference::quantize_row(&x, bits, gs as usize, fmt.clip(value), &mut codes, &mut params);
@@ -3683,8 +3694,16 @@ mod tests {
             // A page at a time: every slot's bytes as the same kernel set writes them a
             // row at a time (so, by the loop above, the reference's).
             for value in [false, true] {
-                for page in rows.chunks(16) {
-                    let slot = (16 - page.len()) as u32;
+                // 104 rows: the awkward ones, each also with its channels rotated.
+                let many: Vec<Vec<f16>> = (0..104)
+                    .map(|i| {
+                        let mut r = rows[i % rows.len()].clone();
+                        r.rotate_left(i / rows.len() * 7 % d);
+                        r
+                    })
+                    .collect();
+                for page in many.chunks(64) {
+                    let slot = (64 - page.len()) as u32;
                     let mut one_by_one = vec![0x33u8; fmt.page_bytes() as usize];
                     for (i, row) in page.iter().enumerate() {
                         quantize_rows_into(
