@@ -154,8 +154,18 @@ impl Backend {
     }
 }
 
-/// An input element type: f32, f16 or bf16.
-pub trait KvElement: bytemuck::Pod + Send + Sync {
+/// The seal of [`KvElement`]: the fast paths read an element by its `DTYPE`, so only the
+/// three types whose layout that code names may implement it.
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An input element type: f32, f16 or bf16 (sealed: the backends read elements by their
+/// `DTYPE`, so no other type may claim one).
+pub trait KvElement: bytemuck::Pod + Send + Sync + sealed::Sealed {
     /// The `DTYPE_*` code the device kernels read it by.
     const DTYPE: u32;
     /// The value as f32.
