@@ -5,9 +5,9 @@
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
 //!   test, PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
-//!   alongside those three and the cargo-fuzz build (`ptx-checks --cargo-fuzz`), the
-//!   cargo-fuzz runs (after Miri is done) and AddressSanitizer
-//!   (`xtask/src/sanitize.rs`). Every step runs; the
+//!   alongside those three and the cargo-fuzz build, the cargo-fuzz runs (after Miri is
+//!   done) and AddressSanitizer, whose build starts with Miri at the lowest CPU priority
+//!   (`ptx-checks --sanitizers`, `xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
@@ -70,13 +70,15 @@
 //!   and a modeled step time per `gpu_decode` case of `kernels-gpu/perf-gate.toml`; fails
 //!   on local memory in a decode entry point marked `no_local_memory` or a modeled
 //!   bandwidth fraction below an enforced floor.
-//! - `ptx-checks [--cargo-fuzz]`: `ci`'s PTX freshness, ptxas and SASS gate steps with
+//! - `ptx-checks [--sanitizers]`: `ci`'s PTX freshness, ptxas and SASS gate steps with
 //!   its Miri step running alongside on a thread of its own (each of them runs mostly on
 //!   one core; on CI's two cores the two lanes overlap), Miri's output printed after the
 //!   gate. ptxas and the gate also assemble sm_80 and sm_90 at the same time (one ptxas
-//!   per core). `--cargo-fuzz`: as `ci` runs them, Miri goes on beside the cargo-fuzz
-//!   build after the gate, and is waited for (its output printed) before the fuzz
-//!   targets run.
+//!   per core). `--sanitizers`: `ci`'s steps from PTX freshness on, as `ci` runs them:
+//!   Miri goes on beside the cargo-fuzz build after the gate and is waited for (its
+//!   output printed) before the fuzz targets run; the ASan step's build starts with Miri
+//!   under `nice -n 19` (it takes only idle CPU: beside the one-core steps and the fuzz
+//!   runs), and the ASan step runs once it is done.
 
 mod sanitize;
 mod sass;
@@ -107,9 +109,9 @@ fn main() -> ExitCode {
             let (mut failed, mut skipped, mut clock) = (Vec::new(), Vec::new(), Clock::new());
             match args.get(1).map(String::as_str) {
                 None => ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock),
-                Some("--cargo-fuzz") => ptx_checks_and_cargo_fuzz(&mut failed, &mut skipped, &mut clock),
+                Some("--sanitizers") => ptx_checks_and_sanitizers(&mut failed, &mut skipped, &mut clock),
                 _ => {
-                    eprintln!("usage: cargo xtask ptx-checks [--cargo-fuzz]");
+                    eprintln!("usage: cargo xtask ptx-checks [--sanitizers]");
                     return ExitCode::from(2);
                 }
             }
@@ -126,7 +128,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks [--cargo-fuzz] | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks [--sanitizers] | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -284,10 +286,7 @@ fn ci() -> Result<(), String> {
         failed.push("cuda");
     }
     clock.lap("cuda presence");
-    ptx_checks_and_cargo_fuzz(&mut failed, &mut skipped, &mut clock);
-    // AddressSanitizer (xtask/src/sanitize.rs).
-    let sanitizers = sanitize::steps(false, false, false, &mut failed, &mut skipped);
-    clock.steps.extend(sanitizers);
+    ptx_checks_and_sanitizers(&mut failed, &mut skipped, &mut clock);
     clock.print();
 
     println!();
@@ -335,12 +334,17 @@ fn ptx_checks_miri_running(
     miri
 }
 
-/// `ci`'s steps from PTX freshness to cargo-fuzz (`cargo xtask ptx-checks --cargo-fuzz`):
-/// Miri starts alongside PTX freshness, ptxas and the SASS gate as in `ptx-checks`, and
-/// goes on beside the cargo-fuzz build (two cores' worth of compiling, which fills the
-/// core Miri's interpreter leaves idle); Miri is waited for before the fuzz targets run,
-/// so that they run as long and as alone as before (xtask/src/sanitize.rs).
-fn ptx_checks_and_cargo_fuzz(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
+/// `ci`'s steps from PTX freshness on (`cargo xtask ptx-checks --sanitizers` runs them
+/// alone): Miri starts alongside PTX freshness, ptxas and the SASS gate as in
+/// `ptx-checks`, and goes on beside the cargo-fuzz build (two cores' worth of compiling,
+/// which fills the core Miri's interpreter leaves idle); Miri is waited for before the
+/// fuzz targets run. The ASan step's build starts with Miri, at the lowest CPU priority
+/// (`nice -n 19`): it takes only what the other steps leave idle (the second core beside
+/// the one-core steps and the fuzz runs), and the ASan step runs its tests once it is
+/// done (xtask/src/sanitize.rs).
+fn ptx_checks_and_sanitizers(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
+    println!("\n==> asan build: started now at the lowest CPU priority (its output is printed before the ASan step)");
+    let asan_build = sanitize::asan_build_niced();
     let miri = ptx_checks_miri_running(failed, skipped, clock);
     println!("\n==> cargo-fuzz (its build alongside Miri)");
     let started = std::time::Instant::now();
@@ -352,6 +356,20 @@ fn ptx_checks_and_cargo_fuzz(failed: &mut Vec<&'static str>, skipped: &mut Vec<&
     tally("cargo-fuzz", result, failed, skipped);
     clock.lap("cargo-fuzz runs");
     println!("cargo-fuzz: {:.0} s (the wait for Miri included)", started.elapsed().as_secs_f64());
+    // The build's result is the ASan step's: a failed build fails again, with its errors,
+    // in the step's own `cargo test` below.
+    let (build, log, secs) = asan_build
+        .join()
+        .unwrap_or_else(|_| (Err(Step::Failed("the ASan build thread panicked".into())), String::new(), 0.0));
+    println!("\n==> asan build (niced, alongside the steps since PTX freshness)");
+    print!("{log}");
+    match build {
+        Ok(()) => println!("asan build: {secs:.0} s (niced, alongside the steps since PTX freshness)"),
+        Err(e) => println!("asan build: {e} (the ASan step builds again)"),
+    }
+    clock.lap("asan build (beyond fuzz)");
+    let sanitizers = sanitize::steps(false, false, false, failed, skipped);
+    clock.steps.extend(sanitizers);
 }
 
 /// Waits for Miri's thread, prints its output and records its result; the wait is the
@@ -740,7 +758,19 @@ const NVCC_WHEEL: &str = "nvidia-cuda-nvcc-cu12==12.9.86";
 
 /// `rustup run nightly <cmd>` with the outer cargo's toolchain variables removed.
 fn nightly(args: &[&str]) -> Command {
-    let mut c = Command::new("rustup");
+    nightly_under(&[], args)
+}
+
+/// As [`nightly`], run by the command `wrapper` (`["nice", "-n", "19"]`).
+fn nightly_under(wrapper: &[&str], args: &[&str]) -> Command {
+    let mut c = match wrapper.split_first() {
+        Some((program, rest)) => {
+            let mut c = Command::new(program);
+            c.args(rest).arg("rustup");
+            c
+        }
+        None => Command::new("rustup"),
+    };
     c.current_dir(root()).args(["run", "nightly"]).args(args);
     for var in
         ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTC_WRAPPER", "RUSTDOC", "CARGO", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS"]
