@@ -6,8 +6,8 @@
 //!   and Gemma 3 perplexity), the GPU-presence
 //!   test, PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
 //!   alongside those three and the cargo-fuzz build, the cargo-fuzz runs (after Miri is
-//!   done) and AddressSanitizer, whose build starts with Miri at the lowest CPU priority
-//!   (`ptx-checks --sanitizers`, `xtask/src/sanitize.rs`). Every step runs; the
+//!   done) and AddressSanitizer (`ptx-checks --sanitizers` runs these steps alone;
+//!   `xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
@@ -76,9 +76,7 @@
 //!   gate. ptxas and the gate also assemble sm_80 and sm_90 at the same time (one ptxas
 //!   per core). `--sanitizers`: `ci`'s steps from PTX freshness on, as `ci` runs them:
 //!   Miri goes on beside the cargo-fuzz build after the gate and is waited for (its
-//!   output printed) before the fuzz targets run; the ASan step's build starts with Miri
-//!   under `nice -n 19` (it takes only idle CPU: beside the one-core steps and the fuzz
-//!   runs), and the ASan step runs once it is done.
+//!   output printed) before the fuzz targets run, then ASan.
 
 mod sanitize;
 mod sass;
@@ -338,13 +336,10 @@ fn ptx_checks_miri_running(
 /// alone): Miri starts alongside PTX freshness, ptxas and the SASS gate as in
 /// `ptx-checks`, and goes on beside the cargo-fuzz build (two cores' worth of compiling,
 /// which fills the core Miri's interpreter leaves idle); Miri is waited for before the
-/// fuzz targets run. The ASan step's build starts with Miri, at the lowest CPU priority
-/// (`nice -n 19`): it takes only what the other steps leave idle (the second core beside
-/// the one-core steps and the fuzz runs), and the ASan step runs its tests once it is
-/// done (xtask/src/sanitize.rs).
+/// fuzz targets run, so that they run alone as before; then ASan (xtask/src/sanitize.rs).
+/// (Starting the ASan build with Miri under `nice -n 19` was tried and measured slower,
+/// with fewer fuzz executions: see README "Reliability".)
 fn ptx_checks_and_sanitizers(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
-    println!("\n==> asan build: started now at the lowest CPU priority (its output is printed before the ASan step)");
-    let asan_build = sanitize::asan_build_niced();
     let miri = ptx_checks_miri_running(failed, skipped, clock);
     println!("\n==> cargo-fuzz (its build alongside Miri)");
     let started = std::time::Instant::now();
@@ -356,18 +351,7 @@ fn ptx_checks_and_sanitizers(failed: &mut Vec<&'static str>, skipped: &mut Vec<&
     tally("cargo-fuzz", result, failed, skipped);
     clock.lap("cargo-fuzz runs");
     println!("cargo-fuzz: {:.0} s (the wait for Miri included)", started.elapsed().as_secs_f64());
-    // The build's result is the ASan step's: a failed build fails again, with its errors,
-    // in the step's own `cargo test` below.
-    let (build, log, secs) = asan_build
-        .join()
-        .unwrap_or_else(|_| (Err(Step::Failed("the ASan build thread panicked".into())), String::new(), 0.0));
-    println!("\n==> asan build (niced, alongside the steps since PTX freshness)");
-    print!("{log}");
-    match build {
-        Ok(()) => println!("asan build: {secs:.0} s (niced, alongside the steps since PTX freshness)"),
-        Err(e) => println!("asan build: {e} (the ASan step builds again)"),
-    }
-    clock.lap("asan build (beyond fuzz)");
+    // AddressSanitizer, as before (xtask/src/sanitize.rs).
     let sanitizers = sanitize::steps(false, false, false, failed, skipped);
     clock.steps.extend(sanitizers);
 }
@@ -758,19 +742,7 @@ const NVCC_WHEEL: &str = "nvidia-cuda-nvcc-cu12==12.9.86";
 
 /// `rustup run nightly <cmd>` with the outer cargo's toolchain variables removed.
 fn nightly(args: &[&str]) -> Command {
-    nightly_under(&[], args)
-}
-
-/// As [`nightly`], run by the command `wrapper` (`["nice", "-n", "19"]`).
-fn nightly_under(wrapper: &[&str], args: &[&str]) -> Command {
-    let mut c = match wrapper.split_first() {
-        Some((program, rest)) => {
-            let mut c = Command::new(program);
-            c.args(rest).arg("rustup");
-            c
-        }
-        None => Command::new("rustup"),
-    };
+    let mut c = Command::new("rustup");
     c.current_dir(root()).args(["run", "nightly"]).args(args);
     for var in
         ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTC_WRAPPER", "RUSTDOC", "CARGO", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS"]

@@ -25,9 +25,7 @@
 //!   Not under Miri: the AVX2 kernels (runtime detection finds no AVX2 under Miri, so
 //!   the portable path runs), the integration suites (hours when interpreted), the
 //!   CUDA backend (a foreign library).
-//! - ASan (nightly, `-Zsanitizer=address`, std as shipped, its own target directory; in
-//!   `ci` its build starts alongside Miri under `nice -n 19`, taking only the CPU the
-//!   other steps leave idle, and its tests run after cargo-fuzz: [`asan_build_niced`]):
+//! - ASan (nightly, `-Zsanitizer=address`, std as shipped, its own target directory):
 //!   the kernel and host crates' unit tests and the integration suites [`ASAN_SUITES`] (cache and
 //!   paged API, device API, conformance, properties with [`ASAN_PROPTEST_CASES`] random
 //!   cases, reliability) on reference, cpu and the emulated device kernels; the
@@ -294,48 +292,21 @@ fn captured(mut c: std::process::Command, log: &mut String) -> Result<(), Step> 
     }
 }
 
-/// The ASan step's build alone (its `cargo test` with `--no-run`, the same arguments and
-/// environment, so that the step's own `cargo test` finds it built), at the lowest CPU
-/// priority (`nice -n 19`) on a thread of its own: `ci` starts it alongside Miri, and it
-/// takes only the CPU the other steps leave idle. Returns the result, the merged output
-/// and the wall seconds, as [`miri_captured`].
-pub fn asan_build_niced() -> std::thread::JoinHandle<(Result<(), Step>, String, f64)> {
-    std::thread::spawn(|| {
-        let started = Instant::now();
-        let mut log = String::new();
-        let result = if cfg!(all(target_arch = "x86_64", target_os = "linux")) {
-            captured(asan_command(&["nice", "-n", "19"], &["--no-run"]), &mut log)
-        } else {
-            Err(Step::Skipped("AddressSanitizer runs on x86_64 Linux".into()))
-        };
-        (result, log, started.elapsed().as_secs_f64())
-    })
-}
-
 fn asan() -> Result<(), Step> {
     if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
         return Err(Step::Skipped("AddressSanitizer runs on x86_64 Linux".into()));
     }
-    status(asan_command(&[], &[]))
-}
-
-/// The ASan step's `cargo test`, run by `wrapper` (empty, or `nice`), with `extra`
-/// arguments for cargo (`--no-run`).
-fn asan_command(wrapper: &[&str], extra: &[&str]) -> std::process::Command {
     // Our code instrumented, std as shipped (no `-Zbuild-std`: it rebuilt std for about a
     // minute): ASan still sees every access our code makes, to heap memory std allocated
     // too (its allocator calls are intercepted); what it does not see are accesses made
     // inside std's own code.
     // `sim-asan`: the emulator's coroutine stack switches announced to ASan.
-    let mut c = crate::nightly_under(
-        wrapper,
-        &["cargo", "test", "--target", FUZZ_TRIPLE, "-p", "rotkv", "-p", "rotkv-tests", "-p", "rotkv-kernels"],
-    );
+    let mut c =
+        nightly(&["cargo", "test", "--target", FUZZ_TRIPLE, "-p", "rotkv", "-p", "rotkv-tests", "-p", "rotkv-kernels"]);
     c.args(["--features", "rotkv-kernels/sim-asan", "--lib"]);
     for suite in ASAN_SUITES {
         c.args(["--test", suite]);
     }
-    c.args(extra);
     c.env("RUSTFLAGS", "-Zsanitizer=address")
         // Some tests ask for allocations past any memory and expect a `Capacity` error:
         // ASan's allocator must return null for them as the system's does, not abort.
@@ -345,5 +316,5 @@ fn asan_command(wrapper: &[&str], extra: &[&str]) -> std::process::Command {
         .env("ASAN_OPTIONS", "allocator_may_return_null=1:detect_stack_use_after_return=0")
         .env("CARGO_TARGET_DIR", root().join("target/asan"))
         .env("PROPTEST_CASES", ASAN_PROPTEST_CASES);
-    c
+    status(c)
 }
