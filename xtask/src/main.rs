@@ -5,9 +5,8 @@
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
 //!   test, PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
-//!   alongside those three and the cargo-fuzz build, the cargo-fuzz runs (after Miri is
-//!   done) and AddressSanitizer (`ptx-checks --sanitizers` runs these steps alone;
-//!   `xtask/src/sanitize.rs`). Every step runs; the
+//!   alongside those three (`ptx-checks`), cargo-fuzz and AddressSanitizer
+//!   (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
@@ -70,13 +69,10 @@
 //!   and a modeled step time per `gpu_decode` case of `kernels-gpu/perf-gate.toml`; fails
 //!   on local memory in a decode entry point marked `no_local_memory` or a modeled
 //!   bandwidth fraction below an enforced floor.
-//! - `ptx-checks [--sanitizers]`: `ci`'s PTX freshness, ptxas and SASS gate steps with
-//!   its Miri step running alongside on a thread of its own (each of them runs mostly on
-//!   one core; on CI's two cores the two lanes overlap), Miri's output printed after the
-//!   gate. ptxas and the gate also assemble sm_80 and sm_90 at the same time (one ptxas
-//!   per core). `--sanitizers`: `ci`'s steps from PTX freshness on, as `ci` runs them:
-//!   Miri goes on beside the cargo-fuzz build after the gate and is waited for (its
-//!   output printed) before the fuzz targets run, then ASan.
+//! - `ptx-checks`: `ci`'s PTX freshness, ptxas and SASS gate steps with its Miri step
+//!   running alongside on a thread of its own (each of them runs mostly on one core; on
+//!   CI's two cores the two lanes overlap), Miri's output printed after the gate. ptxas
+//!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
 mod sanitize;
 mod sass;
@@ -105,14 +101,7 @@ fn main() -> ExitCode {
         Some("candle-cuda") => candle_cuda().map_err(|e| e.to_string()),
         Some("ptx-checks") => {
             let (mut failed, mut skipped, mut clock) = (Vec::new(), Vec::new(), Clock::new());
-            match args.get(1).map(String::as_str) {
-                None => ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock),
-                Some("--sanitizers") => ptx_checks_and_sanitizers(&mut failed, &mut skipped, &mut clock),
-                _ => {
-                    eprintln!("usage: cargo xtask ptx-checks [--sanitizers]");
-                    return ExitCode::from(2);
-                }
-            }
+            ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
             clock.print();
             if failed.is_empty() { Ok(()) } else { Err(format!("failed steps: {}", failed.join(", "))) }
         }
@@ -126,7 +115,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks [--sanitizers] | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -284,7 +273,10 @@ fn ci() -> Result<(), String> {
         failed.push("cuda");
     }
     clock.lap("cuda presence");
-    ptx_checks_and_sanitizers(&mut failed, &mut skipped, &mut clock);
+    ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
+    // Fuzzing and AddressSanitizer (xtask/src/sanitize.rs).
+    let sanitizers = sanitize::steps(false, false, &mut failed, &mut skipped);
+    clock.steps.extend(sanitizers);
     clock.print();
 
     println!();
@@ -299,26 +291,11 @@ fn ci() -> Result<(), String> {
     if failed.is_empty() { Ok(()) } else { Err(verdict) }
 }
 
-/// Miri's thread (`sanitize::miri_captured`): its result, merged output and wall seconds.
-type MiriLane = std::thread::JoinHandle<(Result<(), Step>, String, f64)>;
-
 /// PTX freshness, ptxas and the SASS gate, with Miri on a thread of its own alongside
 /// them (each of the four runs mostly on one core: see `sanitize::miri_captured`); Miri's
-/// output is printed after the SASS gate. `cargo xtask ptx-checks`.
+/// output is printed after the SASS gate. `ci`'s steps, also `cargo xtask ptx-checks`.
 fn ptx_checks_with_miri(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
-    let miri = ptx_checks_miri_running(failed, skipped, clock);
-    finish_miri(miri, "PTX freshness, ptxas and the SASS gate", "miri (beyond sass)", failed, skipped, clock);
-}
-
-/// `ci`'s PTX freshness, ptxas and SASS gate steps with Miri started on a thread of its
-/// own before them, and still running when this returns: `ci` goes on with the cargo-fuzz
-/// build beside it and waits for it ([`finish_miri`]) before the fuzz targets run.
-fn ptx_checks_miri_running(
-    failed: &mut Vec<&'static str>,
-    skipped: &mut Vec<&'static str>,
-    clock: &mut Clock,
-) -> MiriLane {
-    println!("\n==> miri: started now, alongside the next steps (its output is printed when it is waited for)");
+    println!("\n==> miri: started now, alongside the next three steps (its output follows the SASS gate)");
     let miri = std::thread::spawn(sanitize::miri_captured);
     println!("\n==> PTX freshness: cargo xtask ptx --check");
     tally("ptx", ptx(true), failed, skipped);
@@ -329,50 +306,13 @@ fn ptx_checks_miri_running(
     println!("\n==> static SASS performance gate: cargo xtask sass");
     tally("sass", sass::sass(None), failed, skipped);
     clock.lap("sass gate");
-    miri
-}
-
-/// `ci`'s steps from PTX freshness on (`cargo xtask ptx-checks --sanitizers` runs them
-/// alone): Miri starts alongside PTX freshness, ptxas and the SASS gate as in
-/// `ptx-checks`, and goes on beside the cargo-fuzz build (two cores' worth of compiling,
-/// which fills the core Miri's interpreter leaves idle); Miri is waited for before the
-/// fuzz targets run, so that they run alone as before; then ASan (xtask/src/sanitize.rs).
-/// (Starting the ASan build with Miri under `nice -n 19` was tried and measured slower,
-/// with fewer fuzz executions: see README "Reliability".)
-fn ptx_checks_and_sanitizers(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
-    let miri = ptx_checks_miri_running(failed, skipped, clock);
-    println!("\n==> cargo-fuzz (its build alongside Miri)");
-    let started = std::time::Instant::now();
-    let result = sanitize::cargo_fuzz_then(sanitize::CARGO_FUZZ_SECONDS, |build_ok| {
-        clock.lap(if build_ok { "cargo-fuzz build" } else { "cargo-fuzz (no build)" });
-        let alongside = "PTX freshness, ptxas, the SASS gate and the cargo-fuzz build";
-        finish_miri(miri, alongside, "miri (beyond fuzz build)", failed, skipped, clock);
-    });
-    tally("cargo-fuzz", result, failed, skipped);
-    clock.lap("cargo-fuzz runs");
-    println!("cargo-fuzz: {:.0} s (the wait for Miri included)", started.elapsed().as_secs_f64());
-    // AddressSanitizer, as before (xtask/src/sanitize.rs).
-    let sanitizers = sanitize::steps(false, false, false, failed, skipped);
-    clock.steps.extend(sanitizers);
-}
-
-/// Waits for Miri's thread, prints its output and records its result; the wait is the
-/// clock's step `lap` (`alongside`: the steps Miri ran beside, for the log).
-fn finish_miri(
-    miri: MiriLane,
-    alongside: &str,
-    lap: &'static str,
-    failed: &mut Vec<&'static str>,
-    skipped: &mut Vec<&'static str>,
-    clock: &mut Clock,
-) {
     let (miri_result, miri_log, miri_secs) =
         miri.join().unwrap_or_else(|_| (Err(Step::Failed("the Miri thread panicked".into())), String::new(), 0.0));
-    println!("\n==> miri (ran alongside {alongside})");
+    println!("\n==> miri (ran alongside PTX freshness, ptxas and the SASS gate)");
     print!("{miri_log}");
     tally("miri", miri_result, failed, skipped);
-    println!("miri: {miri_secs:.0} s (alongside {alongside})");
-    clock.lap(lap);
+    println!("miri: {miri_secs:.0} s (alongside the three steps above)");
+    clock.lap("miri (beyond sass)");
 }
 
 /// Wall time of each `ci` step, printed as a table at the end (CI's budget is measured

@@ -16,9 +16,7 @@
 //!   step and names the input libFuzzer wrote under `fuzz/artifacts/<target>/`.
 //! - Miri (nightly, Tree Borrows, leaks of rayon's pool threads ignored; in `ci` it runs
 //!   on a thread of its own alongside PTX freshness, ptxas and the SASS gate, each of
-//!   them mostly one core, and then the cargo-fuzz build, its output printed before the
-//!   fuzz targets run, which `ci` starts only once Miri is done: [`miri_captured`],
-//!   [`cargo_fuzz_then`]): the kernel
+//!   them mostly one core, its output printed after the gate: [`miri_captured`]): the kernel
 //!   crate's layout and emulator unit tests, and the host's buffer, slot-mapping,
 //!   split-count, unpack-order and small-cache tests (append and decode on the
 //!   reference and the portable cpu path) ([`MIRI_KERNEL_TESTS`], [`MIRI_HOST_TESTS`]).
@@ -68,12 +66,10 @@ type StepFn = fn() -> Result<(), Step>;
 /// Runs the steps, recording failures and skips as `ci` does; returns the seconds each
 /// took. `stable_fuzz`: the long stable mutation run first (`cargo xtask sanitize`; CI
 /// leaves it to the suite's shorter run and cargo-fuzz).
-/// `ci` runs Miri on its own (`miri_captured`, alongside the PTX steps and the cargo-fuzz
-/// build) and cargo-fuzz itself (`cargo_fuzz_then`): `with_miri` and `with_cargo_fuzz`
-/// false leave them out here.
+/// `ci` runs Miri on its own (`miri_captured`, alongside the PTX steps): `with_miri` false
+/// leaves it out here.
 pub fn steps(
     stable_fuzz: bool,
-    with_cargo_fuzz: bool,
     with_miri: bool,
     failed: &mut Vec<&'static str>,
     skipped: &mut Vec<&'static str>,
@@ -85,9 +81,7 @@ pub fn steps(
         ("miri", || miri(&mut status)),
         ("asan", asan),
     ];
-    let all = all.into_iter().filter(|(name, _)| {
-        (stable_fuzz || *name != "fuzz") && (with_cargo_fuzz || *name != "cargo-fuzz") && (with_miri || *name != "miri")
-    });
+    let all = all.into_iter().filter(|(name, _)| (stable_fuzz || *name != "fuzz") && (with_miri || *name != "miri"));
     for (name, step) in all {
         println!("\n==> {name}");
         let started = Instant::now();
@@ -102,7 +96,7 @@ pub fn steps(
 /// `cargo xtask sanitize`: the steps alone.
 pub fn run() -> Result<(), String> {
     let (mut failed, mut skipped) = (Vec::new(), Vec::new());
-    let times = steps(true, true, true, &mut failed, &mut skipped);
+    let times = steps(true, true, &mut failed, &mut skipped);
     for (name, secs) in times {
         println!("{name:>6}: {secs:>5.0} s");
     }
@@ -136,22 +130,6 @@ fn fuzz() -> Result<(), Step> {
 /// copy of its committed corpus; Failed on a crash with the input's path, Skipped where
 /// the nightly or cargo-fuzz cannot be had.
 pub fn cargo_fuzz(seconds: u64) -> Result<(), Step> {
-    cargo_fuzz_then(seconds, |_| ())
-}
-
-/// As [`cargo_fuzz`], calling `after_build` once, between the build and the runs: with
-/// true when the targets were built, false when the step ends before running them
-/// (skipped, or the build failed). `ci` waits for Miri there, so that Miri's interpreter
-/// and the cargo-fuzz build share the two cores and the targets run alone.
-pub fn cargo_fuzz_then(seconds: u64, after_build: impl FnOnce(bool)) -> Result<(), Step> {
-    let built = cargo_fuzz_build();
-    after_build(built.is_ok());
-    built?;
-    cargo_fuzz_runs(seconds)
-}
-
-/// cargo-fuzz's build: installs cargo-fuzz when missing, then `cargo fuzz build`.
-fn cargo_fuzz_build() -> Result<(), Step> {
     if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
         return Err(Step::Skipped(format!("the cargo-fuzz step is set up for {FUZZ_TRIPLE}")));
     }
@@ -167,12 +145,7 @@ fn cargo_fuzz_build() -> Result<(), Step> {
         }
     }
     // Every target of fuzz/Cargo.toml (the ones listed below), for the host triple.
-    status(nightly(&["cargo", "fuzz", "build", "--target", FUZZ_TRIPLE]))
-}
-
-/// Runs each target `cargo_fuzz_build` made for `seconds` from a scratch copy of its
-/// corpus.
-fn cargo_fuzz_runs(seconds: u64) -> Result<(), Step> {
+    status(nightly(&["cargo", "fuzz", "build", "--target", FUZZ_TRIPLE]))?;
     let fuzz_dir = root().join("fuzz");
     let mut crashed = Vec::new();
     for target in CARGO_FUZZ_TARGETS {
@@ -257,11 +230,9 @@ fn miri(run: &mut dyn FnMut(std::process::Command) -> Result<(), Step>) -> Resul
 
 /// The Miri step with its output (stdout and stderr of every command, merged in order)
 /// returned instead of printed, and its wall seconds: `ci` runs it on a thread alongside
-/// PTX freshness, ptxas, the SASS gate and then the cargo-fuzz build, and prints the
-/// output when both are done. The Miri interpreter runs on one core, and so do the nvptx
-/// build of `core`, ptxas and nvdisasm for the most part: on CI's two cores the two lanes
-/// overlap instead of queuing, and the cargo-fuzz build takes the core Miri leaves idle
-/// after the SASS gate.
+/// PTX freshness, ptxas and the SASS gate, and prints the output when both are done. The
+/// Miri interpreter runs on one core, and so do the nvptx build of `core`, ptxas and
+/// nvdisasm for the most part: on CI's two cores the two lanes overlap instead of queuing.
 pub fn miri_captured() -> (Result<(), Step>, String, f64) {
     let started = Instant::now();
     let mut log = String::new();
