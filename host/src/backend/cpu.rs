@@ -407,15 +407,10 @@ fn non_identity(perm: &[u16]) -> Option<&[u16]> {
 fn group_codes<const LEVELS: usize>(x: &[f32], s: f64, z: f64, out: &mut [u8]) -> bool {
     let mut th = [0f32; LEVELS];
     for (k, t) in th.iter_mut().enumerate() {
-        let exact = z + (k as f64 + 0.5) * s;
-        if !exact.is_finite() {
-            return false;
+        match threshold(z, s, k) {
+            Some(r) => *t = r,
+            None => return false,
         }
-        let mut r = exact as f32;
-        if (r as f64) < exact {
-            r = r.next_up();
-        }
-        *t = r;
     }
     for (o, &v) in out.iter_mut().zip(x) {
         let mut c = 0u8;
@@ -425,6 +420,18 @@ fn group_codes<const LEVELS: usize>(x: &[f32], s: f64, z: f64, out: &mut [u8]) -
         *o = c;
     }
     true
+}
+
+/// Threshold `k` of a group with stored scale `s` and zero `z`: `z + (k + 1/2) s`, exact
+/// in f64, rounded up to f32 (see [`group_codes`]); `None` where it is not finite.
+#[inline(always)]
+fn threshold(z: f64, s: f64, k: usize) -> Option<f32> {
+    let exact = z + (k as f64 + 0.5) * s;
+    if !exact.is_finite() {
+        return None;
+    }
+    let r = exact as f32;
+    Some(if (r as f64) < exact { r.next_up() } else { r })
 }
 
 /// Packs codes (`bits` each) little-end first into bytes (FORMAT.md).
@@ -1477,7 +1484,7 @@ mod avx2 {
         }
         let lo = _mm256_min_ps(_mm256_min_ps(lo[0], lo[1]), _mm256_min_ps(lo[2], lo[3]));
         let hi = _mm256_max_ps(_mm256_max_ps(hi[0], hi[1]), _mm256_max_ps(hi[2], hi[3]));
-        (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)), hmax(hi))
+        (hmin(lo), hmax(hi))
     }
 
     /// The packed codes of a group of f16 values against its `2^bits - 1` thresholds
@@ -1594,13 +1601,14 @@ mod avx2 {
                         params[p + 2..p + 4].copy_from_slice(&z.to_le_bytes());
                         let (s, z) = (s.to_f64(), z.to_f64());
                         for k in 0..levels {
-                            let exact = z + (k as f64 + 0.5) * s;
-                            portable[r] |= s != 0.0 && !exact.is_finite();
-                            let mut v = exact as f32;
-                            if (v as f64) < exact {
-                                v = v.next_up();
-                            }
-                            th[k * ITEMS + i] = if s == 0.0 { f32::INFINITY } else { v };
+                            th[k * ITEMS + i] = match (s == 0.0, super::threshold(z, s, k)) {
+                                (true, _) => f32::INFINITY,
+                                (false, Some(t)) => t,
+                                (false, None) => {
+                                    portable[r] = true;
+                                    f32::INFINITY
+                                }
+                            };
                         }
                         continue;
                     }
@@ -1791,6 +1799,13 @@ mod avx2 {
         // SAFETY: `out` holds 8 floats.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
         out
+    }
+
+    /// Smallest of the eight lanes (the largest of their negations, negated).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn hmin(v: __m256) -> f32 {
+        -hmax(_mm256_sub_ps(_mm256_setzero_ps(), v))
     }
 
     /// Largest of the eight lanes.
@@ -2187,7 +2202,7 @@ mod avx2 {
         // the rounded row (up to the sign of a zero, which `group_params` decides).
         let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
         for (j, range) in ranges.iter_mut().enumerate() {
-            *range = (-hmax(_mm256_sub_ps(_mm256_setzero_ps(), round(lo[j]))), hmax(round(hi[j])));
+            *range = (hmin(round(lo[j])), hmax(round(hi[j])));
         }
         Some(hsum(_mm256_add_ps(acc[0], acc[1])))
     }
