@@ -432,22 +432,23 @@ fn decode_table(base: &Path, prefix: &str, title: &str) -> Result<(), String> {
         ("k4v2_int8", "k4v2 int8"),
         ("k4v2_int8x2", "k4v2 int8x2"),
     ];
-    println!("\n{title}\n");
-    print!("| shape | context | f16 ms | memcpy ms | f16 GB/s | memcpy GB/s |");
-    paths.iter().for_each(|(_, name)| print!(" {name} |"));
-    println!(" k2v2 exact GB/s | k2v2 int8x2 GB/s |");
-    println!("|---|---:|---:|---:|---:|---:|{}---:|---:|", "---:|".repeat(paths.len()));
+    use std::fmt::Write as _;
+    // The rows, printed under the title only if there are any.
+    let mut rows = String::new();
     for g in groups {
         let shape = g.file_name().unwrap().to_string_lossy().trim_start_matches(prefix).to_string();
-        let mut ctxs: Vec<u64> = std::fs::read_dir(g.join("f16"))
-            .map_err(|e| e.to_string())?
-            .filter_map(|e| e.ok()?.file_name().to_string_lossy().parse().ok())
-            .collect();
+        // A group without the f16 baseline (a filtered run) has no row to show.
+        let Ok(f16_runs) = std::fs::read_dir(g.join("f16")) else {
+            eprintln!("{}: no f16 baseline in these results, skipped", g.display());
+            continue;
+        };
+        let mut ctxs: Vec<u64> = f16_runs.filter_map(|e| e.ok()?.file_name().to_string_lossy().parse().ok()).collect();
         ctxs.sort_unstable();
         for ctx in ctxs {
             let get = |f: &str| read_result(&g.join(f).join(ctx.to_string()));
             let (Some(h), Some(m)) = (get("f16"), get("memcpy_f16_size")) else { continue };
-            print!(
+            let _ = write!(
+                rows,
                 "| {shape} | {ctx} | {:.2} | {:.2} | {:.1} | {:.1} |",
                 h.median_ns / 1e6,
                 m.median_ns / 1e6,
@@ -456,30 +457,45 @@ fn decode_table(base: &Path, prefix: &str, title: &str) -> Result<(), String> {
             );
             for (id, _) in paths {
                 match get(id) {
-                    Some(q) => print!(" {:.2} ({:.2}x) |", q.median_ns / 1e6, h.median_ns / q.median_ns),
-                    None => print!(" - |"),
+                    Some(q) => {
+                        let _ = write!(rows, " {:.2} ({:.2}x) |", q.median_ns / 1e6, h.median_ns / q.median_ns);
+                    }
+                    None => rows.push_str(" - |"),
                 }
             }
             let rate = |id: &str| get(id).map_or("-".to_string(), |r| format!("{:.1}", gbs(&r)));
-            println!(" {} | {} |", rate("k2v2"), rate("k2v2_int8x2"));
+            let _ = writeln!(rows, " {} | {} |", rate("k2v2"), rate("k2v2_int8x2"));
         }
+    }
+    if !rows.is_empty() {
+        println!("\n{title}\n");
+        print!("| shape | context | f16 ms | memcpy ms | f16 GB/s | memcpy GB/s |");
+        paths.iter().for_each(|(_, name)| print!(" {name} |"));
+        println!(" k2v2 exact GB/s | k2v2 int8x2 GB/s |");
+        println!("|---|---:|---:|---:|---:|---:|{}---:|---:|", "---:|".repeat(paths.len()));
+        print!("{rows}");
     }
     Ok(())
 }
 
 /// `cargo xtask bench-table [--run]`: with `--run`, first `cargo bench -p rotkv-benches
-/// --bench cpu` (every benchmark, one run); then the CPU tables from criterion's results:
+/// --bench cpu` (every benchmark, one run; criterion's earlier results are removed first,
+/// so that no table mixes in a cell from another run, such as CPU-time results from a
+/// run with `ROTKV_BENCH_CPU_TIME=1`); then the CPU tables from criterion's results:
 /// decode (k2v2 and k4v2 with the exact and integer key paths, the f16 baseline, memcpy),
 /// append (against a memcpy of its input) and the FWHT against FFHT, each with ratios.
 fn bench_table(run_first: bool) -> Result<(), String> {
+    let base = root().join("target/criterion");
     if run_first {
+        if base.exists() {
+            std::fs::remove_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
+        }
         let mut c = cargo();
         c.args(["bench", "-p", "rotkv-benches", "--bench", "cpu"]);
         if !run("cpu benchmarks", c)? {
             return Err("cargo bench failed".into());
         }
     }
-    let base = root().join("target/criterion");
     std::fs::read_dir(&base).map_err(|e| format!("{}: {e} (run the benchmarks first)", base.display()))?;
     let gbs = |r: &Result1| r.bytes.map_or(f64::NAN, |b| b / r.median_ns);
     decode_table(&base, "decode_", "Decode: median ms per step (speedup over f16), GB/s of cache read.")?;

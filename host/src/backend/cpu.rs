@@ -2366,7 +2366,9 @@ mod avx2 {
             let mut $h0 = 0;
             while $h0 < $g {
                 let hn = ($g - $h0).min(4);
-                // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+                // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were
+                // detected; the VNNI kernels are called only with a `Vnni` value, which
+                // exists only after AVX-512 VNNI and VL were detected too.
                 unsafe {
                     match hn {
                         4 => $f::<4 $(, $bits)?>($($arg,)* ),
@@ -2378,6 +2380,128 @@ mod avx2 {
                 $h0 += hn;
             }
         }};
+    }
+
+    /// Proof that the processor also has AVX-512 VNNI and AVX-512 VL, so `vpdpbusd` on
+    /// 256-bit registers: only [`Vnni::detect`] makes one. (The VEX form of AVX-VNNI
+    /// alone, on client cores without AVX-512, is not used: no machine this was built on
+    /// had it to test it.)
+    #[derive(Clone, Copy)]
+    pub(crate) struct Vnni(());
+
+    impl Vnni {
+        /// `Some` when AVX2, FMA, F16C, AVX-512 VNNI and AVX-512 VL are available.
+        pub(crate) fn detect() -> Option<Self> {
+            (Avx2::detect().is_some()
+                && std::is_x86_feature_detected!("avx512vnni")
+                && std::is_x86_feature_detected!("avx512vl"))
+            .then_some(Vnni(()))
+        }
+    }
+
+    /// [`dots_int_block`] with `vpdpbusd`: each 32-byte product of unsigned codes and
+    /// signed query bytes is summed four bytes at a time straight into i32 lanes (no i16
+    /// partial sums, no `vpmaddwd`), the `hi` term of two then weighted by 254 in i32.
+    /// The integer sums are exact either way (at most 256 * 15 * 127 * 255 < 2^31), so
+    /// the scores are the same bits.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[allow(clippy::too_many_arguments)]
+    fn dots_int_block_vnni<const H: usize, const BITS: u32>(
+        q: &IntQuery,
+        h0: usize,
+        j: usize,
+        codes: &[u8],
+        cb: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let pb = 8 / BITS as usize;
+        let gb = q.group_bytes;
+        let two_terms = q.terms == 2;
+        assert!(q.per_byte == pb && (j + 1) * gb <= cb && n * cb <= codes.len() && (gb == 8 || gb.is_multiple_of(16)));
+        assert!(q.chunks * pb <= 8 && (h0 + H - 1) * CHUNK + n <= out.len());
+        let per_term = q.chunks * pb * 32;
+        let qg: [&[i8]; H] = std::array::from_fn(|hh| q.group(h0 + hh, j));
+        assert!(qg.iter().all(|x| x.len() == q.terms * per_term));
+        let cp = codes.as_ptr();
+        let mask = _mm256_set1_epi8(((1u32 << BITS) - 1) as i8);
+        let hi_weight = _mm256_set1_epi32(super::LO_STEPS);
+        let mut t = 0;
+        while t < n {
+            // Second accumulator: the next token (one term) or this token's `lo` term.
+            let second = two_terms || t + 1 < n;
+            let r1 = if two_terms || t + 1 >= n { t } else { t + 1 };
+            let mut a0 = [_mm256_setzero_si256(); H];
+            let mut a1 = [_mm256_setzero_si256(); H];
+            for k in 0..q.chunks {
+                let len = gb - 32 * k;
+                // SAFETY: as in `dots_int_block`: the group's bytes lie in each token's
+                // cb bytes (asserted), and load_codes reads at most the len left of them.
+                let (raw0, raw1) = unsafe {
+                    (
+                        load_codes(cp.add(t * cb + j * gb + 32 * k), len),
+                        load_codes(cp.add(r1 * cb + j * gb + 32 * k), len),
+                    )
+                };
+                for s in 0..pb {
+                    let cnt = _mm_cvtsi32_si128((s as u32 * BITS) as i32);
+                    let u0 = _mm256_and_si256(_mm256_srl_epi16(raw0, cnt), mask);
+                    let u1 = _mm256_and_si256(_mm256_srl_epi16(raw1, cnt), mask);
+                    let at = (k * pb + s) * 32;
+                    for hh in 0..H {
+                        // SAFETY: 32 bytes at `at` (and at `per_term + at` with two terms)
+                        // are inside the group's query (length asserted).
+                        let qv = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(at).cast()) };
+                        a0[hh] = _mm256_dpbusd_epi32(a0[hh], u0, qv);
+                        if two_terms {
+                            // SAFETY: as above.
+                            let lo = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(per_term + at).cast()) };
+                            a1[hh] = _mm256_dpbusd_epi32(a1[hh], u0, lo);
+                        } else {
+                            a1[hh] = _mm256_dpbusd_epi32(a1[hh], u1, qv);
+                        }
+                    }
+                }
+            }
+            for hh in 0..H {
+                let a = q.scale[(h0 + hh) * q.groups + j];
+                if two_terms {
+                    let x = _mm256_add_epi32(_mm256_mullo_epi32(a0[hh], hi_weight), a1[hh]);
+                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(x) as f32 * a;
+                } else {
+                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(a0[hh]) as f32 * a;
+                    if second {
+                        out[(h0 + hh) * CHUNK + t + 1] = hsum_epi32(a1[hh]) as f32 * a;
+                    }
+                }
+            }
+            t += if two_terms { 1 } else { 2 };
+        }
+    }
+
+    impl Avx2 {
+        /// [`Kernels::dots_int`] with `vpdpbusd` when `vnni` is given, `vpmaddubsw` else
+        /// (the same bits).
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
+        pub(crate) fn dots_int_with(
+            self,
+            vnni: Option<Vnni>,
+            q: &IntQuery,
+            g: usize,
+            j: usize,
+            codes: &[u8],
+            cb: usize,
+            n: usize,
+            out: &mut [f32],
+        ) {
+            match (vnni, q.per_byte) {
+                (Some(_), 4) => by_head_blocks!(g, h0, dots_int_block_vnni, (q, h0, j, codes, cb, n, out), 2),
+                (Some(_), _) => by_head_blocks!(g, h0, dots_int_block_vnni, (q, h0, j, codes, cb, n, out), 4),
+                (None, 4) => by_head_blocks!(g, h0, dots_int_block, (q, h0, j, codes, cb, n, out), 2),
+                (None, _) => by_head_blocks!(g, h0, dots_int_block, (q, h0, j, codes, cb, n, out), 4),
+            }
+        }
     }
 
     impl Kernels for Avx2 {
@@ -2494,11 +2618,7 @@ mod avx2 {
         #[allow(clippy::too_many_arguments)]
         #[inline(always)]
         fn dots_int(self, q: &IntQuery, g: usize, j: usize, codes: &[u8], cb: usize, n: usize, out: &mut [f32]) {
-            if q.per_byte == 4 {
-                by_head_blocks!(g, h0, dots_int_block, (q, h0, j, codes, cb, n, out), 2);
-            } else {
-                by_head_blocks!(g, h0, dots_int_block, (q, h0, j, codes, cb, n, out), 4);
-            }
+            self.dots_int_with(Vnni::detect(), q, g, j, codes, cb, n, out)
         }
         #[inline(always)]
         fn accumulate_codes(
@@ -3283,7 +3403,7 @@ mod tests {
         }
     }
 
-    /// Integer scores bit for bit equal between the portable and AVX2 kernels (integer
+    /// Integer scores bit for bit equal between the portable, AVX2 and AVX-512 VNNI kernels (integer
     /// sums are exact), on random codes for every code width and group size.
     #[test]
     fn int_scores_match_between_kernels() {
@@ -3293,6 +3413,10 @@ mod tests {
                 eprintln!("SKIPPED: this processor has no AVX2/FMA/F16C");
                 return;
             };
+            let vnni = avx2::Vnni::detect();
+            if vnni.is_none() {
+                eprintln!("SKIPPED: the VNNI integer scores (this processor has no AVX-512 VNNI and VL)");
+            }
             for (d, kb, gs) in [(64, 2, 32), (64, 2, 64), (128, 4, 32), (128, 2, 128), (256, 4, 256), (256, 2, 256)] {
                 let fmt = Format {
                     head_dim: d,
@@ -3315,8 +3439,13 @@ mod tests {
                         let (mut a, mut b) = (vec![0f32; g * CHUNK], vec![0f32; g * CHUNK]);
                         for j in 0..iq.groups {
                             Portable.dots_int(&iq, g, j, &codes, cb, n, &mut a);
-                            avx.dots_int(&iq, g, j, &codes, cb, n, &mut b);
+                            avx.dots_int_with(None, &iq, g, j, &codes, cb, n, &mut b);
                             assert_eq!(a, b, "d{d} k{kb} g{gs} rows {g} terms {terms} n {n} group {j}");
+                            if let Some(vnni) = vnni {
+                                b.fill(0.0);
+                                avx.dots_int_with(Some(vnni), &iq, g, j, &codes, cb, n, &mut b);
+                                assert_eq!(a, b, "VNNI: d{d} k{kb} g{gs} rows {g} terms {terms} n {n} group {j}");
+                            }
                         }
                     }
                 }
