@@ -265,12 +265,25 @@ struct AppendScratch {
     page: Vec<f16>,
     ranges: Vec<(f32, f32)>,
     params: Vec<u8>,
+    /// A page's new rows before and after a learned rotation (`[page_size][d]` and
+    /// `[2][page_size][d]`, keys then values); empty until a learned rotation needs them.
+    dense_in: Vec<f32>,
+    dense_out: Vec<f32>,
 }
 
 impl AppendScratch {
     /// For rows of `d` and pages of `page_size` tokens, `groups` per row.
     fn new(d: usize, page_size: usize, groups: usize) -> Self {
-        let mut s = Self { x: vec![], y: vec![], row: vec![], page: vec![], ranges: vec![], params: vec![] };
+        let mut s = Self {
+            x: vec![],
+            y: vec![],
+            row: vec![],
+            page: vec![],
+            ranges: vec![],
+            params: vec![],
+            dense_in: vec![],
+            dense_out: vec![],
+        };
         s.fit(d, page_size, groups);
         s
     }
@@ -375,6 +388,14 @@ fn stage_input<K: Kernels, T: KvElement>(
             x.copy_from_slice(y);
         }
     }
+    permute_round(kern, x, perm, y, row);
+    norm2
+}
+
+/// The rotated row `x` permuted into stored order (`y` is scratch of its length) and
+/// rounded to f16 into `row`: the last steps of [`stage_input`].
+#[inline(always)]
+fn permute_round<K: Kernels>(kern: K, x: &[f32], perm: Option<&[u16]>, y: &mut [f32], row: &mut [f16]) {
     match perm {
         Some(perm) => {
             for (o, &p) in y.iter_mut().zip(perm) {
@@ -384,7 +405,6 @@ fn stage_input<K: Kernels, T: KvElement>(
         }
         None => kern.round_to_f16(x, row),
     }
-    norm2
 }
 
 /// `Some(perm)` unless it is the identity.
@@ -650,7 +670,38 @@ fn fill_page<K: Kernels, T: KvElement>(
     let pos = |slot: u32| fmt.sinks + page * fmt.page_size + slot;
     let g = fmt.group_size as usize;
     let groups = fmt.groups() as usize;
-    let AppendScratch { x, y, row: scr_row, page: staged, ranges, params } = scr;
+    let AppendScratch { x, y, row: scr_row, page: staged, ranges, params, dense_in, dense_out } = scr;
+    // New rows under a learned rotation are loaded and checked first, then rotated a
+    // page at a time (`Kernels::dense_rotate_rows`, the same bits as row by row); `stage`
+    // takes them from `dense_out` (keys, then values, `[page_size][d]` each).
+    let ps = fmt.page_size as usize;
+    let first_new = (0..fmt.page_size).find(|&slot| pos(slot) >= len).unwrap_or(fmt.page_size) as usize;
+    let mut dense = [false; 2];
+    for (vi, rot) in [krot, vrot].into_iter().enumerate() {
+        let HeadRotation::Dense(r) = rot else { continue };
+        if first_new == ps {
+            continue;
+        }
+        let value = vi == 1;
+        dense_in.resize(dense_in.len().max(ps * d), 0.0);
+        dense_out.resize(dense_out.len().max(2 * ps * d), 0.0);
+        for slot in first_new..ps {
+            let at = pos(slot as u32);
+            let (row, affine) = if value {
+                (&inp.v[v_src(p, at - len, hu)..][..d], KeyAffine::None)
+            } else {
+                (&inp.k[k_src(p, at - len, hu)..][..d], inp.affine[hu])
+            };
+            let norm2 = load_affine(kern, row, affine, &mut dense_in[slot * d..][..d]);
+            if inp.check.is_some_and(|c| c.bad(norm2, value, (at - len) as usize, hu, row)) {
+                return false;
+            }
+        }
+        let out = &mut dense_out[(vi * ps + first_new) * d..(vi + 1) * ps * d];
+        kern.dense_rotate_rows(&dense_in[first_new * d..ps * d], r, d, out);
+        dense[vi] = true;
+    }
+    let dense_out = &dense_out[..];
     // The stored f16 row of (slot, value): from the side store, or staged into `dst` (with
     // its groups' ranges into `rg` where the kernel set stages it in one pass).
     let stage = |slot: u32, value: bool, x: &mut [f32], y: &mut [f32], dst: &mut [f16], rg: &mut [(f32, f32)]| {
@@ -664,6 +715,11 @@ fn fill_page<K: Kernels, T: KvElement>(
         } else {
             (&inp.k[k_src(p, at - len, hu)..][..d], inp.affine[hu], krot, kperm)
         };
+        if dense[value as usize] {
+            // Rotated (and checked) above.
+            permute_round(kern, &dense_out[(value as usize * ps + slot as usize) * d..][..d], perm, y, dst);
+            return Staged::Scratch(false);
+        }
         let fused = match (rot, perm) {
             (HeadRotation::Hadamard, None) => kern.stage_hadamard(row, affine, g, dst, rg),
             _ => None,
@@ -1110,6 +1166,15 @@ pub(crate) trait Kernels: Copy {
     #[inline(always)]
     fn dense_rotate(self, x: &[f32], r: &[f32], out: &mut [f32]) {
         dense_rotate(x, r, out)
+    }
+
+    /// [`Kernels::dense_rotate`] of every row of `x` (`[n][d]`, `r` is `d x d`) into
+    /// `out` (the same bits, row by row).
+    #[inline(always)]
+    fn dense_rotate_rows(self, x: &[f32], r: &[f32], d: usize, out: &mut [f32]) {
+        for (xr, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            self.dense_rotate(xr, r, o);
+        }
     }
 
     /// A hint that `bytes` will be read soon (nothing in portable code).
@@ -2438,6 +2503,52 @@ mod avx2 {
         }
     }
 
+    /// [`dense_rotate`] of every row of `x` (`[n][d]`) into `out`: four rows at a time
+    /// against blocks of 16 outputs (eight accumulators), so that each load of the matrix
+    /// serves four rows (one row at a time reads the whole matrix per row, 64 KiB at
+    /// head_dim 128, from L2); the same operations per output in the same order, so the
+    /// same bits. Other row counts and head dimensions that are not a multiple of 16 take
+    /// [`dense_rotate`] for the rest.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dense_rotate_rows(x: &[f32], r: &[f32], d: usize, out: &mut [f32]) {
+        const R: usize = 4;
+        assert!(d * d == r.len() && d > 0 && x.len().is_multiple_of(d) && out.len() == x.len());
+        let n = x.len() / d;
+        // Rows in blocks of R; the rest go one at a time below.
+        let blocked = if d.is_multiple_of(16) { n / R * R } else { 0 };
+        let (xp, rp) = (x.as_ptr(), r.as_ptr());
+        // Column blocks outside, row blocks inside: a column block of the matrix (d x 16
+        // floats, 16 KiB at head_dim 256) is read from L2 once and then from L1 for every
+        // block of rows.
+        for c0 in (0..d).step_by(16).take(if blocked > 0 { d / 16 } else { 0 }) {
+            for t in (0..blocked).step_by(R) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                for i in 0..d {
+                    // SAFETY: i < d and c0 + 16 <= d: inside row i of r.
+                    let m = unsafe { [_mm256_loadu_ps(rp.add(i * d + c0)), _mm256_loadu_ps(rp.add(i * d + c0 + 8))] };
+                    for (row, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: (t + row) * d + i < blocked * d <= x.len().
+                        let xv = _mm256_set1_ps(unsafe { *xp.add((t + row) * d + i) });
+                        a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(xv, m[0]));
+                        a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(xv, m[1]));
+                    }
+                }
+                for (row, a) in acc.iter().enumerate() {
+                    let o = &mut out[(t + row) * d + c0..][..16];
+                    // SAFETY: `o` holds 16 floats.
+                    unsafe {
+                        _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                        _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+                    }
+                }
+            }
+        }
+        let t = blocked;
+        for (xr, o) in x[t * d..].chunks_exact(d).zip(out[t * d..].chunks_exact_mut(d)) {
+            dense_rotate(xr, r, o);
+        }
+    }
+
     /// Proof that the processor also has AVX-512 VNNI and AVX-512 VL, so `vpdpbusd` on
     /// 256-bit registers: only [`Vnni::detect`] makes one. (The VEX form of AVX-VNNI
     /// alone, on client cores without AVX-512, is not used: no machine this was built on
@@ -2581,6 +2692,11 @@ mod avx2 {
         fn dense_rotate(self, x: &[f32], r: &[f32], out: &mut [f32]) {
             // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
             unsafe { dense_rotate(x, r, out) }
+        }
+        #[inline(always)]
+        fn dense_rotate_rows(self, x: &[f32], r: &[f32], d: usize, out: &mut [f32]) {
+            // SAFETY: as above.
+            unsafe { dense_rotate_rows(x, r, d, out) }
         }
         #[inline(always)]
         fn prefetch(self, bytes: &[u8]) {
@@ -3935,9 +4051,10 @@ mod tests {
         assert!(ties > 100, "only {ties} exact ties met");
     }
 
-    /// The AVX2 dense rotation (learned rotations' `x R`) gives the scalar loop's bits
-    /// for every head dimension shape the blocks meet (64-output blocks, 8-output blocks,
-    /// a scalar rest), signed zeros and a zero row included.
+    /// The AVX2 dense rotation (learned rotations' `x R`), one row and many rows at a
+    /// time, gives the scalar loop's bits for every shape the blocks meet (64- and
+    /// 8-output blocks and a scalar rest for one row; four rows against 16 outputs and the
+    /// rows left over for many), signed zeros and a zero row included.
     #[test]
     fn dense_rotation_matches_scalar_bit_for_bit() {
         #[cfg(target_arch = "x86_64")]
@@ -3957,12 +4074,24 @@ mod tests {
                         .map(|(i, v)| v * 8f32.powi(i as i32 % 9 - 4))
                         .collect(),
                 );
-                for x in rows {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                for x in &rows {
                     let (mut a, mut b) = (vec![f32::NAN; d], vec![f32::NAN; d]);
-                    dense_rotate(&x, &r, &mut a);
-                    avx.dense_rotate(&x, &r, &mut b);
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    dense_rotate(x, &r, &mut a);
+                    avx.dense_rotate(x, &r, &mut b);
                     assert_eq!(bits(&a), bits(&b), "d {d}");
+                }
+                // Many rows at once (four at a time, then the rest), against row by row.
+                for n in [1, 3, 4, 5, 8, 11] {
+                    let x: Vec<f32> =
+                        (0..n).flat_map(|i| rows[i % rows.len()].iter().map(move |v| v * (i + 1) as f32)).collect();
+                    let mut a = vec![f32::NAN; n * d];
+                    for (xr, o) in x.chunks_exact(d).zip(a.chunks_exact_mut(d)) {
+                        dense_rotate(xr, &r, o);
+                    }
+                    let mut b = vec![f32::NAN; n * d];
+                    avx.dense_rotate_rows(&x, &r, d, &mut b);
+                    assert_eq!(bits(&a), bits(&b), "d {d}, {n} rows");
                 }
             }
         }
