@@ -250,10 +250,17 @@ fn the_fused_check_covers_normalized_pages_protected_rows_and_mixed_errors() {
     let mut learned = LayerCalibration::identity(hkv, d);
     let r: Vec<f32> = (0..hkv * d * d).map(|i| if (i / d) % d == (i % d + 7) % d { -1.0 } else { 0.0 }).collect();
     (learned.key_rotation, learned.value_rotation) = (Some(r.clone()), Some(r));
+    // Dense random rotations too (every output a sum of d products), keys and values
+    // different: the page-at-a-time rotation's check must still come first.
+    let mut dense = LayerCalibration::identity(hkv, d);
+    let rot = |seed| (0..hkv as u64).flat_map(|h| rotkv_tests::random_rotation(d, seed + h)).collect::<Vec<f32>>();
+    (dense.key_rotation, dense.value_rotation) = (Some(rot(5)), Some(rot(50)));
     let norm = CacheConfig { channel_norm: 2, page_size: 16, window: 16, ..CacheConfig::k2v2(d) };
     let prot = CacheConfig { protected: 4, page_size: 16, window: 16, ..CacheConfig::k2v2(d) };
     let mut rng = Rng::new(9);
-    for (config, calib) in [(norm, None), (prot, None), (prot, Some(&learned))] {
+    for (config, calib) in
+        [(norm, None), (prot, None), (prot, Some(&learned)), (prot, Some(&dense)), (norm, Some(&dense))]
+    {
         let n = 100;
         let k = rows(&mut rng, n, hkv, d);
         let v = rows(&mut rng, n, hkv, d);

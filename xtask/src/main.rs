@@ -478,6 +478,19 @@ fn decode_table(base: &Path, prefix: &str, title: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Where criterion writes its results: `$CRITERION_HOME`, else `criterion` in
+/// `$CARGO_TARGET_DIR` (relative to the workspace root, where xtask runs cargo), else
+/// `target/criterion` in the workspace.
+fn criterion_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("CRITERION_HOME") {
+        return PathBuf::from(home);
+    }
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(t) => root().join(t).join("criterion"),
+        None => root().join("target/criterion"),
+    }
+}
+
 /// `cargo xtask bench-table [--run]`: with `--run`, first `cargo bench -p rotkv-benches
 /// --bench cpu` (every benchmark, one run; criterion's earlier results are removed first,
 /// so that no table mixes in a cell from another run, such as CPU-time results from a
@@ -485,7 +498,7 @@ fn decode_table(base: &Path, prefix: &str, title: &str) -> Result<(), String> {
 /// decode (k2v2 and k4v2 with the exact and integer key paths, the f16 baseline, memcpy),
 /// append (against a memcpy of its input) and the FWHT against FFHT, each with ratios.
 fn bench_table(run_first: bool) -> Result<(), String> {
-    let base = root().join("target/criterion");
+    let base = criterion_dir();
     if run_first {
         if base.exists() {
             std::fs::remove_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;

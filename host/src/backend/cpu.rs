@@ -2350,88 +2350,129 @@ mod avx2 {
         }
     }
 
-    /// Integer key scores of heads `[h0, h0 + H)` for group `j` (see
-    /// [`Kernels::dots_int`]): `vpmaddubsw` of unsigned codes and signed query bytes,
-    /// summed in i16 over the group's shifts and chunks (at most 8 terms of at most
-    /// 2 * 15 * 127 = 3810, below 2^15), then `vpmaddwd` to i32 (by 254 for the `hi`
-    /// term of two, by 1 else) and a horizontal sum. One term: two tokens at a time; two
-    /// terms: one token, its `hi` and `lo` sums side by side.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    fn dots_int_block<const H: usize, const BITS: u32>(
-        q: &IntQuery,
-        h0: usize,
-        j: usize,
-        codes: &[u8],
-        cb: usize,
-        n: usize,
-        out: &mut [f32],
-    ) {
-        let pb = 8 / BITS as usize;
-        let gb = q.group_bytes;
-        let two_terms = q.terms == 2;
-        assert!(q.per_byte == pb && (j + 1) * gb <= cb && n * cb <= codes.len() && (gb == 8 || gb.is_multiple_of(16)));
-        assert!(q.chunks * pb <= 8 && (h0 + H - 1) * CHUNK + n <= out.len());
-        let per_term = q.chunks * pb * 32;
-        let qg: [&[i8]; H] = std::array::from_fn(|hh| q.group(h0 + hh, j));
-        assert!(qg.iter().all(|x| x.len() == q.terms * per_term));
-        let cp = codes.as_ptr();
-        let mask = _mm256_set1_epi8(((1u32 << BITS) - 1) as i8);
-        let ones = _mm256_set1_epi16(1);
-        let hi_weight = _mm256_set1_epi16(if two_terms { super::LO_STEPS as i16 } else { 1 });
-        let mut t = 0;
-        while t < n {
-            // Second accumulator: the next token (one term) or this token's `lo` term.
-            let second = two_terms || t + 1 < n;
-            let r1 = if two_terms || t + 1 >= n { t } else { t + 1 };
-            let mut a0 = [_mm256_setzero_si256(); H];
-            let mut a1 = [_mm256_setzero_si256(); H];
-            for k in 0..q.chunks {
-                let len = gb - 32 * k;
-                // SAFETY: the group's bytes [j * gb, (j + 1) * gb) lie in each token's cb
-                // bytes (asserted), and load_codes reads at most the len left of them.
-                let (raw0, raw1) = unsafe {
-                    (
-                        load_codes(cp.add(t * cb + j * gb + 32 * k), len),
-                        load_codes(cp.add(r1 * cb + j * gb + 32 * k), len),
-                    )
-                };
-                for s in 0..pb {
-                    let cnt = _mm_cvtsi32_si128((s as u32 * BITS) as i32);
-                    let u0 = _mm256_and_si256(_mm256_srl_epi16(raw0, cnt), mask);
-                    let u1 = _mm256_and_si256(_mm256_srl_epi16(raw1, cnt), mask);
-                    let at = (k * pb + s) * 32;
-                    for hh in 0..H {
-                        // SAFETY: 32 bytes at `at` (and at `per_term + at` with two terms)
-                        // are inside the group's query (length asserted).
-                        let qv = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(at).cast()) };
-                        a0[hh] = _mm256_add_epi16(a0[hh], _mm256_maddubs_epi16(u0, qv));
-                        if two_terms {
-                            // SAFETY: as above.
-                            let lo = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(per_term + at).cast()) };
-                            a1[hh] = _mm256_add_epi16(a1[hh], _mm256_maddubs_epi16(u0, lo));
-                        } else {
-                            a1[hh] = _mm256_add_epi16(a1[hh], _mm256_maddubs_epi16(u1, qv));
+    /// Defines an integer key-score kernel for heads `[h0, h0 + H)` and group `j` (see
+    /// [`Kernels::dots_int`]): `$mac` adds the products of 32 unsigned code bytes `u`
+    /// and 32 signed query bytes `q` into the accumulator `a`, `$widen` turns the two
+    /// accumulators into i32 lanes (with the `hi` term of two weighted by 254). One term:
+    /// two tokens at a time; two terms: one token, its `hi` and `lo` sums side by side.
+    macro_rules! dots_int_kernel {
+        (
+            $(#[$doc:meta])* $name:ident, $features:literal,
+            |$a:ident, $u:ident, $q:ident| $mac:expr,
+            |$a0:ident, $a1:ident, $two:ident| $widen:expr
+        ) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            fn $name<const H: usize, const BITS: u32>(
+                q: &IntQuery,
+                h0: usize,
+                j: usize,
+                codes: &[u8],
+                cb: usize,
+                n: usize,
+                out: &mut [f32],
+            ) {
+                let pb = 8 / BITS as usize;
+                let gb = q.group_bytes;
+                let two_terms = q.terms == 2;
+                assert!(
+                    q.per_byte == pb && (j + 1) * gb <= cb && n * cb <= codes.len() && (gb == 8 || gb.is_multiple_of(16))
+                );
+                assert!(q.chunks * pb <= 8 && (h0 + H - 1) * CHUNK + n <= out.len());
+                let per_term = q.chunks * pb * 32;
+                let qg: [&[i8]; H] = std::array::from_fn(|hh| q.group(h0 + hh, j));
+                assert!(qg.iter().all(|x| x.len() == q.terms * per_term));
+                let cp = codes.as_ptr();
+                let mask = _mm256_set1_epi8(((1u32 << BITS) - 1) as i8);
+                let mut t = 0;
+                while t < n {
+                    // Second accumulator: the next token (one term) or this token's `lo` term.
+                    let second = two_terms || t + 1 < n;
+                    let r1 = if two_terms || t + 1 >= n { t } else { t + 1 };
+                    let mut a0 = [_mm256_setzero_si256(); H];
+                    let mut a1 = [_mm256_setzero_si256(); H];
+                    for k in 0..q.chunks {
+                        let len = gb - 32 * k;
+                        // SAFETY: the group's bytes [j * gb, (j + 1) * gb) lie in each token's
+                        // cb bytes (asserted), and load_codes reads at most the len left of them.
+                        let (raw0, raw1) = unsafe {
+                            (
+                                load_codes(cp.add(t * cb + j * gb + 32 * k), len),
+                                load_codes(cp.add(r1 * cb + j * gb + 32 * k), len),
+                            )
+                        };
+                        for s in 0..pb {
+                            let cnt = _mm_cvtsi32_si128((s as u32 * BITS) as i32);
+                            let u0 = _mm256_and_si256(_mm256_srl_epi16(raw0, cnt), mask);
+                            let u1 = _mm256_and_si256(_mm256_srl_epi16(raw1, cnt), mask);
+                            let at = (k * pb + s) * 32;
+                            for hh in 0..H {
+                                // SAFETY: 32 bytes at `at` (and at `per_term + at` with two
+                                // terms) are inside the group's query (length asserted).
+                                let qv = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(at).cast()) };
+                                a0[hh] = {
+                                    let ($a, $u, $q) = (a0[hh], u0, qv);
+                                    $mac
+                                };
+                                if two_terms {
+                                    // SAFETY: as above.
+                                    let lo = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(per_term + at).cast()) };
+                                    a1[hh] = {
+                                        let ($a, $u, $q) = (a1[hh], u0, lo);
+                                        $mac
+                                    };
+                                } else {
+                                    a1[hh] = {
+                                        let ($a, $u, $q) = (a1[hh], u1, qv);
+                                        $mac
+                                    };
+                                }
+                            }
                         }
                     }
-                }
-            }
-            for hh in 0..H {
-                let a = q.scale[(h0 + hh) * q.groups + j];
-                let x0 = _mm256_madd_epi16(a0[hh], hi_weight);
-                let x1 = _mm256_madd_epi16(a1[hh], ones);
-                if two_terms {
-                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(_mm256_add_epi32(x0, x1)) as f32 * a;
-                } else {
-                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(x0) as f32 * a;
-                    if second {
-                        out[(h0 + hh) * CHUNK + t + 1] = hsum_epi32(x1) as f32 * a;
+                    for hh in 0..H {
+                        let a = q.scale[(h0 + hh) * q.groups + j];
+                        let ($a0, $a1, $two) = (a0[hh], a1[hh], two_terms);
+                        let (x0, x1): (__m256i, __m256i) = $widen;
+                        if two_terms {
+                            out[(h0 + hh) * CHUNK + t] = hsum_epi32(_mm256_add_epi32(x0, x1)) as f32 * a;
+                        } else {
+                            out[(h0 + hh) * CHUNK + t] = hsum_epi32(x0) as f32 * a;
+                            if second {
+                                out[(h0 + hh) * CHUNK + t + 1] = hsum_epi32(x1) as f32 * a;
+                            }
+                        }
                     }
+                    t += if two_terms { 1 } else { 2 };
                 }
             }
-            t += if two_terms { 1 } else { 2 };
-        }
+        };
     }
+
+    dots_int_kernel!(
+        /// Integer key scores with `vpmaddubsw` of unsigned codes and signed query bytes,
+        /// summed in i16 over the group's shifts and chunks (at most 8 terms of at most
+        /// 2 * 15 * 127 = 3810, below 2^15), then `vpmaddwd` to i32 (by 254 for the `hi`
+        /// term of two, by 1 else) and a horizontal sum.
+        dots_int_block, "avx2,fma,f16c",
+        |a, u, q| _mm256_add_epi16(a, _mm256_maddubs_epi16(u, q)),
+        |a0, a1, two| (
+            _mm256_madd_epi16(a0, _mm256_set1_epi16(if two { super::LO_STEPS as i16 } else { 1 })),
+            _mm256_madd_epi16(a1, _mm256_set1_epi16(1))
+        )
+    );
+
+    dots_int_kernel!(
+        /// [`dots_int_block`] with `vpdpbusd`: each 32-byte product of unsigned codes and
+        /// signed query bytes is summed four bytes at a time straight into i32 lanes (no
+        /// i16 partial sums, no `vpmaddwd`), the `hi` term of two then weighted by 254 in
+        /// i32. The integer sums are exact either way (at most 256 * 15 * 127 * 255 <
+        /// 2^31), so the scores are the same bits.
+        dots_int_block_vnni, "avx2,fma,f16c,avx512f,avx512vnni,avx512vl",
+        |a, u, q| _mm256_dpbusd_epi32(a, u, q),
+        |a0, a1, two| (if two { _mm256_mullo_epi32(a0, _mm256_set1_epi32(super::LO_STEPS)) } else { a0 }, a1)
+    );
 
     macro_rules! by_head_blocks {
         ($g:expr, $h0:ident, $f:ident, ($($arg:expr),*) $(, $bits:literal)?) => {{
@@ -2440,7 +2481,7 @@ mod avx2 {
                 let hn = ($g - $h0).min(4);
                 // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were
                 // detected; the VNNI kernels are called only with a `Vnni` value, which
-                // exists only after AVX-512 VNNI and VL were detected too.
+                // exists only after AVX-512 F, VNNI and VL were detected too.
                 unsafe {
                     match hn {
                         4 => $f::<4 $(, $bits)?>($($arg,)* ),
@@ -2557,92 +2598,14 @@ mod avx2 {
     pub(crate) struct Vnni(());
 
     impl Vnni {
-        /// `Some` when AVX2, FMA, F16C, AVX-512 VNNI and AVX-512 VL are available.
+        /// `Some` when AVX2, FMA, F16C, AVX-512 F, AVX-512 VNNI and AVX-512 VL are
+        /// available (the compiler takes VNNI and VL to imply F, so F is checked too).
         pub(crate) fn detect() -> Option<Self> {
             (Avx2::detect().is_some()
+                && std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512vl"))
             .then_some(Vnni(()))
-        }
-    }
-
-    /// [`dots_int_block`] with `vpdpbusd`: each 32-byte product of unsigned codes and
-    /// signed query bytes is summed four bytes at a time straight into i32 lanes (no i16
-    /// partial sums, no `vpmaddwd`), the `hi` term of two then weighted by 254 in i32.
-    /// The integer sums are exact either way (at most 256 * 15 * 127 * 255 < 2^31), so
-    /// the scores are the same bits.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    #[allow(clippy::too_many_arguments)]
-    fn dots_int_block_vnni<const H: usize, const BITS: u32>(
-        q: &IntQuery,
-        h0: usize,
-        j: usize,
-        codes: &[u8],
-        cb: usize,
-        n: usize,
-        out: &mut [f32],
-    ) {
-        let pb = 8 / BITS as usize;
-        let gb = q.group_bytes;
-        let two_terms = q.terms == 2;
-        assert!(q.per_byte == pb && (j + 1) * gb <= cb && n * cb <= codes.len() && (gb == 8 || gb.is_multiple_of(16)));
-        assert!(q.chunks * pb <= 8 && (h0 + H - 1) * CHUNK + n <= out.len());
-        let per_term = q.chunks * pb * 32;
-        let qg: [&[i8]; H] = std::array::from_fn(|hh| q.group(h0 + hh, j));
-        assert!(qg.iter().all(|x| x.len() == q.terms * per_term));
-        let cp = codes.as_ptr();
-        let mask = _mm256_set1_epi8(((1u32 << BITS) - 1) as i8);
-        let hi_weight = _mm256_set1_epi32(super::LO_STEPS);
-        let mut t = 0;
-        while t < n {
-            // Second accumulator: the next token (one term) or this token's `lo` term.
-            let second = two_terms || t + 1 < n;
-            let r1 = if two_terms || t + 1 >= n { t } else { t + 1 };
-            let mut a0 = [_mm256_setzero_si256(); H];
-            let mut a1 = [_mm256_setzero_si256(); H];
-            for k in 0..q.chunks {
-                let len = gb - 32 * k;
-                // SAFETY: as in `dots_int_block`: the group's bytes lie in each token's
-                // cb bytes (asserted), and load_codes reads at most the len left of them.
-                let (raw0, raw1) = unsafe {
-                    (
-                        load_codes(cp.add(t * cb + j * gb + 32 * k), len),
-                        load_codes(cp.add(r1 * cb + j * gb + 32 * k), len),
-                    )
-                };
-                for s in 0..pb {
-                    let cnt = _mm_cvtsi32_si128((s as u32 * BITS) as i32);
-                    let u0 = _mm256_and_si256(_mm256_srl_epi16(raw0, cnt), mask);
-                    let u1 = _mm256_and_si256(_mm256_srl_epi16(raw1, cnt), mask);
-                    let at = (k * pb + s) * 32;
-                    for hh in 0..H {
-                        // SAFETY: 32 bytes at `at` (and at `per_term + at` with two terms)
-                        // are inside the group's query (length asserted).
-                        let qv = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(at).cast()) };
-                        a0[hh] = _mm256_dpbusd_epi32(a0[hh], u0, qv);
-                        if two_terms {
-                            // SAFETY: as above.
-                            let lo = unsafe { _mm256_loadu_si256(qg[hh].as_ptr().add(per_term + at).cast()) };
-                            a1[hh] = _mm256_dpbusd_epi32(a1[hh], u0, lo);
-                        } else {
-                            a1[hh] = _mm256_dpbusd_epi32(a1[hh], u1, qv);
-                        }
-                    }
-                }
-            }
-            for hh in 0..H {
-                let a = q.scale[(h0 + hh) * q.groups + j];
-                if two_terms {
-                    let x = _mm256_add_epi32(_mm256_mullo_epi32(a0[hh], hi_weight), a1[hh]);
-                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(x) as f32 * a;
-                } else {
-                    out[(h0 + hh) * CHUNK + t] = hsum_epi32(a0[hh]) as f32 * a;
-                    if second {
-                        out[(h0 + hh) * CHUNK + t + 1] = hsum_epi32(a1[hh]) as f32 * a;
-                    }
-                }
-            }
-            t += if two_terms { 1 } else { 2 };
         }
     }
 
@@ -3610,7 +3573,8 @@ mod tests {
                 };
                 let cb = fmt.key_code_bytes() as usize;
                 let codes: Vec<u8> = values(CHUNK * cb, 5).iter().map(|&x| (x * 1000.0) as i32 as u8).collect();
-                for (g, terms) in [1, 3, 5, 8].into_iter().flat_map(|g| [(g, 1), (g, 2)]) {
+                // Head blocks of 1, 2, 3 and 4 (and 4 + 1, 4 + 2, 4 + 4).
+                for (g, terms) in [1, 2, 3, 5, 6, 8].into_iter().flat_map(|g| [(g, 1), (g, 2)]) {
                     let iq = IntQuery::new(&fmt, &values(g * d as usize, 6), g, terms);
                     for n in [1, 2, 7, CHUNK] {
                         let (mut a, mut b) = (vec![0f32; g * CHUNK], vec![0f32; g * CHUNK]);
