@@ -23,6 +23,11 @@ use rotkv_kernels::params::{AppendParams, DTYPE_BF16, DTYPE_F16, DTYPE_F32, Deco
 /// Tokens scored per softmax step (one max and one rescale per chunk).
 const CHUNK: usize = 64;
 
+/// Token columns of a chunk's transposed key codes (`avx2::transpose_codes`): a chunk
+/// rounded up to whole token sets of every `avx2::dots_codes_t` instance (16, 24, 32 or
+/// 48 tokens).
+const CODES_T_COLS: usize = 96;
+
 /// In-place orthonormal FWHT in f32 (same definition as [`crate::reference::fwht`]).
 /// Rows of 8 to 256 values run an AVX2 kernel where the processor has it (the same
 /// additions in the same order, so bit for bit the portable result).
@@ -1085,6 +1090,21 @@ fn unpack_position(c: usize, bits: u32) -> usize {
     c / block * block + (c % per_byte) * 8 + (c / per_byte) % 8
 }
 
+/// The bit position at which the transposed key kernel (`avx2::dots_codes_t`) masks
+/// stored channel `c`'s code inside its row's 32-bit word: `8 b + s * bits` for code `s`
+/// of byte `b < 3`, `s * bits` for byte 3 (whose word is shifted down by 24 first).
+fn code_shift(c: usize, bits: u32) -> u32 {
+    let per_byte = 8 / bits as usize;
+    let (b, s) = ((c / per_byte) % 4, c % per_byte);
+    (if b < 3 { 8 * b } else { 0 } + s * bits as usize) as u32
+}
+
+/// `x * 2^-code_shift(c)`: exact (a power-of-two scale) unless the result is subnormal,
+/// below `2^-126`, far under any query value that moves a score.
+fn shifted_query(x: f32, c: usize, bits: u32) -> f32 {
+    x * f32::from_bits((127 - code_shift(c, bits)) << 23)
+}
+
 /// Unpacks one token's codes to f32 in unpack order (see [`unpack_position`]).
 #[inline(always)]
 fn unpack_bits<const BITS: u32>(bytes: &[u8], out: &mut [f32]) {
@@ -1183,6 +1203,12 @@ pub(crate) trait Kernels: Copy {
         let _ = bytes;
     }
 
+    /// A hint that `bytes` will be read next, into the first-level cache.
+    #[inline(always)]
+    fn prefetch_l1(self, bytes: &[u8]) {
+        let _ = bytes;
+    }
+
     /// Softmax weights in place, `s[i] = exp(s[i] - m)` for `s[i] - m <= RESCALE_THRESHOLD`
     /// (`-inf` scores give 0), and their sum.
     #[inline(always)]
@@ -1261,6 +1287,34 @@ pub(crate) trait Kernels: Copy {
     ) {
         unpack_range(codes, bits, n, d, c0, c1, scratch);
         self.dots(q, g, d, scratch, n, c0, c1, out);
+    }
+
+    /// The key scores of a chunk of packed codes for every quantization group of
+    /// `gs` channels: `out[j][h][t]` (`[groups][g][CHUNK]`) is group `j`'s
+    /// `sum_c q[h][c] * code[t][c]`. `q` is the query twice: `qk` in the unpack order of
+    /// the codes (for kernels that unpack rows, as [`Kernels::dots_codes`]) and `qt` in
+    /// stored order with each channel scaled by `2^-code_shift(c)` (see [`shifted_query`];
+    /// for the transposed AVX2 kernel). `rows` and `codes_t` are scratch.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn key_dots(
+        self,
+        qk: &[f32],
+        _qt: &[f32],
+        g: usize,
+        d: usize,
+        codes: &[u8],
+        bits: u32,
+        gs: usize,
+        n: usize,
+        out: &mut [f32],
+        rows: &mut [f32],
+        _codes_t: &mut [u32],
+    ) {
+        for j in 0..d / gs {
+            let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
+            self.dots_codes(qk, g, d, codes, bits, n, j * gs, (j + 1) * gs, o, rows);
+        }
     }
 
     /// Integer key scores of group `j` (see [`IntQuery`]): `out[h][t] = scale[h][j] *
@@ -1461,7 +1515,7 @@ pub(crate) use avx2::Avx2;
 mod avx2 {
     //! AVX2 + FMA micro-kernels: register-blocked over up to 4 query heads and 2 tokens
     //! (scores) or 16 channels (values).
-    use super::{CHUNK, DTYPE_BF16, DTYPE_F16, DTYPE_F32, IntQuery, Kernels, KeyAffine};
+    use super::{CHUNK, CODES_T_COLS, DTYPE_BF16, DTYPE_F16, DTYPE_F32, IntQuery, Kernels, KeyAffine};
     use crate::KvElement;
     use half::f16;
     use std::arch::x86_64::*;
@@ -2054,6 +2108,172 @@ mod avx2 {
         }
     }
 
+    /// Transposes a chunk's key codes, `n <= CHUNK` rows of `cb` bytes (a multiple of
+    /// 16), into `out[w][t]`: dword `w` of token `t`'s row, zero for `n <= t <
+    /// CODES_T_COLS`. Four rows at a time, 4 x 4 dword transposes in SSE registers.
+    pub(super) fn transpose_codes(_proof: Avx2, codes: &[u8], cb: usize, n: usize, out: &mut [u32]) {
+        assert!(cb.is_multiple_of(16) && n <= CHUNK && n * cb <= codes.len());
+        let words = cb / 4;
+        assert!(out.len() >= words * CODES_T_COLS);
+        let (cp, op) = (codes.as_ptr(), out.as_mut_ptr());
+        let mut t = 0;
+        while t < n {
+            for blk in 0..cb / 16 {
+                // SAFETY: row t + i < n (or a zero row), bytes blk * 16 .. + 16 <= cb: inside
+                // `codes` (asserted); the stores go to words 4 blk .. + 4 < words, columns
+                // t .. t + 4 <= CHUNK < CODES_T_COLS: inside `out` (asserted).
+                unsafe {
+                    let row = |i: usize| {
+                        if t + i < n {
+                            _mm_loadu_si128(cp.add((t + i) * cb + blk * 16).cast())
+                        } else {
+                            _mm_setzero_si128()
+                        }
+                    };
+                    let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+                    let (l01, h01) = (_mm_unpacklo_epi32(r0, r1), _mm_unpackhi_epi32(r0, r1));
+                    let (l23, h23) = (_mm_unpacklo_epi32(r2, r3), _mm_unpackhi_epi32(r2, r3));
+                    let w = op.add(blk * 4 * CODES_T_COLS + t);
+                    _mm_storeu_si128(w.cast(), _mm_unpacklo_epi64(l01, l23));
+                    _mm_storeu_si128(w.add(CODES_T_COLS).cast(), _mm_unpackhi_epi64(l01, l23));
+                    _mm_storeu_si128(w.add(2 * CODES_T_COLS).cast(), _mm_unpacklo_epi64(h01, h23));
+                    _mm_storeu_si128(w.add(3 * CODES_T_COLS).cast(), _mm_unpackhi_epi64(h01, h23));
+                }
+            }
+            t += 4;
+        }
+        for w in 0..words {
+            out[w * CODES_T_COLS + t..(w + 1) * CODES_T_COLS].fill(0);
+        }
+    }
+
+    /// Key scores of heads `[h0, h0 + H)` over the dwords `[w0, w1)` of the key code
+    /// rows (one quantization group), tokens in lanes: `out[h][t] = sum_c qt[h][c] *
+    /// (code[t][c] << p_c)`, where `codes_t` is [`transpose_codes`]' output and `qt` the
+    /// query rows in stored channel order, each channel scaled by `2^-p_c` (see
+    /// [`super::code_shift`]), so a code is isolated by one mask and no shift (the
+    /// product is exact either way, hence the sum's bits are those of unshifted codes).
+    /// `TS` sets of 8 tokens share each broadcast query value; `TS * H` accumulator
+    /// chains hide the FMA latency. Writes whole 8-token vectors below `n`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
+        qt: &[f32],
+        h0: usize,
+        d: usize,
+        codes_t: &[u32],
+        n: usize,
+        w0: usize,
+        w1: usize,
+        out: &mut [f32],
+    ) {
+        let per_byte = 8 / BITS as usize;
+        let per_word = 4 * per_byte;
+        assert!((h0 + H) * d <= qt.len() && w0 <= w1 && w1 * per_word <= d && n <= CHUNK);
+        assert!(codes_t.len() >= w1 * CODES_T_COLS && (h0 + H - 1) * CHUNK + n <= out.len());
+        assert!(n.div_ceil(8 * TS) * 8 * TS <= CODES_T_COLS);
+        let (qp, cp) = (qt.as_ptr(), codes_t.as_ptr());
+        let m = (1i32 << BITS) - 1;
+        // Slot k = b * per_byte + s of a word masks bits p(b, s) of the (for b = 3,
+        // shifted) word.
+        let masks: [[i32; 8]; 16] = std::array::from_fn(|k| {
+            let (b, s) = (k / per_byte, k % per_byte);
+            let p = if b < 3 { 8 * b + s * BITS as usize } else { s * BITS as usize };
+            [if k < per_word { m << p } else { 0 }; 8]
+        });
+        let mut t0 = 0;
+        while t0 < n {
+            let mut acc = [[_mm256_setzero_ps(); H]; TS];
+            for w in w0..w1 {
+                // The masks are read from memory as operands: held in registers (16 of
+                // them), they pushed the accumulators to the stack.
+                let mp = std::hint::black_box(masks.as_ptr());
+                let mut raw = [_mm256_setzero_si256(); TS];
+                // SAFETY: w < w1 and t0 + 8 TS <= CODES_T_COLS (asserted): inside `codes_t`.
+                unrolled::<TS>(|i| {
+                    raw[i] = unsafe { _mm256_loadu_si256(cp.add(w * CODES_T_COLS + t0 + 8 * i).cast()) }
+                });
+                unrolled::<4>(|b| {
+                    if b == 3 {
+                        unrolled::<TS>(|i| raw[i] = _mm256_srli_epi32::<24>(raw[i]));
+                    }
+                    for s in 0..per_byte {
+                        // SAFETY: b * per_byte + s < per_word <= 16 entries of `masks`.
+                        let mask = unsafe { _mm256_loadu_si256(mp.add(b * per_byte + s).cast()) };
+                        let c = w * per_word + b * per_byte + s;
+                        let mut qb = [_mm256_setzero_ps(); H];
+                        // SAFETY: c < w1 * per_word <= d and h0 + hh < h0 + H: inside `qt`.
+                        unrolled::<H>(|hh| qb[hh] = unsafe { _mm256_broadcast_ss(&*qp.add((h0 + hh) * d + c)) });
+                        unrolled::<TS>(|i| {
+                            let x = _mm256_cvtepi32_ps(_mm256_and_si256(raw[i], mask));
+                            unrolled::<H>(|hh| acc[i][hh] = _mm256_fmadd_ps(qb[hh], x, acc[i][hh]));
+                        });
+                    }
+                });
+            }
+            for (i, a) in acc.iter().enumerate() {
+                let t = t0 + 8 * i;
+                if t < n {
+                    for (hh, &v) in a.iter().enumerate() {
+                        let at = (h0 + hh) * CHUNK + t;
+                        // t < n <= CHUNK and both multiples of 8: t + 8 <= CHUNK, inside
+                        // head h0 + hh's row of `out` (asserted).
+                        assert!(at + 8 <= out.len());
+                        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(at), v) };
+                    }
+                }
+            }
+            t0 += 8 * TS;
+        }
+    }
+
+    /// [`dots_codes_t`] for `g` heads in blocks of up to 4, with as many token sets as
+    /// keep eight or more accumulator chains in 16 registers.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dots_codes_t_heads(
+        _proof: Avx2,
+        qt: &[f32],
+        g: usize,
+        d: usize,
+        codes_t: &[u32],
+        bits: u32,
+        n: usize,
+        w0: usize,
+        w1: usize,
+        out: &mut [f32],
+    ) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            macro_rules! go {
+                ($b:literal) => {
+                    // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+                    unsafe {
+                        match hn {
+                            4 => dots_codes_t::<4, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out),
+                            3 => dots_codes_t::<3, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out),
+                            2 => dots_codes_t::<2, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out),
+                            _ => dots_codes_t::<1, $b, 6>(qt, h0, d, codes_t, n, w0, w1, out),
+                        }
+                    }
+                };
+            }
+            if bits == 2 {
+                go!(2)
+            } else {
+                go!(4)
+            }
+            h0 += hn;
+        }
+    }
+
+    /// `2^e` in every lane (`-126 <= e <= 127`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn pow2(e: i32) -> __m256 {
+        _mm256_set1_ps(f32::from_bits(((127 + e) as u32) << 23))
+    }
+
     /// Value accumulation of heads `[h0, h0 + H)` straight from packed codes.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
@@ -2073,31 +2293,129 @@ mod avx2 {
         assert!((h0 + H) * d <= o.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
         assert!(c0.is_multiple_of(cpb) && c1.is_multiple_of(cpb) && (n == 0 || (h0 + H - 1) * CHUNK + n <= w.len()));
         let (op, cp) = (o.as_mut_ptr(), codes.as_ptr());
-        let mask = _mm256_set1_epi32((1 << BITS) - 1);
+        let m = (1i32 << BITS) - 1;
         for blk in c0 / cpb..c1 / cpb {
             for sp in (0..shifts).step_by(2) {
-                let cnt0 = _mm_cvtsi32_si128(sp * BITS as i32);
-                let cnt1 = _mm_cvtsi32_si128((sp + 1) * BITS as i32);
+                // Code `s` of each byte is masked in place, so the sums are `2^(s BITS)`
+                // times the codes' and are scaled back (exactly: a power of two) at the end;
+                // the bits are those of shifted codes, one instruction fewer per 8 codes.
+                let (p0, p1) = (sp * BITS as i32, (sp + 1) * BITS as i32);
+                let (mask0, mask1) = (_mm256_set1_epi32(m << p0), _mm256_set1_epi32(m << p1));
                 let mut a0 = [_mm256_setzero_ps(); H];
                 let mut a1 = [_mm256_setzero_ps(); H];
                 for t in 0..n {
                     // SAFETY: blk < d / cpb and t < n: 8 bytes inside token t's codes.
                     let raw = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(t * cb + blk * 8).cast())) };
-                    let x0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw, cnt0), mask));
-                    let x1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw, cnt1), mask));
+                    let x0 = _mm256_cvtepi32_ps(_mm256_and_si256(raw, mask0));
+                    let x1 = _mm256_cvtepi32_ps(_mm256_and_si256(raw, mask1));
                     for hh in 0..H {
-                        let wv = _mm256_set1_ps(w[(h0 + hh) * CHUNK + t]);
+                        // SAFETY: (h0 + H - 1) * CHUNK + n <= w.len() (asserted), t < n.
+                        // (Indexed, the bounds checks were a third of the loop's instructions.)
+                        let wv = _mm256_set1_ps(unsafe { *w.get_unchecked((h0 + hh) * CHUNK + t) });
                         a0[hh] = _mm256_fmadd_ps(wv, x0, a0[hh]);
                         a1[hh] = _mm256_fmadd_ps(wv, x1, a1[hh]);
                     }
                 }
+                let (u0, u1) = (pow2(-p0), pow2(-p1));
                 let c = blk * cpb + sp as usize * 8;
                 for hh in 0..H {
                     // SAFETY: c + 16 <= d and h0 + hh < h0 + H: inside `o` (asserted).
                     unsafe {
                         let p = op.add((h0 + hh) * d + c);
-                        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a0[hh]));
-                        _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), a1[hh]));
+                        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_mul_ps(a0[hh], u0)));
+                        _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), _mm256_mul_ps(a1[hh], u1)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// `_mm256_broadcast_ss(*p)` as an instruction LLVM may not merge with an equal one:
+    /// merged, the broadcast values stay in registers and the accumulators that need
+    /// them go to the stack; loaded again, each costs a load-port slot only.
+    ///
+    /// # Safety
+    /// `p` is valid for reading an `f32`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn broadcast_again(p: *const f32) -> __m256 {
+        let y: __m256;
+        // SAFETY: reads 4 bytes at `p` (the caller's contract), no stack, no flags.
+        unsafe {
+            std::arch::asm!(
+                "vbroadcastss {y}, dword ptr [{p}]",
+                p = in(reg) p,
+                y = lateout(ymm_reg) y,
+                options(readonly, nostack, preserves_flags)
+            )
+        };
+        y
+    }
+
+    /// [`accumulate_codes_block`] for 1 or 2 heads: passes of 32 channels (four slices
+    /// of 8: one 8-byte block of 2-bit codes, two of 4-bit codes) so that `4 H`
+    /// accumulator chains hide the FMA latency (two slices give 2 or 4 chains:
+    /// latency-bound). Each slice broadcasts its weights again ([`broadcast_again`])
+    /// rather than keep them in registers. Measured hot in L1 (2026-12-03, Zen 4, head_dim
+    /// 128, 2-bit): 1.45x the FMA floor for 2 heads against 1.80x, 2.0x for one against
+    /// 3.2x; for 3 heads (12 chains) it was no faster than the two-slice kernel (1.36x
+    /// against 1.35x: its 12 broadcasts per token fill the load ports), so 3 and 4 heads
+    /// keep that one. Channels `[c0, c1)` are whole passes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_codes_wide<const H: usize, const BITS: u32>(
+        o: &mut [f32],
+        w: &[f32],
+        h0: usize,
+        d: usize,
+        codes: &[u8],
+        n: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        let cb = d * BITS as usize / 8;
+        let shifts = 8 / BITS as usize;
+        assert!((h0 + H) * d <= o.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
+        assert!(c0.is_multiple_of(32) && c1.is_multiple_of(32) && (n == 0 || (h0 + H - 1) * CHUNK + n <= w.len()));
+        let (op, cp, wp) = (o.as_mut_ptr(), codes.as_ptr(), w.as_ptr());
+        let m = (1i32 << BITS) - 1;
+        for pass in c0 / 32..c1 / 32 {
+            let mut acc = [[_mm256_setzero_ps(); H]; 4];
+            for t in 0..n {
+                // SAFETY: the pass's 32 channels are 4 BITS bytes at pass * 4 BITS < cb, of
+                // token t < n: inside `codes` (asserted).
+                let (ra, rb) = unsafe {
+                    let at = cp.add(t * cb + pass * 4 * BITS as usize);
+                    let ra = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at.cast()));
+                    (ra, if BITS == 4 { _mm256_cvtepu8_epi32(_mm_loadl_epi64(at.add(8).cast())) } else { ra })
+                };
+                unrolled::<4>(|k| {
+                    let (raw, s) = if k < shifts { (ra, k) } else { (rb, k - shifts) };
+                    // The top code of a byte needs no mask (nor a mask register).
+                    let code = if s + 1 == shifts {
+                        _mm256_srl_epi32(raw, _mm_cvtsi32_si128(8 - BITS as i32))
+                    } else {
+                        _mm256_and_si256(raw, _mm256_set1_epi32(m << (s as u32 * BITS)))
+                    };
+                    let x = _mm256_cvtepi32_ps(code);
+                    unrolled::<H>(|hh| {
+                        // SAFETY: (h0 + H - 1) * CHUNK + n <= w.len() (asserted), t < n.
+                        let wv = unsafe { broadcast_again(wp.add((h0 + hh) * CHUNK + t)) };
+                        acc[k][hh] = _mm256_fmadd_ps(wv, x, acc[k][hh]);
+                    });
+                });
+            }
+            // Slice k holds channels pass * 32 + 8 k .. + 8 (unpack order), its codes
+            // masked in place at bit s BITS (but the top one): scaled back by
+            // 2^-(s BITS), exactly.
+            for (k, a) in acc.iter().enumerate() {
+                let s = k % shifts;
+                let u = pow2(if s + 1 == shifts { 0 } else { -(s as i32 * BITS as i32) });
+                for (hh, &v) in a.iter().enumerate() {
+                    // SAFETY: pass * 32 + 8 k + 8 <= c1 <= d, h0 + hh < h0 + H: inside `o`.
+                    unsafe {
+                        let p = op.add((h0 + hh) * d + pass * 32 + 8 * k);
+                        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_mul_ps(v, u)));
                     }
                 }
             }
@@ -2113,7 +2431,11 @@ mod avx2 {
             ($($i:literal)*) => {{ $( f($i); )* }};
         }
         match N {
+            1 => calls!(0),
+            2 => calls!(0 1),
+            3 => calls!(0 1 2),
             4 => calls!(0 1 2 3),
+            6 => calls!(0 1 2 3 4 5),
             8 => calls!(0 1 2 3 4 5 6 7),
             16 => calls!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15),
             _ => (0..N).for_each(f),
@@ -2665,6 +2987,13 @@ mod avx2 {
         fn prefetch(self, bytes: &[u8]) {
             for line in bytes.chunks(64) {
                 // SAFETY: a prefetch is a hint; the address is inside `bytes`.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+            }
+        }
+        #[inline(always)]
+        fn prefetch_l1(self, bytes: &[u8]) {
+            for line in bytes.chunks(64) {
+                // SAFETY: a prefetch is a hint; the address is inside `bytes`.
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
             }
         }
@@ -2757,6 +3086,39 @@ mod avx2 {
         }
         #[allow(clippy::too_many_arguments)]
         #[inline(always)]
+        fn key_dots(
+            self,
+            qk: &[f32],
+            qt: &[f32],
+            g: usize,
+            d: usize,
+            codes: &[u8],
+            bits: u32,
+            gs: usize,
+            n: usize,
+            out: &mut [f32],
+            rows: &mut [f32],
+            codes_t: &mut [u32],
+        ) {
+            let cb = d * bits as usize / 8;
+            if !cb.is_multiple_of(16) {
+                // Rows that are not whole 16-byte blocks (head_dim 96 at 2 bits).
+                for j in 0..d / gs {
+                    let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
+                    self.dots_codes(qk, g, d, codes, bits, n, j * gs, (j + 1) * gs, o, rows);
+                }
+                return;
+            }
+            transpose_codes(self, codes, cb, n, codes_t);
+            // Every group is whole 32-bit words: groups of 32 or more channels.
+            let words = gs * bits as usize / 32;
+            for j in 0..d / gs {
+                let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
+                dots_codes_t_heads(self, qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o);
+            }
+        }
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
         fn dots_int(self, q: &IntQuery, g: usize, j: usize, codes: &[u8], cb: usize, n: usize, out: &mut [f32]) {
             self.dots_int_with(Vnni::detect(), q, g, j, codes, cb, n, out)
         }
@@ -2774,10 +3136,29 @@ mod avx2 {
             c1: usize,
             _scratch: &mut [f32],
         ) {
-            if bits == 2 {
-                by_head_blocks!(g, h0, accumulate_codes_block, (o, w, h0, d, codes, n, c0, c1), 2);
-            } else {
-                by_head_blocks!(g, h0, accumulate_codes_block, (o, w, h0, d, codes, n, c0, c1), 4);
+            let mut h0 = 0;
+            while h0 < g {
+                let hn = (g - h0).min(4);
+                macro_rules! go {
+                    ($b:literal) => {
+                        // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were
+                        // detected.
+                        unsafe {
+                            match hn {
+                                4 => accumulate_codes_block::<4, $b>(o, w, h0, d, codes, n, c0, c1),
+                                3 => accumulate_codes_block::<3, $b>(o, w, h0, d, codes, n, c0, c1),
+                                2 => accumulate_codes_wide::<2, $b>(o, w, h0, d, codes, n, c0, c1),
+                                _ => accumulate_codes_wide::<1, $b>(o, w, h0, d, codes, n, c0, c1),
+                            }
+                        }
+                    };
+                }
+                if bits == 2 {
+                    go!(2)
+                } else {
+                    go!(4)
+                }
+                h0 += hn;
             }
         }
     }
@@ -2833,6 +3214,7 @@ struct NormScratch {
     key_scales: Vec<f32>,
     value_scales: Vec<f32>,
     qk: Vec<f32>,
+    qt: Vec<f32>,
     qsum: Vec<f32>,
     ov: Vec<f32>,
     zsum: Vec<f32>,
@@ -2854,6 +3236,9 @@ pub(crate) struct HeadState {
     q: Vec<f32>,
     /// The same in the unpack order of the key codes.
     qk: Vec<f32>,
+    /// The same in stored order, channel `c` scaled by `2^-code_shift(c)`
+    /// ([`shifted_query`], for [`Kernels::key_dots`]).
+    qt: Vec<f32>,
     /// `sum(q')` per quantization group: `[g][groups]`.
     qsum: Vec<f32>,
     /// Sum of `weight * zero` per head and value group `[g][groups]`.
@@ -2888,7 +3273,10 @@ pub(crate) struct HeadState {
     starts: Vec<u32>,
     s: Vec<f32>,
     w: Vec<f32>,
+    /// Partial key scores per group, `[groups][g][CHUNK]`.
     tmp: Vec<f32>,
+    /// A chunk's key codes transposed for [`Kernels::key_dots`].
+    codes_t: Vec<u32>,
     rows: Vec<f32>,
     scales: Vec<f32>,
     zeros: Vec<f32>,
@@ -2907,11 +3295,13 @@ impl HeadState {
                 kh[unpack_position(c, fmt.key_bits)] = x;
             }
         }
+        let qt = q.iter().enumerate().map(|(i, &x)| shifted_query(x, i % d, fmt.key_bits)).collect();
         Self {
             g,
             d,
             q: q.to_vec(),
             qk,
+            qt,
             qsum: q.chunks_exact(gs).map(|c| c.iter().sum()).collect(),
             zsum: vec![0.0; g * groups],
             m: vec![f32::NEG_INFINITY; g],
@@ -2923,6 +3313,7 @@ impl HeadState {
                 key_scales: vec![0.0; d],
                 value_scales: vec![0.0; d],
                 qk: vec![0.0; g * d],
+                qt: vec![0.0; g * d],
                 qsum: vec![0.0; g * groups],
                 ov: vec![0.0; g * d],
                 zsum: vec![0.0; g * groups],
@@ -2935,7 +3326,8 @@ impl HeadState {
             starts: Vec::new(),
             s: vec![0.0; g * CHUNK],
             w: vec![0.0; g * CHUNK],
-            tmp: vec![0.0; g * CHUNK],
+            tmp: vec![0.0; groups * g * CHUNK],
+            codes_t: vec![0; fmt.key_code_bytes() as usize / 4 * CODES_T_COLS],
             rows: vec![0.0; CHUNK * d],
             scales: vec![0.0; CHUNK * groups],
             zeros: vec![0.0; CHUNK * groups],
@@ -3067,7 +3459,9 @@ impl HeadState {
             }
             for h in 0..g {
                 for c in 0..d {
-                    nm.qk[h * d + unpack_position(c, fmt.key_bits)] = self.q[h * d + c] * nm.key_scales[c];
+                    let x = self.q[h * d + c] * nm.key_scales[c];
+                    nm.qk[h * d + unpack_position(c, fmt.key_bits)] = x;
+                    nm.qt[h * d + c] = shifted_query(x, c, fmt.key_bits);
                 }
                 for j in 0..groups {
                     nm.qsum[h * groups + j] =
@@ -3076,22 +3470,29 @@ impl HeadState {
             }
         }
         self.load_params(kern, fmt, page, false, slot, n);
-        let (qk, qsum) = match &self.norm {
-            Some(nm) => (&nm.qk, &nm.qsum),
-            None => (&self.qk, &self.qsum),
+        let (qk, qt, qsum) = match &self.norm {
+            Some(nm) => (&nm.qk, &nm.qt, &nm.qsum),
+            None => (&self.qk, &self.qt, &self.qsum),
         };
         let kc = fmt.key_codes_at(slot) as usize;
         let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
+        if self.int_q.is_none() {
+            // Every group's partial scores at once, `tmp` as `[groups][g][CHUNK]`.
+            kern.key_dots(qk, qt, g, d, kcodes, fmt.key_bits, gs, n, &mut self.tmp, &mut self.rows, &mut self.codes_t);
+        }
         for j in 0..groups {
-            let (c0, c1) = (j * gs, (j + 1) * gs);
-            match &self.int_q {
-                Some(iq) => kern.dots_int(iq, g, j, kcodes, fmt.key_code_bytes() as usize, n, &mut self.tmp),
-                None => kern.dots_codes(qk, g, d, kcodes, fmt.key_bits, n, c0, c1, &mut self.tmp, &mut self.rows),
-            }
+            // The integer path scores one group at a time into `tmp[0]`.
+            let at = if let Some(iq) = &self.int_q {
+                kern.dots_int(iq, g, j, kcodes, fmt.key_code_bytes() as usize, n, &mut self.tmp);
+                0
+            } else {
+                j * g * CHUNK
+            };
             let (scales, zeros) = (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
             for h in 0..g {
                 let qs = qsum[h * groups + j];
-                let (s, tmp) = (&mut self.s[h * CHUNK..h * CHUNK + n], &self.tmp[h * CHUNK..h * CHUNK + n]);
+                let s = &mut self.s[h * CHUNK..h * CHUNK + n];
+                let tmp = &self.tmp[at + h * CHUNK..at + h * CHUNK + n];
                 if j == 0 {
                     for t in 0..n {
                         s[t] = scales[t] * tmp[t] + zeros[t] * qs;
@@ -3107,10 +3508,20 @@ impl HeadState {
 
     /// Scores the chunk, updates the softmax state and accumulates its values.
     #[inline(always)]
-    pub(crate) fn step<K: Kernels>(&mut self, kern: K, fmt: &Format, chunk: Chunk<'_>) {
+    ///
+    /// `next` is the next chunk's head-page (or empty), prefetched into L2 in three
+    /// parts spread over this chunk's work: issued at once, its 72 lines (head_dim 128)
+    /// filled the miss buffers and the prefetches stalled; into L1, they took more time
+    /// than they saved (in-process A/B, 2026-12-03: L2 instead of L1 decoded 11-17%
+    /// faster at head_dim 128).
+    pub(crate) fn step<K: Kernels>(&mut self, kern: K, fmt: &Format, chunk: Chunk<'_>, next: &[u8]) {
         let (g, d) = (self.g, self.d);
+        // Three line-aligned parts of `next`.
+        let third = next.len().div_ceil(3).next_multiple_of(64);
+        let part = |i: usize| &next[(i * third).min(next.len())..((i + 1) * third).min(next.len())];
         match chunk {
             Chunk::F16 { k, v } => {
+                kern.prefetch(next);
                 let n = k.len() / d;
                 kern.to_f32(k, &mut self.rows[..n * d]);
                 kern.dots(&self.q, g, d, &self.rows, n, 0, d, &mut self.s);
@@ -3124,9 +3535,17 @@ impl HeadState {
                 let n = n as usize;
                 let gs = fmt.group_size as usize;
                 let groups = d / gs;
+                kern.prefetch(part(0));
                 self.key_scores(kern, fmt, page, slot, n);
+                kern.prefetch(part(1));
                 self.mask(n);
                 self.softmax(kern, n);
+                kern.prefetch(part(2));
+                if !next.is_empty() {
+                    // The next page's scales and zeros, read first, into L1.
+                    let at = fmt.scale_at(false, 0, 0) as usize;
+                    kern.prefetch_l1(&next[at..(fmt.page_size * fmt.bytes_per_token()) as usize]);
+                }
                 let vc = fmt.value_codes_at(slot) as usize;
                 let vcodes = &page[vc..vc + n * fmt.value_code_bytes() as usize];
                 self.load_params(kern, fmt, page, true, slot, n);
@@ -3186,10 +3605,11 @@ impl HeadState {
 fn run_chunks<'a, K: Kernels>(kern: K, st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
     let mut chunks = chunks.peekable();
     while let Some(c) = chunks.next() {
-        if let Some(Chunk::Quant { page, .. }) = chunks.peek() {
-            kern.prefetch(page);
-        }
-        st.step(kern, fmt, c);
+        let next = match chunks.peek() {
+            Some(Chunk::Quant { page, .. }) => page,
+            _ => &[][..],
+        };
+        st.step(kern, fmt, c, next);
     }
     st.finish();
 }
@@ -3518,6 +3938,141 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The key scores of every group of a chunk (`Kernels::key_dots`: AVX2's transposed
+    /// kernel, with its token sets of 16 to 48 and the zero columns past `n`, and the
+    /// portable unpacking one) against an f64 sum, for every code width, group sizes of
+    /// 32 to 256, head_dim 96 (rows of 24 bytes: the fallback), 1 to 8 heads and chunks
+    /// of 1 to 64 tokens; nothing outside `[groups][g][..n]` of a head's row is read.
+    #[test]
+    fn key_scores_of_all_groups_match_f64() {
+        fn check<K: Kernels>(kern: K, what: &str) {
+            let mut rng = 0x2545_f491_u64;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            for (d, bits, gs) in [
+                (64, 2, 64),
+                (64, 2, 32),
+                (64, 4, 64),
+                (96, 2, 32),
+                (128, 2, 128),
+                (128, 2, 32),
+                (128, 4, 32),
+                (128, 4, 128),
+                (256, 2, 256),
+                (256, 4, 64),
+            ] {
+                let cb = d * bits as usize / 8;
+                let groups = d / gs;
+                for g in [1, 2, 3, 4, 5, 7, 8] {
+                    for n in [1, 7, 8, 9, 16, 23, 24, 25, 47, 48, 50, 63, 64] {
+                        let q: Vec<f32> = (0..g * d).map(|_| (next() % 20001) as f32 / 1000.0 - 10.0).collect();
+                        let codes: Vec<u8> = (0..n * cb).map(|_| next() as u8).collect();
+                        let mut qk = vec![0f32; g * d];
+                        for h in 0..g {
+                            for c in 0..d {
+                                qk[h * d + unpack_position(c, bits)] = q[h * d + c];
+                            }
+                        }
+                        let qt: Vec<f32> = q.iter().enumerate().map(|(i, &x)| shifted_query(x, i % d, bits)).collect();
+                        let mut out = vec![f32::NAN; groups * g * CHUNK];
+                        let (mut rows, mut ct) = (vec![0f32; CHUNK * d], vec![0u32; cb / 4 * CODES_T_COLS]);
+                        kern.key_dots(&qk, &qt, g, d, &codes, bits, gs, n, &mut out, &mut rows, &mut ct);
+                        for j in 0..groups {
+                            for h in 0..g {
+                                for t in 0..n {
+                                    let (mut exact, mut mag) = (0f64, 0f64);
+                                    for c in j * gs..(j + 1) * gs {
+                                        let per = 8 / bits as usize;
+                                        let code =
+                                            (codes[t * cb + c / per] >> ((c % per) as u32 * bits)) & ((1 << bits) - 1);
+                                        let x = q[h * d + c] as f64 * code as f64;
+                                        exact += x;
+                                        mag += x.abs();
+                                    }
+                                    let got = out[(j * g + h) * CHUNK + t] as f64;
+                                    assert!(
+                                        (got - exact).abs() <= 1e-6 * mag + 1e-9,
+                                        "{what}: d {d} bits {bits} gs {gs} g {g} n {n}: group {j} head {h} token {t}: {got} vs {exact}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        check(Portable, "portable");
+        #[cfg(target_arch = "x86_64")]
+        match Avx2::detect() {
+            Some(avx) => check(avx, "avx2"),
+            None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
+        }
+    }
+
+    /// Value accumulation from packed codes (`Kernels::accumulate_codes`: AVX2's
+    /// two-slice kernel for 3 and 4 heads, the four-slice one for 1 and 2, codes masked
+    /// in place and scaled back) against an f64 sum, for both code widths, 1 to 8 heads
+    /// (every block split), groups of 32 to 256 and chunks of 1 to 64 tokens, added to
+    /// what `o` held.
+    #[test]
+    fn value_accumulation_from_codes_matches_f64() {
+        fn check<K: Kernels>(kern: K, what: &str) {
+            let mut rng = 0x9e37_79b9_u64;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            for (d, bits, gs) in
+                [(64, 2, 64), (64, 4, 32), (96, 2, 32), (128, 2, 128), (128, 4, 64), (256, 2, 256), (256, 4, 128)]
+            {
+                let cb = d * bits as usize / 8;
+                for g in 1..=8 {
+                    for n in [1, 2, 7, 16, 33, 64] {
+                        let w: Vec<f32> = (0..g * CHUNK).map(|_| (next() % 20001) as f32 / 1e4 - 1.0).collect();
+                        let codes: Vec<u8> = (0..n * cb).map(|_| next() as u8).collect();
+                        let o0: Vec<f32> = (0..g * d).map(|_| (next() % 2001) as f32 / 100.0 - 10.0).collect();
+                        let mut o = o0.clone();
+                        let mut rows = vec![0f32; CHUNK * d];
+                        for j in 0..d / gs {
+                            kern.accumulate_codes(&mut o, &w, g, d, &codes, bits, n, j * gs, (j + 1) * gs, &mut rows);
+                        }
+                        for h in 0..g {
+                            for c in 0..d {
+                                let per = 8 / bits as usize;
+                                let (mut exact, mut mag) = (o0[h * d + unpack_position(c, bits)] as f64, 0f64);
+                                mag += exact.abs();
+                                for t in 0..n {
+                                    let code =
+                                        (codes[t * cb + c / per] >> ((c % per) as u32 * bits)) & ((1 << bits) - 1);
+                                    let x = w[h * CHUNK + t] as f64 * code as f64;
+                                    exact += x;
+                                    mag += x.abs();
+                                }
+                                let got = o[h * d + unpack_position(c, bits)] as f64;
+                                assert!(
+                                    (got - exact).abs() <= 1e-6 * mag + 1e-9,
+                                    "{what}: d {d} bits {bits} gs {gs} g {g} n {n}: head {h} channel {c}: {got} vs {exact}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        check(Portable, "portable");
+        #[cfg(target_arch = "x86_64")]
+        match Avx2::detect() {
+            Some(avx) => check(avx, "avx2"),
+            None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
         }
     }
 
