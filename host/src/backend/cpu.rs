@@ -761,8 +761,8 @@ fn fill_page<K: Kernels, T: KvElement>(
         let at = pos(slot);
         if slot < fmt.page_size && at >= len {
             let (ks, vs) = (k_src(p, at - len, hu), v_src(p, at - len, hu));
-            kern.prefetch(bytemuck::cast_slice(&inp.k[ks..ks + d]));
-            kern.prefetch(bytemuck::cast_slice(&inp.v[vs..vs + d]));
+            kern.prefetch_l1(bytemuck::cast_slice(&inp.k[ks..ks + d]));
+            kern.prefetch_l1(bytemuck::cast_slice(&inp.v[vs..vs + d]));
         }
     };
     (0..PREFETCH).for_each(prefetch);
@@ -1197,13 +1197,15 @@ pub(crate) trait Kernels: Copy {
         }
     }
 
-    /// A hint that `bytes` will be read soon (nothing in portable code).
+    /// A hint that `bytes` will be read in a few thousand cycles: into the second-level
+    /// cache (nothing in portable code).
     #[inline(always)]
     fn prefetch(self, bytes: &[u8]) {
         let _ = bytes;
     }
 
-    /// A hint that `bytes` will be read next, into the first-level cache.
+    /// A hint that `bytes` will be read next: into the first-level cache (nothing in
+    /// portable code).
     #[inline(always)]
     fn prefetch_l1(self, bytes: &[u8]) {
         let _ = bytes;
