@@ -1515,8 +1515,10 @@ pub(crate) use avx2::Avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! AVX2 + FMA micro-kernels: register-blocked over up to 4 query heads and 2 tokens
-    //! (scores) or 16 channels (values).
+    //! AVX2 + FMA micro-kernels, register-blocked over up to 4 query heads: key scores
+    //! of packed codes with tokens in lanes (2 to 6 sets of 8 tokens per pass), value
+    //! accumulation with channels in lanes (2 or 4 slices of 8 channels per pass), and
+    //! the same over f32 rows (f16 sinks and window: 2 tokens or 16 channels).
     use super::{CHUNK, CODES_T_COLS, DTYPE_BF16, DTYPE_F16, DTYPE_F32, IntQuery, Kernels, KeyAffine};
     use crate::KvElement;
     use half::f16;
@@ -1914,21 +1916,6 @@ mod avx2 {
         hsum(acc)
     }
 
-    /// The sums of eight vectors' lanes, `[sum(v[0]), ..., sum(v[7])]`: three rounds of
-    /// horizontal adds and one add of the two halves (about half the instructions of
-    /// eight separate [`hsum`]s).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn hsum8(v: [__m256; 8]) -> [f32; 8] {
-        let u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-        let u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-        let s = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1));
-        let mut out = [0f32; 8];
-        // SAFETY: `out` holds 8 floats.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
-        out
-    }
-
     /// Smallest of the eight lanes (the largest of their negations, negated).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
@@ -2043,73 +2030,6 @@ mod avx2 {
         }
     }
 
-    /// Scores of heads `[h0, h0 + H)` straight from packed codes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    fn dots_codes_block<const H: usize, const BITS: u32>(
-        q: &[f32],
-        h0: usize,
-        d: usize,
-        codes: &[u8],
-        n: usize,
-        c0: usize,
-        c1: usize,
-        out: &mut [f32],
-    ) {
-        let cb = d * BITS as usize / 8;
-        let cpb = 64 / BITS as usize;
-        let shifts = 8 / BITS as i32;
-        assert!((h0 + H) * d <= q.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
-        assert!(c0.is_multiple_of(cpb) && c1.is_multiple_of(cpb) && (h0 + H - 1) * CHUNK + n <= out.len());
-        let (qp, cp) = (q.as_ptr(), codes.as_ptr());
-        let mask = _mm256_set1_epi32((1 << BITS) - 1);
-        let mut t = 0;
-        while t < n {
-            let two = t + 1 < n;
-            let r1 = if two { t + 1 } else { t };
-            let mut a0 = [_mm256_setzero_ps(); H];
-            let mut a1 = [_mm256_setzero_ps(); H];
-            for blk in c0 / cpb..c1 / cpb {
-                // SAFETY: blk < d / cpb, so the 8 bytes at t * cb + blk * 8 lie inside
-                // token t's cb bytes (likewise for r1 < n), inside `codes` (asserted).
-                let (raw0, raw1) = unsafe {
-                    (
-                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(t * cb + blk * 8).cast())),
-                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(r1 * cb + blk * 8).cast())),
-                    )
-                };
-                for s in 0..shifts {
-                    let cnt = _mm_cvtsi32_si128(s * BITS as i32);
-                    let x0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw0, cnt), mask));
-                    let x1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(raw1, cnt), mask));
-                    let c = blk * cpb + s as usize * 8;
-                    for hh in 0..H {
-                        // SAFETY: c + 8 <= d and h0 + hh < h0 + H: inside `q` (asserted).
-                        let qv = unsafe { _mm256_loadu_ps(qp.add((h0 + hh) * d + c)) };
-                        a0[hh] = _mm256_fmadd_ps(qv, x0, a0[hh]);
-                        a1[hh] = _mm256_fmadd_ps(qv, x1, a1[hh]);
-                    }
-                }
-            }
-            if H == 4 && two {
-                // The 8 sums of a full block at once (a transposing reduction).
-                let sums = hsum8([a0[0], a1[0], a0[1], a1[1], a0[2], a1[2], a0[3], a1[3]]);
-                for hh in 0..H {
-                    out[(h0 + hh) * CHUNK + t..(h0 + hh) * CHUNK + t + 2].copy_from_slice(&sums[2 * hh..2 * hh + 2]);
-                }
-                t += 2;
-                continue;
-            }
-            for hh in 0..H {
-                out[(h0 + hh) * CHUNK + t] = hsum(a0[hh]);
-                if two {
-                    out[(h0 + hh) * CHUNK + t + 1] = hsum(a1[hh]);
-                }
-            }
-            t += 2;
-        }
-    }
-
     /// Transposes a chunk's key codes, `n <= CHUNK` rows of `cb` bytes (a multiple of
     /// 16), into `out[w][t]`: dword `w` of token `t`'s row, zero for `n <= t <
     /// CODES_T_COLS`. Four rows at a time, 4 x 4 dword transposes in SSE registers.
@@ -2156,7 +2076,8 @@ mod avx2 {
     /// [`super::code_shift`]), so a code is isolated by one mask and no shift (the
     /// product is exact either way, hence the sum's bits are those of unshifted codes).
     /// `TS` sets of 8 tokens share each broadcast query value; `TS * H` accumulator
-    /// chains hide the FMA latency. Writes whole 8-token vectors below `n`.
+    /// chains hide the FMA latency. Scores tokens `[t_begin, n)` (`t_begin` a multiple of
+    /// 8), writing whole 8-token vectors (lanes past `n` hold garbage).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
@@ -2164,6 +2085,7 @@ mod avx2 {
         h0: usize,
         d: usize,
         codes_t: &[u32],
+        t_begin: usize,
         n: usize,
         w0: usize,
         w1: usize,
@@ -2173,7 +2095,8 @@ mod avx2 {
         let per_word = 4 * per_byte;
         assert!((h0 + H) * d <= qt.len() && w0 <= w1 && w1 * per_word <= d && n <= CHUNK);
         assert!(codes_t.len() >= w1 * CODES_T_COLS && (h0 + H - 1) * CHUNK + n <= out.len());
-        assert!(n.div_ceil(8 * TS) * 8 * TS <= CODES_T_COLS);
+        let sets = n.saturating_sub(t_begin).div_ceil(8 * TS);
+        assert!(t_begin.is_multiple_of(8) && t_begin + sets * 8 * TS <= CODES_T_COLS);
         let (qp, cp) = (qt.as_ptr(), codes_t.as_ptr());
         let m = (1i32 << BITS) - 1;
         // Slot k = b * per_byte + s of a word masks bits p(b, s) of the (for b = 3,
@@ -2183,7 +2106,7 @@ mod avx2 {
             let p = if b < 3 { 8 * b + s * BITS as usize } else { s * BITS as usize };
             [if k < per_word { m << p } else { 0 }; 8]
         });
-        let mut t0 = 0;
+        let mut t0 = t_begin;
         while t0 < n {
             let mut acc = [[_mm256_setzero_ps(); H]; TS];
             for w in w0..w1 {
@@ -2219,8 +2142,9 @@ mod avx2 {
                     for (hh, &v) in a.iter().enumerate() {
                         let at = (h0 + hh) * CHUNK + t;
                         // t < n <= CHUNK and both multiples of 8: t + 8 <= CHUNK, inside
-                        // head h0 + hh's row of `out` (asserted).
+                        // head h0 + hh's row of `out`.
                         assert!(at + 8 <= out.len());
+                        // SAFETY: at + 8 <= out.len() (asserted just above).
                         unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(at), v) };
                     }
                 }
@@ -2229,8 +2153,10 @@ mod avx2 {
         }
     }
 
-    /// [`dots_codes_t`] for `g` heads in blocks of up to 4, with as many token sets as
-    /// keep eight or more accumulator chains in 16 registers.
+    /// [`dots_codes_t`] for `g` heads in blocks of up to 4: as many sets of 8 tokens per
+    /// pass as keep 8 or more accumulator chains in 16 registers (2, 3, 4 and 6 sets for
+    /// 4, 3, 2 and 1 heads), and the tokens past the last whole pass in passes of 2 sets
+    /// (a chunk of 64 tokens with 3 heads: 48 + 16 lanes, not 72).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn dots_codes_t_heads(
         _proof: Avx2,
@@ -2247,23 +2173,26 @@ mod avx2 {
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
-            macro_rules! go {
-                ($b:literal) => {
-                    // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+            macro_rules! sets {
+                ($h:literal, $b:literal, $ts:literal) => {{
+                    let main = n / (8 * $ts) * (8 * $ts);
+                    // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were
+                    // detected.
                     unsafe {
-                        match hn {
-                            4 => dots_codes_t::<4, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out),
-                            3 => dots_codes_t::<3, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out),
-                            2 => dots_codes_t::<2, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out),
-                            _ => dots_codes_t::<1, $b, 6>(qt, h0, d, codes_t, n, w0, w1, out),
-                        }
+                        dots_codes_t::<$h, $b, $ts>(qt, h0, d, codes_t, 0, main, w0, w1, out);
+                        dots_codes_t::<$h, $b, 2>(qt, h0, d, codes_t, main, n, w0, w1, out);
                     }
-                };
+                }};
             }
-            if bits == 2 {
-                go!(2)
-            } else {
-                go!(4)
+            match (bits, hn) {
+                (2, 4) => sets!(4, 2, 2),
+                (2, 3) => sets!(3, 2, 3),
+                (2, 2) => sets!(2, 2, 4),
+                (2, _) => sets!(1, 2, 6),
+                (_, 4) => sets!(4, 4, 2),
+                (_, 3) => sets!(3, 4, 3),
+                (_, 2) => sets!(2, 4, 4),
+                _ => sets!(1, 4, 6),
             }
             h0 += hn;
         }
@@ -3066,26 +2995,6 @@ mod avx2 {
         ) {
             by_head_blocks!(g, h0, accumulate_block, (o, w, h0, d, rows, n, c0, c1));
         }
-        #[inline(always)]
-        fn dots_codes(
-            self,
-            q: &[f32],
-            g: usize,
-            d: usize,
-            codes: &[u8],
-            bits: u32,
-            n: usize,
-            c0: usize,
-            c1: usize,
-            out: &mut [f32],
-            _scratch: &mut [f32],
-        ) {
-            if bits == 2 {
-                by_head_blocks!(g, h0, dots_codes_block, (q, h0, d, codes, n, c0, c1, out), 2);
-            } else {
-                by_head_blocks!(g, h0, dots_codes_block, (q, h0, d, codes, n, c0, c1, out), 4);
-            }
-        }
         #[allow(clippy::too_many_arguments)]
         #[inline(always)]
         fn key_dots(
@@ -3509,15 +3418,21 @@ impl HeadState {
     }
 
     /// Scores the chunk, updates the softmax state and accumulates its values.
-    #[inline(always)]
     ///
     /// `next` is the next chunk's head-page (or empty), prefetched into L2 in three
     /// parts spread over this chunk's work: issued at once, its 72 lines (head_dim 128)
     /// filled the miss buffers and the prefetches stalled; into L1, they took more time
     /// than they saved (in-process A/B, 2026-12-03: L2 instead of L1 decoded 11-17%
     /// faster at head_dim 128).
+    #[inline(always)]
     pub(crate) fn step<K: Kernels>(&mut self, kern: K, fmt: &Format, chunk: Chunk<'_>, next: &[u8]) {
         let (g, d) = (self.g, self.d);
+        // The next chunk in the same page (pages of 128 or 256 tokens, or a page split at
+        // a protected position) has nothing to prefetch.
+        let next = match chunk {
+            Chunk::Quant { page, .. } if std::ptr::eq(page.as_ptr(), next.as_ptr()) => &[][..],
+            _ => next,
+        };
         // Three line-aligned parts of `next`.
         let third = next.len().div_ceil(3).next_multiple_of(64);
         let part = |i: usize| &next[(i * third).min(next.len())..((i + 1) * third).min(next.len())];
@@ -3543,10 +3458,9 @@ impl HeadState {
                 self.mask(n);
                 self.softmax(kern, n);
                 kern.prefetch(part(2));
-                if !next.is_empty() {
-                    // The next page's scales and zeros, read first, into L1.
-                    let at = fmt.scale_at(false, 0, 0) as usize;
-                    kern.prefetch_l1(&next[at..(fmt.page_size * fmt.bytes_per_token()) as usize]);
+                // The next page's scales and zeros (and channel scales), read first, into L1.
+                if let Some(params) = next.get(fmt.scale_at(false, 0, 0) as usize..) {
+                    kern.prefetch_l1(params);
                 }
                 let vc = fmt.value_codes_at(slot) as usize;
                 let vcodes = &page[vc..vc + n * fmt.value_code_bytes() as usize];
@@ -3889,6 +3803,12 @@ mod tests {
                     page[z..z + 2].copy_from_slice(&f16::from_f32(-0.2 - (j as f32) * 0.1).to_le_bytes());
                 }
             }
+            if fmt.channel_norm > 0 {
+                for c in 0..fmt.head_dim {
+                    let at = fmt.channel_scale_at(value, c) as usize;
+                    page[at..at + 2].copy_from_slice(&f16::from_f32(0.5 + (c % 5) as f32 * 0.25).to_le_bytes());
+                }
+            }
         }
         let mut st = HeadState::new(fmt, &q, g);
         if terms > 0 {
@@ -3911,21 +3831,32 @@ mod tests {
                 eprintln!("SKIPPED: this processor has no AVX2/FMA/F16C");
                 return;
             };
-            for (d, kb, vb, gs) in
-                [(64, 2, 2, 64), (128, 4, 2, 32), (256, 2, 4, 128), (128, 4, 4, 128), (64, 2, 2, 32), (256, 4, 2, 256)]
-            {
+            // Pages of 16 and 64 tokens (a whole chunk through `HeadState::step`), and
+            // variance-normalized pages (their own shifted queries).
+            for (d, kb, vb, gs, page_size, channel_norm) in [
+                (64, 2, 2, 64, 16, 0),
+                (128, 4, 2, 32, 16, 0),
+                (256, 2, 4, 128, 16, 0),
+                (128, 4, 4, 128, 16, 0),
+                (64, 2, 2, 32, 16, 0),
+                (256, 4, 2, 256, 16, 0),
+                (128, 2, 2, 128, 64, 0),
+                (64, 4, 2, 32, 64, 0),
+                (128, 2, 2, 64, 64, 2),
+                (64, 4, 4, 64, 16, 2),
+            ] {
                 let fmt = Format {
                     head_dim: d,
                     key_bits: kb,
                     value_bits: vb,
                     group_size: gs,
-                    page_size: 16,
+                    page_size,
                     sinks: 0,
                     window: 0,
                     key_clip: NO_CLIP,
                     value_clip: NO_CLIP,
                     protected: 0,
-                    channel_norm: 0,
+                    channel_norm,
                 };
                 for g in [1, 3, 7, 8] {
                     for terms in [0, 1, 2] {
@@ -3943,39 +3874,60 @@ mod tests {
         }
     }
 
+    /// Random bytes (xorshift64) for the packed-code kernel tests.
+    fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// Code of stored channel `c` in a row of packed codes.
+    fn code_of(row: &[u8], c: usize, bits: u32) -> u32 {
+        let per = 8 / bits as usize;
+        ((row[c / per] >> ((c % per) as u32 * bits)) & ((1 << bits) - 1)) as u32
+    }
+
+    /// Every supported (head_dim, code bits, group size), and head_dim 96 (rows of 24
+    /// bytes at 2 bits: the AVX2 key kernel's fallback).
+    fn code_shapes() -> Vec<(usize, u32, usize)> {
+        let mut v = vec![(96, 2, 32), (96, 4, 32)];
+        for d in [64, 128, 256] {
+            for bits in [2, 4] {
+                for gs in [32, 64, 128, 256].into_iter().filter(|&gs| gs <= d) {
+                    v.push((d, bits, gs));
+                }
+            }
+        }
+        v
+    }
+
     /// The key scores of every group of a chunk (`Kernels::key_dots`: AVX2's transposed
-    /// kernel, with its token sets of 16 to 48 and the zero columns past `n`, and the
-    /// portable unpacking one) against an f64 sum, for every code width, group sizes of
-    /// 32 to 256, head_dim 96 (rows of 24 bytes: the fallback), 1 to 8 heads and chunks
-    /// of 1 to 64 tokens; nothing outside `[groups][g][..n]` of a head's row is read.
+    /// kernel with its passes of 2 to 6 token sets and the 2-set remainder, and the
+    /// portable unpacking one) for every code shape, 1 to 16 heads (every head block),
+    /// chunks of 1 to 64 tokens, the scratch reused with stale contents: the portable
+    /// kernel within 1e-6 of an f64 sum, the AVX2 one bit for bit an f32 FMA chain over
+    /// the group's channels in stored order (what its doc promises: the masked, shifted
+    /// codes and the `2^-p` queries give the unshifted products).
     #[test]
-    fn key_scores_of_all_groups_match_f64() {
-        fn check<K: Kernels>(kern: K, what: &str) {
-            let mut rng = 0x2545_f491_u64;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
-            for (d, bits, gs) in [
-                (64, 2, 64),
-                (64, 2, 32),
-                (64, 4, 64),
-                (96, 2, 32),
-                (128, 2, 128),
-                (128, 2, 32),
-                (128, 4, 32),
-                (128, 4, 128),
-                (256, 2, 256),
-                (256, 4, 64),
-            ] {
+    fn key_scores_of_all_groups_match_f64_and_the_fma_chain() {
+        fn check<K: Kernels>(kern: K, exact_chain: bool, what: &str) {
+            let mut seed = 1;
+            for (d, bits, gs) in code_shapes() {
                 let cb = d * bits as usize / 8;
                 let groups = d / gs;
-                for g in [1, 2, 3, 4, 5, 7, 8] {
-                    for n in [1, 7, 8, 9, 16, 23, 24, 25, 47, 48, 50, 63, 64] {
-                        let q: Vec<f32> = (0..g * d).map(|_| (next() % 20001) as f32 / 1000.0 - 10.0).collect();
-                        let codes: Vec<u8> = (0..n * cb).map(|_| next() as u8).collect();
+                let mut rows = vec![0f32; CHUNK * d];
+                let mut ct = vec![u32::MAX; cb / 4 * CODES_T_COLS];
+                for g in [1, 2, 3, 4, 5, 6, 7, 8, 11, 16] {
+                    for n in [1, 7, 8, 9, 16, 17, 23, 24, 25, 47, 48, 49, 50, 63, 64] {
+                        seed += 1;
+                        let q: Vec<f32> = values(g * d, seed as u32).iter().map(|x| x * 3.0).collect();
+                        let codes = random_bytes(n * cb, seed);
                         let mut qk = vec![0f32; g * d];
                         for h in 0..g {
                             for c in 0..d {
@@ -3984,25 +3936,31 @@ mod tests {
                         }
                         let qt: Vec<f32> = q.iter().enumerate().map(|(i, &x)| shifted_query(x, i % d, bits)).collect();
                         let mut out = vec![f32::NAN; groups * g * CHUNK];
-                        let (mut rows, mut ct) = (vec![0f32; CHUNK * d], vec![0u32; cb / 4 * CODES_T_COLS]);
                         kern.key_dots(&qk, &qt, g, d, &codes, bits, gs, n, &mut out, &mut rows, &mut ct);
                         for j in 0..groups {
                             for h in 0..g {
                                 for t in 0..n {
-                                    let (mut exact, mut mag) = (0f64, 0f64);
+                                    let row = &codes[t * cb..(t + 1) * cb];
+                                    let (mut exact, mut mag, mut chain) = (0f64, 0f64, 0f32);
                                     for c in j * gs..(j + 1) * gs {
-                                        let per = 8 / bits as usize;
-                                        let code =
-                                            (codes[t * cb + c / per] >> ((c % per) as u32 * bits)) & ((1 << bits) - 1);
+                                        let code = code_of(row, c, bits);
                                         let x = q[h * d + c] as f64 * code as f64;
                                         exact += x;
                                         mag += x.abs();
+                                        chain = q[h * d + c].mul_add(code as f32, chain);
                                     }
-                                    let got = out[(j * g + h) * CHUNK + t] as f64;
-                                    assert!(
-                                        (got - exact).abs() <= 1e-6 * mag + 1e-9,
-                                        "{what}: d {d} bits {bits} gs {gs} g {g} n {n}: group {j} head {h} token {t}: {got} vs {exact}"
+                                    let got = out[(j * g + h) * CHUNK + t];
+                                    let at = format!(
+                                        "{what}: d {d} bits {bits} gs {gs} g {g} n {n}: group {j} head {h} token {t}"
                                     );
+                                    assert!((got as f64 - exact).abs() <= 1e-6 * mag + 1e-9, "{at}: {got} vs {exact}");
+                                    if exact_chain && cb.is_multiple_of(16) {
+                                        assert_eq!(
+                                            got.to_bits(),
+                                            chain.to_bits(),
+                                            "{at}: {got} vs the chain's {chain}"
+                                        );
+                                    }
                                 }
                             }
                         }
@@ -4010,70 +3968,66 @@ mod tests {
                 }
             }
         }
-        check(Portable, "portable");
+        check(Portable, false, "portable");
         #[cfg(target_arch = "x86_64")]
         match Avx2::detect() {
-            Some(avx) => check(avx, "avx2"),
+            Some(avx) => check(avx, true, "avx2"),
             None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
         }
     }
 
     /// Value accumulation from packed codes (`Kernels::accumulate_codes`: AVX2's
     /// two-slice kernel for 3 and 4 heads, the four-slice one for 1 and 2, codes masked
-    /// in place and scaled back) against an f64 sum, for both code widths, 1 to 8 heads
-    /// (every block split), groups of 32 to 256 and chunks of 1 to 64 tokens, added to
-    /// what `o` held.
+    /// in place and scaled back) for every code shape, 1 to 16 heads and chunks of 1 to 64
+    /// tokens, added to what `o` held: the portable kernel within 1e-6 of an f64 sum, the
+    /// AVX2 ones bit for bit `o + (an f32 FMA chain over the tokens)`, as the shifted
+    /// codes gave before the masks (the power-of-two scale-back is exact).
     #[test]
-    fn value_accumulation_from_codes_matches_f64() {
-        fn check<K: Kernels>(kern: K, what: &str) {
-            let mut rng = 0x9e37_79b9_u64;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
-            for (d, bits, gs) in
-                [(64, 2, 64), (64, 4, 32), (96, 2, 32), (128, 2, 128), (128, 4, 64), (256, 2, 256), (256, 4, 128)]
-            {
+    fn value_accumulation_from_codes_matches_f64_and_the_fma_chain() {
+        fn check<K: Kernels>(kern: K, exact_chain: bool, what: &str) {
+            let mut seed = 1000;
+            for (d, bits, gs) in code_shapes() {
                 let cb = d * bits as usize / 8;
-                for g in 1..=8 {
+                let mut rows = vec![0f32; CHUNK * d];
+                for g in [1, 2, 3, 4, 5, 6, 7, 8, 11, 16] {
                     for n in [1, 2, 7, 16, 33, 64] {
-                        let w: Vec<f32> = (0..g * CHUNK).map(|_| (next() % 20001) as f32 / 1e4 - 1.0).collect();
-                        let codes: Vec<u8> = (0..n * cb).map(|_| next() as u8).collect();
-                        let o0: Vec<f32> = (0..g * d).map(|_| (next() % 2001) as f32 / 100.0 - 10.0).collect();
+                        seed += 1;
+                        let w: Vec<f32> = values(g * CHUNK, seed as u32).iter().map(|x| x * 0.5).collect();
+                        let codes = random_bytes(n * cb, seed);
+                        let o0: Vec<f32> = values(g * d, seed as u32 + 7).iter().map(|x| x * 5.0).collect();
                         let mut o = o0.clone();
-                        let mut rows = vec![0f32; CHUNK * d];
                         for j in 0..d / gs {
                             kern.accumulate_codes(&mut o, &w, g, d, &codes, bits, n, j * gs, (j + 1) * gs, &mut rows);
                         }
                         for h in 0..g {
                             for c in 0..d {
-                                let per = 8 / bits as usize;
-                                let (mut exact, mut mag) = (o0[h * d + unpack_position(c, bits)] as f64, 0f64);
+                                let u = unpack_position(c, bits);
+                                let (mut exact, mut mag, mut chain) = (o0[h * d + u] as f64, 0f64, 0f32);
                                 mag += exact.abs();
                                 for t in 0..n {
-                                    let code =
-                                        (codes[t * cb + c / per] >> ((c % per) as u32 * bits)) & ((1 << bits) - 1);
+                                    let code = code_of(&codes[t * cb..(t + 1) * cb], c, bits);
                                     let x = w[h * CHUNK + t] as f64 * code as f64;
                                     exact += x;
                                     mag += x.abs();
+                                    chain = w[h * CHUNK + t].mul_add(code as f32, chain);
                                 }
-                                let got = o[h * d + unpack_position(c, bits)] as f64;
-                                assert!(
-                                    (got - exact).abs() <= 1e-6 * mag + 1e-9,
-                                    "{what}: d {d} bits {bits} gs {gs} g {g} n {n}: head {h} channel {c}: {got} vs {exact}"
-                                );
+                                let got = o[h * d + u];
+                                let at = format!("{what}: d {d} bits {bits} gs {gs} g {g} n {n}: head {h} channel {c}");
+                                assert!((got as f64 - exact).abs() <= 1e-6 * mag + 1e-9, "{at}: {got} vs {exact}");
+                                if exact_chain {
+                                    let want = o0[h * d + u] + chain;
+                                    assert_eq!(got.to_bits(), want.to_bits(), "{at}: {got} vs {want}");
+                                }
                             }
                         }
                     }
                 }
             }
         }
-        check(Portable, "portable");
+        check(Portable, false, "portable");
         #[cfg(target_arch = "x86_64")]
         match Avx2::detect() {
-            Some(avx) => check(avx, "avx2"),
+            Some(avx) => check(avx, true, "avx2"),
             None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
         }
     }
