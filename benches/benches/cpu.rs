@@ -11,31 +11,12 @@
 use criterion::measurement::Measurement;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rotkv::paged::KeyScores;
-use rotkv::{Backend, CacheConfig, CacheShape, KvCache, SeqId, f16};
-use rotkv_benches::{Shape, synthetic_rows};
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
+use rotkv_benches::{BATCH, DECODE_SHAPES as SHAPES, Shape, f16_cache, filled_cache, synthetic_rows};
 use std::hint::black_box;
-
-const BATCH: usize = 8;
 
 fn max_ctx() -> usize {
     std::env::var("ROTKV_BENCH_MAX_CTX").ok().and_then(|s| s.parse().ok()).unwrap_or(32 * 1024)
-}
-
-/// A one-layer cache of `config` holding `BATCH` sequences of `shape.max_tokens`
-/// synthetic tokens each (the decode benchmarks' input).
-fn filled_cache(config: CacheConfig, shape: CacheShape) -> (KvCache, Vec<SeqId>) {
-    let (ctx, hkv, d) = (shape.max_tokens, shape.num_kv_heads, config.head_dim);
-    let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
-    let seqs = (0..BATCH)
-        .map(|b| {
-            let s = cache.add_sequence().expect("slot");
-            let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
-            let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
-            cache.append(0, s, ctx, &k, &v).expect("append");
-            s
-        })
-        .collect();
-    (cache, seqs)
 }
 
 fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape) {
@@ -46,19 +27,11 @@ fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape
     let ctxs: Vec<usize> = [1024, 4096, 16384, 32768].into_iter().filter(|&c| c <= max_ctx()).collect();
     for &ctx in &ctxs {
         let Shape { hkv, hq, d, .. } = shape;
-        let cshape = CacheShape {
-            layers: 1,
-            num_kv_heads: hkv,
-            num_q_heads: hq,
-            max_seqs: BATCH,
-            max_tokens: ctx,
-            num_blocks: None,
-        };
         let q = synthetic_rows(BATCH * hq, d, 77);
         let mut out = vec![0f32; BATCH * hq * d];
         // The quantized caches, each with its exact and integer key paths.
         for (name, config) in [("k2v2", CacheConfig::k2v2(d)), ("k4v2", CacheConfig::k4v2(d))] {
-            let (mut cache, seqs) = filled_cache(config, cshape);
+            let (mut cache, seqs) = filled_cache(config, shape, ctx);
             let quant_bytes = BATCH * hkv * ctx * config.bytes_per_token().expect("config");
             group.throughput(Throughput::Bytes(quant_bytes as u64));
             for (path, keys) in [("", KeyScores::Exact), ("_int8", KeyScores::Int8), ("_int8x2", KeyScores::Int8x2)] {
@@ -69,18 +42,7 @@ fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape
             }
         }
         // f16 baseline layout: [seq][kv_head][ctx][d].
-        let mut k16 = vec![f16::ZERO; BATCH * hkv * ctx * d];
-        let mut v16 = k16.clone();
-        for b in 0..BATCH {
-            let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
-            let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
-            for (i, (kk, vv)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
-                let (t, h) = (i / hkv, i % hkv);
-                let at = ((b * hkv + h) * ctx + t) * d;
-                k16[at..at + d].iter_mut().zip(kk).for_each(|(o, x)| *o = f16::from_f32(*x));
-                v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = f16::from_f32(*x));
-            }
-        }
+        let (k16, v16) = f16_cache(shape, ctx);
         let f16_bytes = BATCH * hkv * ctx * d * 4;
         let splits = rotkv::cpu::default_splits(ctx, BATCH, hkv, rayon::current_num_threads()) as usize;
         group.throughput(Throughput::Bytes(f16_bytes as u64));
@@ -101,9 +63,6 @@ fn bench_decode<M: Measurement>(c: &mut Criterion<M>, prefix: &str, shape: Shape
 fn bytemuck_bytes(x: &[f16]) -> &[u8] {
     rotkv_benches::as_bytes(x)
 }
-
-const SHAPES: [Shape; 2] =
-    [Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 }, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 }];
 
 fn decode(c: &mut Criterion) {
     SHAPES.into_iter().for_each(|s| bench_decode(c, "decode", s));
@@ -338,22 +297,15 @@ fn bench_prerope<M: Measurement>(c: &mut Criterion<M>, name: &str) {
         Shape { name: "d128", hkv: 8, hq: 32, d: 128 },
         Shape { name: "d256", hkv: 1, hq: 4, d: 256 },
     ];
-    for Shape { name: sname, hkv, hq, d } in shapes {
+    for shape in shapes {
+        let Shape { name: sname, hkv, hq, d } = shape;
         let mut group = c.benchmark_group(format!("{name}/{sname}"));
         group.sample_size(10);
         group.warm_up_time(std::time::Duration::from_millis(500));
         group.measurement_time(std::time::Duration::from_secs(2));
         let token_heads = BATCH * CTX * hkv;
         group.throughput(Throughput::Elements(token_heads as u64));
-        let cshape = CacheShape {
-            layers: 1,
-            num_kv_heads: hkv,
-            num_q_heads: hq,
-            max_seqs: BATCH,
-            max_tokens: CTX,
-            num_blocks: None,
-        };
-        let (cache, seqs) = filled_cache(CacheConfig::k2v2(d), cshape);
+        let (cache, seqs) = filled_cache(CacheConfig::k2v2(d), shape, CTX);
         let q = synthetic_rows(BATCH * hq, d, 77);
         let mut out = vec![0f32; BATCH * hq * d];
         group.bench_function(BenchmarkId::new("decode_k2v2", CTX), |b| {

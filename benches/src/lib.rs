@@ -1,4 +1,8 @@
-//! Shared helpers of the rotkv benchmarks: deterministic synthetic KV rows.
+//! Shared helpers of the rotkv benchmarks: deterministic synthetic KV rows, and the
+//! decode benchmarks' shapes and caches (criterion's `benches/cpu.rs` and the best-of-N
+//! `cpu_decode_best` binary read the same data).
+
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache, SeqId};
 
 /// A decode benchmark shape.
 #[derive(Clone, Copy, Debug)]
@@ -37,4 +41,55 @@ pub fn synthetic_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
 pub fn as_bytes(x: &[half::f16]) -> &[u8] {
     // f16 is two plain bytes; half's bytemuck feature provides the Pod impl.
     bytemuck::cast_slice(x)
+}
+
+/// Sequences per decode step in the decode benchmarks.
+pub const BATCH: usize = 8;
+
+/// The decode benchmarks' shapes: SmolLM2-135M's attention (3 KV heads, 9 query heads,
+/// head_dim 64) and Llama-3-8B's (8, 32, 128).
+pub const DECODE_SHAPES: [Shape; 2] =
+    [Shape { name: "d64_smollm2", hkv: 3, hq: 9, d: 64 }, Shape { name: "d128_llama8b", hkv: 8, hq: 32, d: 128 }];
+
+/// A one-layer cache of `config` (cpu backend) holding [`BATCH`] sequences of `ctx`
+/// synthetic tokens each: the decode benchmarks' input.
+pub fn filled_cache(config: CacheConfig, shape: Shape, ctx: usize) -> (KvCache, Vec<SeqId>) {
+    let cshape = CacheShape {
+        layers: 1,
+        num_kv_heads: shape.hkv,
+        num_q_heads: shape.hq,
+        max_seqs: BATCH,
+        max_tokens: ctx,
+        num_blocks: None,
+    };
+    let mut cache = KvCache::new(config, cshape, Backend::Cpu).expect("cache");
+    let seqs = (0..BATCH)
+        .map(|b| {
+            let s = cache.add_sequence().expect("slot");
+            let k = synthetic_rows(ctx * shape.hkv, shape.d, 1 + b as u64);
+            let v = synthetic_rows(ctx * shape.hkv, shape.d, 1000 + b as u64);
+            cache.append(0, s, ctx, &k, &v).expect("append");
+            s
+        })
+        .collect();
+    (cache, seqs)
+}
+
+/// The same tokens as [`filled_cache`]'s in plain f16, laid out `[seq][kv_head][ctx][d]`
+/// (K, then V) for `rotkv::cpu::decode_f16_baseline`.
+pub fn f16_cache(shape: Shape, ctx: usize) -> (Vec<half::f16>, Vec<half::f16>) {
+    let (hkv, d) = (shape.hkv, shape.d);
+    let mut k16 = vec![half::f16::ZERO; BATCH * hkv * ctx * d];
+    let mut v16 = k16.clone();
+    for b in 0..BATCH {
+        let k = synthetic_rows(ctx * hkv, d, 1 + b as u64);
+        let v = synthetic_rows(ctx * hkv, d, 1000 + b as u64);
+        for (i, (kk, vv)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+            let (t, h) = (i / hkv, i % hkv);
+            let at = ((b * hkv + h) * ctx + t) * d;
+            k16[at..at + d].iter_mut().zip(kk).for_each(|(o, x)| *o = half::f16::from_f32(*x));
+            v16[at..at + d].iter_mut().zip(vv).for_each(|(o, x)| *o = half::f16::from_f32(*x));
+        }
+    }
+    (k16, v16)
 }
