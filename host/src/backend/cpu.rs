@@ -1313,10 +1313,7 @@ pub(crate) trait Kernels: Copy {
         rows: &mut [f32],
         _codes_t: &mut [u32],
     ) {
-        for j in 0..d / gs {
-            let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
-            self.dots_codes(qk, g, d, codes, bits, n, j * gs, (j + 1) * gs, o, rows);
-        }
+        key_dots_by_group(self, qk, g, d, codes, bits, gs, n, out, rows);
     }
 
     /// Integer key scores of group `j` (see [`IntQuery`]): `out[h][t] = scale[h][j] *
@@ -1367,6 +1364,28 @@ pub(crate) trait Kernels: Copy {
     ) {
         unpack_range(codes, bits, n, d, c0, c1, scratch);
         self.accumulate(o, w, g, d, scratch, n, c0, c1);
+    }
+}
+
+/// [`Kernels::key_dots`] one group at a time through [`Kernels::dots_codes`] (the trait's
+/// default, and AVX2's path for rows that are not whole 16-byte blocks).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn key_dots_by_group<K: Kernels>(
+    kern: K,
+    qk: &[f32],
+    g: usize,
+    d: usize,
+    codes: &[u8],
+    bits: u32,
+    gs: usize,
+    n: usize,
+    out: &mut [f32],
+    rows: &mut [f32],
+) {
+    for j in 0..d / gs {
+        let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
+        kern.dots_codes(qk, g, d, codes, bits, n, j * gs, (j + 1) * gs, o, rows);
     }
 }
 
@@ -3013,12 +3032,9 @@ mod avx2 {
         ) {
             let cb = d * bits as usize / 8;
             if !cb.is_multiple_of(16) {
-                // Rows that are not whole 16-byte blocks (head_dim 96 at 2 bits).
-                for j in 0..d / gs {
-                    let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
-                    self.dots_codes(qk, g, d, codes, bits, n, j * gs, (j + 1) * gs, o, rows);
-                }
-                return;
+                // Rows that are not whole 16-byte blocks (head_dim 96 at 2 bits, which the
+                // cache does not accept; the kernels do).
+                return super::key_dots_by_group(self, qk, g, d, codes, bits, gs, n, out, rows);
             }
             transpose_codes(self, codes, cb, n, codes_t);
             // Every group is whole 32-bit words: groups of 32 or more channels.
