@@ -8,7 +8,9 @@
 //! each: what each path costs when nothing disturbs it, side by side in one run.
 //!
 //! `cargo run --release -p rotkv-benches --bin cpu_decode_best -- [context] [rounds]`
-//! (defaults 32768 and 5).
+//! (defaults 32768 and 5). Where the processor has AVX-512 F, the packed caches are timed
+//! with the 512-bit kernels and with the 256-bit ones, alternating in the same rounds
+//! (`rotkv::cpu::set_avx512`), one row each.
 
 use rotkv::CacheConfig;
 use rotkv_benches::{BATCH, DECODE_SHAPES, f16_cache, filled_cache, synthetic_rows};
@@ -35,14 +37,20 @@ fn main() {
         eprintln!("context and rounds must be positive");
         std::process::exit(2);
     }
+    let kernels = rotkv::cpu::kernels();
+    // Where the 512-bit kernels run, the 256-bit ones are timed too, alternating in the
+    // same rounds (`rotkv::cpu::set_avx512`).
+    let sets: &[(bool, &str)] =
+        if kernels == "avx512" { &[(true, "avx512"), (false, "avx2")] } else { &[(true, kernels)] };
     println!(
-        "best of {} f16 and {} packed steps (batch {BATCH}, {} threads, context {ctx})",
+        "best of {} f16 and {} packed steps (batch {BATCH}, {} threads, context {ctx}, kernels: {})",
         rounds * F16_STEPS,
         rounds * PACKED_STEPS,
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        sets.iter().map(|s| s.1).collect::<Vec<_>>().join(", ")
     );
-    println!("| shape | f16 ms | k2v2 ms | k2v2 vs f16 | k4v2 ms | k4v2 vs f16 |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| shape | kernels | f16 ms | k2v2 ms | k2v2 vs f16 | k4v2 ms | k4v2 vs f16 |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     for shape in DECODE_SHAPES {
         let (hkv, hq, d) = (shape.hkv, shape.hq, shape.d);
         let q = synthetic_rows(BATCH * hq, d, 77);
@@ -51,7 +59,9 @@ fn main() {
         let splits = rotkv::cpu::default_splits(ctx, BATCH, hkv, rayon::current_num_threads()) as usize;
         let mut packed: Vec<_> =
             [CacheConfig::k2v2(d), CacheConfig::k4v2(d)].into_iter().map(|c| filled_cache(c, shape, ctx)).collect();
-        let mut best = [f64::INFINITY; 3];
+        let mut f16_best = f64::INFINITY;
+        // [kernel set][k2v2, k4v2]
+        let mut best = vec![[f64::INFINITY; 2]; sets.len()];
         let time = |best: &mut f64, f: &mut dyn FnMut()| {
             let t0 = Instant::now();
             f();
@@ -59,24 +69,32 @@ fn main() {
         };
         for _ in 0..rounds {
             for _ in 0..F16_STEPS {
-                time(&mut best[0], &mut || {
+                time(&mut f16_best, &mut || {
                     rotkv::cpu::decode_f16_baseline(&k16, &v16, ctx, hkv, hq, d, splits, black_box(&q), &mut out)
                 });
             }
-            for (i, (cache, seqs)) in packed.iter_mut().enumerate() {
-                for _ in 0..PACKED_STEPS {
-                    time(&mut best[1 + i], &mut || cache.decode(0, seqs, black_box(&q), &mut out).expect("decode"));
+            for (set, &(wide, _)) in sets.iter().enumerate() {
+                rotkv::cpu::set_avx512(wide);
+                for (i, (cache, seqs)) in packed.iter_mut().enumerate() {
+                    for _ in 0..PACKED_STEPS {
+                        time(&mut best[set][i], &mut || {
+                            cache.decode(0, seqs, black_box(&q), &mut out).expect("decode")
+                        });
+                    }
                 }
             }
         }
-        println!(
-            "| {} | {:.2} | {:.2} | {:.2}x | {:.2} | {:.2}x |",
-            shape.name,
-            best[0],
-            best[1],
-            best[0] / best[1],
-            best[2],
-            best[0] / best[2]
-        );
+        rotkv::cpu::set_avx512(true);
+        for (&(_, name), b) in sets.iter().zip(&best) {
+            println!(
+                "| {} | {name} | {:.2} | {:.2} | {:.2}x | {:.2} | {:.2}x |",
+                shape.name,
+                f16_best,
+                b[0],
+                f16_best / b[0],
+                b[1],
+                f16_best / b[1]
+            );
+        }
     }
 }

@@ -1533,20 +1533,28 @@ impl Kernels for Portable {
 pub(crate) use avx2::Avx2;
 
 #[cfg(target_arch = "x86_64")]
+mod avx512;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! AVX2 + FMA micro-kernels, register-blocked over up to 4 query heads: key scores
     //! of packed codes with tokens in lanes (2 to 6 sets of 8 tokens per pass), value
     //! accumulation with channels in lanes (2 or 4 slices of 8 channels per pass), and
     //! the same over f32 rows (f16 sinks and window: 2 tokens or 16 channels).
+    use super::avx512::Avx512;
     use super::{CHUNK, CODES_T_COLS, DTYPE_BF16, DTYPE_F16, DTYPE_F32, IntQuery, Kernels, KeyAffine};
     use crate::KvElement;
     use half::f16;
     use std::arch::x86_64::*;
 
     /// Proof that the processor supports AVX2, FMA and F16C: only [`Avx2::detect`]
-    /// makes one.
+    /// makes one. Where the processor also has AVX-512 F, the decode kernels over packed
+    /// codes run with 512-bit registers ([`Avx512`]: the same bits, half the
+    /// instructions) unless [`Avx2::narrow`] turned them off.
     #[derive(Clone, Copy)]
-    pub(crate) struct Avx2(());
+    pub(crate) struct Avx2 {
+        zmm: Option<Avx512>,
+    }
 
     impl Avx2 {
         /// `Some` when AVX2, FMA and F16C are available.
@@ -1554,7 +1562,18 @@ mod avx2 {
             (std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
                 && std::is_x86_feature_detected!("f16c"))
-            .then_some(Avx2(()))
+            .then(|| Avx2 { zmm: Avx512::detect().filter(|_| !super::isa_is_avx2()) })
+        }
+
+        /// The same kernels with 256-bit registers only.
+        #[cfg(test)]
+        pub(crate) fn narrow(self) -> Self {
+            Avx2 { zmm: None }
+        }
+
+        /// Whether the packed-code kernels use 512-bit registers.
+        pub(crate) fn is_wide(self) -> bool {
+            self.zmm.is_some()
         }
     }
 
@@ -3041,7 +3060,10 @@ mod avx2 {
             let words = gs * bits as usize / 32;
             for j in 0..d / gs {
                 let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
-                dots_codes_t_heads(self, qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o);
+                match self.zmm {
+                    Some(z) => z.dots_codes_t_heads(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o),
+                    None => dots_codes_t_heads(self, qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o),
+                }
             }
         }
         #[allow(clippy::too_many_arguments)]
@@ -3063,6 +3085,9 @@ mod avx2 {
             c1: usize,
             _scratch: &mut [f32],
         ) {
+            if let Some(z) = self.zmm.filter(|_| Avx512::takes_values(bits, c0, c1)) {
+                return z.accumulate_codes(o, w, g, d, codes, bits, n, c0, c1);
+            }
             let mut h0 = 0;
             while h0 < g {
                 let hn = (g - h0).min(4);
@@ -3564,6 +3589,42 @@ fn run_chunks_best<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<I
     run_chunks(Portable, st, fmt, chunks)
 }
 
+/// [`set_avx512`]'s choice: 0 none yet (then `ROTKV_CPU_ISA`), 1 on, 2 off.
+static AVX512_CHOICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether the 256-bit kernels only were asked for: by [`set_avx512`]`(false)`, or, if it
+/// was never called, by `ROTKV_CPU_ISA=avx2` in the environment (read once).
+fn isa_is_avx2() -> bool {
+    static ENV_AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match AVX512_CHOICE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => *ENV_AVX2.get_or_init(|| std::env::var("ROTKV_CPU_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("avx2"))),
+    }
+}
+
+/// Turns the CPU backend's 512-bit decode kernels on or off for this process, from the
+/// next decode on (on by default where the processor has AVX-512 F, unless
+/// `ROTKV_CPU_ISA=avx2` is set). The results are the same bits either way; off is for
+/// side-by-side benchmarks and for processors that lower their clock for 512-bit
+/// instructions. Without AVX-512 F, `true` changes nothing. See [`kernels`].
+pub fn set_avx512(enabled: bool) {
+    AVX512_CHOICE.store(if enabled { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The kernel set the CPU backend's decode uses on this processor: `"avx512"` (AVX2,
+/// FMA and F16C, and the packed-code kernels with 512-bit registers: AVX-512 F),
+/// `"avx2"` (AVX2, FMA and F16C; also where [`set_avx512`]`(false)` or
+/// `ROTKV_CPU_ISA=avx2` turned the 512-bit kernels off) or `"portable"`. Benchmarks
+/// print it beside their numbers.
+pub fn kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kern) = Avx2::detect() {
+        return if kern.is_wide() { "avx512" } else { "avx2" };
+    }
+    "portable"
+}
+
 /// The chunks of positions `[begin, end)` of a sequence, in position order: sink rows,
 /// then page slots (a protected position as a one-row f16 chunk of its protected row),
 /// then window rows, none crossing a page, a protected position, the end of the sinks
@@ -3839,6 +3900,19 @@ mod tests {
         (st.m[..g].to_vec(), st.l[..g].to_vec(), st.o[..g * d].to_vec())
     }
 
+    /// The AVX2 kernels with 256-bit registers only, and with 512-bit ones where the
+    /// processor has AVX-512 F (else a `SKIPPED` line).
+    #[cfg(target_arch = "x86_64")]
+    fn kernel_sets(avx: Avx2) -> Vec<(Avx2, &'static str)> {
+        let mut v = vec![(avx.narrow(), "avx2")];
+        if avx.is_wide() {
+            v.push((avx, "avx512"));
+        } else {
+            eprintln!("SKIPPED: the 512-bit kernels (this processor has no AVX-512 F)");
+        }
+        v
+    }
+
     #[test]
     fn avx2_kernels_match_portable_kernels() {
         #[cfg(target_arch = "x86_64")]
@@ -3877,12 +3951,21 @@ mod tests {
                 for g in [1, 3, 7, 8] {
                     for terms in [0, 1, 2] {
                         let (m0, l0, o0) = run_both(Portable, &fmt, g, terms);
-                        let (m1, l1, o1) = run_both(avx, &fmt, g, terms);
-                        for (a, b) in m0.iter().zip(&m1).chain(l0.iter().zip(&l1)).chain(o0.iter().zip(&o1)) {
-                            assert!(
-                                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
-                                "{a} vs {b} ({d} {kb} {vb} {gs} g{g} terms {terms})"
-                            );
+                        let mut first: Option<Vec<u32>> = None;
+                        for (kern, what) in kernel_sets(avx) {
+                            let (m1, l1, o1) = run_both(kern, &fmt, g, terms);
+                            for (a, b) in m0.iter().zip(&m1).chain(l0.iter().zip(&l1)).chain(o0.iter().zip(&o1)) {
+                                assert!(
+                                    (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                                    "{a} vs {b} ({what} {d} {kb} {vb} {gs} g{g} terms {terms})"
+                                );
+                            }
+                            // The 512-bit kernels give the 256-bit ones' bits.
+                            let bits: Vec<u32> = m1.iter().chain(&l1).chain(&o1).map(|x| x.to_bits()).collect();
+                            match &first {
+                                None => first = Some(bits),
+                                Some(f) => assert!(*f == bits, "{what} bits ({d} {kb} {vb} {gs} g{g} terms {terms})"),
+                            }
                         }
                     }
                 }
@@ -3987,7 +4070,14 @@ mod tests {
         check(Portable, false, "portable");
         #[cfg(target_arch = "x86_64")]
         match Avx2::detect() {
-            Some(avx) => check(avx, true, "avx2"),
+            Some(avx) => {
+                check(avx.narrow(), true, "avx2");
+                if avx.is_wide() {
+                    check(avx, true, "avx512");
+                } else {
+                    eprintln!("SKIPPED: avx512 part (this processor has no AVX-512 F)");
+                }
+            }
             None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
         }
     }
@@ -4043,7 +4133,14 @@ mod tests {
         check(Portable, false, "portable");
         #[cfg(target_arch = "x86_64")]
         match Avx2::detect() {
-            Some(avx) => check(avx, true, "avx2"),
+            Some(avx) => {
+                check(avx.narrow(), true, "avx2");
+                if avx.is_wide() {
+                    check(avx, true, "avx512");
+                } else {
+                    eprintln!("SKIPPED: avx512 part (this processor has no AVX-512 F)");
+                }
+            }
             None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
         }
     }

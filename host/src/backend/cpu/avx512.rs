@@ -1,0 +1,273 @@
+//! The decode kernels over packed codes with 512-bit registers (AVX-512 F).
+//!
+//! The same arithmetic as the AVX2 kernels they stand in for, lane for lane: each lane
+//! runs the same chain of f32 multiply-adds in the same order, so the results are the
+//! same bits (the tests run both and compare them bit for bit). What changes is the
+//! instruction count: one instruction covers 16 lanes instead of 8, so the front end
+//! issues half as many for the same work, and 32 registers hold a whole chunk's
+//! accumulators.
+//!
+//! Why: the AVX2 kernels issue 4-5 instructions per cycle (loads, masks, conversions and
+//! broadcasts beside the multiply-adds) and ran at 1.2-1.5x their FMA floor hot in L1;
+//! on Zen 4, which runs a 512-bit multiply-add as two 256-bit halves, the FMA floor is
+//! the same and the rest halves. On processors with two 512-bit FMA units the floor
+//! itself halves.
+
+use super::{CHUNK, CODES_T_COLS};
+use std::arch::x86_64::*;
+
+/// Proof that the processor supports AVX-512 F (with AVX2, FMA and F16C): only
+/// [`Avx512::detect`] makes one.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512(());
+
+impl Avx512 {
+    /// `Some` when AVX-512 F, AVX2, FMA and F16C are available.
+    pub(crate) fn detect() -> Option<Self> {
+        (std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c"))
+        .then_some(Avx512(()))
+    }
+
+    /// Whether [`Avx512::accumulate_codes`] takes channels `[c0, c1)` of `bits`-bit
+    /// codes: whole pairs of 8-byte code blocks (64 channels at 2 bits, 32 at 4).
+    pub(crate) fn takes_values(bits: u32, c0: usize, c1: usize) -> bool {
+        let pair = 2 * 64 / bits as usize;
+        c0.is_multiple_of(pair) && c1.is_multiple_of(pair)
+    }
+
+    /// Value accumulation from packed codes, `o[h][c] += sum_t w[h][t] code[t][c]` for
+    /// heads `h < g` (in blocks of up to 4) and channels `[c0, c1)` (see
+    /// [`Avx512::takes_values`]): the AVX2 `accumulate_codes_block`'s sums, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn accumulate_codes(
+        self,
+        o: &mut [f32],
+        w: &[f32],
+        g: usize,
+        d: usize,
+        codes: &[u8],
+        bits: u32,
+        n: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        assert!(Self::takes_values(bits, c0, c1));
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            macro_rules! go {
+                ($b:literal) => {
+                    // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA and
+                    // F16C were detected.
+                    unsafe {
+                        match hn {
+                            4 => accumulate_codes_block::<4, $b>(o, w, h0, d, codes, n, c0, c1),
+                            3 => accumulate_codes_block::<3, $b>(o, w, h0, d, codes, n, c0, c1),
+                            2 => accumulate_codes_block::<2, $b>(o, w, h0, d, codes, n, c0, c1),
+                            _ => accumulate_codes_block::<1, $b>(o, w, h0, d, codes, n, c0, c1),
+                        }
+                    }
+                };
+            }
+            if bits == 2 {
+                go!(2)
+            } else {
+                go!(4)
+            }
+            h0 += hn;
+        }
+    }
+
+    /// Key scores of the `g` heads over dwords `[w0, w1)` of the transposed key codes,
+    /// tokens in lanes (the AVX2 `dots_codes_t_heads`' contract and bits): one pass of
+    /// up to 4 sets of 16 tokens per block of up to 4 heads.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dots_codes_t_heads(
+        self,
+        qt: &[f32],
+        g: usize,
+        d: usize,
+        codes_t: &[u32],
+        bits: u32,
+        n: usize,
+        w0: usize,
+        w1: usize,
+        out: &mut [f32],
+    ) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            macro_rules! sets {
+                ($b:literal, $h:literal) => {
+                    // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA and
+                    // F16C were detected.
+                    unsafe {
+                        match n.div_ceil(16) {
+                            0 => {}
+                            1 => dots_codes_t::<$h, $b, 1>(qt, h0, d, codes_t, n, w0, w1, out),
+                            2 => dots_codes_t::<$h, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out),
+                            3 => dots_codes_t::<$h, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out),
+                            _ => dots_codes_t::<$h, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out),
+                        }
+                    }
+                };
+            }
+            match (bits, hn) {
+                (2, 4) => sets!(2, 4),
+                (2, 3) => sets!(2, 3),
+                (2, 2) => sets!(2, 2),
+                (2, _) => sets!(2, 1),
+                (_, 4) => sets!(4, 4),
+                (_, 3) => sets!(4, 3),
+                (_, 2) => sets!(4, 2),
+                _ => sets!(4, 1),
+            }
+            h0 += hn;
+        }
+    }
+}
+
+/// `2^e` in every lane (`-126 <= e <= 127`).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+fn pow2(e: i32) -> __m512 {
+    _mm512_set1_ps(f32::from_bits(((127 + e) as u32) << 23))
+}
+
+/// Value accumulation of heads `[h0, h0 + H)`: each 16-byte load covers two 8-byte code
+/// blocks (lanes 0-7 the first, 8-15 the second, as `vpmovzxbd` widens them), every code
+/// position of a byte is one slice of 16 channels masked in place, and all of them (4
+/// at 2 bits, 2 at 4) are summed in one pass over the tokens: `4 H` or `2 H`
+/// accumulator chains. Lane for lane the AVX2 kernel's chain: `fma(w[t], code << p,
+/// acc)` over `t` in order from zero, then `o += acc * 2^-p`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn accumulate_codes_block<const H: usize, const BITS: u32>(
+    o: &mut [f32],
+    w: &[f32],
+    h0: usize,
+    d: usize,
+    codes: &[u8],
+    n: usize,
+    c0: usize,
+    c1: usize,
+) {
+    let cb = d * BITS as usize / 8;
+    let cpb = 64 / BITS as usize;
+    let shifts = 8 / BITS as usize;
+    assert!((h0 + H) * d <= o.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
+    assert!(c0.is_multiple_of(2 * cpb) && c1.is_multiple_of(2 * cpb));
+    assert!(n == 0 || (h0 + H - 1) * CHUNK + n <= w.len());
+    let (op, cp, wp) = (o.as_mut_ptr(), codes.as_ptr(), w.as_ptr());
+    let m = (1i32 << BITS) - 1;
+    let masks: [__m512i; 4] = std::array::from_fn(|s| _mm512_set1_epi32(m << (s * BITS as usize)));
+    for blk in (c0 / cpb..c1 / cpb).step_by(2) {
+        let mut acc = [[_mm512_setzero_ps(); H]; 4];
+        for t in 0..n {
+            // SAFETY: blk + 1 < d / cpb and t < n: 16 bytes inside token t's codes.
+            let raw = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(cp.add(t * cb + blk * 8).cast())) };
+            let mut x = [_mm512_setzero_ps(); 4];
+            for s in 0..shifts {
+                x[s] = _mm512_cvtepi32_ps(_mm512_and_si512(raw, masks[s]));
+            }
+            #[allow(clippy::needless_range_loop)]
+            for hh in 0..H {
+                // SAFETY: (h0 + H - 1) * CHUNK + n <= w.len() (asserted), t < n.
+                let wv = _mm512_set1_ps(unsafe { *wp.add((h0 + hh) * CHUNK + t) });
+                for s in 0..shifts {
+                    acc[s][hh] = _mm512_fmadd_ps(wv, x[s], acc[s][hh]);
+                }
+            }
+        }
+        for (s, acc) in acc.iter().enumerate().take(shifts) {
+            let u = pow2(-((s * BITS as usize) as i32));
+            for (hh, &a) in acc.iter().enumerate() {
+                let v = _mm512_mul_ps(a, u);
+                let (lo, hi) =
+                    (_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))));
+                // SAFETY: channels blk * cpb + s * 8 .. + 8 and (blk + 1) * cpb + s * 8 .. + 8
+                // are below c1 <= d, and h0 + hh < h0 + H: inside `o` (asserted).
+                unsafe {
+                    let p = op.add((h0 + hh) * d + blk * cpb + s * 8);
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), lo));
+                    let p = p.add(cpb);
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), hi));
+                }
+            }
+        }
+    }
+}
+
+/// Key scores of heads `[h0, h0 + H)` over dwords `[w0, w1)`, tokens `[0, 16 TS)` in
+/// lanes (`n <= 16 TS`; whole 16-token vectors are written, lanes past `n` hold the
+/// scores of the zero codes `transpose_codes` pads with). Lane for lane the AVX2
+/// `dots_codes_t`'s chain.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
+    qt: &[f32],
+    h0: usize,
+    d: usize,
+    codes_t: &[u32],
+    n: usize,
+    w0: usize,
+    w1: usize,
+    out: &mut [f32],
+) {
+    let per_byte = 8 / BITS as usize;
+    let per_word = 4 * per_byte;
+    assert!((h0 + H) * d <= qt.len() && w0 <= w1 && w1 * per_word <= d && n <= 16 * TS && 16 * TS <= CHUNK);
+    assert!(codes_t.len() >= w1 * CODES_T_COLS && (h0 + H - 1) * CHUNK + 16 * TS <= out.len());
+    let (qp, cp) = (qt.as_ptr(), codes_t.as_ptr());
+    let m = (1i32 << BITS) - 1;
+    // Slot k = b * per_byte + s of a word masks bits p(b, s) of the (for b = 3, shifted)
+    // word.
+    let masks: [i32; 16] = std::array::from_fn(|k| {
+        let (b, s) = (k / per_byte, k % per_byte);
+        let p = if b < 3 { 8 * b + s * BITS as usize } else { s * BITS as usize };
+        if k < per_word { m << p } else { 0 }
+    });
+    let mut acc = [[_mm512_setzero_ps(); H]; TS];
+    for w in w0..w1 {
+        // The masks are broadcast from memory as operands, as in the AVX2 kernel.
+        let mp = std::hint::black_box(masks.as_ptr());
+        let mut raw = [_mm512_setzero_si512(); TS];
+        for (i, r) in raw.iter_mut().enumerate() {
+            // SAFETY: w < w1 and 16 TS <= CHUNK < CODES_T_COLS: inside `codes_t` (asserted).
+            *r = unsafe { _mm512_loadu_si512(cp.add(w * CODES_T_COLS + 16 * i).cast()) };
+        }
+        for b in 0..4 {
+            if b == 3 {
+                for r in raw.iter_mut() {
+                    *r = _mm512_srli_epi32::<24>(*r);
+                }
+            }
+            for s in 0..per_byte {
+                // SAFETY: b * per_byte + s < per_word <= 16 entries of `masks`.
+                let mask = _mm512_set1_epi32(unsafe { *mp.add(b * per_byte + s) });
+                let c = w * per_word + b * per_byte + s;
+                let mut qb = [_mm512_setzero_ps(); H];
+                for (hh, q) in qb.iter_mut().enumerate() {
+                    // SAFETY: c < w1 * per_word <= d and h0 + hh < h0 + H: inside `qt`.
+                    *q = _mm512_set1_ps(unsafe { *qp.add((h0 + hh) * d + c) });
+                }
+                for (r, a) in raw.iter().zip(acc.iter_mut()) {
+                    let x = _mm512_cvtepi32_ps(_mm512_and_si512(*r, mask));
+                    for (a, q) in a.iter_mut().zip(&qb) {
+                        *a = _mm512_fmadd_ps(*q, x, *a);
+                    }
+                }
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (hh, &v) in a.iter().enumerate() {
+            // SAFETY: (h0 + hh) * CHUNK + 16 i + 16 <= (h0 + H - 1) * CHUNK + 16 TS <=
+            // out.len() (asserted).
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((h0 + hh) * CHUNK + 16 * i), v) };
+        }
+    }
+}
