@@ -1221,6 +1221,19 @@ pub(crate) trait Kernels: Copy {
         sum(s)
     }
 
+    /// The softmax weights of one head over a chunk whose values are one quantization
+    /// group, with that group's value scales and zeros applied in the same pass:
+    /// `w[i] = p[i] scales[i]` for `p[i] = exp(s[i] - m)` (as [`Kernels::exp_sum`]), and
+    /// returns `(sum p, sum p zeros)`. `s` is left as it was or holds `p`.
+    #[inline(always)]
+    fn exp_weights(self, s: &mut [f32], m: f32, scales: &[f32], zeros: &[f32], w: &mut [f32]) -> (f32, f32) {
+        let l = self.exp_sum(s, m);
+        for ((w, p), sc) in w.iter_mut().zip(s.iter()).zip(scales) {
+            *w = p * sc;
+        }
+        (l, dot(s, zeros))
+    }
+
     /// The min and max of each group of `g` values of a stored f16 row (see
     /// [`group_ranges_portable`]).
     #[inline(always)]
@@ -1952,6 +1965,55 @@ mod avx2 {
             acc = _mm256_add_ps(acc, y);
         }
         hsum(acc)
+    }
+
+    /// [`super::Kernels::exp_weights`] in one pass, eight tokens at a time: the weights
+    /// of [`exp_sum`] (the same bits, and the same sum), each times its scale, and the
+    /// zero sum by FMAs into eight lanes.
+    /// With `zmm`, the whole 16-token blocks go through [`Avx512::exp_weights16`] (the
+    /// same bits).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn exp_weights(
+        zmm: Option<Avx512>,
+        s: &[f32],
+        m: f32,
+        scales: &[f32],
+        zeros: &[f32],
+        w: &mut [f32],
+    ) -> (f32, f32) {
+        let n = s.len();
+        assert!(scales.len() >= n && zeros.len() >= n && w.len() >= n);
+        let n8 = n / 8 * 8;
+        let (sp, scp, zp, wp, mv) = (s.as_ptr(), scales.as_ptr(), zeros.as_ptr(), w.as_mut_ptr(), _mm256_set1_ps(m));
+        let (mut acc, mut zacc, done) = match zmm {
+            Some(z) => z.exp_weights16(s, m, scales, zeros, w),
+            None => (_mm256_setzero_ps(), _mm256_setzero_ps(), 0),
+        };
+        for i in (done..n8).step_by(8) {
+            // SAFETY: i + 8 <= n8 <= n, and every slice holds n or more (asserted).
+            unsafe {
+                let y = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(i)), mv));
+                acc = _mm256_add_ps(acc, y);
+                _mm256_storeu_ps(wp.add(i), _mm256_mul_ps(y, _mm256_loadu_ps(scp.add(i))));
+                zacc = _mm256_fmadd_ps(y, _mm256_loadu_ps(zp.add(i)), zacc);
+            }
+        }
+        let rest = n - n8;
+        if rest > 0 {
+            let (mut ts, mut tsc, mut tz, mut tw) = ([f32::NEG_INFINITY; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+            ts[..rest].copy_from_slice(&s[n8..]);
+            tsc[..rest].copy_from_slice(&scales[n8..n]);
+            tz[..rest].copy_from_slice(&zeros[n8..n]);
+            // SAFETY: the four arrays hold 8 floats each.
+            unsafe {
+                let y = exp8(_mm256_sub_ps(_mm256_loadu_ps(ts.as_ptr()), mv));
+                acc = _mm256_add_ps(acc, y);
+                _mm256_storeu_ps(tw.as_mut_ptr(), _mm256_mul_ps(y, _mm256_loadu_ps(tsc.as_ptr())));
+                zacc = _mm256_fmadd_ps(y, _mm256_loadu_ps(tz.as_ptr()), zacc);
+            }
+            w[n8..n].copy_from_slice(&tw[..rest]);
+        }
+        (hsum(acc), hsum(zacc))
     }
 
     /// Smallest of the eight lanes (the largest of their negations, negated).
@@ -2972,6 +3034,11 @@ mod avx2 {
             unsafe { exp_sum(s, m) }
         }
         #[inline(always)]
+        fn exp_weights(self, s: &mut [f32], m: f32, scales: &[f32], zeros: &[f32], w: &mut [f32]) -> (f32, f32) {
+            // SAFETY: as above.
+            unsafe { exp_weights(self.zmm, s, m, scales, zeros, w) }
+        }
+        #[inline(always)]
         fn group_ranges(self, row: &[f16], g: usize, ranges: &mut [(f32, f32)]) {
             for (x, range) in row.chunks_exact(g).zip(ranges.iter_mut()) {
                 // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
@@ -3367,6 +3434,23 @@ impl HeadState {
     /// rescaling the running sums) only when a score exceeds it by the threshold.
     #[inline(always)]
     fn softmax<K: Kernels>(&mut self, kern: K, n: usize) {
+        self.rescale(n);
+        for h in 0..self.g {
+            let m = self.m[h];
+            let s = &mut self.s[h * CHUNK..h * CHUNK + n];
+            if m == f32::NEG_INFINITY {
+                // Every score of the row so far is masked: no weight (not -inf - -inf).
+                s.fill(0.0);
+                continue;
+            }
+            self.l[h] += kern.exp_sum(s, m);
+        }
+    }
+
+    /// The first half of [`HeadState::softmax`]: moves each row's reference max `m` where
+    /// a score of the chunk exceeds it by the threshold, rescaling the running sums.
+    #[inline(always)]
+    fn rescale(&mut self, n: usize) {
         let d = self.d;
         let mut moved = false;
         for h in 0..self.g {
@@ -3382,16 +3466,6 @@ impl HeadState {
                 self.o[h * d..(h + 1) * d].iter_mut().for_each(|o| *o *= c);
                 self.ov[h * d..(h + 1) * d].iter_mut().for_each(|o| *o *= c);
             }
-        }
-        for h in 0..self.g {
-            let m = self.m[h];
-            let s = &mut self.s[h * CHUNK..h * CHUNK + n];
-            if m == f32::NEG_INFINITY {
-                // Every score of the row so far is masked: no weight (not -inf - -inf).
-                s.fill(0.0);
-                continue;
-            }
-            self.l[h] += kern.exp_sum(s, m);
         }
     }
 
@@ -3497,7 +3571,13 @@ impl HeadState {
                 self.key_scores(kern, fmt, page, slot, n);
                 kern.prefetch(part(1));
                 self.mask(n);
-                self.softmax(kern, n);
+                // With one value group, the weights are scaled in the softmax's pass.
+                let fused = groups == 1;
+                if fused {
+                    self.rescale(n);
+                } else {
+                    self.softmax(kern, n);
+                }
                 kern.prefetch(part(2));
                 // The next page's scales and zeros (and channel scales), read first, into L1.
                 if let Some(params) = next.get(fmt.scale_at(false, 0, 0) as usize..) {
@@ -3515,7 +3595,23 @@ impl HeadState {
                     }
                     None => (&mut self.ov, &mut self.zsum),
                 };
-                for j in 0..groups {
+                if fused {
+                    // One group: `zsum` is `[g]`.
+                    for (h, zs) in zsum.iter_mut().enumerate().take(g) {
+                        let m = self.m[h];
+                        let (s, w) = (&mut self.s[h * CHUNK..h * CHUNK + n], &mut self.w[h * CHUNK..h * CHUNK + n]);
+                        if m == f32::NEG_INFINITY {
+                            // Every score of the row so far is masked: no weight.
+                            w.fill(0.0);
+                            continue;
+                        }
+                        let (l, z) = kern.exp_weights(s, m, &self.scales[..n], &self.zeros[..n], w);
+                        self.l[h] += l;
+                        *zs += z;
+                    }
+                    kern.accumulate_codes(ov, &self.w, g, d, vcodes, fmt.value_bits, n, 0, d, &mut self.rows);
+                }
+                for j in (0..groups).filter(|_| !fused) {
                     let (scales, zeros) =
                         (&self.scales[j * CHUNK..j * CHUNK + n], &self.zeros[j * CHUNK..j * CHUNK + n]);
                     for h in 0..g {
@@ -4680,6 +4776,51 @@ mod tests {
                     let mut b = vec![f32::NAN; n * d];
                     avx.dense_rotate_rows(&x, &r, d, &mut b);
                     assert_eq!(bits(&a), bits(&b), "d {d}, {n} rows");
+                }
+            }
+        }
+    }
+
+    /// The fused softmax weights ([`Kernels::exp_weights`]: AVX2, and AVX-512 where the
+    /// processor has it) for every length from 0 to 70 (whole 16- and 8-token blocks and
+    /// tails), masked scores included: the weights bit for bit `exp_sum`'s `p` times the
+    /// scale, the sum `exp_sum`'s bits, the zero sum within 1e-6 of f64, and the 512-bit
+    /// kernels' bits those of the 256-bit ones.
+    #[test]
+    fn fused_softmax_weights_match_exp_sum() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let Some(avx) = Avx2::detect() else {
+                eprintln!("SKIPPED: this processor has no AVX2/FMA/F16C");
+                return;
+            };
+            for n in 0..=70usize {
+                let mut scores: Vec<f32> = values(n, 7 + n as u32).iter().map(|x| x * 6.0).collect();
+                if n > 5 {
+                    scores[n / 2] = f32::NEG_INFINITY;
+                }
+                let m = scores.iter().copied().fold(-1.0f32, f32::max) + 0.25;
+                let scales: Vec<f32> = values(n, 300 + n as u32).iter().map(|x| x.abs() + 0.01).collect();
+                let zeros = values(n, 600 + n as u32);
+                let mut p = scores.clone();
+                let l_want = avx.narrow().exp_sum(&mut p, m);
+                let mut first: Option<(Vec<u32>, u32, u32)> = None;
+                for (kern, what) in kernel_sets(avx) {
+                    let mut s = scores.clone();
+                    let mut w = vec![f32::NAN; n];
+                    let (l, z) = kern.exp_weights(&mut s, m, &scales, &zeros, &mut w);
+                    assert_eq!(l.to_bits(), l_want.to_bits(), "{what} n {n}: sum");
+                    for i in 0..n {
+                        assert_eq!(w[i].to_bits(), (p[i] * scales[i]).to_bits(), "{what} n {n}: weight {i}");
+                    }
+                    let z_want: f64 = p.iter().zip(&zeros).map(|(&p, &z)| p as f64 * z as f64).sum();
+                    let mag: f64 = p.iter().zip(&zeros).map(|(&p, &z)| (p as f64 * z as f64).abs()).sum();
+                    assert!((z as f64 - z_want).abs() <= 1e-6 * mag + 1e-30, "{what} n {n}: zero sum {z} vs {z_want}");
+                    let bits = (w.iter().map(|x| x.to_bits()).collect(), l.to_bits(), z.to_bits());
+                    match &first {
+                        None => first = Some(bits),
+                        Some(f) => assert!(*f == bits, "{what} n {n}: bits differ from avx2"),
+                    }
                 }
             }
         }

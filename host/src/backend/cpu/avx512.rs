@@ -130,6 +130,71 @@ impl Avx512 {
     }
 }
 
+/// The AVX2 `exp8`, sixteen lanes: the same operations in the same order, so the same
+/// bits in every lane (`e^x` for `x <= 88` to 2e-7 relative, 0 below -87 and for `-inf`).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+fn exp16(x: __m512) -> __m512 {
+    let floor = _mm512_set1_ps(-87.0);
+    let xc = _mm512_max_ps(x, floor);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        xc,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693_145_75), xc);
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428_606_8e-6), r);
+    let p = _mm512_fmadd_ps(_mm512_set1_ps(8.312_525e-3), r, _mm512_set1_ps(4.189_011_5e-2));
+    let p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_671_14));
+    let p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.499_992_3));
+    let y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r), _mm512_set1_ps(1.0));
+    let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+    let y = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
+    _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), y)
+}
+
+impl Avx512 {
+    /// The AVX2 `exp_weights` over the whole 16-token blocks of `s` (the first `n16`
+    /// tokens, `s.len()` rounded down to a multiple of 16): writes `w[..n16]` and returns
+    /// the running sums of `p` and of `p zeros` in eight lanes, and `n16`. They are added
+    /// in the AVX2 kernel's order (the low eight tokens of each block, then the high
+    /// eight), so the caller's finish gives the same bits.
+    pub(crate) fn exp_weights16(
+        self,
+        s: &[f32],
+        m: f32,
+        scales: &[f32],
+        zeros: &[f32],
+        w: &mut [f32],
+    ) -> (__m256, __m256, usize) {
+        // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA and F16C were
+        // detected.
+        unsafe { exp_weights16(s, m, scales, zeros, w) }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn exp_weights16(s: &[f32], m: f32, scales: &[f32], zeros: &[f32], w: &mut [f32]) -> (__m256, __m256, usize) {
+    let n = s.len();
+    assert!(scales.len() >= n && zeros.len() >= n && w.len() >= n);
+    let n16 = n / 16 * 16;
+    let (sp, scp, zp, wp, mv) = (s.as_ptr(), scales.as_ptr(), zeros.as_ptr(), w.as_mut_ptr(), _mm512_set1_ps(m));
+    let (mut acc, mut zacc) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for i in (0..n16).step_by(16) {
+        // SAFETY: i + 16 <= n16 <= n, and every slice holds n or more (asserted).
+        unsafe {
+            let y = exp16(_mm512_sub_ps(_mm512_loadu_ps(sp.add(i)), mv));
+            _mm512_storeu_ps(wp.add(i), _mm512_mul_ps(y, _mm512_loadu_ps(scp.add(i))));
+            let (lo, hi) =
+                (_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(y))));
+            acc = _mm256_add_ps(acc, lo);
+            zacc = _mm256_fmadd_ps(lo, _mm256_loadu_ps(zp.add(i)), zacc);
+            acc = _mm256_add_ps(acc, hi);
+            zacc = _mm256_fmadd_ps(hi, _mm256_loadu_ps(zp.add(i + 8)), zacc);
+        }
+    }
+    (acc, zacc, n16)
+}
+
 /// `2^e` in every lane (`-126 <= e <= 127`).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
