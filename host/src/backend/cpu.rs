@@ -1304,6 +1304,31 @@ pub(crate) trait Kernels: Copy {
         self.dots(q, g, d, scratch, n, c0, c1, out);
     }
 
+    /// The exact key scores of a chunk straight into `s` (`[g][CHUNK]`), every group's
+    /// scale and zero applied (`s[h][t] = sum_j scales[j][t] dot_j[h][t] + zeros[j][t]
+    /// qsum[h][j]`; `scales`, `zeros` `[groups][CHUNK]`, `qsum` `[g][groups]`), where this
+    /// kernel set has that in one pass (the 512-bit kernels); `false` (nothing written)
+    /// where it has not, and the caller takes [`Kernels::key_dots`] and applies them.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn key_scores(
+        self,
+        _qt: &[f32],
+        _g: usize,
+        _d: usize,
+        _codes: &[u8],
+        _bits: u32,
+        _gs: usize,
+        _n: usize,
+        _scales: &[f32],
+        _zeros: &[f32],
+        _qsum: &[f32],
+        _s: &mut [f32],
+        _codes_t: &mut [u32],
+    ) -> bool {
+        false
+    }
+
     /// The key scores of a chunk of packed codes for every quantization group of
     /// `gs` channels: `out[j][h][t]` (`[groups][g][CHUNK]`) is group `j`'s
     /// `sum_c q[h][c] * code[t][c]`. `q` is the query twice: `qk` in the unpack order of
@@ -3122,7 +3147,10 @@ mod avx2 {
                 // cache does not accept; the kernels do).
                 return super::key_dots_by_group(self, qk, g, d, codes, bits, gs, n, out, rows);
             }
-            transpose_codes(self, codes, cb, n, codes_t);
+            match self.zmm {
+                Some(z) => z.transpose_codes(codes, cb, n, codes_t),
+                None => transpose_codes(self, codes, cb, n, codes_t),
+            }
             // Every group is whole 32-bit words: groups of 32 or more channels.
             let words = gs * bits as usize / 32;
             for j in 0..d / gs {
@@ -3131,6 +3159,31 @@ mod avx2 {
                     Some(z) => z.dots_codes_t_heads(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o),
                     None => dots_codes_t_heads(self, qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o),
                 }
+            }
+        }
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
+        fn key_scores(
+            self,
+            qt: &[f32],
+            g: usize,
+            d: usize,
+            codes: &[u8],
+            bits: u32,
+            gs: usize,
+            n: usize,
+            scales: &[f32],
+            zeros: &[f32],
+            qsum: &[f32],
+            s: &mut [f32],
+            codes_t: &mut [u32],
+        ) -> bool {
+            match self.zmm {
+                Some(z) if (d * bits as usize / 8).is_multiple_of(16) => {
+                    z.key_scores(qt, g, d, codes, bits, gs, n, scales, zeros, qsum, s, codes_t);
+                    true
+                }
+                _ => false,
             }
         }
         #[allow(clippy::too_many_arguments)]
@@ -3502,6 +3555,24 @@ impl HeadState {
         };
         let kc = fmt.key_codes_at(slot) as usize;
         let kcodes = &page[kc..kc + n * fmt.key_code_bytes() as usize];
+        if self.int_q.is_none()
+            && kern.key_scores(
+                qt,
+                g,
+                d,
+                kcodes,
+                fmt.key_bits,
+                gs,
+                n,
+                &self.scales,
+                &self.zeros,
+                qsum,
+                &mut self.s,
+                &mut self.codes_t,
+            )
+        {
+            return;
+        }
         if self.int_q.is_none() {
             // Every group's partial scores at once, `tmp` as `[groups][g][CHUNK]`.
             kern.key_dots(qk, qt, g, d, kcodes, fmt.key_bits, gs, n, &mut self.tmp, &mut self.rows, &mut self.codes_t);

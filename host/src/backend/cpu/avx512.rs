@@ -97,6 +97,61 @@ impl Avx512 {
         w1: usize,
         out: &mut [f32],
     ) {
+        self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, w0, w1, out, None)
+    }
+
+    /// The exact key scores of a chunk, every group, straight into the scores `s`
+    /// (`[g][CHUNK]`): `s[h][t] = sum_j (scales[j][t] dot_j[h][t] + zeros[j][t]
+    /// qsum[h][j])` with `scales` and `zeros` `[groups][CHUNK]` and `qsum` `[g][groups]`,
+    /// the group sums in order, the same operations as the AVX2 path (its dot products,
+    /// then `HeadState::key_scores`' f32 multiplies and adds), so the same bits.
+    /// `codes` are `n` rows of `cb` bytes, a multiple of 16; groups of `gs` channels are
+    /// whole dwords.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn key_scores(
+        self,
+        qt: &[f32],
+        g: usize,
+        d: usize,
+        codes: &[u8],
+        bits: u32,
+        gs: usize,
+        n: usize,
+        scales: &[f32],
+        zeros: &[f32],
+        qsum: &[f32],
+        s: &mut [f32],
+        codes_t: &mut [u32],
+    ) {
+        let cb = d * bits as usize / 8;
+        self.transpose_codes(codes, cb, n, codes_t);
+        let (groups, words) = (d / gs, gs * bits as usize / 32);
+        for j in 0..groups {
+            let combine = Combine {
+                scales: &scales[j * CHUNK..(j + 1) * CHUNK],
+                zeros: &zeros[j * CHUNK..(j + 1) * CHUNK],
+                qsum,
+                groups,
+                j,
+            };
+            self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, s, Some(combine));
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dots_codes_t_combined(
+        self,
+        qt: &[f32],
+        g: usize,
+        d: usize,
+        codes_t: &[u32],
+        bits: u32,
+        n: usize,
+        w0: usize,
+        w1: usize,
+        out: &mut [f32],
+        combine: Option<Combine<'_>>,
+    ) {
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
@@ -107,10 +162,10 @@ impl Avx512 {
                     unsafe {
                         match n.div_ceil(16) {
                             0 => {}
-                            1 => dots_codes_t::<$h, $b, 1>(qt, h0, d, codes_t, n, w0, w1, out),
-                            2 => dots_codes_t::<$h, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out),
-                            3 => dots_codes_t::<$h, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out),
-                            _ => dots_codes_t::<$h, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out),
+                            1 => dots_codes_t::<$h, $b, 1>(qt, h0, d, codes_t, n, w0, w1, out, combine),
+                            2 => dots_codes_t::<$h, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out, combine),
+                            3 => dots_codes_t::<$h, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out, combine),
+                            _ => dots_codes_t::<$h, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out, combine),
                         }
                     }
                 };
@@ -127,6 +182,64 @@ impl Avx512 {
             }
             h0 += hn;
         }
+    }
+}
+
+impl Avx512 {
+    /// The AVX2 `transpose_codes` for [`Avx512::dots_codes_t_heads`]: a chunk's key codes,
+    /// `n <= CHUNK` rows of `cb` bytes (a multiple of 16), into `out[w][t]` (dword `w` of
+    /// token `t`'s row), for the tokens `t < n` rounded up to a multiple of 16, the rows
+    /// past `n` as zeros (the columns after those are not written: the 512-bit kernel
+    /// does not read them).
+    pub(crate) fn transpose_codes(self, codes: &[u8], cb: usize, n: usize, out: &mut [u32]) {
+        // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA and F16C were
+        // detected.
+        unsafe { transpose_codes(codes, cb, n, out) }
+    }
+}
+
+/// Sixteen rows at a time, per 16-byte block of the rows: four registers of four rows
+/// each (rows `i, i + 4, i + 8, i + 12` in register `i`), then the 4 x 4 dword
+/// transpose of SSE in each 128-bit lane, which leaves dword `k` of the block of rows
+/// `t .. t + 16` in order in register `k`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn transpose_codes(codes: &[u8], cb: usize, n: usize, out: &mut [u32]) {
+    assert!(cb.is_multiple_of(16) && n <= CHUNK && n * cb <= codes.len());
+    let words = cb / 4;
+    assert!(out.len() >= words * CODES_T_COLS && CHUNK <= CODES_T_COLS);
+    let (cp, op) = (codes.as_ptr(), out.as_mut_ptr());
+    let mut t = 0;
+    while t < n {
+        let whole = t + 16 <= n;
+        for blk in 0..cb / 16 {
+            // SAFETY: row t + r < n (else a zero row), bytes blk * 16 .. + 16 <= cb: inside
+            // `codes` (asserted); the stores go to words 4 blk .. + 4 < words, columns t ..
+            // t + 16 <= CHUNK <= CODES_T_COLS: inside `out` (asserted).
+            unsafe {
+                let row = |r: usize| {
+                    if whole || t + r < n {
+                        _mm_loadu_si128(cp.add((t + r) * cb + blk * 16).cast())
+                    } else {
+                        _mm_setzero_si128()
+                    }
+                };
+                let reg = |i: usize| {
+                    let v = _mm512_castsi128_si512(row(i));
+                    let v = _mm512_inserti32x4::<1>(v, row(i + 4));
+                    let v = _mm512_inserti32x4::<2>(v, row(i + 8));
+                    _mm512_inserti32x4::<3>(v, row(i + 12))
+                };
+                let (r0, r1, r2, r3) = (reg(0), reg(1), reg(2), reg(3));
+                let (l01, h01) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+                let (l23, h23) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+                let w = op.add(blk * 4 * CODES_T_COLS + t);
+                _mm512_storeu_si512(w.cast(), _mm512_unpacklo_epi64(l01, l23));
+                _mm512_storeu_si512(w.add(CODES_T_COLS).cast(), _mm512_unpackhi_epi64(l01, l23));
+                _mm512_storeu_si512(w.add(2 * CODES_T_COLS).cast(), _mm512_unpacklo_epi64(h01, h23));
+                _mm512_storeu_si512(w.add(3 * CODES_T_COLS).cast(), _mm512_unpackhi_epi64(h01, h23));
+            }
+        }
+        t += 16;
     }
 }
 
@@ -281,6 +394,7 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
     w0: usize,
     w1: usize,
     out: &mut [f32],
+    combine: Option<Combine<'_>>,
 ) {
     let per_byte = 8 / BITS as usize;
     let per_word = 4 * per_byte;
@@ -328,11 +442,40 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
             }
         }
     }
+    if let Some(c) = &combine {
+        assert!(c.scales.len() >= 16 * TS && c.zeros.len() >= 16 * TS && c.qsum.len() >= (h0 + H) * c.groups);
+    }
     for (i, a) in acc.iter().enumerate() {
         for (hh, &v) in a.iter().enumerate() {
             // SAFETY: (h0 + hh) * CHUNK + 16 i + 16 <= (h0 + H - 1) * CHUNK + 16 TS <=
-            // out.len() (asserted).
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((h0 + hh) * CHUNK + 16 * i), v) };
+            // out.len() (asserted); the scales and zeros hold 16 TS (asserted).
+            unsafe {
+                let p = out.as_mut_ptr().add((h0 + hh) * CHUNK + 16 * i);
+                let v = match &combine {
+                    None => v,
+                    Some(c) => {
+                        // `scales[t] * dot + zeros[t] * qsum`, added to the earlier groups'.
+                        let qs = _mm512_set1_ps(c.qsum[(h0 + hh) * c.groups + c.j]);
+                        let sc = _mm512_loadu_ps(c.scales.as_ptr().add(16 * i));
+                        let z = _mm512_loadu_ps(c.zeros.as_ptr().add(16 * i));
+                        let x = _mm512_add_ps(_mm512_mul_ps(sc, v), _mm512_mul_ps(z, qs));
+                        if c.j == 0 { x } else { _mm512_add_ps(_mm512_loadu_ps(p), x) }
+                    }
+                };
+                _mm512_storeu_ps(p, v)
+            }
         }
     }
+}
+
+/// What [`Avx512::key_scores`] applies to a group's dot products before it stores them:
+/// the group's scale and zero per token (`[CHUNK]`), the query sums `qsum[h][j]`
+/// (`[g][groups]`), and the group `j` (0: the first, stored; else added).
+#[derive(Clone, Copy)]
+struct Combine<'a> {
+    scales: &'a [f32],
+    zeros: &'a [f32],
+    qsum: &'a [f32],
+    groups: usize,
+    j: usize,
 }
