@@ -7,6 +7,12 @@
 //! issues half as many for the same work, and 32 registers hold a whole chunk's
 //! accumulators.
 //!
+//! One condition: the floating-point environment is the default one. A process that
+//! sets flush-to-zero or denormals-are-zero (some fast-math builds and frameworks do)
+//! can see other bits for 1 or 2 heads per KV head, whose AVX2 value kernel shifts the
+//! top code of each byte down where this one masks it in place and scales the sum back
+//! by a power of two (exact, unless a product is subnormal and flushed).
+//!
 //! Why: the AVX2 kernels issue 4-5 instructions per cycle (loads, masks, conversions and
 //! broadcasts beside the multiply-adds) and ran at 1.2-1.5x their FMA floor hot in L1;
 //! on Zen 4, which runs a 512-bit multiply-add as two 256-bit halves, the FMA floor is
@@ -53,8 +59,10 @@ impl Avx512 {
         n: usize,
         c0: usize,
         c1: usize,
+        pf: &[u8],
     ) {
         assert!(Self::takes_values(bits, c0, c1));
+        let mut pf = pf;
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
@@ -64,10 +72,10 @@ impl Avx512 {
                     // F16C were detected.
                     unsafe {
                         match hn {
-                            4 => accumulate_codes_block::<4, $b>(o, w, h0, d, codes, n, c0, c1),
-                            3 => accumulate_codes_block::<3, $b>(o, w, h0, d, codes, n, c0, c1),
-                            2 => accumulate_codes_block::<2, $b>(o, w, h0, d, codes, n, c0, c1),
-                            _ => accumulate_codes_block::<1, $b>(o, w, h0, d, codes, n, c0, c1),
+                            4 => accumulate_codes_block::<4, $b>(o, w, h0, d, codes, n, c0, c1, pf),
+                            3 => accumulate_codes_block::<3, $b>(o, w, h0, d, codes, n, c0, c1, pf),
+                            2 => accumulate_codes_block::<2, $b>(o, w, h0, d, codes, n, c0, c1, pf),
+                            _ => accumulate_codes_block::<1, $b>(o, w, h0, d, codes, n, c0, c1, pf),
                         }
                     }
                 };
@@ -77,6 +85,7 @@ impl Avx512 {
             } else {
                 go!(4)
             }
+            pf = &[];
             h0 += hn;
         }
     }
@@ -101,7 +110,8 @@ impl Avx512 {
     }
 
     /// The exact key scores of a chunk, every group, straight into the scores `s`
-    /// (`[g][CHUNK]`): `s[h][t] = sum_j (scales[j][t] dot_j[h][t] + zeros[j][t]
+    /// (`[g][CHUNK]`; lanes from `n` up to the next multiple of 16 are written too, from
+    /// zero codes and whatever `scales` and `zeros` hold there, and are not scores): `s[h][t] = sum_j (scales[j][t] dot_j[h][t] + zeros[j][t]
     /// qsum[h][j])` with `scales` and `zeros` `[groups][CHUNK]` and `qsum` `[g][groups]`,
     /// the group sums in order, the same operations as the AVX2 path (its dot products,
     /// then `HeadState::key_scores`' f32 multiplies and adds), so the same bits.
@@ -332,10 +342,15 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
     n: usize,
     c0: usize,
     c1: usize,
+    pf: &[u8],
 ) {
     let cb = d * BITS as usize / 8;
     let cpb = 64 / BITS as usize;
     let shifts = 8 / BITS as usize;
+    // The lines of `pf`, prefetched into L2 one per token of the first pass (and the rest
+    // after it), spread out so they do not wait for free miss buffers at once.
+    let lines = pf.len().div_ceil(64);
+    let mut next_line = 0;
     assert!((h0 + H) * d <= o.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
     assert!(c0.is_multiple_of(2 * cpb) && c1.is_multiple_of(2 * cpb));
     assert!(n == 0 || (h0 + H - 1) * CHUNK + n <= w.len());
@@ -345,6 +360,11 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
     for blk in (c0 / cpb..c1 / cpb).step_by(2) {
         let mut acc = [[_mm512_setzero_ps(); H]; 4];
         for t in 0..n {
+            if next_line < lines {
+                // SAFETY: a prefetch is a hint; line next_line < lines starts inside `pf`.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
+                next_line += 1;
+            }
             // SAFETY: blk + 1 < d / cpb and t < n: 16 bytes inside token t's codes.
             let raw = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(cp.add(t * cb + blk * 8).cast())) };
             let mut x = [_mm512_setzero_ps(); 4];
@@ -376,6 +396,11 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
                 }
             }
         }
+    }
+    while next_line < lines {
+        // SAFETY: as above.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
+        next_line += 1;
     }
 }
 
