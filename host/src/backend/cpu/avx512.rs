@@ -47,6 +47,8 @@ impl Avx512 {
     /// Value accumulation from packed codes, `o[h][c] += sum_t w[h][t] code[t][c]` for
     /// heads `h < g` (in blocks of up to 4) and channels `[c0, c1)` (see
     /// [`Avx512::takes_values`]): the AVX2 `accumulate_codes_block`'s sums, bit for bit.
+    /// The lines of `pf` (the next page's, or empty) are prefetched into L2 along the way:
+    /// one per token of the first head block's first pass, the rest after it.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn accumulate_codes(
         self,
