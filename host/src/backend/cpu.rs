@@ -1619,7 +1619,8 @@ mod avx2 {
     /// Proof that the processor supports AVX2, FMA and F16C: only [`Avx2::detect`]
     /// makes one. Where the processor also has AVX-512 F, the decode kernels over packed
     /// codes run with 512-bit registers ([`Avx512`]: the same bits, half the
-    /// instructions) unless [`Avx2::narrow`] turned them off.
+    /// instructions) unless `set_avx512(false)` or `ROTKV_CPU_ISA=avx2` turned them off
+    /// (and the tests' `narrow`).
     #[derive(Clone, Copy)]
     pub(crate) struct Avx2 {
         zmm: Option<Avx512>,
