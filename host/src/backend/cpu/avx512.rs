@@ -108,7 +108,7 @@ impl Avx512 {
         w1: usize,
         out: &mut [f32],
     ) {
-        self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, w0, w1, out, None)
+        self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, w0, w1, out, None, &[])
     }
 
     /// The exact key scores of a chunk, every group, straight into the scores `s`
@@ -118,7 +118,8 @@ impl Avx512 {
     /// the group sums in order, the same operations as the AVX2 path (its dot products,
     /// then `HeadState::key_scores`' f32 multiplies and adds), so the same bits.
     /// `codes` are `n` rows of `cb` bytes, a multiple of 16; groups of `gs` channels are
-    /// whole dwords.
+    /// whole dwords. The lines of `pf` (part of the next page, or empty) are prefetched
+    /// into L2 along the first group's pass, one per code position.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn key_scores(
         self,
@@ -134,6 +135,7 @@ impl Avx512 {
         qsum: &[f32],
         s: &mut [f32],
         codes_t: &mut [u32],
+        pf: &[u8],
     ) {
         let cb = d * bits as usize / 8;
         self.transpose_codes(codes, cb, n, codes_t);
@@ -146,7 +148,8 @@ impl Avx512 {
                 groups,
                 j,
             };
-            self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, s, Some(combine));
+            let pf = if j == 0 { pf } else { &[][..] };
+            self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, s, Some(combine), pf);
         }
     }
 
@@ -163,7 +166,9 @@ impl Avx512 {
         w1: usize,
         out: &mut [f32],
         combine: Option<Combine<'_>>,
+        pf: &[u8],
     ) {
+        let mut pf = pf;
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
@@ -174,10 +179,10 @@ impl Avx512 {
                     unsafe {
                         match n.div_ceil(16) {
                             0 => {}
-                            1 => dots_codes_t::<$h, $b, 1>(qt, h0, d, codes_t, n, w0, w1, out, combine),
-                            2 => dots_codes_t::<$h, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out, combine),
-                            3 => dots_codes_t::<$h, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out, combine),
-                            _ => dots_codes_t::<$h, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out, combine),
+                            1 => dots_codes_t::<$h, $b, 1>(qt, h0, d, codes_t, n, w0, w1, out, combine, pf),
+                            2 => dots_codes_t::<$h, $b, 2>(qt, h0, d, codes_t, n, w0, w1, out, combine, pf),
+                            3 => dots_codes_t::<$h, $b, 3>(qt, h0, d, codes_t, n, w0, w1, out, combine, pf),
+                            _ => dots_codes_t::<$h, $b, 4>(qt, h0, d, codes_t, n, w0, w1, out, combine, pf),
                         }
                     }
                 };
@@ -192,6 +197,7 @@ impl Avx512 {
                 (_, 2) => sets!(4, 2),
                 _ => sets!(4, 1),
             }
+            pf = &[];
             h0 += hn;
         }
     }
@@ -422,8 +428,13 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
     w1: usize,
     out: &mut [f32],
     combine: Option<Combine<'_>>,
+    pf: &[u8],
 ) {
     let per_byte = 8 / BITS as usize;
+    // The lines of `pf`, prefetched into L2 one per code position (the rest after the
+    // pass), spread out so that they do not wait for free miss buffers at once.
+    let lines = pf.len().div_ceil(64);
+    let mut next_line = 0;
     let per_word = 4 * per_byte;
     assert!((h0 + H) * d <= qt.len() && w0 <= w1 && w1 * per_word <= d && n <= 16 * TS && 16 * TS <= CHUNK);
     assert!(codes_t.len() >= w1 * CODES_T_COLS && (h0 + H - 1) * CHUNK + 16 * TS <= out.len());
@@ -452,6 +463,11 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
                 }
             }
             for s in 0..per_byte {
+                if next_line < lines {
+                    // SAFETY: a prefetch is a hint; line next_line < lines starts inside `pf`.
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
+                    next_line += 1;
+                }
                 // SAFETY: b * per_byte + s < per_word <= 16 entries of `masks`.
                 let mask = _mm512_set1_epi32(unsafe { *mp.add(b * per_byte + s) });
                 let c = w * per_word + b * per_byte + s;
@@ -468,6 +484,11 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
                 }
             }
         }
+    }
+    while next_line < lines {
+        // SAFETY: as above.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
+        next_line += 1;
     }
     if let Some(c) = &combine {
         assert!(c.scales.len() >= 16 * TS && c.zeros.len() >= 16 * TS && c.qsum.len() >= (h0 + H) * c.groups);
