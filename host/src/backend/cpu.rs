@@ -3183,18 +3183,14 @@ mod avx2 {
                 // cache does not accept; the kernels do).
                 return super::key_dots_by_group(self, qk, g, d, codes, bits, gs, n, out, rows);
             }
-            match self.zmm {
-                Some(z) => z.transpose_codes(codes, cb, n, codes_t),
-                None => transpose_codes(self, codes, cb, n, codes_t),
-            }
+            // The 256-bit kernels: with the 512-bit ones, decode's exact path takes
+            // `key_scores` instead, and no chunk reaches this.
+            transpose_codes(self, codes, cb, n, codes_t);
             // Every group is whole 32-bit words: groups of 32 or more channels.
             let words = gs * bits as usize / 32;
             for j in 0..d / gs {
                 let o = &mut out[j * g * CHUNK..(j + 1) * g * CHUNK];
-                match self.zmm {
-                    Some(z) => z.dots_codes_t_heads(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o),
-                    None => dots_codes_t_heads(self, qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o),
-                }
+                dots_codes_t_heads(self, qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, o);
             }
         }
         #[inline(always)]

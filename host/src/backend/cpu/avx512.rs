@@ -92,29 +92,10 @@ impl Avx512 {
         }
     }
 
-    /// Key scores of the `g` heads over dwords `[w0, w1)` of the transposed key codes,
-    /// tokens in lanes (the AVX2 `dots_codes_t_heads`' contract and bits): one pass of
-    /// up to 4 sets of 16 tokens per block of up to 4 heads.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn dots_codes_t_heads(
-        self,
-        qt: &[f32],
-        g: usize,
-        d: usize,
-        codes_t: &[u32],
-        bits: u32,
-        n: usize,
-        w0: usize,
-        w1: usize,
-        out: &mut [f32],
-    ) {
-        self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, w0, w1, out, None, &[])
-    }
-
     /// The exact key scores of a chunk, every group, straight into the scores `s`
     /// (`[g][CHUNK]`; lanes from `n` up to the next multiple of 16 are written too, from
-    /// zero codes and whatever `scales` and `zeros` hold there, and are not scores): `s[h][t] = sum_j (scales[j][t] dot_j[h][t] + zeros[j][t]
-    /// qsum[h][j])` with `scales` and `zeros` `[groups][CHUNK]` and `qsum` `[g][groups]`,
+    /// zero codes and whatever `scales` and `zeros` hold there, and are not scores):
+    /// `s[h][t] = sum_j (scales[j][t] dot_j[h][t] + zeros[j][t] qsum[h][j])` with `scales` and `zeros` `[groups][CHUNK]` and `qsum` `[g][groups]`,
     /// the group sums in order, the same operations as the AVX2 path (its dot products,
     /// then `HeadState::key_scores`' f32 multiplies and adds), so the same bits.
     /// `codes` are `n` rows of `cb` bytes, a multiple of 16; groups of `gs` channels are
@@ -149,12 +130,15 @@ impl Avx512 {
                 j,
             };
             let pf = if j == 0 { pf } else { &[][..] };
-            self.dots_codes_t_combined(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, s, Some(combine), pf);
+            self.dots_codes_t_heads(qt, g, d, codes_t, bits, n, j * words, (j + 1) * words, s, combine, pf);
         }
     }
 
+    /// One group's scores for the `g` heads over dwords `[w0, w1)` of the transposed key
+    /// codes, tokens in lanes: one pass of up to 4 sets of 16 tokens per block of up to
+    /// 4 heads (the first block prefetches `pf`).
     #[allow(clippy::too_many_arguments)]
-    fn dots_codes_t_combined(
+    fn dots_codes_t_heads(
         self,
         qt: &[f32],
         g: usize,
@@ -165,7 +149,7 @@ impl Avx512 {
         w0: usize,
         w1: usize,
         out: &mut [f32],
-        combine: Option<Combine<'_>>,
+        combine: Combine<'_>,
         pf: &[u8],
     ) {
         let mut pf = pf;
@@ -355,10 +339,8 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
     let cb = d * BITS as usize / 8;
     let cpb = 64 / BITS as usize;
     let shifts = 8 / BITS as usize;
-    // The lines of `pf`, prefetched into L2 one per token of the first pass (and the rest
-    // after it), spread out so they do not wait for free miss buffers at once.
-    let lines = pf.len().div_ceil(64);
-    let mut next_line = 0;
+    // One line of `pf` per token of the first pass (the rest after it).
+    let mut pf = SpreadPrefetch::new(pf);
     assert!((h0 + H) * d <= o.len() && n * cb <= codes.len() && c1 <= d && c0 <= c1);
     assert!(c0.is_multiple_of(2 * cpb) && c1.is_multiple_of(2 * cpb));
     assert!(n == 0 || (h0 + H - 1) * CHUNK + n <= w.len());
@@ -368,11 +350,7 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
     for blk in (c0 / cpb..c1 / cpb).step_by(2) {
         let mut acc = [[_mm512_setzero_ps(); H]; 4];
         for t in 0..n {
-            if next_line < lines {
-                // SAFETY: a prefetch is a hint; line next_line < lines starts inside `pf`.
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
-                next_line += 1;
-            }
+            pf.one();
             // SAFETY: blk + 1 < d / cpb and t < n: 16 bytes inside token t's codes.
             let raw = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(cp.add(t * cb + blk * 8).cast())) };
             let mut x = [_mm512_setzero_ps(); 4];
@@ -405,10 +383,37 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
             }
         }
     }
-    while next_line < lines {
-        // SAFETY: as above.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
-        next_line += 1;
+    pf.rest();
+}
+
+/// The lines of a slice (part of the next page) prefetched into L2 one at a time over a
+/// kernel's loop, so that they do not wait for free miss buffers all at once.
+struct SpreadPrefetch<'a> {
+    bytes: &'a [u8],
+    next: usize,
+}
+
+impl<'a> SpreadPrefetch<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        SpreadPrefetch { bytes, next: 0 }
+    }
+
+    /// The next line, if any is left.
+    #[inline(always)]
+    fn one(&mut self) {
+        if let Some(byte) = self.bytes.get(64 * self.next) {
+            // SAFETY: a prefetch is a hint; the address is inside `bytes`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(std::ptr::from_ref(byte).cast()) };
+            self.next += 1;
+        }
+    }
+
+    /// Every line left.
+    #[inline(always)]
+    fn rest(&mut self) {
+        while 64 * self.next < self.bytes.len() {
+            self.one();
+        }
     }
 }
 
@@ -427,17 +432,16 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
     w0: usize,
     w1: usize,
     out: &mut [f32],
-    combine: Option<Combine<'_>>,
+    c: Combine<'_>,
     pf: &[u8],
 ) {
     let per_byte = 8 / BITS as usize;
-    // The lines of `pf`, prefetched into L2 one per code position (the rest after the
-    // pass), spread out so that they do not wait for free miss buffers at once.
-    let lines = pf.len().div_ceil(64);
-    let mut next_line = 0;
+    // One line of `pf` per code position (the rest after the pass).
+    let mut pf = SpreadPrefetch::new(pf);
     let per_word = 4 * per_byte;
     assert!((h0 + H) * d <= qt.len() && w0 <= w1 && w1 * per_word <= d && n <= 16 * TS && 16 * TS <= CHUNK);
     assert!(codes_t.len() >= w1 * CODES_T_COLS && (h0 + H - 1) * CHUNK + 16 * TS <= out.len());
+    assert!(c.scales.len() >= 16 * TS && c.zeros.len() >= 16 * TS && c.qsum.len() >= (h0 + H) * c.groups);
     let (qp, cp) = (qt.as_ptr(), codes_t.as_ptr());
     let m = (1i32 << BITS) - 1;
     // Slot k = b * per_byte + s of a word masks bits p(b, s) of the (for b = 3, shifted)
@@ -463,11 +467,7 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
                 }
             }
             for s in 0..per_byte {
-                if next_line < lines {
-                    // SAFETY: a prefetch is a hint; line next_line < lines starts inside `pf`.
-                    unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
-                    next_line += 1;
-                }
+                pf.one();
                 // SAFETY: b * per_byte + s < per_word <= 16 entries of `masks`.
                 let mask = _mm512_set1_epi32(unsafe { *mp.add(b * per_byte + s) });
                 let c = w * per_word + b * per_byte + s;
@@ -485,32 +485,19 @@ fn dots_codes_t<const H: usize, const BITS: u32, const TS: usize>(
             }
         }
     }
-    while next_line < lines {
-        // SAFETY: as above.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.as_ptr().add(64 * next_line).cast()) };
-        next_line += 1;
-    }
-    if let Some(c) = &combine {
-        assert!(c.scales.len() >= 16 * TS && c.zeros.len() >= 16 * TS && c.qsum.len() >= (h0 + H) * c.groups);
-    }
+    pf.rest();
     for (i, a) in acc.iter().enumerate() {
         for (hh, &v) in a.iter().enumerate() {
             // SAFETY: (h0 + hh) * CHUNK + 16 i + 16 <= (h0 + H - 1) * CHUNK + 16 TS <=
             // out.len() (asserted); the scales and zeros hold 16 TS (asserted).
             unsafe {
                 let p = out.as_mut_ptr().add((h0 + hh) * CHUNK + 16 * i);
-                let v = match &combine {
-                    None => v,
-                    Some(c) => {
-                        // `scales[t] * dot + zeros[t] * qsum`, added to the earlier groups'.
-                        let qs = _mm512_set1_ps(c.qsum[(h0 + hh) * c.groups + c.j]);
-                        let sc = _mm512_loadu_ps(c.scales.as_ptr().add(16 * i));
-                        let z = _mm512_loadu_ps(c.zeros.as_ptr().add(16 * i));
-                        let x = _mm512_add_ps(_mm512_mul_ps(sc, v), _mm512_mul_ps(z, qs));
-                        if c.j == 0 { x } else { _mm512_add_ps(_mm512_loadu_ps(p), x) }
-                    }
-                };
-                _mm512_storeu_ps(p, v)
+                // `scales[t] * dot + zeros[t] * qsum`, added to the earlier groups'.
+                let qs = _mm512_set1_ps(c.qsum[(h0 + hh) * c.groups + c.j]);
+                let sc = _mm512_loadu_ps(c.scales.as_ptr().add(16 * i));
+                let z = _mm512_loadu_ps(c.zeros.as_ptr().add(16 * i));
+                let x = _mm512_add_ps(_mm512_mul_ps(sc, v), _mm512_mul_ps(z, qs));
+                _mm512_storeu_ps(p, if c.j == 0 { x } else { _mm512_add_ps(_mm512_loadu_ps(p), x) })
             }
         }
     }
