@@ -1622,8 +1622,8 @@ mod avx2 {
 
     /// Proof that the processor supports AVX2, FMA and F16C: only [`Avx2::detect`]
     /// makes one. Where the processor also has AVX-512 F, the decode kernels over packed
-    /// codes run with 512-bit registers ([`Avx512`]: the same bits, half the
-    /// instructions) unless `set_avx512(false)` or `ROTKV_CPU_ISA=avx2` turned them off
+    /// codes and the append's one-pass staging and codes run with 512-bit registers
+    /// ([`Avx512`]: the same bits, half the instructions) unless `set_avx512(false)` or `ROTKV_CPU_ISA=avx2` turned them off
     /// (and the tests' `narrow`).
     #[derive(Clone, Copy)]
     pub(crate) struct Avx2 {
@@ -1788,10 +1788,12 @@ mod avx2 {
     /// are all 0), then the codes ([`group_codes`]). A row with a threshold that is not
     /// finite would go to the portable quantizer (which divides there); for finite rows
     /// none is (`|z| <= 65504` and `s <= 131008 / 3` keep every threshold below 2^18),
-    /// so that branch only keeps the function total.
+    /// so that branch only keeps the function total. With `zmm`, the codes come from
+    /// [`Avx512::group_codes`] (the same bytes).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn quantize_rows(
+        zmm: Option<Avx512>,
         rows: &[f16],
         d: usize,
         bits: u32,
@@ -1876,7 +1878,10 @@ mod avx2 {
                     for (k, t) in t.iter_mut().enumerate().take(levels) {
                         *t = th[k * ITEMS + r * groups + j];
                     }
-                    group_codes(x, &t[..levels], bits, out);
+                    match zmm {
+                        Some(z) => z.group_codes(x, &t[..levels], bits, out),
+                        None => group_codes(x, &t[..levels], bits, out),
+                    }
                 }
             }
         }
@@ -2518,7 +2523,7 @@ mod avx2 {
     /// each index is a constant once `f` is inlined: arrays of registers indexed by it stay
     /// in registers, where LLVM leaves a loop over them rolled, with the array in memory.
     #[inline(always)]
-    fn unrolled<const N: usize>(mut f: impl FnMut(usize)) {
+    pub(super) fn unrolled<const N: usize>(mut f: impl FnMut(usize)) {
         macro_rules! calls {
             ($($i:literal)*) => {{ $( f($i); )* }};
         }
@@ -3084,9 +3089,14 @@ mod avx2 {
         }
         #[inline(always)]
         fn prefetch_l1(self, bytes: &[u8]) {
-            for line in bytes.chunks(64) {
-                // SAFETY: a prefetch is a hint; the address is inside `bytes`.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+            // Every line `bytes` touches, from the one its first byte is in (an input row
+            // rarely starts a line: a row of 128 f16 is 5 lines when it does not).
+            let p = bytes.as_ptr();
+            let skew = p as usize % 64;
+            for at in (0..skew + bytes.len()).step_by(64) {
+                // SAFETY: a prefetch is a hint and does not fault; the address is within
+                // the lines `bytes` touches.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_sub(skew).wrapping_add(at).cast()) };
             }
         }
         #[inline(always)]
@@ -3115,6 +3125,9 @@ mod avx2 {
             dst: &mut [f16],
             ranges: &mut [(f32, f32)],
         ) -> Option<f32> {
+            if let Some(z) = self.zmm {
+                return z.stage_hadamard(src, affine, g, dst, ranges);
+            }
             // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
             unsafe {
                 match (src.len(), g) {
@@ -3141,7 +3154,7 @@ mod avx2 {
             params: &mut [u8],
         ) {
             // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
-            unsafe { quantize_rows(rows, d, bits, g, clip, ranges, codes, params) }
+            unsafe { quantize_rows(self.zmm, rows, d, bits, g, clip, ranges, codes, params) }
         }
         #[inline(always)]
         fn dots(self, q: &[f32], g: usize, d: usize, rows: &[f32], n: usize, c0: usize, c1: usize, out: &mut [f32]) {
@@ -3862,8 +3875,8 @@ fn isa_is_avx2() -> bool {
     }
 }
 
-/// Turns the CPU backend's 512-bit decode kernels on or off for this process, from the
-/// next decode on (on by default where the processor has AVX-512 F, unless
+/// Turns the CPU backend's 512-bit kernels (decode's packed-code kernels, append's
+/// one-pass staging and codes) on or off for this process, from the next call on (on by default where the processor has AVX-512 F, unless
 /// `ROTKV_CPU_ISA=avx2` is set). The results are the same bits either way; off is for
 /// side-by-side benchmarks and for processors that lower their clock for 512-bit
 /// instructions. Without AVX-512 F, `true` changes nothing. See [`kernels`].
@@ -3871,8 +3884,9 @@ pub fn set_avx512(enabled: bool) {
     AVX512_CHOICE.store(if enabled { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// The kernel set the CPU backend's decode uses on this processor: `"avx512"` (AVX2,
-/// FMA and F16C, and the packed-code kernels with 512-bit registers: AVX-512 F),
+/// The kernel set the CPU backend's decode and append use on this processor: `"avx512"`
+/// (AVX2, FMA and F16C, and decode's packed-code kernels and append's staging and codes
+/// with 512-bit registers: AVX-512 F, with BMI2),
 /// `"avx2"` (AVX2, FMA and F16C; also where [`set_avx512`]`(false)` or
 /// `ROTKV_CPU_ISA=avx2` turned the 512-bit kernels off) or `"portable"`. Benchmarks
 /// print it beside their numbers.
@@ -4769,7 +4783,9 @@ mod tests {
     fn one_pass_staging_writes_the_staged_row() {
         #[cfg(target_arch = "x86_64")]
         fn run<T: KvElement>(avx: Avx2, conv: impl Fn(f32) -> T) {
-            for d in [64usize, 128] {
+            // The 512-bit pass also takes rows of 256.
+            let dims: &[usize] = if avx.is_wide() { &[64, 128, 256] } else { &[64, 128] };
+            for &d in dims {
                 let mean = values(d, 7);
                 let scale: Vec<f32> = values(d, 8).iter().map(|v| 1.0 + v.abs()).collect();
                 for (a, affine) in
@@ -4783,11 +4799,14 @@ mod tests {
                         let (mut x, mut y, mut want) = (vec![0f32; d], vec![0f32; d], vec![f16::ZERO; d]);
                         let norm =
                             stage_input(avx, &src, affine, HeadRotation::Hadamard, None, &mut x, &mut y, &mut want);
-                        for g in [32usize, 64, d] {
+                        for g in [32usize, 64, 128, 256].into_iter().filter(|&g| g <= d) {
                             let mut got = vec![f16::ONE; d];
                             let mut ranges = vec![(f32::NAN, f32::NAN); d / g];
                             let fast = avx.stage_hadamard(&src, affine, g, &mut got, &mut ranges).expect("one pass");
-                            let what = format!("d{d} affine {a} row {i} g{g}");
+                            let what = format!(
+                                "{} d{d} affine {a} row {i} g{g}",
+                                if avx.is_wide() { "avx512" } else { "avx2" }
+                            );
                             assert_eq!(
                                 got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -4804,9 +4823,11 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         if let Some(avx) = Avx2::detect() {
-            run::<f32>(avx, |v| v);
-            run::<f16>(avx, f16::from_f32);
-            run::<half::bf16>(avx, half::bf16::from_f32);
+            for (avx, _) in kernel_sets(avx) {
+                run::<f32>(avx, |v| v);
+                run::<f16>(avx, f16::from_f32);
+                run::<half::bf16>(avx, half::bf16::from_f32);
+            }
             return;
         }
         println!("SKIPPED: no AVX2, FMA and F16C on this processor");
@@ -4952,9 +4973,11 @@ mod tests {
                     check(&bytes, "portable");
                     #[cfg(target_arch = "x86_64")]
                     if let Some(avx) = Avx2::detect() {
-                        let mut bytes = vec![0x55u8; fmt.page_bytes() as usize];
-                        quantize_rows_into(avx, &fmt, one, value, slot, &mut bytes);
-                        check(&bytes, "avx2");
+                        for (avx, name) in kernel_sets(avx) {
+                            let mut bytes = vec![0x55u8; fmt.page_bytes() as usize];
+                            quantize_rows_into(avx, &fmt, one, value, slot, &mut bytes);
+                            check(&bytes, name);
+                        }
                     }
                 }
             }
@@ -4987,9 +5010,11 @@ mod tests {
                     assert_eq!(bytes, one_by_one, "portable page, d{d} k{kb} v{vb} g{gs} value {value}");
                     #[cfg(target_arch = "x86_64")]
                     if let Some(avx) = Avx2::detect() {
-                        let mut bytes = vec![0x33u8; fmt.page_bytes() as usize];
-                        quantize_rows_into(avx, &fmt, page, value, slot, &mut bytes);
-                        assert_eq!(bytes, one_by_one, "avx2 page, d{d} k{kb} v{vb} g{gs} value {value}");
+                        for (avx, name) in kernel_sets(avx) {
+                            let mut bytes = vec![0x33u8; fmt.page_bytes() as usize];
+                            quantize_rows_into(avx, &fmt, page, value, slot, &mut bytes);
+                            assert_eq!(bytes, one_by_one, "{name} page, d{d} k{kb} v{vb} g{gs} value {value}");
+                        }
                     }
                 }
             }

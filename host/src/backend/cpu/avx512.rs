@@ -1,4 +1,5 @@
-//! The decode kernels over packed codes with 512-bit registers (AVX-512 F).
+//! The decode kernels over packed codes, and the append's one-pass staging and codes,
+//! with 512-bit registers (AVX-512 F; the 2-bit codes also use BMI2's `pdep`).
 //!
 //! The same arithmetic as the AVX2 kernels they stand in for, lane for lane: each lane
 //! runs the same chain of f32 multiply-adds in the same order, so the results are the
@@ -19,18 +20,23 @@
 //! the same and the rest halves. On processors with two 512-bit FMA units the floor
 //! itself halves.
 
-use super::{CHUNK, CODES_T_COLS};
+use super::avx2::unrolled;
+use super::{CHUNK, CODES_T_COLS, DTYPE_BF16, DTYPE_F16, DTYPE_F32, KeyAffine};
+use crate::KvElement;
+use half::f16;
 use std::arch::x86_64::*;
 
-/// Proof that the processor supports AVX-512 F (with AVX2, FMA and F16C): only
+/// Proof that the processor supports AVX-512 F (with AVX2, FMA, F16C and BMI2): only
 /// [`Avx512::detect`] makes one.
 #[derive(Clone, Copy)]
 pub(crate) struct Avx512(());
 
 impl Avx512 {
-    /// `Some` when AVX-512 F, AVX2, FMA and F16C are available.
+    /// `Some` when AVX-512 F, AVX2, FMA, F16C and BMI2 are available (every processor
+    /// with AVX-512 F has the others).
     pub(crate) fn detect() -> Option<Self> {
         (std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("bmi2")
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c"))
@@ -513,4 +519,236 @@ struct Combine<'a> {
     qsum: &'a [f32],
     groups: usize,
     j: usize,
+}
+
+// The append's kernels: the one-pass staging of a new row and the codes of a group.
+
+impl Avx512 {
+    /// The AVX2 `stage_hadamard` (the fused append's one-pass staging of a new row of a
+    /// Hadamard-rotated head with no channel permutation) in 512-bit registers, for rows
+    /// of 64, 128 and 256 channels and groups of 32 channels and up: the same f32
+    /// operations lane for lane (load, center and scale, the FWHT butterflies, the
+    /// scale, rounding to f16), so the same stored row, and the same ranges; the squared
+    /// norm in another order (it only picks the rows for the exact test). A row of 128 is
+    /// 8 registers instead of 16, so it stays in registers with the constants beside it
+    /// (the AVX2 pass spills a few). `None`, with nothing written, for other shapes.
+    pub(crate) fn stage_hadamard<T: KvElement>(
+        self,
+        src: &[T],
+        affine: KeyAffine<'_>,
+        g: usize,
+        dst: &mut [f16],
+        ranges: &mut [(f32, f32)],
+    ) -> Option<f32> {
+        // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA, F16C and BMI2
+        // were detected.
+        unsafe {
+            match (src.len(), g) {
+                (64, 32) => stage_hadamard::<T, 4, 2>(src, affine, dst, ranges),
+                (64, 64) => stage_hadamard::<T, 4, 4>(src, affine, dst, ranges),
+                (128, 32) => stage_hadamard::<T, 8, 2>(src, affine, dst, ranges),
+                (128, 64) => stage_hadamard::<T, 8, 4>(src, affine, dst, ranges),
+                (128, 128) => stage_hadamard::<T, 8, 8>(src, affine, dst, ranges),
+                (256, 32) => stage_hadamard::<T, 16, 2>(src, affine, dst, ranges),
+                (256, 64) => stage_hadamard::<T, 16, 4>(src, affine, dst, ranges),
+                (256, 128) => stage_hadamard::<T, 16, 8>(src, affine, dst, ranges),
+                (256, 256) => stage_hadamard::<T, 16, 16>(src, affine, dst, ranges),
+                _ => None,
+            }
+        }
+    }
+
+    /// The AVX2 `group_codes`' bytes (the packed `bits`-bit codes of a group of f16
+    /// values against its ascending thresholds `th`, a code being the count of
+    /// thresholds at or below its value), 16 values per step: 2-bit codes from the three
+    /// comparison masks (bit 1 is `v >= t1`; bit 0 the parity of the count, the XOR of
+    /// the three masks, since the thresholds ascend and so do the masks' sets), spread
+    /// into place by `pdep`; 4-bit codes by a binary search over the thresholds held in
+    /// one register (four compares instead of fifteen), joined into nibbles by a
+    /// multiply-add. `x.len()` a multiple of 32; `out` is `x.len() * bits / 8` bytes.
+    pub(crate) fn group_codes(self, x: &[f16], th: &[f32], bits: u32, out: &mut [u8]) {
+        let g = x.len();
+        assert!(g.is_multiple_of(32) && (bits == 2 || bits == 4));
+        assert!(out.len() == g * bits as usize / 8 && th.len() == (1 << bits) - 1);
+        // SAFETY: as in `stage_hadamard`; the lengths are asserted.
+        unsafe { if bits == 2 { group_codes2(x, th, out) } else { group_codes4(x, th, out) } }
+    }
+}
+
+/// Sixteen elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
+/// into the high half).
+///
+/// # Safety
+/// `p` is valid for reads of 16 elements, `T` is f32, f16 or bf16 (its `DTYPE`, with the
+/// size of that type), and AVX-512 F is present.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn load16<T: KvElement>(p: *const T) -> __m512 {
+    // SAFETY: the caller's contract (16 elements of 4 or 2 bytes).
+    unsafe {
+        if T::DTYPE == DTYPE_F32 {
+            _mm512_loadu_ps(p.cast())
+        } else if T::DTYPE == DTYPE_F16 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        } else {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+        }
+    }
+}
+
+/// See [`Avx512::stage_hadamard`]: a row of `16 * R` channels in `R` registers, groups of
+/// `16 * PER` channels. Strides 1 and 2 inside each 128-bit lane, 4 and 8 across them
+/// (a lane swap and a multiply-add with +-1: `x * -1 + y` rounds once, like `y - x`),
+/// then 16 and up between registers, in the order of the AVX2 pass and of
+/// `super::fwht` (each butterfly the same two operands, so the same bits).
+///
+/// # Safety
+/// AVX-512 F, AVX2, FMA and F16C are present.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
+    src: &[T],
+    affine: KeyAffine<'_>,
+    dst: &mut [f16],
+    ranges: &mut [(f32, f32)],
+) -> Option<f32> {
+    let d = 16 * R;
+    // `KvElement` is sealed, but its `DTYPE` alone does not prove the element's size.
+    let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
+    let known = [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size;
+    if !known || src.len() != d || dst.len() != d {
+        return None;
+    }
+    assert!(PER >= 2 && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
+    let sp = src.as_ptr();
+    let mut v = [_mm512_setzero_ps(); R];
+    match affine {
+        KeyAffine::None => unrolled::<R>(|r| {
+            // SAFETY: 16 * r + 16 <= d = src.len(); T is one of the three types.
+            v[r] = unsafe { load16(sp.add(16 * r)) };
+        }),
+        KeyAffine::Center(m) => {
+            assert_eq!(m.len(), d);
+            unrolled::<R>(|r| {
+                // SAFETY: as above, and `m` has d floats.
+                v[r] = unsafe { _mm512_sub_ps(load16(sp.add(16 * r)), _mm512_loadu_ps(m.as_ptr().add(16 * r))) };
+            });
+        }
+        KeyAffine::Full(m, sc) => {
+            assert!(m.len() == d && sc.len() == d);
+            unrolled::<R>(|r| {
+                // SAFETY: as above, and `m` and `sc` have d floats.
+                v[r] = unsafe {
+                    let (m, sc) = (_mm512_loadu_ps(m.as_ptr().add(16 * r)), _mm512_loadu_ps(sc.as_ptr().add(16 * r)));
+                    _mm512_div_ps(_mm512_sub_ps(load16(sp.add(16 * r)), m), sc)
+                };
+            });
+        }
+    }
+    let mut acc = [_mm512_setzero_ps(); 2];
+    unrolled::<R>(|r| acc[r % 2] = _mm512_fmadd_ps(v[r], v[r], acc[r % 2]));
+    // Strides 1, 2, 4 and 8 inside each register.
+    let (p, m) = (1.0f32, -1.0f32);
+    let s1 = _mm512_setr_ps(p, m, p, m, p, m, p, m, p, m, p, m, p, m, p, m);
+    let s2 = _mm512_setr_ps(p, p, m, m, p, p, m, m, p, p, m, m, p, p, m, m);
+    let s4 = _mm512_setr_ps(p, p, p, p, m, m, m, m, p, p, p, p, m, m, m, m);
+    let s8 = _mm512_setr_ps(p, p, p, p, p, p, p, p, m, m, m, m, m, m, m, m);
+    unrolled::<R>(|r| {
+        let a = v[r];
+        let a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps::<0xB1>(a));
+        let a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps::<0x4E>(a));
+        // 128-bit lanes [1, 0, 3, 2], then [2, 3, 0, 1].
+        let a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4::<0xB1>(a, a));
+        v[r] = _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4::<0x4E>(a, a));
+    });
+    // Strides 16 and up between registers (h registers apart).
+    let mut stage = |h: usize| {
+        if h < R {
+            unrolled::<R>(|k| {
+                if k < R / 2 {
+                    let i = k / h * 2 * h + k % h;
+                    let (a, b) = (v[i], v[i + h]);
+                    v[i] = _mm512_add_ps(a, b);
+                    v[i + h] = _mm512_sub_ps(a, b);
+                }
+            });
+        }
+    };
+    stage(1);
+    stage(2);
+    stage(4);
+    stage(8);
+    let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
+    let dp = dst.as_mut_ptr();
+    let mut lo = [_mm512_set1_ps(f32::INFINITY); 8];
+    let mut hi = [_mm512_set1_ps(f32::NEG_INFINITY); 8];
+    unrolled::<R>(|r| {
+        let y = _mm512_mul_ps(v[r], scale);
+        // SAFETY: 16 * r + 16 <= d = dst.len().
+        unsafe {
+            _mm256_storeu_si256(dp.add(16 * r).cast(), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y));
+        }
+        lo[r / PER] = _mm512_min_ps(lo[r / PER], y);
+        hi[r / PER] = _mm512_max_ps(hi[r / PER], y);
+    });
+    // Rounding to f16 is monotone, so the rounded min and max are the min and max of the
+    // rounded row (up to the sign of a zero, which `group_params` decides).
+    let round = |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+    for (j, range) in ranges.iter_mut().enumerate() {
+        *range = (_mm512_reduce_min_ps(round(lo[j])), _mm512_reduce_max_ps(round(hi[j])));
+    }
+    Some(_mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])))
+}
+
+/// 2-bit codes of [`Avx512::group_codes`].
+///
+/// # Safety
+/// AVX-512 F, F16C and BMI2 are present; `x.len()` is a multiple of 16 and `out` holds
+/// `x.len() / 4` bytes; `th` holds 3 thresholds.
+#[target_feature(enable = "avx512f,avx2,fma,f16c,bmi2")]
+unsafe fn group_codes2(x: &[f16], th: &[f32], out: &mut [u8]) {
+    let (t0, t1, t2) = (_mm512_set1_ps(th[0]), _mm512_set1_ps(th[1]), _mm512_set1_ps(th[2]));
+    let (p, op) = (x.as_ptr(), out.as_mut_ptr());
+    for b in 0..x.len() / 16 {
+        // SAFETY: 16 * b + 16 <= x.len(), and 4 * b + 4 <= x.len() / 4 = out.len().
+        unsafe {
+            let v = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(16 * b).cast()));
+            let m0 = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t0);
+            let m1 = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t1);
+            let m2 = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t2);
+            // Channel c's code in bits 2c and 2c + 1 of the little-endian word.
+            let word = _pdep_u32((m0 ^ m1 ^ m2) as u32, 0x5555_5555) | _pdep_u32(m1 as u32, 0xAAAA_AAAA);
+            op.add(4 * b).cast::<u32>().write_unaligned(word.to_le());
+        }
+    }
+}
+
+/// 4-bit codes of [`Avx512::group_codes`].
+///
+/// # Safety
+/// AVX-512 F, AVX2 and F16C are present; `x.len()` is a multiple of 16 and `out` holds
+/// `x.len() / 2` bytes; `th` holds 15 ascending thresholds.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn group_codes4(x: &[f16], th: &[f32], out: &mut [u8]) {
+    let mut t = [f32::INFINITY; 16];
+    t[..15].copy_from_slice(th);
+    // SAFETY: 16 floats.
+    let table = unsafe { _mm512_loadu_ps(t.as_ptr()) };
+    let (p, op) = (x.as_ptr(), out.as_mut_ptr());
+    let nibbles = _mm_set1_epi16(0x1001);
+    for b in 0..x.len() / 16 {
+        // SAFETY: 16 * b + 16 <= x.len().
+        let v = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.add(16 * b).cast())) };
+        // The count of thresholds at or below v, bit by bit from the top: `v >= t[c + step
+        // - 1]` (ascending thresholds: the count is at least c + step) adds the step.
+        let mut c = _mm512_setzero_si512();
+        for step in [8, 4, 2, 1] {
+            let t = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32(step - 1)), table);
+            let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t);
+            c = _mm512_mask_add_epi32(c, m, c, _mm512_set1_epi32(step));
+        }
+        // Bytes, then channel 2i in the low nibble of byte i and 2i + 1 in the high one.
+        let pairs = _mm_maddubs_epi16(_mm512_cvtepi32_epi8(c), nibbles);
+        // SAFETY: 8 * b + 8 <= x.len() / 2 = out.len().
+        unsafe { _mm_storel_epi64(op.add(8 * b).cast(), _mm_packus_epi16(pairs, pairs)) };
+    }
 }

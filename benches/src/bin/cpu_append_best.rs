@@ -1,0 +1,130 @@
+//! CPU append speed on a busy machine: the best call of many, in one process.
+//!
+//! The criterion append benchmark (`cargo bench --bench cpu -- append`) reports medians,
+//! which on a shared two-core machine move by 20-40% with the neighbours' load. This
+//! binary builds the same warm caches (k2v2, one layer, a 4096-token prefill; head_dim 64
+//! with 3 KV heads and head_dim 128 with 8), then alternates, round after round, a few
+//! memcpys of the input and a few appends of each input type, and reports the best call
+//! of each (and the median): side by side in one run, the append's share of the memcpy's
+//! speed on the same bytes (best against best). Where the processor has AVX-512 F, each append is timed with the 512-bit
+//! kernels and with the 256-bit ones, alternating in the same rounds
+//! (`rotkv::cpu::set_avx512`), one row each.
+//!
+//! `cargo run --release -p rotkv-benches --bin cpu_append_best -- [rounds] [shape]`
+//! (default 10 rounds, both shapes; a shape is picked by a part of its name, as `d128`).
+
+use half::f16;
+use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
+use rotkv_benches::synthetic_rows;
+use std::hint::black_box;
+use std::time::Instant;
+
+/// Timed calls of each kind per round.
+const CALLS: usize = 3;
+/// Tokens of the prefill.
+const TOKENS: usize = 4096;
+
+fn main() {
+    let rounds = match std::env::args().nth(1) {
+        None => 10,
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!("rounds: expected a positive integer, got {s:?}");
+                std::process::exit(2)
+            }
+        },
+    };
+    let kernels = rotkv::cpu::kernels();
+    let both = kernels == "avx512";
+    let sets: &[(bool, &str)] = if both { &[(true, "avx512"), (false, "avx2")] } else { &[(false, kernels)] };
+    println!(
+        "best of {} calls each (k2v2, {TOKENS}-token prefill into a warm cache, {} threads, kernels: {})",
+        rounds * CALLS,
+        rayon::current_num_threads(),
+        sets.iter().map(|s| s.1).collect::<Vec<_>>().join(", ")
+    );
+    println!(
+        "| shape | input | kernels | memcpy of the input ms | append ms | median ms | GB/s of input | vs memcpy |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    let only = std::env::args().nth(2);
+    for (name, hkv, d) in [("d64_prefill4096", 3usize, 64usize), ("d128_prefill4096", 8, 128)] {
+        if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
+            continue;
+        }
+        let shape = CacheShape {
+            layers: 1,
+            num_kv_heads: hkv,
+            num_q_heads: hkv,
+            max_seqs: 1,
+            max_tokens: TOKENS,
+            num_blocks: None,
+        };
+        let k = synthetic_rows(TOKENS * hkv, d, 5);
+        let v = synthetic_rows(TOKENS * hkv, d, 6);
+        let (k16, v16): (Vec<f16>, Vec<f16>) =
+            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        // A warm cache, as in the criterion benchmark: its pool written once before.
+        let mut cache = KvCache::new(CacheConfig::k2v2(d), shape, Backend::Cpu).expect("cache");
+        let s = cache.add_sequence().expect("slot");
+        cache.append(0, s, TOKENS, &k, &v).expect("append");
+        cache.free_sequence(s).expect("free");
+        // The input's bytes: f16, f32.
+        let bytes = [TOKENS * hkv * d * 2 * 2, TOKENS * hkv * d * 2 * 4];
+        let (src, mut dst) = (vec![1u8; bytes[1]], vec![0u8; bytes[1]]);
+        let time = |times: &mut Vec<f64>, f: &mut dyn FnMut()| {
+            let t0 = Instant::now();
+            f();
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        };
+        let mut memcpy = [Vec::new(), Vec::new()];
+        // [kernel set][f16 input, f32 input]: every call's ms.
+        let mut calls = vec![[Vec::new(), Vec::new()]; sets.len()];
+        for _ in 0..rounds {
+            for (times, &n) in memcpy.iter_mut().zip(&bytes) {
+                for _ in 0..CALLS {
+                    time(times, &mut || dst[..n].copy_from_slice(black_box(&src[..n])));
+                }
+            }
+            for (set, &(wide, _)) in sets.iter().enumerate() {
+                if both {
+                    rotkv::cpu::set_avx512(wide);
+                }
+                for (input, times) in calls[set].iter_mut().enumerate() {
+                    for _ in 0..CALLS {
+                        time(times, &mut || {
+                            let s = cache.add_sequence().expect("slot");
+                            if input == 0 {
+                                cache.append(0, s, TOKENS, black_box(&k16), black_box(&v16)).expect("append");
+                            } else {
+                                cache.append(0, s, TOKENS, black_box(&k), black_box(&v)).expect("append");
+                            }
+                            cache.free_sequence(s).expect("free");
+                        });
+                    }
+                }
+            }
+        }
+        if both {
+            rotkv::cpu::set_avx512(true);
+        }
+        let best = |t: &[f64]| t.iter().copied().fold(f64::INFINITY, f64::min);
+        let median = |t: &[f64]| {
+            let mut t = t.to_vec();
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        };
+        for (&(_, set), c) in sets.iter().zip(&calls) {
+            for (i, input) in ["f16", "f32"].iter().enumerate() {
+                let (ms, copy) = (best(&c[i]), best(&memcpy[i]));
+                println!(
+                    "| {name} | {input} | {set} | {copy:.3} | {ms:.3} | {:.3} | {:.2} | {:.0}% |",
+                    median(&c[i]),
+                    bytes[i] as f64 / ms / 1e6,
+                    100.0 * copy / ms
+                );
+            }
+        }
+    }
+}
