@@ -2519,6 +2519,19 @@ mod avx2 {
         }
     }
 
+    /// An address in each cache line that `bytes` touches, from the line its first byte
+    /// is in: a slice that does not start a line (an input row a token stride from the
+    /// last, a page of a pool that is not 64-byte aligned) touches one line more than
+    /// its length in lines, and a prefetch of every 64th byte from its start leaves that
+    /// last line out.
+    #[inline(always)]
+    pub(super) fn lines(bytes: &[u8]) -> impl Iterator<Item = *const u8> {
+        let p = bytes.as_ptr();
+        let skew = p as usize % 64;
+        let n = if bytes.is_empty() { 0 } else { skew + bytes.len() };
+        (0..n).step_by(64).map(move |at| p.wrapping_sub(skew).wrapping_add(at))
+    }
+
     /// Calls `f(0)`, `f(1)`, ..., `f(N - 1)` written out (for N of 4, 8 and 16), so that
     /// each index is a constant once `f` is inlined: arrays of registers indexed by it stay
     /// in registers, where LLVM leaves a loop over them rolled, with the array in memory.
@@ -3082,21 +3095,16 @@ mod avx2 {
         }
         #[inline(always)]
         fn prefetch(self, bytes: &[u8]) {
-            for line in bytes.chunks(64) {
-                // SAFETY: a prefetch is a hint; the address is inside `bytes`.
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+            for line in lines(bytes) {
+                // SAFETY: a prefetch is a hint and does not fault.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(line.cast()) };
             }
         }
         #[inline(always)]
         fn prefetch_l1(self, bytes: &[u8]) {
-            // Every line `bytes` touches, from the one its first byte is in (an input row
-            // rarely starts a line: a row of 128 f16 is 5 lines when it does not).
-            let p = bytes.as_ptr();
-            let skew = p as usize % 64;
-            for at in (0..skew + bytes.len()).step_by(64) {
-                // SAFETY: a prefetch is a hint and does not fault; the address is within
-                // the lines `bytes` touches.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_sub(skew).wrapping_add(at).cast()) };
+            for line in lines(bytes) {
+                // SAFETY: a prefetch is a hint and does not fault.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast()) };
             }
         }
         #[inline(always)]
@@ -4831,6 +4839,24 @@ mod tests {
             return;
         }
         println!("SKIPPED: no AVX2, FMA and F16C on this processor");
+    }
+
+    /// The prefetches reach every cache line a slice touches, from the line its first
+    /// byte is in, whatever the slice's offset in its line and its length (a page of a
+    /// 16-byte aligned pool, an input row a token stride from the last), and no other.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn prefetches_cover_every_line_a_slice_touches() {
+        let buf = vec![0u8; 1024];
+        for start in 0..130 {
+            for len in [0, 1, 15, 16, 48, 63, 64, 65, 127, 128, 129, 256, 300, 640] {
+                let s = &buf[start..start + len];
+                let got: Vec<usize> = avx2::lines(s).map(|p| p as usize / 64).collect();
+                let a = s.as_ptr() as usize;
+                let want: Vec<usize> = if len == 0 { vec![] } else { (a / 64..=(a + len - 1) / 64).collect() };
+                assert_eq!(got, want, "offset {start}, {len} bytes");
+            }
+        }
     }
 
     /// The AVX2 quantizer's vector roundings agree with the scalar ones for every kind of

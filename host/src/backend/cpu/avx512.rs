@@ -20,7 +20,7 @@
 //! the same and the rest halves. On processors with two 512-bit FMA units the floor
 //! itself halves.
 
-use super::avx2::unrolled;
+use super::avx2::{lines, unrolled};
 use super::{CHUNK, CODES_T_COLS, DTYPE_BF16, DTYPE_F16, DTYPE_F32, KeyAffine};
 use crate::KvElement;
 use half::f16;
@@ -394,31 +394,34 @@ fn accumulate_codes_block<const H: usize, const BITS: u32>(
 
 /// The lines of a slice (part of the next page) prefetched into L2 one at a time over a
 /// kernel's loop, so that they do not wait for free miss buffers all at once.
-struct SpreadPrefetch<'a> {
-    bytes: &'a [u8],
-    next: usize,
+struct SpreadPrefetch<I> {
+    /// An address in each line left to prefetch.
+    lines: I,
 }
 
-impl<'a> SpreadPrefetch<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
-        SpreadPrefetch { bytes, next: 0 }
+impl SpreadPrefetch<()> {
+    /// Every line `bytes` touches (`avx2::lines`).
+    fn new(bytes: &[u8]) -> SpreadPrefetch<impl Iterator<Item = *const u8>> {
+        SpreadPrefetch { lines: lines(bytes) }
     }
+}
 
+impl<I: Iterator<Item = *const u8>> SpreadPrefetch<I> {
     /// The next line, if any is left.
     #[inline(always)]
     fn one(&mut self) {
-        if let Some(byte) = self.bytes.get(64 * self.next) {
-            // SAFETY: a prefetch is a hint; the address is inside `bytes`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(std::ptr::from_ref(byte).cast()) };
-            self.next += 1;
+        if let Some(line) = self.lines.next() {
+            // SAFETY: a prefetch is a hint and does not fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.cast()) };
         }
     }
 
     /// Every line left.
     #[inline(always)]
     fn rest(&mut self) {
-        while 64 * self.next < self.bytes.len() {
-            self.one();
+        for line in self.lines.by_ref() {
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.cast()) };
         }
     }
 }
