@@ -3,7 +3,8 @@
 //! The criterion append benchmark (`cargo bench --bench cpu -- append`) reports medians,
 //! which on a shared two-core machine move by 20-40% with the neighbours' load. This
 //! binary builds the same warm caches (k2v2, one layer, a 4096-token prefill; head_dim 64
-//! with 3 KV heads and head_dim 128 with 8), then alternates, round after round, a few
+//! with 3 KV heads and head_dim 128 with 8), and one at head_dim 256 with 4 KV heads
+//! (Gemma 3's head size; not in the criterion benchmark), then alternates, round after round, a few
 //! memcpys of the input and a few appends of each input type, and reports the best call
 //! of each (and the median): side by side in one run, the append's share of the memcpy's
 //! speed on the same bytes (best against best). Where the processor has AVX-512 F, each append is timed with the 512-bit
@@ -11,7 +12,7 @@
 //! (`rotkv::cpu::set_avx512`), one row each.
 //!
 //! `cargo run --release -p rotkv-benches --bin cpu_append_best -- [rounds] [shape]`
-//! (default 10 rounds, both shapes; a shape is picked by a part of its name, as `d128`).
+//! (default 50 rounds, every shape; a shape is picked by a part of its name, as `d128`).
 
 use half::f16;
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
@@ -26,7 +27,7 @@ const TOKENS: usize = 4096;
 
 fn main() {
     let rounds = match std::env::args().nth(1) {
-        None => 10,
+        None => 50,
         Some(s) => match s.parse::<usize>() {
             Ok(n) if n > 0 => n,
             _ => {
@@ -49,7 +50,9 @@ fn main() {
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|");
     let only = std::env::args().nth(2);
-    for (name, hkv, d) in [("d64_prefill4096", 3usize, 64usize), ("d128_prefill4096", 8, 128)] {
+    for (name, hkv, d) in
+        [("d64_prefill4096", 3usize, 64usize), ("d128_prefill4096", 8, 128), ("d256_prefill4096", 4, 256)]
+    {
         if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
             continue;
         }
