@@ -31,8 +31,9 @@ const CHUNK: usize = 64;
 const CODES_T_COLS: usize = 96;
 
 /// In-place orthonormal FWHT in f32 (same definition as [`crate::reference::fwht`]).
-/// Rows of 8 to 256 values run an AVX2 kernel where the processor has it (the same
-/// additions in the same order, so bit for bit the portable result).
+/// Rows of 8 to 256 values run an AVX2 kernel where the processor has it, or one in
+/// 512-bit registers for rows of 16 to 256 where it has AVX-512 F (the same additions
+/// in the same order, so bit for bit the portable result).
 pub fn fwht(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if let Some(kern) = Avx2::detect()
@@ -2733,9 +2734,15 @@ mod avx2 {
         }
     }
 
-    /// [`super::fwht`] for rows of 8 to 256 floats; `false` (nothing done) for others.
+    /// [`super::fwht`] for rows of 8 to 256 floats (16 to 256 in 512-bit registers with
+    /// `zmm`); `false` (nothing done) for others.
     #[inline(always)]
-    pub(crate) fn fwht(_proof: Avx2, x: &mut [f32]) -> bool {
+    pub(crate) fn fwht(proof: Avx2, x: &mut [f32]) -> bool {
+        if let Some(z) = proof.zmm
+            && z.fwht(x)
+        {
+            return true;
+        }
         // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
         unsafe {
             let p = x.as_mut_ptr();
@@ -4537,6 +4544,19 @@ mod tests {
                     a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                 );
+                // Each kernel set (`fwht` above takes the widest).
+                #[cfg(target_arch = "x86_64")]
+                if let Some(avx) = Avx2::detect() {
+                    for (kern, name) in kernel_sets(avx) {
+                        let mut c = row.to_vec();
+                        kern.fwht(&mut c);
+                        assert_eq!(
+                            c.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "{name}, n {n}"
+                        );
+                    }
+                }
                 // And the definition (f64 reference).
                 let mut r: Vec<f64> = row.iter().map(|&v| v as f64).collect();
                 reference::fwht(&mut r);

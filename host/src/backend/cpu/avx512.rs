@@ -561,6 +561,25 @@ impl Avx512 {
         }
     }
 
+    /// [`super::fwht`] of a row of 16 to 256 floats in 512-bit registers (the same bits:
+    /// the butterflies of [`fwht_in_regs`], then the scale); `false`, with nothing done,
+    /// for other lengths.
+    pub(crate) fn fwht(self, x: &mut [f32]) -> bool {
+        let p = x.as_mut_ptr();
+        // SAFETY: as in `stage_hadamard`; each arm's row is exactly `16 * R` floats of `x`.
+        unsafe {
+            match x.len() {
+                16 => fwht_regs::<1>(p, 1.0 / 16f32.sqrt()),
+                32 => fwht_regs::<2>(p, 1.0 / 32f32.sqrt()),
+                64 => fwht_regs::<4>(p, 1.0 / 64f32.sqrt()),
+                128 => fwht_regs::<8>(p, 1.0 / 128f32.sqrt()),
+                256 => fwht_regs::<16>(p, 1.0 / 256f32.sqrt()),
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// The AVX2 `group_codes`' bytes (the packed `bits`-bit codes of a group of f16
     /// values against its ascending thresholds `th`, a code being the count of
     /// thresholds at or below its value), 16 values per step: 2-bit codes from the three
@@ -576,6 +595,49 @@ impl Avx512 {
         // SAFETY: as in `stage_hadamard`; the lengths are asserted.
         unsafe { if bits == 2 { group_codes2(x, th, out) } else { group_codes4(x, th, out) } }
     }
+}
+
+/// The FWHT butterflies on an array `$v` of `R` 512-bit registers (`16 * R` floats),
+/// unscaled: strides 1 and 2 inside each 128-bit lane, 4 and 8 across them (a lane swap
+/// and a multiply-add with +-1: `x * -1 + y` rounds once, like `y - x`), then 16 and up
+/// between registers, in the order of the AVX2 pass and of `super::fwht` (each
+/// butterfly the same two operands, so the same bits). A macro so that the array stays
+/// in registers in every caller.
+macro_rules! fwht_in_regs {
+    ($v:expr, $r:expr) => {{
+        const { assert!($r <= 16, "strides up to 128 only") };
+        let v: &mut [__m512; $r] = $v;
+        let (p, m) = (1.0f32, -1.0f32);
+        let s1 = _mm512_setr_ps(p, m, p, m, p, m, p, m, p, m, p, m, p, m, p, m);
+        let s2 = _mm512_setr_ps(p, p, m, m, p, p, m, m, p, p, m, m, p, p, m, m);
+        let s4 = _mm512_setr_ps(p, p, p, p, m, m, m, m, p, p, p, p, m, m, m, m);
+        let s8 = _mm512_setr_ps(p, p, p, p, p, p, p, p, m, m, m, m, m, m, m, m);
+        unrolled::<$r>(|r| {
+            let a = v[r];
+            let a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps::<0xB1>(a));
+            let a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps::<0x4E>(a));
+            // 128-bit lanes [1, 0, 3, 2], then [2, 3, 0, 1].
+            let a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4::<0xB1>(a, a));
+            v[r] = _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4::<0x4E>(a, a));
+        });
+        // Strides 16 and up between registers (h registers apart).
+        let mut stage = |h: usize| {
+            if h < $r {
+                unrolled::<$r>(|k| {
+                    if k < $r / 2 {
+                        let i = k / h * 2 * h + k % h;
+                        let (a, b) = (v[i], v[i + h]);
+                        v[i] = _mm512_add_ps(a, b);
+                        v[i + h] = _mm512_sub_ps(a, b);
+                    }
+                });
+            }
+        };
+        stage(1);
+        stage(2);
+        stage(4);
+        stage(8);
+    }};
 }
 
 /// Sixteen elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
@@ -600,10 +662,7 @@ unsafe fn load16<T: KvElement>(p: *const T) -> __m512 {
 }
 
 /// See [`Avx512::stage_hadamard`]: a row of `16 * R` channels in `R` registers, groups of
-/// `16 * PER` channels. Strides 1 and 2 inside each 128-bit lane, 4 and 8 across them
-/// (a lane swap and a multiply-add with +-1: `x * -1 + y` rounds once, like `y - x`),
-/// then 16 and up between registers, in the order of the AVX2 pass and of
-/// `super::fwht` (each butterfly the same two operands, so the same bits).
+/// `16 * PER` channels, the butterflies of [`fwht_in_regs`].
 ///
 /// # Safety
 /// AVX-512 F, AVX2, FMA and F16C are present.
@@ -649,37 +708,7 @@ unsafe fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
     }
     let mut acc = [_mm512_setzero_ps(); 2];
     unrolled::<R>(|r| acc[r % 2] = _mm512_fmadd_ps(v[r], v[r], acc[r % 2]));
-    // Strides 1, 2, 4 and 8 inside each register.
-    let (p, m) = (1.0f32, -1.0f32);
-    let s1 = _mm512_setr_ps(p, m, p, m, p, m, p, m, p, m, p, m, p, m, p, m);
-    let s2 = _mm512_setr_ps(p, p, m, m, p, p, m, m, p, p, m, m, p, p, m, m);
-    let s4 = _mm512_setr_ps(p, p, p, p, m, m, m, m, p, p, p, p, m, m, m, m);
-    let s8 = _mm512_setr_ps(p, p, p, p, p, p, p, p, m, m, m, m, m, m, m, m);
-    unrolled::<R>(|r| {
-        let a = v[r];
-        let a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps::<0xB1>(a));
-        let a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps::<0x4E>(a));
-        // 128-bit lanes [1, 0, 3, 2], then [2, 3, 0, 1].
-        let a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4::<0xB1>(a, a));
-        v[r] = _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4::<0x4E>(a, a));
-    });
-    // Strides 16 and up between registers (h registers apart).
-    let mut stage = |h: usize| {
-        if h < R {
-            unrolled::<R>(|k| {
-                if k < R / 2 {
-                    let i = k / h * 2 * h + k % h;
-                    let (a, b) = (v[i], v[i + h]);
-                    v[i] = _mm512_add_ps(a, b);
-                    v[i + h] = _mm512_sub_ps(a, b);
-                }
-            });
-        }
-    };
-    stage(1);
-    stage(2);
-    stage(4);
-    stage(8);
+    fwht_in_regs!(&mut v, R);
     let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
     let dp = dst.as_mut_ptr();
     let mut lo = [_mm512_set1_ps(f32::INFINITY); 8];
@@ -700,6 +729,25 @@ unsafe fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
         *range = (_mm512_reduce_min_ps(round(lo[j])), _mm512_reduce_max_ps(round(hi[j])));
     }
     Some(_mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])))
+}
+
+/// The orthonormal FWHT of the `16 * R` floats at `p`, in registers.
+///
+/// # Safety
+/// `p` is valid for reads and writes of `16 * R` floats, and AVX-512 F is present.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: f32) {
+    let mut v = [_mm512_setzero_ps(); R];
+    unrolled::<R>(|r| {
+        // SAFETY: 16 * r + 16 <= 16 * R, the caller's floats.
+        v[r] = unsafe { _mm512_loadu_ps(p.add(16 * r)) };
+    });
+    fwht_in_regs!(&mut v, R);
+    let s = _mm512_set1_ps(scale);
+    unrolled::<R>(|r| {
+        // SAFETY: as for the loads.
+        unsafe { _mm512_storeu_ps(p.add(16 * r), _mm512_mul_ps(v[r], s)) };
+    });
 }
 
 /// 2-bit codes of [`Avx512::group_codes`].
