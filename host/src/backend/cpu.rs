@@ -1646,7 +1646,18 @@ mod avx2 {
             Avx2 { zmm: None }
         }
 
-        /// Whether the packed-code kernels use 512-bit registers.
+        /// The packed codes of one group as the quantizer writes them with this kernel
+        /// set (for the tests).
+        #[cfg(test)]
+        pub(crate) fn group_codes(self, x: &[f16], th: &[f32], bits: u32, out: &mut [u8]) {
+            if !self.zmm.is_some_and(|z| z.group_codes(x, th, bits, out)) {
+                // SAFETY: an `Avx2` value exists only after AVX2, FMA and F16C were detected.
+                unsafe { group_codes(x, th, bits, out) }
+            }
+        }
+
+        /// Whether the 512-bit kernels run (decode's packed-code kernels, append's staging
+        /// and codes, the FWHT).
         pub(crate) fn is_wide(self) -> bool {
             self.zmm.is_some()
         }
@@ -1879,9 +1890,8 @@ mod avx2 {
                     for (k, t) in t.iter_mut().enumerate().take(levels) {
                         *t = th[k * ITEMS + r * groups + j];
                     }
-                    match zmm {
-                        Some(z) => z.group_codes(x, &t[..levels], bits, out),
-                        None => group_codes(x, &t[..levels], bits, out),
+                    if !zmm.is_some_and(|z| z.group_codes(x, &t[..levels], bits, out)) {
+                        group_codes(x, &t[..levels], bits, out);
                     }
                 }
             }
@@ -2654,7 +2664,7 @@ mod avx2 {
         ranges: &mut [(f32, f32)],
     ) -> Option<f32> {
         let d = 8 * R;
-        // `KvElement` is a public trait: its `DTYPE` alone does not prove the element's size.
+        // `KvElement` is sealed, but its `DTYPE` alone does not prove the element's size.
         let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
         let known = [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size;
         if !known || src.len() != d || dst.len() != d {
@@ -4825,8 +4835,17 @@ mod tests {
                         }
                         let src: Vec<T> = row.iter().map(|&v| conv(v)).collect();
                         let (mut x, mut y, mut want) = (vec![0f32; d], vec![0f32; d], vec![f16::ZERO; d]);
-                        let norm =
-                            stage_input(avx, &src, affine, HeadRotation::Hadamard, None, &mut x, &mut y, &mut want);
+                        // The expected row from the portable kernels (the FWHT of neither set).
+                        let norm = stage_input(
+                            Portable,
+                            &src,
+                            affine,
+                            HeadRotation::Hadamard,
+                            None,
+                            &mut x,
+                            &mut y,
+                            &mut want,
+                        );
                         for g in [32usize, 64, 128, 256].into_iter().filter(|&g| g <= d) {
                             let mut got = vec![f16::ONE; d];
                             let mut ranges = vec![(f32::NAN, f32::NAN); d / g];
@@ -4859,6 +4878,81 @@ mod tests {
             return;
         }
         println!("SKIPPED: no AVX2, FMA and F16C on this processor");
+    }
+
+    /// Both kernel sets' codes equal the count of thresholds at or below each value,
+    /// packed as `pack_into` packs them, for crafted thresholds: equal ones (ties after
+    /// rounding), `+inf` tails, all `+inf` (a constant group), values exactly on a
+    /// threshold, zeros of both signs; every group size, both code widths.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn codes_match_the_threshold_count_on_crafted_thresholds() {
+        let Some(avx) = Avx2::detect() else {
+            println!("SKIPPED: no AVX2, FMA and F16C on this processor");
+            return;
+        };
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut cases = 0;
+        for bits in [2u32, 4] {
+            let levels = (1usize << bits) - 1;
+            for g in [32usize, 64, 128, 256] {
+                for case in 0..200 {
+                    // A few distinct f16 values that the thresholds and the group share.
+                    let grid: Vec<f32> = (0..6).map(|_| f16::from_bits((next() % 0x7c00) as u16).to_f32()).collect();
+                    let pick = |r: u64| {
+                        let v = grid[r as usize % grid.len()];
+                        if r >> 8 & 1 == 1 { -v } else { v }
+                    };
+                    let mut th: Vec<f32> = (0..levels).map(|_| pick(next())).collect();
+                    th.sort_by(f32::total_cmp);
+                    match case % 4 {
+                        // A +inf tail, or all +inf (a constant group's thresholds).
+                        1 => th.iter_mut().skip(levels / 2).for_each(|t| *t = f32::INFINITY),
+                        2 => th.fill(f32::INFINITY),
+                        // All equal.
+                        3 => {
+                            let t = th[levels / 2];
+                            th.fill(t);
+                        }
+                        _ => {}
+                    }
+                    let x: Vec<f16> = (0..g)
+                        .map(|i| match next() % 4 {
+                            0 => f16::from_f32(th[i % levels]),
+                            1 => f16::from_bits((next() % 0x7c00) as u16 | (next() as u16 & 0x8000)),
+                            2 => {
+                                if i % 2 == 0 {
+                                    f16::ZERO
+                                } else {
+                                    f16::NEG_ZERO
+                                }
+                            }
+                            _ => f16::from_f32(pick(next())),
+                        })
+                        .filter(|v| v.is_finite())
+                        .chain(std::iter::repeat(f16::ONE))
+                        .take(g)
+                        .collect();
+                    let count: Vec<u8> =
+                        x.iter().map(|v| th.iter().filter(|&&t| t <= v.to_f32()).count() as u8).collect();
+                    let mut want = vec![0u8; g * bits as usize / 8];
+                    pack_into(&count, bits, &mut want);
+                    for (kern, name) in kernel_sets(avx) {
+                        let mut got = vec![0x5au8; want.len()];
+                        kern.group_codes(&x, &th, bits, &mut got);
+                        assert_eq!(got, want, "{name}: {bits}-bit, g {g}, case {case}, thresholds {th:?}");
+                    }
+                    cases += 1;
+                }
+            }
+        }
+        assert_eq!(cases, 1600);
     }
 
     /// The prefetches reach every cache line a slice touches, from the line its first
@@ -4975,6 +5069,8 @@ mod tests {
             (128, 4, 2, 64, NO_CLIP),
             (256, 4, 4, 256, 40_000),
             (256, 2, 4, 32, NO_CLIP),
+            (128, 4, 4, 128, NO_CLIP),
+            (256, 2, 2, 256, 52_429),
         ] {
             let fmt = Format {
                 head_dim: d,

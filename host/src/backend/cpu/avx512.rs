@@ -1,5 +1,6 @@
 //! The decode kernels over packed codes, and the append's one-pass staging and codes,
-//! with 512-bit registers (AVX-512 F; the 2-bit codes also use BMI2's `pdep`).
+//! with 512-bit registers (AVX-512 F; the 2-bit codes also use BMI2's `pdep`, where it
+//! is present).
 //!
 //! The same arithmetic as the AVX2 kernels they stand in for, lane for lane: each lane
 //! runs the same chain of f32 multiply-adds in the same order, so the results are the
@@ -26,21 +27,22 @@ use crate::KvElement;
 use half::f16;
 use std::arch::x86_64::*;
 
-/// Proof that the processor supports AVX-512 F (with AVX2, FMA, F16C and BMI2): only
-/// [`Avx512::detect`] makes one.
+/// Proof that the processor supports AVX-512 F (with AVX2, FMA and F16C): only
+/// [`Avx512::detect`] makes one. It also records whether BMI2 is there (the 2-bit codes'
+/// `pdep`; every processor with AVX-512 F known has it, but a virtual machine may hide it).
 #[derive(Clone, Copy)]
-pub(crate) struct Avx512(());
+pub(crate) struct Avx512 {
+    bmi2: bool,
+}
 
 impl Avx512 {
-    /// `Some` when AVX-512 F, AVX2, FMA, F16C and BMI2 are available (every processor
-    /// with AVX-512 F has the others).
+    /// `Some` when AVX-512 F, AVX2, FMA and F16C are available.
     pub(crate) fn detect() -> Option<Self> {
         (std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("bmi2")
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c"))
-        .then_some(Avx512(()))
+        .then(|| Avx512 { bmi2: std::is_x86_feature_detected!("bmi2") })
     }
 
     /// Whether [`Avx512::accumulate_codes`] takes channels `[c0, c1)` of `bits`-bit
@@ -543,8 +545,8 @@ impl Avx512 {
         dst: &mut [f16],
         ranges: &mut [(f32, f32)],
     ) -> Option<f32> {
-        // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA, F16C and BMI2
-        // were detected.
+        // SAFETY: an `Avx512` value exists only after AVX-512 F, AVX2, FMA and F16C were
+        // detected.
         unsafe {
             match (src.len(), g) {
                 (64, 32) => stage_hadamard::<T, 4, 2>(src, affine, dst, ranges),
@@ -587,13 +589,27 @@ impl Avx512 {
     /// the three masks, since the thresholds ascend and so do the masks' sets), spread
     /// into place by `pdep`; 4-bit codes by a binary search over the thresholds held in
     /// one register (four compares instead of fifteen), joined into nibbles by a
-    /// multiply-add. `x.len()` a multiple of 32; `out` is `x.len() * bits / 8` bytes.
-    pub(crate) fn group_codes(self, x: &[f16], th: &[f32], bits: u32, out: &mut [u8]) {
+    /// multiply-add. `x.len()` a multiple of 32; `out` is `x.len() * bits / 8` bytes; the
+    /// thresholds ascend (not strictly: equal ones are fine), as the quantizer makes them
+    /// (out of order, the count and these codes would differ). `false`, with nothing
+    /// written, for 2-bit codes without BMI2.
+    pub(crate) fn group_codes(self, x: &[f16], th: &[f32], bits: u32, out: &mut [u8]) -> bool {
         let g = x.len();
         assert!(g.is_multiple_of(32) && (bits == 2 || bits == 4));
         assert!(out.len() == g * bits as usize / 8 && th.len() == (1 << bits) - 1);
-        // SAFETY: as in `stage_hadamard`; the lengths are asserted.
-        unsafe { if bits == 2 { group_codes2(x, th, out) } else { group_codes4(x, th, out) } }
+        debug_assert!(th.windows(2).all(|w| w[0] <= w[1]), "thresholds out of order: {th:?}");
+        // SAFETY: as in `stage_hadamard` (and BMI2 was detected for `group_codes2`); the
+        // lengths are asserted.
+        unsafe {
+            if bits == 4 {
+                group_codes4(x, th, out)
+            } else if self.bmi2 {
+                group_codes2(x, th, out)
+            } else {
+                return false;
+            }
+        }
+        true
     }
 }
 
