@@ -1623,9 +1623,10 @@ mod avx2 {
 
     /// Proof that the processor supports AVX2, FMA and F16C: only [`Avx2::detect`]
     /// makes one. Where the processor also has AVX-512 F, the decode kernels over packed
-    /// codes and the append's one-pass staging and codes run with 512-bit registers
-    /// ([`Avx512`]: the same bits, half the instructions) unless `set_avx512(false)` or `ROTKV_CPU_ISA=avx2` turned them off
-    /// (and the tests' `narrow`).
+    /// codes, the append's one-pass staging and codes and the FWHT run with 512-bit
+    /// registers ([`Avx512`]: the same bits, half the instructions) unless
+    /// `set_avx512(false)` or `ROTKV_CPU_ISA=avx2` turned them off (and the tests'
+    /// `narrow`).
     #[derive(Clone, Copy)]
     pub(crate) struct Avx2 {
         zmm: Option<Avx512>,
@@ -3901,8 +3902,9 @@ fn isa_is_avx2() -> bool {
 }
 
 /// Turns the CPU backend's 512-bit kernels (decode's packed-code kernels, append's
-/// one-pass staging and codes) on or off for this process, from the next call on (on by default where the processor has AVX-512 F, unless
-/// `ROTKV_CPU_ISA=avx2` is set). The results are the same bits either way; off is for
+/// one-pass staging and codes, the FWHT) on or off for this process, from the next call
+/// on (on by default where the processor has AVX-512 F, unless `ROTKV_CPU_ISA=avx2` is
+/// set). The results are the same bits either way; off is for
 /// side-by-side benchmarks and for processors that lower their clock for 512-bit
 /// instructions. Without AVX-512 F, `true` changes nothing. See [`kernels`].
 pub fn set_avx512(enabled: bool) {
@@ -3910,8 +3912,8 @@ pub fn set_avx512(enabled: bool) {
 }
 
 /// The kernel set the CPU backend's decode and append use on this processor: `"avx512"`
-/// (AVX2, FMA and F16C, and decode's packed-code kernels and append's staging and codes
-/// with 512-bit registers: AVX-512 F, with BMI2),
+/// (AVX2, FMA and F16C, and decode's packed-code kernels, append's staging and codes and
+/// the FWHT with 512-bit registers: AVX-512 F; the 2-bit codes also BMI2 where present),
 /// `"avx2"` (AVX2, FMA and F16C; also where [`set_avx512`]`(false)` or
 /// `ROTKV_CPU_ISA=avx2` turned the 512-bit kernels off) or `"portable"`. Benchmarks
 /// print it beside their numbers.

@@ -1,6 +1,6 @@
-//! The decode kernels over packed codes, and the append's one-pass staging and codes,
-//! with 512-bit registers (AVX-512 F; the 2-bit codes also use BMI2's `pdep`, where it
-//! is present).
+//! The decode kernels over packed codes, the append's one-pass staging and codes, and the
+//! FWHT, with 512-bit registers (AVX-512 F; the 2-bit codes also use BMI2's `pdep`, where
+//! it is present).
 //!
 //! The same arithmetic as the AVX2 kernels they stand in for, lane for lane: each lane
 //! runs the same chain of f32 multiply-adds in the same order, so the results are the
