@@ -11,8 +11,11 @@
 use criterion::measurement::Measurement;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rotkv::paged::KeyScores;
-use rotkv::{Backend, CacheConfig, CacheShape, KvCache, f16};
-use rotkv_benches::{BATCH, DECODE_SHAPES as SHAPES, Shape, f16_cache, filled_cache, synthetic_rows};
+use rotkv::{CacheConfig, f16};
+use rotkv_benches::{
+    AppendInput, BATCH, DECODE_SHAPES as SHAPES, Shape, append_prefill, f16_cache, filled_cache, synthetic_rows,
+    warm_append_cache,
+};
 use std::hint::black_box;
 
 fn max_ctx() -> usize {
@@ -158,19 +161,7 @@ fn bench_append<M: Measurement>(c: &mut Criterion<M>, name: &str) {
     let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for (name, hkv, d, tokens) in [("d64_prefill4096", 3, 64, 4096), ("d128_prefill4096", 8, 128, 4096)] {
-        let config = CacheConfig::k2v2(d);
-        let shape = CacheShape {
-            layers: 1,
-            num_kv_heads: hkv,
-            num_q_heads: hkv,
-            max_seqs: 1,
-            max_tokens: tokens,
-            num_blocks: None,
-        };
-        let k = synthetic_rows(tokens * hkv, d, 5);
-        let v = synthetic_rows(tokens * hkv, d, 6);
-        let (k16, v16): (Vec<f16>, Vec<f16>) =
-            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        let input = AppendInput::new(tokens, hkv, d);
         // "learned": the same append with dense D x D rotations (OptR's form; the Hadamard
         // matrix itself serves as the orthogonal matrix, the cost does not depend on it).
         let dense: Vec<f32> = (0..hkv)
@@ -183,35 +174,16 @@ fn bench_append<M: Measurement>(c: &mut Criterion<M>, name: &str) {
             .collect();
         let mut learned = rotkv::LayerCalibration::identity(hkv, d);
         (learned.key_rotation, learned.value_rotation) = (Some(dense.clone()), Some(dense));
-        // A warm cache: its pool was written once before (a serving stack's steady state,
-        // no first-touch page faults in the timed loop); each iteration adds a sequence,
+        // A warm cache (its pool written once before); each iteration adds a sequence,
         // appends the prefill and frees the sequence again.
-        let warm = |calib: Option<&rotkv::LayerCalibration>| {
-            let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
-            if let Some(c) = calib {
-                cache.set_calibration(0, c.clone()).expect("calibration");
-            }
-            let s = cache.add_sequence().expect("slot");
-            cache.append(0, s, tokens, &k, &v).expect("append");
-            cache.free_sequence(s).expect("free");
-            cache
-        };
         for (variant, calib, f16_input) in
             [("f32_input", None, false), ("f32_input_learned", Some(&learned), false), ("f16_input", None, true)]
         {
             let elem = if f16_input { 2 } else { 4 };
             group.throughput(Throughput::Bytes((tokens * hkv * d * 2 * elem) as u64));
-            let mut cache = warm(calib);
+            let mut cache = warm_append_cache(CacheConfig::k2v2(d), hkv, tokens, calib, &input);
             group.bench_function(BenchmarkId::new(variant, name), |b| {
-                b.iter(|| {
-                    let s = cache.add_sequence().expect("slot");
-                    if f16_input {
-                        cache.append(0, s, tokens, black_box(&k16), black_box(&v16)).expect("append");
-                    } else {
-                        cache.append(0, s, tokens, black_box(&k), black_box(&v)).expect("append");
-                    }
-                    cache.free_sequence(s).expect("free");
-                })
+                b.iter(|| append_prefill(&mut cache, tokens, &input, f16_input))
             });
         }
         // A memcpy of the keys and values given (f32 and f16), in the same run.

@@ -1,6 +1,7 @@
-//! Shared helpers of the rotkv benchmarks: deterministic synthetic KV rows, and the
-//! decode benchmarks' shapes and caches (criterion's `benches/cpu.rs` and the best-of-N
-//! `cpu_decode_best` binary read the same data).
+//! Shared helpers of the rotkv benchmarks: deterministic synthetic KV rows, the decode
+//! benchmarks' shapes and caches, and the append benchmarks' input and warm caches
+//! (criterion's `benches/cpu.rs` and the best-of-N `cpu_decode_best` and
+//! `cpu_append_best` binaries read the same data).
 
 use rotkv::{Backend, CacheConfig, CacheShape, KvCache, SeqId};
 
@@ -92,4 +93,65 @@ pub fn f16_cache(shape: Shape, ctx: usize) -> (Vec<half::f16>, Vec<half::f16>) {
         }
     }
     (k16, v16)
+}
+
+/// The append benchmarks' input: `tokens` new tokens of `hkv` KV heads of `d` channels,
+/// keys and values in f32 and the same values rounded to f16.
+pub struct AppendInput {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub k16: Vec<half::f16>,
+    pub v16: Vec<half::f16>,
+}
+
+impl AppendInput {
+    /// The synthetic rows of the append benchmarks.
+    pub fn new(tokens: usize, hkv: usize, d: usize) -> Self {
+        let k = synthetic_rows(tokens * hkv, d, 5);
+        let v = synthetic_rows(tokens * hkv, d, 6);
+        let to16 = |x: &[f32]| x.iter().map(|&x| half::f16::from_f32(x)).collect();
+        AppendInput { k16: to16(&k), v16: to16(&v), k, v }
+    }
+}
+
+/// A one-layer, one-sequence cache of `config` (cpu backend, `hkv` KV heads, room for
+/// `tokens`) whose pool was written once before, as in a serving stack's steady state (no
+/// first-touch page faults in a timed loop): a sequence added, `input` appended, the
+/// sequence freed.
+pub fn warm_append_cache(
+    config: CacheConfig,
+    hkv: usize,
+    tokens: usize,
+    calib: Option<&rotkv::LayerCalibration>,
+    input: &AppendInput,
+) -> KvCache {
+    let shape = CacheShape {
+        layers: 1,
+        num_kv_heads: hkv,
+        num_q_heads: hkv,
+        max_seqs: 1,
+        max_tokens: tokens,
+        num_blocks: None,
+    };
+    let mut cache = KvCache::new(config, shape, Backend::Cpu).expect("cache");
+    if let Some(c) = calib {
+        cache.set_calibration(0, c.clone()).expect("calibration");
+    }
+    let s = cache.add_sequence().expect("slot");
+    cache.append(0, s, tokens, &input.k, &input.v).expect("append");
+    cache.free_sequence(s).expect("free");
+    cache
+}
+
+/// One timed append of the benchmarks: a sequence added to `cache`, `input` appended (its
+/// f16 or its f32 rows), the sequence freed again.
+pub fn append_prefill(cache: &mut KvCache, tokens: usize, input: &AppendInput, f16_input: bool) {
+    let s = cache.add_sequence().expect("slot");
+    if f16_input {
+        cache.append(0, s, tokens, std::hint::black_box(&input.k16), std::hint::black_box(&input.v16))
+    } else {
+        cache.append(0, s, tokens, std::hint::black_box(&input.k), std::hint::black_box(&input.v))
+    }
+    .expect("append");
+    cache.free_sequence(s).expect("free");
 }

@@ -14,9 +14,8 @@
 //! `cargo run --release -p rotkv-benches --bin cpu_append_best -- [rounds] [shape]`
 //! (default 50 rounds, every shape; a shape is picked by a part of its name, as `d128`).
 
-use half::f16;
-use rotkv::{Backend, CacheConfig, CacheShape, KvCache};
-use rotkv_benches::synthetic_rows;
+use rotkv::CacheConfig;
+use rotkv_benches::{AppendInput, append_prefill, warm_append_cache};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -56,23 +55,9 @@ fn main() {
         if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
             continue;
         }
-        let shape = CacheShape {
-            layers: 1,
-            num_kv_heads: hkv,
-            num_q_heads: hkv,
-            max_seqs: 1,
-            max_tokens: TOKENS,
-            num_blocks: None,
-        };
-        let k = synthetic_rows(TOKENS * hkv, d, 5);
-        let v = synthetic_rows(TOKENS * hkv, d, 6);
-        let (k16, v16): (Vec<f16>, Vec<f16>) =
-            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        let input = AppendInput::new(TOKENS, hkv, d);
         // A warm cache, as in the criterion benchmark: its pool written once before.
-        let mut cache = KvCache::new(CacheConfig::k2v2(d), shape, Backend::Cpu).expect("cache");
-        let s = cache.add_sequence().expect("slot");
-        cache.append(0, s, TOKENS, &k, &v).expect("append");
-        cache.free_sequence(s).expect("free");
+        let mut cache = warm_append_cache(CacheConfig::k2v2(d), hkv, TOKENS, None, &input);
         // The input's bytes: f16, f32.
         let bytes = [TOKENS * hkv * d * 2 * 2, TOKENS * hkv * d * 2 * 4];
         let (src, mut dst) = (vec![1u8; bytes[1]], vec![0u8; bytes[1]]);
@@ -94,17 +79,9 @@ fn main() {
                 if both {
                     rotkv::cpu::set_avx512(wide);
                 }
-                for (input, times) in calls[set].iter_mut().enumerate() {
+                for (i, times) in calls[set].iter_mut().enumerate() {
                     for _ in 0..CALLS {
-                        time(times, &mut || {
-                            let s = cache.add_sequence().expect("slot");
-                            if input == 0 {
-                                cache.append(0, s, TOKENS, black_box(&k16), black_box(&v16)).expect("append");
-                            } else {
-                                cache.append(0, s, TOKENS, black_box(&k), black_box(&v)).expect("append");
-                            }
-                            cache.free_sequence(s).expect("free");
-                        });
+                        time(times, &mut || append_prefill(&mut cache, TOKENS, &input, i == 0));
                     }
                 }
             }

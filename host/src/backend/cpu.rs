@@ -2626,6 +2626,14 @@ mod avx2 {
         }
     }
 
+    /// Whether the vector loads of the one-pass staging (`load8`, and `load16` of the
+    /// 512-bit pass) read `T`: f32, f16 or bf16, of that type's size (`KvElement` is
+    /// sealed, but its `DTYPE` alone does not prove the element's size).
+    pub(super) fn loadable<T: KvElement>() -> bool {
+        let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
+        [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size
+    }
+
     /// Eight elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
     /// into the high half), for the element types the fused staging reads.
     ///
@@ -2665,10 +2673,7 @@ mod avx2 {
         ranges: &mut [(f32, f32)],
     ) -> Option<f32> {
         let d = 8 * R;
-        // `KvElement` is sealed, but its `DTYPE` alone does not prove the element's size.
-        let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
-        let known = [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size;
-        if !known || src.len() != d || dst.len() != d {
+        if !loadable::<T>() || src.len() != d || dst.len() != d {
             return None;
         }
         assert!(PER >= 4 && R.is_multiple_of(PER) && R / PER <= 4 && ranges.len() == R / PER);
@@ -4275,15 +4280,18 @@ mod tests {
 
     /// Random bytes (xorshift64) for the packed-code kernel tests.
     fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect()
+        let mut next = xorshift(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        (0..n).map(|_| (next() >> 24) as u8).collect()
+    }
+
+    /// The xorshift64 stream from `state` (non-zero).
+    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
     }
 
     /// Code of stored channel `c` in a row of packed codes.
@@ -4893,13 +4901,7 @@ mod tests {
             println!("SKIPPED: no AVX2, FMA and F16C on this processor");
             return;
         };
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         let mut cases = 0;
         for bits in [2u32, 4] {
             let levels = (1usize << bits) - 1;

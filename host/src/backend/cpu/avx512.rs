@@ -21,8 +21,8 @@
 //! the same and the rest halves. On processors with two 512-bit FMA units the floor
 //! itself halves.
 
-use super::avx2::{lines, unrolled};
-use super::{CHUNK, CODES_T_COLS, DTYPE_BF16, DTYPE_F16, DTYPE_F32, KeyAffine};
+use super::avx2::{lines, loadable, unrolled};
+use super::{CHUNK, CODES_T_COLS, DTYPE_F16, DTYPE_F32, KeyAffine};
 use crate::KvElement;
 use half::f16;
 use std::arch::x86_64::*;
@@ -690,10 +690,7 @@ unsafe fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
     ranges: &mut [(f32, f32)],
 ) -> Option<f32> {
     let d = 16 * R;
-    // `KvElement` is sealed, but its `DTYPE` alone does not prove the element's size.
-    let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
-    let known = [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size;
-    if !known || src.len() != d || dst.len() != d {
+    if !loadable::<T>() || src.len() != d || dst.len() != d {
         return None;
     }
     assert!(PER >= 2 && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
