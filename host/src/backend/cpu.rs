@@ -1824,6 +1824,9 @@ mod avx2 {
         let (groups, levels) = (d / g, (1usize << bits) - 1);
         let (cb, pb, gb) = (d * bits as usize / 8, 4 * groups, g * bits as usize / 8);
         assert!(rows.len() == n * d && ranges.len() == n * groups && codes.len() == n * cb && params.len() == n * pb);
+        if zmm.is_some_and(|z| z.quantize_rows(rows, d, bits, g, clip, ranges, codes, params)) {
+            return;
+        }
         // Thresholds by level, then group of the block: `th[k * ITEMS + i]`.
         let mut th = [0f32; 15 * ITEMS];
         let mut portable = [false; BLOCK];
@@ -4977,8 +4980,8 @@ mod tests {
         }
     }
 
-    /// The AVX2 quantizer's vector roundings agree with the scalar ones for every kind of
-    /// input: f64 to f16 to nearest even (`f64x4_to_f16` against [`f64_to_f16`]) and f64
+    /// The AVX2 and 512-bit quantizers' vector roundings agree with the scalar ones for
+    /// every kind of input: f64 to f16 to nearest even (`f64x4_to_f16` against [`f64_to_f16`]) and f64
     /// up to f32 (`f64x4_up_to_f32` against `as f32` and `next_up`): random values over
     /// the f16 range and beyond, exact f16 midpoints and their f64 neighbours, f16 and f32
     /// subnormals, zeros of both signs, values past f16 and f32 overflow.
@@ -5035,6 +5038,23 @@ mod tests {
                     want = want.next_up();
                 }
                 assert_eq!(up[l].to_bits(), want.to_bits(), "f32 up of {:e}", x[l]);
+            }
+        }
+        // The 512-bit quantizer's roundings (rounding modes of the conversion itself).
+        let Some(z) = avx512::Avx512::detect().filter(|_| !isa_is_avx2()) else {
+            println!("SKIPPED: the 512-bit roundings (no AVX-512 F, or ROTKV_CPU_ISA=avx2)");
+            return;
+        };
+        xs.truncate(xs.len() / 8 * 8);
+        for x in xs.chunks_exact(8) {
+            let (h, up) = z.roundings(x.try_into().expect("eight"));
+            for l in 0..8 {
+                assert_eq!(h[l], f64_to_f16(x[l]), "512-bit f16 of {:e} ({:#x})", x[l], x[l].to_bits());
+                let mut want = x[l] as f32;
+                if (want as f64) < x[l] {
+                    want = want.next_up();
+                }
+                assert_eq!(up[l].to_bits(), want.to_bits(), "512-bit f32 up of {:e}", x[l]);
             }
         }
     }
