@@ -776,9 +776,27 @@ fn fill_page<K: Kernels, T: KvElement>(
     let (key_ranges, value_ranges) = ranges[..2 * ps * groups].split_at_mut(ps * groups);
     let slots = keys.chunks_exact_mut(d).zip(key_ranges.chunks_exact_mut(groups));
     let slots = slots.zip(values.chunks_exact_mut(d).zip(value_ranges.chunks_exact_mut(groups)));
+    // Where both halves take the one-pass staging, a new token's key and value rows are
+    // staged in one call (`Kernels::stage_hadamard_pair`: the two rows' work side by side).
+    let pair = !dense[0]
+        && !dense[1]
+        && matches!((krot, kperm, vrot, vperm), (HeadRotation::Hadamard, None, HeadRotation::Hadamard, None));
     for (slot, (k, v)) in slots.enumerate() {
         let slot = slot as u32;
         prefetch(slot + PREFETCH);
+        if pair && slot as usize >= first_new {
+            let at = pos(slot);
+            let (kr, vr) = (&inp.k[k_src(p, at - len, hu)..][..d], &inp.v[v_src(p, at - len, hu)..][..d]);
+            if let Some((nk, nv)) =
+                kern.stage_hadamard_pair(kr, inp.affine[hu], vr, g, (&mut *k.0, &mut *k.1), (&mut *v.0, &mut *v.1))
+            {
+                let t = (at - len) as usize;
+                if inp.check.is_some_and(|c| c.bad(nk, false, t, hu, kr) || c.bad(nv, true, t, hu, vr)) {
+                    return false;
+                }
+                continue;
+            }
+        }
         for (value, (dst, rg)) in [(false, k), (true, v)] {
             match stage(slot, value, x, y, dst, rg) {
                 Staged::Side(at) => {
@@ -1242,6 +1260,25 @@ pub(crate) trait Kernels: Copy {
     #[inline(always)]
     fn group_ranges(self, row: &[f16], g: usize, ranges: &mut [(f32, f32)]) {
         group_ranges_portable(row, g, ranges)
+    }
+
+    /// [`Kernels::stage_hadamard`] of a new token's key row (with its `affine`) and value
+    /// row in one call, the same bytes as two calls, for kernel sets that gain from
+    /// working on both rows at once; `None`, with nothing written, where the kernel set
+    /// has no such pass (then stage the rows one at a time).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn stage_hadamard_pair<T: KvElement>(
+        self,
+        k: &[T],
+        affine: KeyAffine<'_>,
+        v: &[T],
+        g: usize,
+        key: (&mut [f16], &mut [(f32, f32)]),
+        value: (&mut [f16], &mut [(f32, f32)]),
+    ) -> Option<(f32, f32)> {
+        let _ = (k, affine, v, g, key, value);
+        None
     }
 
     /// Stages a new input row of a Hadamard-rotated head with no channel permutation in
@@ -3151,6 +3188,18 @@ mod avx2 {
             }
         }
         #[inline(always)]
+        fn stage_hadamard_pair<T: KvElement>(
+            self,
+            k: &[T],
+            affine: KeyAffine<'_>,
+            v: &[T],
+            g: usize,
+            key: (&mut [f16], &mut [(f32, f32)]),
+            value: (&mut [f16], &mut [(f32, f32)]),
+        ) -> Option<(f32, f32)> {
+            self.zmm?.stage_hadamard_pair(k, affine, v, g, key, value)
+        }
+        #[inline(always)]
         fn stage_hadamard<T: KvElement>(
             self,
             src: &[T],
@@ -4829,11 +4878,13 @@ mod tests {
     /// are, centered, centered and scaled; head_dim 64 and 128; groups of 32 to 128), the
     /// ranges [`Kernels::group_ranges`] finds in it, and the squared norm of
     /// [`load_affine`] to f32 rounding (1e-5 relative; it only picks the rows for the exact
-    /// test). A row with a huge outlier is among them.
+    /// test). A row with a huge outlier is among them. The pair pass
+    /// ([`Kernels::stage_hadamard_pair`], where the kernel set has one) writes what two
+    /// calls write, norms included.
     #[test]
     fn one_pass_staging_writes_the_staged_row() {
         #[cfg(target_arch = "x86_64")]
-        fn run<T: KvElement>(avx: Avx2, conv: impl Fn(f32) -> T) {
+        fn run<T: KvElement>(avx: Avx2, conv: impl Fn(f32) -> T, pairs: &mut usize) {
             // The 512-bit pass also takes rows of 256.
             let dims: &[usize] = if avx.is_wide() { &[64, 128, 256] } else { &[64, 128] };
             for &d in dims {
@@ -4876,6 +4927,36 @@ mod tests {
                             avx.group_ranges(&want, g, &mut found);
                             assert_eq!(ranges, found, "{what}");
                             assert!((fast - norm).abs() <= 1e-5 * norm, "{what}: {fast} vs {norm}");
+                            // The pair pass: the same bytes and norms as two calls (the
+                            // value row without an affine), where the kernel set has one.
+                            let vsrc: Vec<T> = values(d, 200 + i as u32).iter().map(|&v| conv(v)).collect();
+                            let (mut vwant, mut vranges) = (vec![f16::ONE; d], vec![(f32::NAN, f32::NAN); d / g]);
+                            let vnorm = avx
+                                .stage_hadamard(&vsrc, KeyAffine::None, g, &mut vwant, &mut vranges)
+                                .expect("one pass");
+                            let (mut pk, mut pv) = (vec![f16::ZERO; d], vec![f16::ZERO; d]);
+                            let (mut pkr, mut pvr) = (vec![(0f32, 0f32); d / g], vec![(0f32, 0f32); d / g]);
+                            let bits = |r: &[f16]| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                            match avx.stage_hadamard_pair(
+                                &src,
+                                affine,
+                                &vsrc,
+                                g,
+                                (&mut pk, &mut pkr),
+                                (&mut pv, &mut pvr),
+                            ) {
+                                Some((nk, nv)) => {
+                                    assert_eq!((bits(&pk), &pkr), (bits(&got), &ranges), "{what}: pair, key");
+                                    assert_eq!((bits(&pv), &pvr), (bits(&vwant), &vranges), "{what}: pair, value");
+                                    assert_eq!(
+                                        (nk.to_bits(), nv.to_bits()),
+                                        (fast.to_bits(), vnorm.to_bits()),
+                                        "{what}"
+                                    );
+                                    *pairs += 1;
+                                }
+                                None => assert!(!avx.is_wide() || d == 256, "{what}: no pair pass"),
+                            }
                         }
                     }
                 }
@@ -4883,11 +4964,13 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         if let Some(avx) = Avx2::detect() {
+            let mut pairs = 0;
             for (avx, _) in kernel_sets(avx) {
-                run::<f32>(avx, |v| v);
-                run::<f16>(avx, f16::from_f32);
-                run::<half::bf16>(avx, half::bf16::from_f32);
+                run::<f32>(avx, |v| v, &mut pairs);
+                run::<f16>(avx, f16::from_f32, &mut pairs);
+                run::<half::bf16>(avx, half::bf16::from_f32, &mut pairs);
             }
+            assert!(pairs > 0 || !avx.is_wide(), "the 512-bit pair pass never ran");
             return;
         }
         println!("SKIPPED: no AVX2, FMA and F16C on this processor");
