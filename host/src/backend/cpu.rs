@@ -1660,7 +1660,7 @@ mod avx2 {
 
     /// Proof that the processor supports AVX2, FMA and F16C: only [`Avx2::detect`]
     /// makes one. Where the processor also has AVX-512 F, the decode kernels over packed
-    /// codes, the append's one-pass staging and codes and the FWHT run with 512-bit
+    /// codes, the append's one-pass staging and quantizer and the FWHT run with 512-bit
     /// registers ([`Avx512`]: the same bits, half the instructions) unless
     /// `set_avx512(false)` or `ROTKV_CPU_ISA=avx2` turned them off (and the tests'
     /// `narrow`).
@@ -3959,7 +3959,7 @@ fn isa_is_avx2() -> bool {
 }
 
 /// Turns the CPU backend's 512-bit kernels (decode's packed-code kernels, append's
-/// one-pass staging and codes, the FWHT) on or off for this process, from the next call
+/// one-pass staging and quantizer, the FWHT) on or off for this process, from the next call
 /// on (on by default where the processor has AVX-512 F, unless `ROTKV_CPU_ISA=avx2` is
 /// set). The results are the same bits either way; off is for
 /// side-by-side benchmarks and for processors that lower their clock for 512-bit

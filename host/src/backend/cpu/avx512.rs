@@ -1,4 +1,4 @@
-//! The decode kernels over packed codes, the append's one-pass staging and codes, and the
+//! The decode kernels over packed codes, the append's one-pass staging and quantizer, and the
 //! FWHT, with 512-bit registers (AVX-512 F; the 2-bit codes also use BMI2's `pdep`, where
 //! it is present).
 //!
