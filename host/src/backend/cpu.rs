@@ -1838,8 +1838,10 @@ mod avx2 {
     /// are all 0), then the codes ([`group_codes`]). A row with a threshold that is not
     /// finite would go to the portable quantizer (which divides there); for finite rows
     /// none is (`|z| <= 65504` and `s <= 131008 / 3` keep every threshold below 2^18),
-    /// so that branch only keeps the function total. With `zmm`, the codes come from
-    /// [`Avx512::group_codes`] (the same bytes).
+    /// so that branch only keeps the function total. Every group's range must be ordered
+    /// (`lo <= hi`: its min and max). With `zmm` and BMI2 the whole pass is
+    /// [`Avx512::quantize_rows`]; with `zmm` alone the codes come from
+    /// [`Avx512::group_codes`] (the same bytes either way).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn quantize_rows(
@@ -4976,6 +4978,100 @@ mod tests {
         println!("SKIPPED: no AVX2, FMA and F16C on this processor");
     }
 
+    /// Both kernel sets' page quantizers (`Kernels::quantize_rows`; the 512-bit one where
+    /// the processor has it) write the portable quantizer's bytes on every branch they
+    /// have: item counts that leave a short last block (13 rows of 1, 3 or 8 groups),
+    /// constant groups, groups whose range ends at a zero of either sign (the scalar
+    /// parameters), made-up ranges past the f16 range or infinite (thresholds that are
+    /// not finite: the row goes to the portable quantizer, whose divisions give the codes
+    /// the compares would give, so that branch only keeps the pass total), and rows
+    /// holding an infinity or a NaN whose range ends at a zero (the portable quantizer
+    /// from the scalar branch; it fails when that row is left to the compares). The
+    /// ranges given are always ordered (`lo <= hi`), as the quantizers require.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn page_quantizers_match_portable_on_every_branch() {
+        let Some(avx) = Avx2::detect() else {
+            println!("SKIPPED: no AVX2, FMA and F16C on this processor");
+            return;
+        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
+        let made_up = [f32::NEG_INFINITY, -70000.0, -65520.0, -65504.0, 0.5, 65504.0, 65520.0, 70000.0, f32::INFINITY];
+        let mut cases = 0;
+        for (d, g) in [(128usize, 128usize), (96, 32), (256, 32), (128, 64)] {
+            let groups = d / g;
+            for bits in [2u32, 4] {
+                for clip in [NO_CLIP, 52_429] {
+                    for round in 0..12 {
+                        let n = 13;
+                        let mut rows: Vec<f16> = (0..n * d)
+                            .map(|_| f16::from_bits((next() % 0x7800) as u16 | (next() as u16 & 0x8000)))
+                            .collect();
+                        let mut ranges = vec![(0f32, 0f32); n * groups];
+                        for (i, x) in rows.chunks_exact_mut(g).enumerate() {
+                            match (i + round) % 7 {
+                                // A constant group.
+                                1 => x.fill(f16::from_f32(1.5)),
+                                // Non-negative, with an exact zero as its min; non-positive
+                                // with a negative zero as its max.
+                                2 => x.iter_mut().enumerate().for_each(|(c, v)| {
+                                    *v = if c == 3 { f16::ZERO } else { f16::from_bits(v.to_bits() & 0x7fff) }
+                                }),
+                                3 => x.iter_mut().enumerate().for_each(|(c, v)| {
+                                    *v = if c == 5 { f16::NEG_ZERO } else { f16::from_bits(v.to_bits() | 0x8000) }
+                                }),
+                                _ => {}
+                            }
+                            group_ranges_portable(x, g, std::slice::from_mut(&mut ranges[i]));
+                            match (i + 2 * round) % 11 {
+                                // A made-up ordered range, often past f16 or infinite.
+                                4 | 9 => {
+                                    let (a, b) = (made_up[next() as usize % 9], made_up[next() as usize % 9]);
+                                    ranges[i] = (a.min(b), a.max(b));
+                                }
+                                // A value that is not finite, and a range ending at zero.
+                                6 => {
+                                    x[next() as usize % g] =
+                                        [f16::INFINITY, f16::NEG_INFINITY, f16::NAN][next() as usize % 3];
+                                    ranges[i] = if next() & 1 == 0 { (0.0, 7.0) } else { (-7.0, -0.0) };
+                                }
+                                _ => {}
+                            }
+                        }
+                        let (cb, pb) = (d * bits as usize / 8, 4 * groups);
+                        let (mut want_c, mut want_p) = (vec![0u8; n * cb], vec![0u8; n * pb]);
+                        for r in 0..n {
+                            quantize_row_portable(
+                                &rows[r * d..(r + 1) * d],
+                                bits,
+                                g,
+                                clip,
+                                &ranges[r * groups..(r + 1) * groups],
+                                &mut want_c[r * cb..(r + 1) * cb],
+                                &mut want_p[r * pb..(r + 1) * pb],
+                            );
+                        }
+                        for (kern, name) in kernel_sets(avx) {
+                            let (mut c, mut p) = (vec![0xa5u8; n * cb], vec![0x5au8; n * pb]);
+                            kern.quantize_rows(&rows, d, bits, g, clip, &ranges, &mut c, &mut p);
+                            let what = format!("{name} d{d} g{g} bits {bits} clip {clip} round {round}");
+                            for r in 0..n {
+                                assert_eq!(
+                                    (&c[r * cb..(r + 1) * cb], &p[r * pb..(r + 1) * pb]),
+                                    (&want_c[r * cb..(r + 1) * cb], &want_p[r * pb..(r + 1) * pb]),
+                                    "{what}, row {r}, ranges {:?}",
+                                    &ranges[r * groups..(r + 1) * groups]
+                                );
+                            }
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases >= 192, "{cases} cases");
+    }
+
     /// Both kernel sets' codes equal the count of thresholds at or below each value,
     /// packed as `pack_into` packs them, for crafted thresholds: equal ones (ties after
     /// rounding), `+inf` tails, all `+inf` (a constant group), values exactly on a
@@ -5077,6 +5173,7 @@ mod tests {
             return;
         };
         let mut xs = vec![0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, 65536.0, 1e300, -1e300, 3.0e38, 4.0e38];
+        xs.extend([f64::INFINITY, f64::NEG_INFINITY, f64::NAN]);
         xs.extend([
             f64::MIN_POSITIVE,
             5e-324,

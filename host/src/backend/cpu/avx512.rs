@@ -849,12 +849,13 @@ impl Avx512 {
     /// one instruction what AVX2 needs a few for: f64 to f16 by rounding to f32 toward
     /// zero with the last bit set where inexact (rounding to odd, then F16C to nearest:
     /// the same as rounding to nearest once), and the thresholds `z + (k + 1/2) s` rounded
-    /// up to f32 directly. Then each group's codes right after (the 2-bit ones from two
-    /// compares: bit 1 is `v >= t1`, bit 0 is `v` against `t2` where bit 1 is set and
-    /// `t0` where not). A group whose range ends at a zero takes the scalar
-    /// `group_params` (which decides the zero's sign), a row with a threshold that is not
-    /// finite the portable quantizer, as in the AVX2 pass. `false`, with nothing written,
-    /// without BMI2 (the 2-bit codes' `pdep`).
+    /// up to f32 directly. Then each group's codes right after, as
+    /// [`Avx512::group_codes`] finds them. A group whose range ends at a zero takes the
+    /// scalar `group_params` (which decides the zero's sign), a row with a threshold that
+    /// is not finite the portable quantizer, as in the AVX2 pass. Every range must be
+    /// ordered (`lo <= hi`, the group's min and max; out of order, the 4-bit search would
+    /// meet descending thresholds). `false`, with nothing written, without BMI2 (the
+    /// 2-bit codes' `pdep`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn quantize_rows(
         self,
@@ -870,7 +871,9 @@ impl Avx512 {
         if !self.bmi2 {
             return false;
         }
-        assert!(g.is_multiple_of(32) && d.is_multiple_of(g) && (bits == 2 || bits == 4));
+        assert!(d <= 256 && g.is_multiple_of(32) && d.is_multiple_of(g) && (bits == 2 || bits == 4));
+        // Out of order, the 4-bit search would meet descending thresholds.
+        debug_assert!(ranges.iter().all(|&(lo, hi)| lo <= hi || lo.is_nan() || hi.is_nan()), "a range with lo > hi");
         let items = rows.len() / g;
         assert!(rows.len() == items * g && ranges.len() == items && codes.len() == items * g * bits as usize / 8);
         assert!(params.len() == 4 * items && rows.len().is_multiple_of(d));
@@ -950,6 +953,8 @@ unsafe fn quantize_rows(
     for i0 in (0..items).step_by(8) {
         let m = 8.min(items - i0);
         let lanes = ((1u32 << m) - 1) as __mmask8;
+        // A range's lo and hi as two f32, in that order, 8 bytes per item.
+        const { assert!(size_of::<(f32, f32)>() == 8 && std::mem::offset_of!((f32, f32), 1) == 4) };
         // SAFETY: 2 * m floats of `ranges` from item i0 (pairs of f32).
         let pairs = unsafe {
             _mm512_maskz_loadu_ps(((1u32 << (2 * m)) - 1) as __mmask16, ranges.as_ptr().add(i0).cast::<f32>())
@@ -1089,7 +1094,7 @@ impl Avx512 {
 /// See [`Avx512::stage_hadamard_pair`].
 ///
 /// # Safety
-/// AVX-512 F, AVX2, FMA and F16C are present; all four rows are `16 * R` long.
+/// AVX-512 F, AVX2, FMA and F16C are present (the lengths are checked here).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn stage_pair<T: KvElement, const R: usize, const PER: usize>(
@@ -1101,7 +1106,8 @@ unsafe fn stage_pair<T: KvElement, const R: usize, const PER: usize>(
     vdst: &mut [f16],
     vranges: &mut [(f32, f32)],
 ) -> Option<(f32, f32)> {
-    if !loadable::<T>() {
+    let d = 16 * R;
+    if !loadable::<T>() || k.len() != d || v.len() != d || kdst.len() != d || vdst.len() != d {
         return None;
     }
     let groups = R / PER;
