@@ -493,6 +493,31 @@ fn group_params(x: &[f16], lo: f32, hi: f32, bits: u32, clip_q16: u32) -> (f16, 
     (f16::from_bits(f64_to_f16((hi - lo) / levels)), f16::from_bits(f64_to_f16(lo)))
 }
 
+/// A group whose range `lo..hi` ends at a zero, for the vector quantizers: its scale and
+/// zero from [`group_params`] (which decides the zero's sign from the row) into `p` (4
+/// bytes, little-endian f16 scale then zero) and its thresholds (see [`group_codes`];
+/// all `+inf` for a constant group) into `t[..levels]`. False where a threshold is not
+/// finite: the row must then go to the portable quantizer (`t` holds `+inf` there).
+#[inline]
+fn zero_end_params(x: &[f16], (lo, hi): (f32, f32), bits: u32, clip_q16: u32, p: &mut [u8], t: &mut [f32]) -> bool {
+    let (s, z) = group_params(x, lo, hi, bits, clip_q16);
+    p[..2].copy_from_slice(&s.to_le_bytes());
+    p[2..4].copy_from_slice(&z.to_le_bytes());
+    let (s, z) = (s.to_f64(), z.to_f64());
+    let mut finite = true;
+    for (k, t) in t.iter_mut().enumerate().take((1 << bits) - 1) {
+        *t = match (s == 0.0, threshold(z, s, k)) {
+            (true, _) => f32::INFINITY,
+            (false, Some(r)) => r,
+            (false, None) => {
+                finite = false;
+                f32::INFINITY
+            }
+        };
+    }
+    finite
+}
+
 /// The min and max of each group of `g` values of a stored f16 row (finite values),
 /// exact; a range ending at a zero of either sign is recomputed by [`group_params`], so
 /// the sign of a zero found here does not matter.
@@ -1891,23 +1916,20 @@ mod avx2 {
                     let i = i0 + l;
                     let (r, j) = (i / groups, i % groups);
                     if zero_end >> l & 1 == 1 {
-                        // A range that ends at a zero: the scalar path decides its sign.
                         let x = &row(r)[j * g..(j + 1) * g];
-                        let (lo, hi) = ranges[r0 * groups + i];
-                        let (s, z) = super::group_params(x, lo, hi, bits, clip);
                         let p = (r0 + r) * pb + 4 * j;
-                        params[p..p + 2].copy_from_slice(&s.to_le_bytes());
-                        params[p + 2..p + 4].copy_from_slice(&z.to_le_bytes());
-                        let (s, z) = (s.to_f64(), z.to_f64());
+                        let mut t = [0f32; 15];
+                        let ok = super::zero_end_params(
+                            x,
+                            ranges[r0 * groups + i],
+                            bits,
+                            clip,
+                            &mut params[p..p + 4],
+                            &mut t,
+                        );
+                        portable[r] |= !ok;
                         for k in 0..levels {
-                            th[k * ITEMS + i] = match (s == 0.0, super::threshold(z, s, k)) {
-                                (true, _) => f32::INFINITY,
-                                (false, Some(t)) => t,
-                                (false, None) => {
-                                    portable[r] = true;
-                                    f32::INFINITY
-                                }
-                            };
+                            th[k * ITEMS + i] = t[k];
                         }
                         continue;
                     }

@@ -1011,20 +1011,8 @@ unsafe fn quantize_rows(
             let mut t = [0f32; 15];
             if zero_end >> l & 1 == 1 {
                 // A range that ends at a zero: the scalar path decides its sign.
-                let (lo, hi) = ranges[i];
-                let (s, z) = super::group_params(x, lo, hi, bits, clip);
-                params[4 * i..4 * i + 2].copy_from_slice(&s.to_le_bytes());
-                params[4 * i + 2..4 * i + 4].copy_from_slice(&z.to_le_bytes());
-                let (s, z) = (s.to_f64(), z.to_f64());
-                for (k, t) in t.iter_mut().enumerate().take(levels) {
-                    *t = match (s == 0.0, super::threshold(z, s, k)) {
-                        (true, _) => f32::INFINITY,
-                        (false, Some(t)) => t,
-                        (false, None) => {
-                            portable.push(i * g / d);
-                            f32::INFINITY
-                        }
-                    };
+                if !super::zero_end_params(x, ranges[i], bits, clip, &mut params[4 * i..4 * i + 4], &mut t) {
+                    portable.push(i * g / d);
                 }
             } else {
                 if nonfinite >> l & 1 == 1 {
