@@ -11,8 +11,14 @@
 //! kernels and with the 256-bit ones, alternating in the same rounds
 //! (`rotkv::cpu::set_avx512`), one row each.
 //!
-//! `cargo run --release -p rotkv-benches --bin cpu_append_best -- [rounds] [shape]`
-//! (default 50 rounds, every shape; a shape is picked by a part of its name, as `d128`).
+//! `cargo run --release -p rotkv-benches --bin cpu_append_best -- [rounds] [shape] [tokens]`
+//! (default 50 rounds, every shape, 4096 tokens; a shape is picked by a part of its name,
+//! as `d128`, or `all`). Other prefill lengths show how the append's time and the
+//! memcpy's scale with the input's size: the memcpy of a 4096-token input at head_dim 128
+//! (16.8 MB, 33.6 MB with its copy) runs partly from the 32 MiB L3 of the machines
+//! measured. The last column is the append's wall time times its threads per row
+//! quantized into a page (ns): flat across lengths where the append is bound by its
+//! instructions rather than by memory.
 
 use rotkv::CacheConfig;
 use rotkv_benches::{AppendInput, append_prefill, warm_append_cache};
@@ -21,7 +27,7 @@ use std::time::Instant;
 
 /// Timed calls of each kind per round.
 const CALLS: usize = 3;
-/// Tokens of the prefill.
+/// Tokens of the prefill, by default.
 const TOKENS: usize = 4096;
 
 fn main() {
@@ -35,31 +41,44 @@ fn main() {
             }
         },
     };
+    let tokens = match std::env::args().nth(3) {
+        None => TOKENS,
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!("tokens: expected a positive integer, got {s:?}");
+                std::process::exit(2)
+            }
+        },
+    };
     let kernels = rotkv::cpu::kernels();
     let both = kernels == "avx512";
     let sets: &[(bool, &str)] = if both { &[(true, "avx512"), (false, "avx2")] } else { &[(false, kernels)] };
     println!(
-        "best of {} calls each (k2v2, {TOKENS}-token prefill into a warm cache, {} threads, kernels: {})",
+        "best of {} calls each (k2v2, {tokens}-token prefill into a warm cache, {} threads, kernels: {})",
         rounds * CALLS,
         rayon::current_num_threads(),
         sets.iter().map(|s| s.1).collect::<Vec<_>>().join(", ")
     );
     println!(
-        "| shape | input | kernels | memcpy of the input ms | append ms | median ms | GB/s of input | vs memcpy |"
+        "| shape | input | kernels | memcpy of the input ms | append ms | median ms | GB/s of input | vs memcpy | CPU ns per row |"
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|");
-    let only = std::env::args().nth(2);
-    for (name, hkv, d) in
-        [("d64_prefill4096", 3usize, 64usize), ("d128_prefill4096", 8, 128), ("d256_prefill4096", 4, 256)]
-    {
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
+    let only = std::env::args().nth(2).filter(|o| o != "all");
+    for (name, hkv, d) in [("d64", 3usize, 64usize), ("d128", 8, 128), ("d256", 4, 256)] {
         if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
             continue;
         }
-        let input = AppendInput::new(TOKENS, hkv, d);
+        let name = format!("{name}_prefill{tokens}");
+        let config = CacheConfig::k2v2(d);
+        // Rows quantized into pages (keys and values): every token but the sinks and the
+        // window.
+        let paged_rows = 2 * hkv * tokens.saturating_sub(config.sinks + config.window);
+        let input = AppendInput::new(tokens, hkv, d);
         // A warm cache, as in the criterion benchmark: its pool written once before.
-        let mut cache = warm_append_cache(CacheConfig::k2v2(d), hkv, TOKENS, None, &input);
+        let mut cache = warm_append_cache(config, hkv, tokens, None, &input);
         // The input's bytes: f16, f32.
-        let bytes = [TOKENS * hkv * d * 2 * 2, TOKENS * hkv * d * 2 * 4];
+        let bytes = [tokens * hkv * d * 2 * 2, tokens * hkv * d * 2 * 4];
         let (src, mut dst) = (vec![1u8; bytes[1]], vec![0u8; bytes[1]]);
         let time = |times: &mut Vec<f64>, f: &mut dyn FnMut()| {
             let t0 = Instant::now();
@@ -81,7 +100,7 @@ fn main() {
                 }
                 for (i, times) in calls[set].iter_mut().enumerate() {
                     for _ in 0..CALLS {
-                        time(times, &mut || append_prefill(&mut cache, TOKENS, &input, i == 0));
+                        time(times, &mut || append_prefill(&mut cache, tokens, &input, i == 0));
                     }
                 }
             }
@@ -99,10 +118,11 @@ fn main() {
             for (i, input) in ["f16", "f32"].iter().enumerate() {
                 let (ms, copy) = (best(&c[i]), best(&memcpy[i]));
                 println!(
-                    "| {name} | {input} | {set} | {copy:.3} | {ms:.3} | {:.3} | {:.2} | {:.0}% |",
+                    "| {name} | {input} | {set} | {copy:.3} | {ms:.3} | {:.3} | {:.2} | {:.0}% | {:.0} |",
                     median(&c[i]),
                     bytes[i] as f64 / ms / 1e6,
-                    100.0 * copy / ms
+                    100.0 * copy / ms,
+                    ms * 1e6 * rayon::current_num_threads() as f64 / paged_rows.max(1) as f64
                 );
             }
         }
