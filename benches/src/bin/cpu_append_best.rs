@@ -2,23 +2,25 @@
 //!
 //! The criterion append benchmark (`cargo bench --bench cpu -- append`) reports medians,
 //! which on a shared two-core machine move by 20-40% with the neighbours' load. This
-//! binary builds the same warm caches (k2v2, one layer, a 4096-token prefill; head_dim 64
-//! with 3 KV heads and head_dim 128 with 8), and one at head_dim 256 with 4 KV heads
-//! (Gemma 3's head size; not in the criterion benchmark), then alternates, round after round, a few
-//! memcpys of the input and a few appends of each input type, and reports the best call
-//! of each (and the median): side by side in one run, the append's share of the memcpy's
-//! speed on the same bytes (best against best). Where the processor has AVX-512 F, each append is timed with the 512-bit
-//! kernels and with the 256-bit ones, alternating in the same rounds
-//! (`rotkv::cpu::set_avx512`), one row each.
+//! binary builds the same warm caches (k2v2, one layer, a 4096-token prefill by default;
+//! head_dim 64 with 3 KV heads and head_dim 128 with 8), and one at head_dim 256 with 4
+//! KV heads (Gemma 3's head size; not in the criterion benchmark), then alternates, round
+//! after round, a few memcpys of the input and a few appends of each input type, and
+//! reports the best call of each (and the median): side by side in one run, the append's
+//! share of the memcpy's speed on the same bytes (best against best). Where the processor
+//! has AVX-512 F, each append is timed with the 512-bit kernels and with the 256-bit
+//! ones, alternating in the same rounds (`rotkv::cpu::set_avx512`), one row each.
 //!
 //! `cargo run --release -p rotkv-benches --bin cpu_append_best -- [rounds] [shape] [tokens]`
 //! (default 50 rounds, every shape, 4096 tokens; a shape is picked by a part of its name,
-//! as `d128`, or `all`). Other prefill lengths show how the append's time and the
-//! memcpy's scale with the input's size: the memcpy of a 4096-token input at head_dim 128
-//! (16.8 MB, 33.6 MB with its copy) runs partly from the 32 MiB L3 of the machines
-//! measured. The last column is the append's wall time times its threads per row
-//! quantized into a page (ns): flat across lengths where the append is bound by its
-//! instructions rather than by memory.
+//! as `d128` or `d128_prefill4096`, or `all`; a length needs a shape before it). Other
+//! prefill lengths show how the append's time and the memcpy's scale with the input's
+//! size: the memcpy of a 4096-token input at head_dim 128 (16.8 MB, 33.6 MB with its
+//! copy) is about the 32 MiB L3 of the machines measured, and longer ones run from DRAM.
+//! The last column is the append's wall time times its threads per row quantized into a
+//! page (the rows of whole pages past the sinks and the window; `-` where no page fills):
+//! flat across lengths where the append is bound by its instructions rather than by
+//! memory (an upper bound on CPU time: a thread that waits is counted too).
 
 use rotkv::CacheConfig;
 use rotkv_benches::{AppendInput, append_prefill, warm_append_cache};
@@ -61,19 +63,22 @@ fn main() {
         sets.iter().map(|s| s.1).collect::<Vec<_>>().join(", ")
     );
     println!(
-        "| shape | input | kernels | memcpy of the input ms | append ms | median ms | GB/s of input | vs memcpy | CPU ns per row |"
+        "| shape | input | kernels | memcpy of the input ms | append ms | median ms | GB/s of input | vs memcpy | ns per paged row x threads |"
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
     let only = std::env::args().nth(2).filter(|o| o != "all");
+    let mut matched = false;
     for (name, hkv, d) in [("d64", 3usize, 64usize), ("d128", 8, 128), ("d256", 4, 256)] {
+        let name = format!("{name}_prefill{tokens}");
         if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
             continue;
         }
-        let name = format!("{name}_prefill{tokens}");
+        matched = true;
         let config = CacheConfig::k2v2(d);
-        // Rows quantized into pages (keys and values): every token but the sinks and the
-        // window.
-        let paged_rows = 2 * hkv * tokens.saturating_sub(config.sinks + config.window);
+        // Rows quantized into pages (keys and values): whole pages of the tokens past the
+        // sinks and the window (the rest stays in the f16 side store).
+        let paged_tokens = tokens.saturating_sub(config.sinks + config.window) / config.page_size * config.page_size;
+        let paged_rows = 2 * hkv * paged_tokens;
         let input = AppendInput::new(tokens, hkv, d);
         // A warm cache, as in the criterion benchmark: its pool written once before.
         let mut cache = warm_append_cache(config, hkv, tokens, None, &input);
@@ -117,14 +122,25 @@ fn main() {
         for (&(_, set), c) in sets.iter().zip(&calls) {
             for (i, input) in ["f16", "f32"].iter().enumerate() {
                 let (ms, copy) = (best(&c[i]), best(&memcpy[i]));
+                // Wall time times threads per paged row; none where no page fills.
+                let per_row = match paged_rows {
+                    0 => "-".to_string(),
+                    n => format!("{:.0}", ms * 1e6 * rayon::current_num_threads() as f64 / n as f64),
+                };
                 println!(
-                    "| {name} | {input} | {set} | {copy:.3} | {ms:.3} | {:.3} | {:.2} | {:.0}% | {:.0} |",
+                    "| {name} | {input} | {set} | {copy:.3} | {ms:.3} | {:.3} | {:.2} | {:.0}% | {per_row} |",
                     median(&c[i]),
                     bytes[i] as f64 / ms / 1e6,
                     100.0 * copy / ms,
-                    ms * 1e6 * rayon::current_num_threads() as f64 / paged_rows.max(1) as f64
                 );
             }
         }
+    }
+    if !matched {
+        let o = only.unwrap_or_default();
+        eprintln!(
+            "shape: no shape's name contains {o:?} (d64_prefill{tokens}, d128_prefill{tokens}, d256_prefill{tokens}, or all)"
+        );
+        std::process::exit(2)
     }
 }
