@@ -532,7 +532,7 @@ fn bench_table(run_first: bool) -> Result<(), String> {
     for (group, title) in [
         (
             "append",
-            "Append (rotate, quantize, pack a 4096-token prefill into a warm cache): median ms, GB/s of input, share of memcpy.",
+            "Append (rotate, quantize, pack a prefill of the length in the shape's name into a warm cache): median ms, GB/s of input, share of memcpy.",
         ),
         (
             "append_cputime",
