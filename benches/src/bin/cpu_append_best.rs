@@ -45,10 +45,10 @@ fn main() {
     };
     let tokens = match std::env::args().nth(3) {
         None => TOKENS,
-        Some(s) => match s.parse::<usize>() {
-            Ok(n) if n > 0 => n,
+        Some(s) => match s.parse::<u32>() {
+            Ok(n) if n > 0 => n as usize,
             _ => {
-                eprintln!("tokens: expected a positive integer, got {s:?}");
+                eprintln!("tokens: expected a positive integer below 2^32, got {s:?}");
                 std::process::exit(2)
             }
         },
@@ -77,8 +77,8 @@ fn main() {
         let config = CacheConfig::k2v2(d);
         // Rows quantized into pages (keys and values): whole pages of the tokens past the
         // sinks and the window (the rest stays in the f16 side store).
-        let paged_tokens = tokens.saturating_sub(config.sinks + config.window) / config.page_size * config.page_size;
-        let paged_rows = 2 * hkv * paged_tokens;
+        let paged_tokens = config.format().expect("the k2v2 preset's format").quantized_len(tokens as u32);
+        let paged_rows = 2 * hkv * paged_tokens as usize;
         let input = AppendInput::new(tokens, hkv, d);
         // A warm cache, as in the criterion benchmark: its pool written once before.
         let mut cache = warm_append_cache(config, hkv, tokens, None, &input);
