@@ -63,6 +63,39 @@ pub trait Ctx {
     fn cp_async_wait(&self, n: u32) {
         let _ = n;
     }
+    /// `__syncwarp()`: every lane of the warp must take part. Orders the lanes' memory
+    /// accesses around it: what a lane wrote to shared memory before it (a cp.async copy
+    /// included, once its group is retired by [`Ctx::cp_async_wait`]) is visible to every
+    /// lane of the warp after it. The default body is a shuffle (a warp barrier on the
+    /// emulator, where memory is coherent); the device runs `bar.warp.sync`.
+    fn sync_warp(&self) {
+        let _ = self.shfl_idx_u32(0, 0);
+    }
+    /// `ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16`: four 8 x 8 matrices of 16-bit
+    /// elements from shared memory, one register each. Lane `8 i + r` gives the address
+    /// of row `r` (16 bytes) of matrix `i`. With `g = lane / 4`, `t = lane % 4`, register
+    /// `i` of a lane holds (PTX ISA, "Warp-level matrix load instruction: ldmatrix"):
+    /// without `trans`, elements `2t` and `2t + 1` of row `g` (the row's 32-bit word `t`);
+    /// with `trans` (the matrix read column-major), element `g` of rows `2t` (low half)
+    /// and `2t + 1` (high half). Every lane of the warp must take part. The default body
+    /// exchanges the row addresses by shuffles and reads the elements itself.
+    ///
+    /// # Safety
+    /// Each lane's `row` is 16-byte aligned, in the block's shared memory, valid for 16
+    /// bytes that no thread writes until every lane has passed this call.
+    unsafe fn ldmatrix_x4(&self, row: *const u8, trans: bool) -> [u32; 4] {
+        // SAFETY: forwarded contract.
+        unsafe { ldmatrix_by_shuffles(self, row, trans) }
+    }
+    /// `ldmatrix.sync.aligned.m8n8.x2{.trans}.shared.b16`: as [`Ctx::ldmatrix_x4`] with two
+    /// matrices (lanes 0-15 give the row addresses; the others' are not read).
+    ///
+    /// # Safety
+    /// As [`Ctx::ldmatrix_x4`], for lanes 0-15.
+    unsafe fn ldmatrix_x2(&self, row: *const u8, trans: bool) -> [u32; 2] {
+        // SAFETY: forwarded contract.
+        unsafe { ldmatrix_by_shuffles(self, row, trans) }
+    }
     /// Lane within the warp.
     fn lane(&self) -> u32 {
         self.thread_idx() % WARP
@@ -121,6 +154,43 @@ pub trait Ctx {
             arow[row].iter().zip(&bcol[col]).fold(c[i], |acc, (x, y)| acc + x * y)
         })
     }
+}
+
+/// [`Ctx::ldmatrix_x4`] and [`Ctx::ldmatrix_x2`] from their definition: the row addresses
+/// of the `N` matrices go round the warp by shuffles and each lane reads its own elements.
+///
+/// # Safety
+/// As [`Ctx::ldmatrix_x4`], for lanes `0 .. 8 N`.
+pub(crate) unsafe fn ldmatrix_by_shuffles<C: Ctx + ?Sized, const N: usize>(
+    ctx: &C,
+    row: *const u8,
+    trans: bool,
+) -> [u32; N] {
+    let lane = ctx.lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let a = row as usize as u64;
+    // Row `r` of matrix `i`: the address lane `8 i + r` gave.
+    let row_of = |i: u32, r: u32| -> *const u8 {
+        let src = 8 * i + r;
+        let lo = ctx.shfl_idx_u32(a as u32, src) as u64;
+        let hi = ctx.shfl_idx_u32((a >> 32) as u32, src) as u64;
+        // Every row lies in the block's shared memory, as this lane's does.
+        row.with_addr((lo | hi << 32) as usize)
+    };
+    core::array::from_fn(|i| {
+        let i = i as u32;
+        // SAFETY: the rows are valid for 16 bytes (the caller's contract); words and
+        // half-words inside them.
+        unsafe {
+            if trans {
+                let (r0, r1) = (row_of(i, 2 * t), row_of(i, 2 * t + 1));
+                let h = |p: *const u8| p.add(2 * g as usize).cast::<u16>().read() as u32;
+                h(r0) | h(r1) << 16
+            } else {
+                row_of(i, g).add(4 * t as usize).cast::<u32>().read()
+            }
+        }
+    })
 }
 
 /// The real device: special registers and PTX instructions.
@@ -227,6 +297,59 @@ impl Ctx for Nvptx {
                 options(nostack),
             );
         }
+    }
+    #[inline(always)]
+    unsafe fn ldmatrix_x4(&self, row: *const u8, trans: bool) -> [u32; 4] {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: the caller guarantees an aligned row of shared memory per lane and a
+        // full warp; the generic address is converted to the shared window.
+        unsafe {
+            if trans {
+                core::arch::asm!(
+                    "{{ .reg .u64 s; cvta.to.shared.u64 s, {p}; ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{a}, {b}, {c}, {d}}}, [s]; }}",
+                    p = in(reg64) row,
+                    a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                    options(readonly, nostack),
+                );
+            } else {
+                core::arch::asm!(
+                    "{{ .reg .u64 s; cvta.to.shared.u64 s, {p}; ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{a}, {b}, {c}, {d}}}, [s]; }}",
+                    p = in(reg64) row,
+                    a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                    options(readonly, nostack),
+                );
+            }
+        }
+        [a, b, c, d]
+    }
+    #[inline(always)]
+    unsafe fn ldmatrix_x2(&self, row: *const u8, trans: bool) -> [u32; 2] {
+        let (a, b): (u32, u32);
+        // SAFETY: as `ldmatrix_x4`.
+        unsafe {
+            if trans {
+                core::arch::asm!(
+                    "{{ .reg .u64 s; cvta.to.shared.u64 s, {p}; ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {{{a}, {b}}}, [s]; }}",
+                    p = in(reg64) row,
+                    a = out(reg32) a, b = out(reg32) b,
+                    options(readonly, nostack),
+                );
+            } else {
+                core::arch::asm!(
+                    "{{ .reg .u64 s; cvta.to.shared.u64 s, {p}; ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{{a}, {b}}}, [s]; }}",
+                    p = in(reg64) row,
+                    a = out(reg32) a, b = out(reg32) b,
+                    options(readonly, nostack),
+                );
+            }
+        }
+        [a, b]
+    }
+    #[inline(always)]
+    fn sync_warp(&self) {
+        // SAFETY: kernels call it with all 32 lanes active; the memory clobber (no
+        // `nomem`) keeps memory accesses on their side of it.
+        unsafe { core::arch::asm!("bar.warp.sync -1;", options(nostack)) }
     }
     #[inline(always)]
     fn cp_async_commit(&self) {

@@ -420,6 +420,281 @@ fn fast_chunks<
     }
 }
 
+/// Per-lane byte offsets of [`read_tile`], the same for every tile: key codes of token
+/// `tile_token(0, g)` word `t`, value codes of token `4t` at half-word `g`, scales and
+/// zeros of tokens `4t .. 4t + 4`.
+#[derive(Clone, Copy)]
+struct LaneOff {
+    k: usize,
+    v: usize,
+    s: usize,
+}
+
+/// Where one quantized tile's bytes lie: `k` the key codes of its token 0 (`D * KB / 8`
+/// bytes a token), `v` its value codes (`D * VB / 8` a token), `s` its first scale; the
+/// `4 * NG` f16 arrays (key scales, key zeros, value scales, value zeros, `NG` groups
+/// each) lie `sstride` bytes apart, token `i` at `+ 2 i`. In the pool `sstride` is two
+/// bytes per slot of a page; in a ring stage the arrays are packed (32 bytes).
+#[derive(Clone, Copy)]
+struct TilePtr {
+    k: *const u8,
+    v: *const u8,
+    s: *const u8,
+    sstride: usize,
+}
+
+/// Bytes of one quantized tile (16 tokens) in a ring stage: key codes, value codes, then
+/// the `4 * groups` arrays of 16 f16 scales or zeros.
+pub const fn tile_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
+    2 * head_dim * (key_bits + value_bits) + 4 * groups * 32
+}
+
+/// Stages of a warp's ring when the steady-state loop copies its chunks into shared
+/// memory with `cp.async`.
+const RING: u32 = 3;
+
+/// Stages of the steady-state loop's per-warp `cp.async` ring (`ring_chunks`): 3 (two
+/// chunks in flight while a third is computed) where the four warps' rings fit in the
+/// merge area, which is idle during the loop; else 0, and the loop prefetches one chunk
+/// into registers (`fast_chunks`). Head_dim 128 with 2-bit keys and values and the
+/// one-tile entry points (4-bit values at head_dim 64, or at 128 with groups of 64) have
+/// a ring; head_dim 64 with 2-bit values (64-token chunks, in a merge area half as large)
+/// and the other head_dim-128 entry points (larger chunks) do not.
+pub const fn ring_stages(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
+    let chunk = chunk_tiles(head_dim, value_bits, groups) * tile_bytes(head_dim, key_bits, value_bits, groups);
+    if WARPS * RING * chunk <= merge_bytes(head_dim) { RING } else { 0 }
+}
+
+/// One tile's raw bytes for this lane from `tp` (the pool or a ring stage), whose
+/// pointers already carry the lane's [`LaneOff`].
+///
+/// # Safety
+/// `tp` minus the lane's offsets addresses a whole tile of the layout [`TilePtr`]
+/// describes.
+#[inline(always)]
+unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usize>(tp: TilePtr) -> Raw<NG> {
+    let kcb = D * KB as usize / 8;
+    let vcb = D * VB as usize / 8;
+    let nbk = D * KB as usize / 128;
+    let nh = D * VB as usize / 128;
+    let mut r = Raw::<NG>::default();
+    // SAFETY (every access): inside the tile, by the caller's contract.
+    let kp = tp.k;
+    for nt in 0..2 {
+        for b in 0..nbk {
+            r.kw[nt][b & 3] = unsafe { *kp.add(2 * nt * kcb + 16 * b).cast::<u32>() };
+        }
+    }
+    unsafe { read_scales(&mut r, tp) };
+    let vp = tp.v;
+    for h in 0..nh {
+        let hw = |j: usize| -> u32 { unsafe { *vp.add(j * vcb + 16 * h).cast::<u16>() as u32 } };
+        r.vw[h & 3] = [hw(0) | hw(1) << 16, hw(2) | hw(3) << 16];
+    }
+    r
+}
+
+/// The scales and zeros of tokens `4t .. 4t + 4` (8 bytes, 8-byte aligned, per array)
+/// from `tp.s` (carrying the lane's offset) into `r`.
+///
+/// # Safety
+/// As [`read_tile`].
+#[inline(always)]
+unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, tp: TilePtr) {
+    let ld2 = |a: usize| -> [u32; 2] {
+        // SAFETY: inside the tile, by the caller's contract.
+        let x = unsafe { *tp.s.add(a * tp.sstride).cast::<u64>() };
+        [x as u32, (x >> 32) as u32]
+    };
+    for gi in 0..NG {
+        let (a, b) = (ld2(gi), ld2(NG + gi));
+        let (c, d) = (ld2(2 * NG + gi), ld2(3 * NG + gi));
+        r.ks[gi] = [a[0], a[1], b[0], b[1]];
+        r.vs[gi] = [c[0], c[1], d[0], d[1]];
+    }
+}
+
+/// `ldmatrix` calls that read `2 * pieces` 8 x 8 matrices of a ring stage: matrix `m` is
+/// piece `m % pieces` (16 bytes) of the tokens `tile_token(m / pieces, r)`, `r = 0 ..
+/// 8`, so lane `(g, t)` receives word `t` of its token `tile_token(m / pieces, g)`
+/// (keys: the [`Raw::kw`] words), or read transposed, half-word `g` of tokens
+/// `tile_token(m / pieces, 2t)` and `.. 2t + 1`, that is `4t + 2 (m / pieces)` and the
+/// next (values: the [`Raw::vw`] pairs). One `x2` for two matrices, else `x4`s.
+#[derive(Clone, Copy)]
+struct StageLoads {
+    /// This lane's row address per call, from the stage's section start.
+    off: [usize; 2],
+    /// Matrices (2, 4 or 8).
+    n: usize,
+}
+
+impl StageLoads {
+    /// The row this lane addresses, for `pieces` pieces per token of `stride` bytes.
+    #[inline(always)]
+    fn new(lane: u32, pieces: usize, stride: usize) -> Self {
+        let n = 2 * pieces;
+        let (mi, r) = ((lane / 8) as usize, lane % 8);
+        let off = core::array::from_fn(|c| {
+            let m = if n == 2 { mi % 2 } else { 4 * c + mi };
+            let m = clamp_idx(m, n);
+            tile_token((m / pieces) as u32, r) as usize * stride + 16 * (m % pieces)
+        });
+        Self { off, n }
+    }
+
+    /// Matrix `m`'s register for this lane, `m` in `0 .. n`, from the section at `base`.
+    ///
+    /// # Safety
+    /// `base` is a ring stage's section of whole tokens (16-byte aligned), retired and
+    /// made visible to the warp.
+    #[inline(always)]
+    unsafe fn load<C: Ctx>(&self, ctx: &C, base: *const u8, trans: bool) -> [u32; 8] {
+        let mut w = [0u32; 8];
+        // SAFETY: the caller's contract; rows inside the section.
+        unsafe {
+            if self.n == 2 {
+                let x = ctx.ldmatrix_x2(base.add(self.off[0]), trans);
+                w[..2].copy_from_slice(&x);
+            } else {
+                for c in 0..self.n / 4 {
+                    let x = ctx.ldmatrix_x4(base.add(self.off[clamp_idx(c, 2)]), trans);
+                    w[4 * c..4 * c + 4].copy_from_slice(&x);
+                }
+            }
+        }
+        w
+    }
+}
+
+/// Starts copying one tile from the pool into a ring stage at `dst` with `cp.async`
+/// (the lane's share of its [`tile_bytes`] / 16 pieces of 16 bytes): key codes, value
+/// codes, then the scale and zero arrays packed 32 bytes apart.
+///
+/// # Safety
+/// `src` addresses a whole tile of the pool (16-byte aligned, as FORMAT.md's page layout
+/// makes every tile's sections); `dst` is 16-byte aligned with [`tile_bytes`] of the
+/// block's shared memory that no one touches until the copy's group is retired.
+#[inline(always)]
+unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const NG: usize>(
+    ctx: &C,
+    src: TilePtr,
+    dst: *mut u8,
+) {
+    // Pieces: 16 tokens x D * KB / 8 bytes of key codes is D * KB / 8 pieces.
+    let nk = D * KB as usize / 8;
+    let nv = D * VB as usize / 8;
+    let total = nk + nv + 8 * NG;
+    let lane = ctx.lane() as usize;
+    for r in 0..total.div_ceil(WARP as usize) {
+        let i = lane + WARP as usize * r;
+        if i < total {
+            let from = if i < nk {
+                unsafe { src.k.add(16 * i) }
+            } else if i < nk + nv {
+                unsafe { src.v.add(16 * (i - nk)) }
+            } else {
+                let j = i - nk - nv;
+                unsafe { src.s.add(j / 2 * src.sstride + 16 * (j % 2)) }
+            };
+            // SAFETY: the caller's contract; piece i of both.
+            unsafe { ctx.cp_async16(dst.add(16 * i), from) };
+        }
+    }
+}
+
+/// The steady state with a `cp.async` ring (section 4a of [`decode_mma`] where
+/// [`ring_stages`] is non-zero): the warp's chunks `warp, warp + WARPS, ...` below
+/// `nchunks`, its `k`-th in stage `k mod RING` of its ring. Each iteration waits for its
+/// chunk's copies (and the warp's lanes for each other's), starts the copy of the chunk
+/// `RING - 1` ahead into the stage the previous iteration read, then reads its own stage
+/// into registers and computes as [`fast_chunks`]: two chunks' bytes are in flight
+/// while one is computed, against one for the register prefetch.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn ring_chunks<
+    C: Ctx,
+    const D: usize,
+    const KB: u32,
+    const VB: u32,
+    const NG: usize,
+    const NKS: usize,
+    const NVT: usize,
+    const U: usize,
+>(
+    (ctx, aq, qsp, unscale_q): (&C, *const u32, &[[f32; NG]; 2], f32),
+    (tile_at, lo, ring): (&impl Fn(u32) -> TilePtr, LaneOff, *mut u8),
+    f0: u32,
+    nchunks: u32,
+    st: &mut Soft,
+    o: &mut [[f32; 4]; NVT],
+    zl: &mut [f32; 4],
+) {
+    let w = ctx.thread_idx() / WARP;
+    if w >= nchunks {
+        return;
+    }
+    let mine = (nchunks - w).div_ceil(WARPS);
+    let kcb = D * KB as usize / 8;
+    let vcb = D * VB as usize / 8;
+    let tb = tile_bytes(D as u32, KB, VB, NG as u32);
+    let (nbk, nh) = (D * KB as usize / 128, D * VB as usize / 128);
+    let kl = StageLoads::new(ctx.lane(), nbk, kcb);
+    let vl = StageLoads::new(ctx.lane(), nh, vcb);
+    let stage = |slot: u32, u: usize| unsafe { ring.add(((slot * U as u32 + u as u32) * tb) as usize) };
+    // Chunk k of this warp into stage `slot`; past the warp's last chunk an empty group,
+    // so that every iteration retires exactly one.
+    let issue = |k: u32, slot: u32| {
+        if k < mine {
+            let c = w + k * WARPS;
+            for u in 0..U {
+                let rel = (f0 + U as u32 * c + u as u32) * TILE;
+                // SAFETY: a tile of the split's quantized range; the stage is this warp's
+                // and was last read before the `sync_warp` that precedes this call.
+                unsafe { copy_tile::<C, D, KB, VB, NG>(ctx, tile_at(rel), stage(slot, u)) };
+            }
+        }
+        ctx.cp_async_commit();
+    };
+    for k in 0..RING - 1 {
+        issue(k, k);
+    }
+    let mut slot = 0u32;
+    let mut k = 0u32;
+    while k < mine {
+        ctx.cp_async_wait(RING - 2);
+        ctx.sync_warp();
+        issue(k + RING - 1, if slot == 0 { RING - 1 } else { slot - 1 });
+        let cur: [Raw<NG>; U] = core::array::from_fn(|u| {
+            let p = stage(slot, u).cast_const();
+            let mut r = Raw::<NG>::default();
+            // SAFETY: the stage holds chunk k's tile u (its group retired and made visible
+            // to the warp above).
+            unsafe {
+                let kw = kl.load(ctx, p, false);
+                for m in 0..2 * nbk {
+                    r.kw[m / nbk][(m % nbk) & 3] = kw[m];
+                }
+                let vw = vl.load(ctx, p.add(16 * kcb), true);
+                for m in 0..2 * nh {
+                    r.vw[(m % nh) & 3][m / nh] = vw[m];
+                }
+                let tp = TilePtr { k: p, v: p, s: p.add(16 * (kcb + vcb) + lo.s), sstride: 32 };
+                read_scales(&mut r, tp);
+            }
+            r
+        });
+        let mut s = scores::<C, U, KB, NG, NKS>(ctx, aq, &cur, qsp);
+        softmax::<C, U, NVT>(ctx, st, &mut s, unscale_q, false, false, o, zl);
+        for u in 0..U {
+            values::<C, VB, NG, NVT>(ctx, &s[u], &cur[u], o, zl);
+        }
+        slot = if slot + 1 == RING { 0 } else { slot + 1 };
+        k += 1;
+    }
+    // Nothing may land in the merge area after its next use (section 5).
+    ctx.cp_async_wait(0);
+}
+
 /// Split-K decode partials on tensor cores for one (KV head, sequence, split, row tile).
 ///
 /// # Safety
@@ -710,44 +985,44 @@ pub unsafe fn decode_mma<
     let page_bytes = fmt.page_bytes() as usize;
     let head_stride = p.num_kv_heads as usize * page_bytes;
     let pool_h = unsafe { pool.add(kvh as usize * page_bytes) };
-    let klane = tile_token(0, g) as usize * kcb + 4 * t as usize;
-    let slane = psz * (kcb + vcb) + 8 * t as usize;
-    let vlane = psz * kcb + 4 * t as usize * vcb + 2 * g as usize;
-    // Bytes between the f16 arrays of one group's scales and the next (FORMAT.md): key
-    // scales, key zeros, value scales, value zeros, NG groups each.
-    let gstride = 2 * psz;
-    let nbk = D * KB as usize / 128;
-    let nh = D * VB as usize / 128;
-    // One tile's raw bytes for this lane; `rel` is the tile's first quantized position.
-    let load = |rel: u32| -> Raw<NG> {
+    let lo = LaneOff {
+        k: tile_token(0, g) as usize * kcb + 4 * t as usize,
+        v: 4 * t as usize * vcb + 2 * g as usize,
+        s: 8 * t as usize,
+    };
+    // The tile starting at quantized position `rel`: its block's head-page and slot.
+    // Scales and zeros (FORMAT.md): key scales, key zeros, value scales, value zeros, NG
+    // groups each, one f16 array of the page's slots apiece.
+    let tile_base = |rel: u32| -> (*const u8, usize) {
         let blk = unsafe { *table.add((rel >> page_shift) as usize) };
-        let pb = unsafe { pool_h.add(blk as usize * head_stride) };
-        let slot0 = (rel & (fmt.page_size - 1)) as usize;
-        let mut r = Raw::<NG>::default();
-        let kp = unsafe { pb.add(slot0 * kcb + klane) };
-        for nt in 0..2 {
-            for b in 0..nbk {
-                r.kw[nt][b & 3] = unsafe { *kp.add(2 * nt * kcb + 16 * b).cast::<u32>() };
+        (unsafe { pool_h.add(blk as usize * head_stride) }, (rel & (fmt.page_size - 1)) as usize)
+    };
+    // The whole tile, for the ring's copies.
+    let tile_at = |rel: u32| -> TilePtr {
+        let (pb, slot0) = tile_base(rel);
+        unsafe {
+            TilePtr {
+                k: pb.add(slot0 * kcb),
+                v: pb.add(psz * kcb + slot0 * vcb),
+                s: pb.add(psz * (kcb + vcb) + 2 * slot0),
+                sstride: 2 * psz,
             }
         }
-        // Scales and zeros of tokens 4t .. 4t + 4: 8 bytes, 8-byte aligned.
-        let sp = unsafe { pb.add(2 * slot0 + slane) };
-        let ld2 = |at: usize| -> [u32; 2] {
-            let x = unsafe { *sp.add(at).cast::<u64>() };
-            [x as u32, (x >> 32) as u32]
-        };
-        for gi in 0..NG {
-            let (a, b) = (ld2(gi * gstride), ld2((NG + gi) * gstride));
-            let (c, d) = (ld2((2 * NG + gi) * gstride), ld2((3 * NG + gi) * gstride));
-            r.ks[gi] = [a[0], a[1], b[0], b[1]];
-            r.vs[gi] = [c[0], c[1], d[0], d[1]];
+    };
+    // One tile's raw bytes for this lane, straight from the pool (the lane's offsets
+    // folded into one per section, computed once).
+    let (gk, gv, gs) = (lo.k, psz * kcb + lo.v, psz * (kcb + vcb) + lo.s);
+    let load = |rel: u32| -> Raw<NG> {
+        let (pb, slot0) = tile_base(rel);
+        unsafe {
+            let tp = TilePtr {
+                k: pb.add(slot0 * kcb + gk),
+                v: pb.add(slot0 * vcb + gv),
+                s: pb.add(2 * slot0 + gs),
+                sstride: 2 * psz,
+            };
+            read_tile::<D, KB, VB, NG>(tp)
         }
-        let vp = unsafe { pb.add(slot0 * vcb + vlane) };
-        for h in 0..nh {
-            let hw = |j: usize| -> u32 { unsafe { *vp.add(j * vcb + 16 * h).cast::<u16>() as u32 } };
-            r.vw[h & 3] = [hw(0) | hw(1) << 16, hw(2) | hw(3) << 16];
-        }
-        r
     };
     if lo_pos < hi_pos {
         let first = (lo_pos - qbeg) / TILE;
@@ -767,7 +1042,16 @@ pub unsafe fn decode_mma<
         let (f0, f1) = if p_lo == p_hi && f1 > f0 { (f0, f1) } else { (last, last) };
         let nchunks = (f1 - f0) / ut;
         let cur_args = (ctx, aq_sh.cast_const(), &qsp, unscale_q);
-        if ut == 4 {
+        let stages = ring_stages(D as u32, KB, VB, NG as u32);
+        // The warp's ring in the merge area (idle from the fragments' barrier in section
+        // 2 to the one in section 5).
+        let ring = unsafe { sh.add((warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32)) as usize) };
+        let src = (&tile_at, lo, ring);
+        if stages > 0 && ut == 2 {
+            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else if stages > 0 && ut == 1 {
+            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else if ut == 4 {
             fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if ut == 2 {
             fast_chunks::<C, KB, VB, NG, NKS, NVT, 2>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
@@ -977,6 +1261,38 @@ mod tests {
                 assert!((r & 0xffff) < 1024 && (r >> 16) < 1024);
             }
         }
+    }
+
+    #[test]
+    fn rings_fit_the_merge_area_of_the_entry_points_that_have_them() {
+        macro_rules! entries {
+            ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal, $ng:literal, $nks:literal, $nvt:literal)),* $(,)?) => {
+                [$((stringify!($name), $d, $kb, $vb, $ng)),*]
+            };
+        }
+        let all: [(&str, u32, u32, u32, u32); 12] = crate::for_each_decode_mma!(entries);
+        let (mut rings, mut n) = ([""; 12], 0);
+        for (name, d, kb, vb, ng) in all {
+            // A tile is whole 16-byte pieces: 16 tokens of codes, 4 NG arrays of 16 f16.
+            assert_eq!(tile_bytes(d, kb, vb, ng), 16 * (d * kb / 8 + d * vb / 8 + 8 * ng), "{name}");
+            let stages = ring_stages(d, kb, vb, ng);
+            if stages > 0 {
+                assert!(WARPS * stages * chunk_tiles(d, vb, ng) * tile_bytes(d, kb, vb, ng) <= merge_bytes(d));
+                rings[n] = name;
+                n += 1;
+            }
+        }
+        assert_eq!(
+            rings[..n],
+            [
+                "rotkv_decode_mma_d64_k2v4_g64",
+                "rotkv_decode_mma_d64_k4v4_g64",
+                "rotkv_decode_mma_d128_k2v2_g128",
+                "rotkv_decode_mma_d128_k2v2_g64",
+                "rotkv_decode_mma_d128_k2v4_g64",
+                "rotkv_decode_mma_d128_k4v4_g64",
+            ]
+        );
     }
 
     #[test]

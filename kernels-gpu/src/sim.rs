@@ -320,6 +320,45 @@ impl SimCtx<'_> {
         }
     }
 
+    /// `ldmatrix` of `N` matrices (see [`Ctx::ldmatrix_x4`]): the lanes' row addresses in
+    /// one exchange, each of the `8 N` that are read checked by every lane.
+    ///
+    /// # Safety
+    /// Nobody writes the rows during the call.
+    unsafe fn ldmatrix<const N: usize>(&self, row: *const u8, trans: bool) -> [u32; N] {
+        let a = row.addr() as u64;
+        let (slots, tag) = self.warp_exchange(OP_SHFL, &[a as u32, (a >> 32) as u32]);
+        let shared = self.shared().cast_const();
+        let (base, end) = (shared.addr(), shared.addr() + self.block.shared.len() * 16);
+        let rows: [*const u8; 32] = core::array::from_fn(|src| {
+            let src = src as u32;
+            if src >= 8 * N as u32 {
+                return shared;
+            }
+            self.check_lane(slots, src, tag);
+            let word = |w: usize| slots[src as usize][1 + w].load(Ordering::SeqCst) as u64;
+            let at = (word(0) | word(1) << 32) as usize;
+            assert!(
+                at.is_multiple_of(16) && at >= base && at + 16 <= end,
+                "ldmatrix row {at:#x} of lane {src} misaligned or outside the block's shared memory"
+            );
+            shared.with_addr(at)
+        });
+        let (g, t) = (self.lane() / 4, self.lane() % 4);
+        core::array::from_fn(|i| {
+            let r = |k: u32| rows[8 * i + k as usize];
+            // SAFETY: rows checked inside the shared memory; words and half-words in them.
+            unsafe {
+                if trans {
+                    let h = |p: *const u8| p.add(2 * g as usize).cast::<u16>().read() as u32;
+                    h(r(2 * t)) | h(r(2 * t + 1)) << 16
+                } else {
+                    r(g).add(4 * t as usize).cast::<u32>().read()
+                }
+            }
+        })
+    }
+
     fn shuffle(&self, v: u32, src_lane: u32) -> u32 {
         let src = src_lane % WARP;
         let (slots, tag) = self.warp_exchange(OP_SHFL, &[v]);
@@ -406,6 +445,18 @@ impl Ctx for SimCtx<'_> {
                 unsafe { core::ptr::copy_nonoverlapping(src, dst, 16) };
             }
         }
+    }
+    /// One warp exchange of the row addresses; every lane checks all of them (16-byte
+    /// aligned, inside the block's shared memory: else a launch error, reported by every
+    /// lane alike) and reads its elements as the PTX ISA lays them out.
+    unsafe fn ldmatrix_x4(&self, row: *const u8, trans: bool) -> [u32; 4] {
+        // SAFETY: forwarded contract; the addresses are checked.
+        unsafe { self.ldmatrix(row, trans) }
+    }
+    /// As `ldmatrix_x4`, with lanes 0-15's addresses.
+    unsafe fn ldmatrix_x2(&self, row: *const u8, trans: bool) -> [u32; 2] {
+        // SAFETY: as above.
+        unsafe { self.ldmatrix(row, trans) }
     }
     /// Panics (a launch error) unless `p` is 16-byte aligned, as the device would fault.
     unsafe fn load16(&self, p: *const u8) -> [u32; 4] {
@@ -1072,6 +1123,123 @@ mod tests {
         })
         .unwrap();
         assert_eq!(nan.load(Ordering::SeqCst), 32);
+    }
+
+    #[test]
+    fn cp_async_of_another_lane_is_visible_after_the_wait_and_a_warp_sync() {
+        let src = chunks(64);
+        let ok = AtomicU32::new(0);
+        // Two warps, each reading what its lane t ^ 5 copied: a warp-private buffer.
+        launch([1, 1, 1], 64, 64 * 16, |c| {
+            let t = c.thread_idx() as usize;
+            // SAFETY: chunk t of `src` and of the 1 KiB shared memory, both aligned.
+            unsafe { c.cp_async16(c.shared().add(16 * t), src[t].as_ptr().cast()) };
+            c.cp_async_commit();
+            c.cp_async_wait(0);
+            c.sync_warp();
+            let other = t ^ 5;
+            if (0..4).all(|j| sh(c, other * 4 + j) == (other * 4 + j) as f32) {
+                ok.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(ok.load(Ordering::SeqCst), 64);
+    }
+
+    #[test]
+    fn cp_async_of_another_lane_without_a_warp_sync_reads_nan() {
+        let src = chunks(32);
+        let nan = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 32 * 16, |c| {
+            let t = c.thread_idx() as usize;
+            // SAFETY: as above.
+            unsafe { c.cp_async16(c.shared().add(16 * t), src[t].as_ptr().cast()) };
+            c.cp_async_commit();
+            c.cp_async_wait(0); // Retires this lane's copy only; forgot sync_warp.
+            // Lane 0 runs first and reads before lane 1 has waited for its copy.
+            if t == 0 && (0..4).all(|j| sh(c, 4 + j).is_nan()) {
+                nan.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(nan.load(Ordering::SeqCst), 1);
+    }
+
+    /// Element `(m, r, c)` of the test matrices: a distinct 16-bit value.
+    fn el(m: u32, r: u32, c: u32) -> u32 {
+        0x1000 * m + 0x100 * r + c
+    }
+
+    #[test]
+    fn ldmatrix_gives_the_ptx_fragments_from_scattered_rows() {
+        let ok = AtomicU32::new(0);
+        // Row r of matrix m in 16-byte slot (8 m + r) * 5 mod 32: rows need not be
+        // contiguous, and each lane gives its own row's address.
+        let slot = |m: u32, r: u32| ((8 * m + r) * 5 % 32) as usize;
+        launch([1, 1, 1], 32, 32 * 16, |c| {
+            let lane = c.lane();
+            let (m, r) = (lane / 8, lane % 8);
+            for col in 0..8 {
+                // SAFETY: slot `slot(m, r)` of the 512-byte shared memory, this lane's.
+                unsafe { *c.shared().add(16 * slot(m, r) + 2 * col as usize).cast::<u16>() = el(m, r, col) as u16 };
+            }
+            c.sync_threads();
+            // SAFETY: aligned rows of shared memory, not written from here on.
+            let row = unsafe { c.shared().add(16 * slot(m, r)).cast_const() };
+            let (x4, x4t, x2, x2t) = unsafe {
+                (
+                    c.ldmatrix_x4(row, false),
+                    c.ldmatrix_x4(row, true),
+                    c.ldmatrix_x2(row, false),
+                    c.ldmatrix_x2(row, true),
+                )
+            };
+            // The trait's default bodies (addresses by shuffles) agree.
+            let plain = DefaultBodies(c);
+            let same = unsafe {
+                plain.ldmatrix_x4(row, false) == x4
+                    && plain.ldmatrix_x4(row, true) == x4t
+                    && plain.ldmatrix_x2(row, false) == x2
+                    && plain.ldmatrix_x2(row, true) == x2t
+            };
+            let (g, t) = (lane / 4, lane % 4);
+            let pair = |a: u32, b: u32| a | b << 16;
+            let good = (0..4).all(|i| {
+                let (i, iu) = (i as usize, i as u32);
+                x4[i] == pair(el(iu, g, 2 * t), el(iu, g, 2 * t + 1))
+                    && x4t[i] == pair(el(iu, 2 * t, g), el(iu, 2 * t + 1, g))
+                    && (i >= 2
+                        || (x2[i] == pair(el(iu, g, 2 * t), el(iu, g, 2 * t + 1))
+                            && x2t[i] == pair(el(iu, 2 * t, g), el(iu, 2 * t + 1, g))))
+            });
+            if good && same {
+                ok.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        assert_eq!(ok.load(Ordering::SeqCst), 32);
+    }
+
+    #[test]
+    fn ldmatrix_rows_must_be_aligned_shared_memory() {
+        for (bad_lane, off) in [(3u32, 4usize), (9, 32 * 16), (0, 8)] {
+            let r = launch([1, 1, 1], 32, 32 * 16, |c| {
+                let lane = c.lane();
+                let at = if lane == bad_lane { off } else { 16 * lane as usize };
+                // SAFETY: none for the bad lane: the emulator rejects it before reading.
+                unsafe { c.ldmatrix_x2(c.shared().wrapping_add(at).cast_const(), false) };
+            });
+            let e = r.unwrap_err().0;
+            assert!(e.contains("ldmatrix") && e.contains("outside"), "lane {bad_lane} offset {off}: {e}");
+        }
+        // Lanes 16-31 give no address to an x2.
+        launch([1, 1, 1], 32, 32 * 16, |c| {
+            let lane = c.lane();
+            let at = if lane >= 16 { 3 } else { 16 * lane as usize };
+            // SAFETY: lanes 0-15 give aligned rows; the others' addresses are not read.
+            unsafe { c.ldmatrix_x2(c.shared().wrapping_add(at).cast_const(), true) };
+        })
+        .unwrap();
     }
 
     #[test]

@@ -794,9 +794,15 @@ fn build_ptx() -> Result<String, Step> {
 /// blocks (`rotkv_kernels::decode_mma::THREADS`); at head_dim 64, 2 blocks (8 warps) per
 /// SM let ptxas use up to 255 registers, which the 64-token chunks of the steady-state loop
 /// need to keep two chunks of raw bytes in registers without spilling (the gpu_decode
-/// head_dim-64 case launches 8 warps per SM anyway). At head_dim 128 ptxas' own choice is
-/// 2 blocks (up to 255 registers), with no local memory.
-const TUNING: &[(&str, u32, u32)] = &[("rotkv_decode_mma_d64_", 128, 2)];
+/// head_dim-64 case launches 8 warps per SM anyway). The one-tile head_dim-64 entry points
+/// (4-bit values) get 3 blocks (12 warps, at most 168 registers), which their `cp.async`
+/// ring fits without spilling. At head_dim 128 ptxas' own choice is 2 blocks (up to 255
+/// registers), with no local memory.
+const TUNING: &[(&str, u32, u32)] = &[
+    ("rotkv_decode_mma_d64_k2v4_", 128, 3),
+    ("rotkv_decode_mma_d64_k4v4_", 128, 3),
+    ("rotkv_decode_mma_d64_", 128, 2),
+];
 
 fn tuning_directives(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);

@@ -44,6 +44,7 @@ pub const MIRI_KERNEL_TESTS: &[&str] = &[
     "sim::tests::misaligned_load16_is_an_error",
     "sim::tests::indices_barriers_and_shuffles",
     "sim::tests::shfl_idx_u32_moves_raw_bits",
+    "sim::tests::ldmatrix_gives_the_ptx_fragments_from_scattered_rows",
 ];
 /// Host unit tests (name filters) run under Miri.
 pub const MIRI_HOST_TESTS: &[&str] =
