@@ -28,9 +28,12 @@
 //! same tiles with plain f16 fragments (the query in natural channel order), so the online
 //! softmax sees one stream. Quantized tokens are walked in tiles of 16 (two n-tiles of 8
 //! for the scores, one k-step for the values). The steady state is an unmasked loop over
-//! chunks of [`chunk_tiles`] tiles (32 or 64 tokens) with one online-softmax update per
-//! chunk, chunk `k` by warp `k mod WARPS`, the next chunk's loads issued while the current
-//! one is computed; tiles that need a mask (a split's ends, causal limits of multi-token
+//! chunks of [`chunk_tiles`] tiles (16 to 64 tokens) with one online-softmax update per
+//! chunk, chunk `k` by warp `k mod WARPS`. Where [`ring_stages`] allows, each warp
+//! streams its chunks through a three-stage `cp.async` ring in the (then idle) merge area
+//! of shared memory, two chunks in flight while one is computed, and takes the codes into
+//! fragments with `ldmatrix`; elsewhere the next chunk's register loads are issued while
+//! the current one is computed. Tiles that need a mask (a split's ends, causal limits of multi-token
 //! queries, sliding-window starts, protected positions) go one at a time through a second, masked loop. The
 //! warps merge their `(m, l, o)` in shared memory at the end.
 //!
