@@ -517,31 +517,40 @@ unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, tp: TilePtr) {
     }
 }
 
-/// `ldmatrix` calls that read `2 * pieces` 8 x 8 matrices of a ring stage: matrix `m` is
-/// piece `m % pieces` (16 bytes) of the tokens `tile_token(m / pieces, r)`, `r = 0 ..
-/// 8`, so lane `(g, t)` receives word `t` of its token `tile_token(m / pieces, g)`
-/// (keys: the [`Raw::kw`] words), or read transposed, half-word `g` of tokens
-/// `tile_token(m / pieces, 2t)` and `.. 2t + 1`, that is `4t + 2 (m / pieces)` and the
-/// next (values: the [`Raw::vw`] pairs). One `x2` for two matrices, else `x4`s.
+/// Where piece `b` (16 bytes) of token `j` of a tile's key or value codes lies in a ring
+/// stage's section, with `pieces` pieces per token, in 16-byte units: the section holds
+/// `2 * pieces` 8 x 8 `ldmatrix` matrices one after another, matrix `m = (nt, b)` (`nt`
+/// `= m / pieces`, `b = m % pieces`) with row `r` piece `b` of token `tile_token(nt, r)`.
+/// A matrix is thus 128 contiguous bytes, its 8 rows on the 8 different groups of four
+/// banks (no bank conflict), and lane `L` of an `x4` addresses row `L % 8` of matrix `4 c
+/// + L / 8`: unit `32 c + L`.
+#[inline(always)]
+const fn stage_piece(j: usize, b: usize, pieces: usize) -> usize {
+    // tile_token(nt, r) = j: nt = bit 1 of j, r = 2 (j / 4) + j % 2.
+    (((j >> 1) & 1) * pieces + b) * 8 + 2 * (j >> 2) + (j & 1)
+}
+
+/// `ldmatrix` calls that read the `2 * pieces` matrices of a stage section laid out by
+/// [`stage_piece`]: lane `(g, t)` receives word `t` of piece `m % pieces` of its token
+/// `tile_token(m / pieces, g)` (keys: the [`Raw::kw`] words), or read transposed,
+/// half-word `g` of that piece of tokens `tile_token(m / pieces, 2t)` and `.. 2t + 1`,
+/// that is `4t + 2 (m / pieces)` and the next (values: the [`Raw::vw`] pairs). One `x2`
+/// for two matrices, else `x4`s.
 #[derive(Clone, Copy)]
 struct StageLoads {
-    /// This lane's row address per call, from the stage's section start.
+    /// This lane's row address per call, from the section's start.
     off: [usize; 2],
     /// Matrices (2, 4 or 8).
     n: usize,
 }
 
 impl StageLoads {
-    /// The row this lane addresses, for `pieces` pieces per token of `stride` bytes.
+    /// The rows this lane addresses, for `pieces` pieces per token.
     #[inline(always)]
-    fn new(lane: u32, pieces: usize, stride: usize) -> Self {
+    fn new(lane: u32, pieces: usize) -> Self {
         let n = 2 * pieces;
-        let (mi, r) = ((lane / 8) as usize, lane % 8);
-        let off = core::array::from_fn(|c| {
-            let m = if n == 2 { mi % 2 } else { 4 * c + mi };
-            let m = clamp_idx(m, n);
-            tile_token((m / pieces) as u32, r) as usize * stride + 16 * (m % pieces)
-        });
+        let lane = lane as usize;
+        let off = core::array::from_fn(|c| if n == 2 { 16 * (lane % 16) } else { 16 * (32 * c + lane) });
         Self { off, n }
     }
 
@@ -570,8 +579,9 @@ impl StageLoads {
 }
 
 /// Starts copying one tile from the pool into a ring stage at `dst` with `cp.async`
-/// (the lane's share of its [`tile_bytes`] / 16 pieces of 16 bytes): key codes, value
-/// codes, then the scale and zero arrays packed 32 bytes apart.
+/// (the lane's share of its [`tile_bytes`] / 16 pieces of 16 bytes, read in the pool's
+/// order): key codes and value codes, each section in the [`stage_piece`] order, then the
+/// scale and zero arrays packed 32 bytes apart.
 ///
 /// # Safety
 /// `src` addresses a whole tile of the pool (16-byte aligned, as FORMAT.md's page layout
@@ -586,21 +596,23 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
     // Pieces: 16 tokens x D * KB / 8 bytes of key codes is D * KB / 8 pieces.
     let nk = D * KB as usize / 8;
     let nv = D * VB as usize / 8;
+    let (pk, pv) = (nk / 16, nv / 16);
     let total = nk + nv + 8 * NG;
     let lane = ctx.lane() as usize;
     for r in 0..total.div_ceil(WARP as usize) {
         let i = lane + WARP as usize * r;
         if i < total {
-            let from = if i < nk {
-                unsafe { src.k.add(16 * i) }
+            let (from, to) = if i < nk {
+                (unsafe { src.k.add(16 * i) }, stage_piece(i / pk, i % pk, pk))
             } else if i < nk + nv {
-                unsafe { src.v.add(16 * (i - nk)) }
+                let i = i - nk;
+                (unsafe { src.v.add(16 * i) }, nk + stage_piece(i / pv, i % pv, pv))
             } else {
                 let j = i - nk - nv;
-                unsafe { src.s.add(j / 2 * src.sstride + 16 * (j % 2)) }
+                (unsafe { src.s.add(j / 2 * src.sstride + 16 * (j % 2)) }, i)
             };
-            // SAFETY: the caller's contract; piece i of both.
-            unsafe { ctx.cp_async16(dst.add(16 * i), from) };
+            // SAFETY: the caller's contract; a piece of both.
+            unsafe { ctx.cp_async16(dst.add(16 * to), from) };
         }
     }
 }
@@ -641,8 +653,8 @@ fn ring_chunks<
     let vcb = D * VB as usize / 8;
     let tb = tile_bytes(D as u32, KB, VB, NG as u32);
     let (nbk, nh) = (D * KB as usize / 128, D * VB as usize / 128);
-    let kl = StageLoads::new(ctx.lane(), nbk, kcb);
-    let vl = StageLoads::new(ctx.lane(), nh, vcb);
+    let kl = StageLoads::new(ctx.lane(), nbk);
+    let vl = StageLoads::new(ctx.lane(), nh);
     let stage = |slot: u32, u: usize| unsafe { ring.add(((slot * U as u32 + u as u32) * tb) as usize) };
     // Chunk k of this warp into stage `slot`; past the warp's last chunk an empty group,
     // so that every iteration retires exactly one.
@@ -1296,6 +1308,29 @@ mod tests {
                 "rotkv_decode_mma_d128_k4v4_g64",
             ]
         );
+    }
+
+    #[test]
+    fn stage_pieces_are_a_permutation_with_each_matrix_on_all_bank_groups() {
+        for pieces in [1usize, 2, 4] {
+            let mut seen = [false; 64];
+            for j in 0..16 {
+                for b in 0..pieces {
+                    let at = stage_piece(j, b, pieces);
+                    assert!(at < 16 * pieces && !seen[at], "pieces {pieces} token {j} piece {b}");
+                    seen[at] = true;
+                }
+            }
+            // Row r of matrix (nt, b): token tile_token(nt, r), piece b, at unit 8 m + r.
+            for nt in 0..2 {
+                for b in 0..pieces {
+                    for r in 0..8 {
+                        let j = tile_token(nt as u32, r as u32) as usize;
+                        assert_eq!(stage_piece(j, b, pieces), 8 * (nt * pieces + b) + r);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
