@@ -605,6 +605,51 @@ pub fn mma_selftest_check(cases: &[MmaCase], d: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// Element `(m, r, c)` of the `ldmatrix_selftest` input: matrix `m` (0-3), row `r`,
+/// column `c` (0-7), a distinct 16-bit value that reads back as its own coordinates.
+pub fn ldmatrix_selftest_element(m: usize, r: usize, c: usize) -> u16 {
+    (0x1000 * m + 0x100 * r + c) as u16
+}
+
+/// The `ldmatrix_selftest` kernel's input: 32 rows of 16 bytes, row `8 m + r` holding
+/// [`ldmatrix_selftest_element`]`(m, r, 0..8)` in little-endian order.
+pub fn ldmatrix_selftest_rows() -> Vec<u8> {
+    (0..32).flat_map(|i| (0..8).flat_map(move |c| ldmatrix_selftest_element(i / 8, i % 8, c).to_le_bytes())).collect()
+}
+
+/// Checks the `ldmatrix_selftest` kernel's output (12 words per lane: `x4`, `x4.trans`,
+/// `x2`, `x2.trans`) for the input of [`ldmatrix_selftest_rows`] against the PTX ISA's
+/// layout: without `.trans` lane `(g, t) = (lane / 4, lane % 4)` holds elements `2t`,
+/// `2t + 1` of row `g` in register `i` (matrix `i`); with it, element `g` of rows `2t`
+/// and `2t + 1`.
+pub fn ldmatrix_selftest_check(out: &[u32]) -> Result<()> {
+    const WORDS: usize = rotkv_kernels::selftest::LDMATRIX_WORDS;
+    if out.len() != 32 * WORDS {
+        return Err(Error::Shape(format!("{} ldmatrix self-test outputs for 32 lanes of {WORDS}", out.len())));
+    }
+    let el = |m: usize, r: usize, c: usize| ldmatrix_selftest_element(m, r, c) as u32;
+    for lane in 0..32 {
+        let (g, t) = (lane / 4, lane % 4);
+        let plain = |i: usize| el(i, g, 2 * t) | el(i, g, 2 * t + 1) << 16;
+        let trans = |i: usize| el(i, 2 * t, g) | el(i, 2 * t + 1, g) << 16;
+        let want: [(&str, usize, u32); WORDS] = core::array::from_fn(|k| match k {
+            0..4 => ("x4", k, plain(k)),
+            4..8 => ("x4.trans", k - 4, trans(k - 4)),
+            8..10 => ("x2", k - 8, plain(k - 8)),
+            _ => ("x2.trans", k - 10, trans(k - 10)),
+        });
+        for (k, &(what, i, w)) in want.iter().enumerate() {
+            let got = out[lane * WORDS + k];
+            if got != w {
+                return Err(Error::Backend(format!(
+                    "ldmatrix self-test: lane {lane}, {what} register {i} is {got:#010x}, the PTX ISA layout gives {w:#010x} (elements (matrix, row, column) are 0xMRC)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

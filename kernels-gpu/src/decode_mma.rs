@@ -517,21 +517,22 @@ unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, tp: TilePtr) {
     }
 }
 
-/// Where piece `b` (16 bytes) of token `j` of a tile's key or value codes lies in a ring
-/// stage's section, with `pieces` pieces per token, in 16-byte units: the section holds
-/// `2 * pieces` 8 x 8 `ldmatrix` matrices one after another, matrix `m = (nt, b)` (`nt`
-/// `= m / pieces`, `b = m % pieces`) with row `r` piece `b` of token `tile_token(nt, r)`.
-/// A matrix is thus 128 contiguous bytes, its 8 rows on the 8 different groups of four
-/// banks (no bank conflict), and lane `L` of an `x4` addresses row `L % 8` of matrix `4 c
-/// + L / 8`: unit `32 c + L`.
+/// The layout of a ring stage's key or value section, with `pieces` 16-byte pieces of
+/// codes per token: the piece of the tile's codes (`token * pieces + piece`, the pool's
+/// order) that unit `u` (16 bytes) of the section holds. The section is `2 * pieces` 8 x 8
+/// `ldmatrix` matrices one after another, matrix `m` (units `8 m .. 8 m + 8`) holding in
+/// row `r` piece `m % pieces` of token `tile_token(m / pieces, r)`. A matrix is thus 128
+/// contiguous bytes, its 8 rows on the 8 different groups of four banks (no bank
+/// conflict), and lane `L` of an `x4` addresses row `L % 8` of matrix `4 c + L / 8`: unit
+/// `32 c + L`.
 #[inline(always)]
-const fn stage_piece(j: usize, b: usize, pieces: usize) -> usize {
-    // tile_token(nt, r) = j: nt = bit 1 of j, r = 2 (j / 4) + j % 2.
-    (((j >> 1) & 1) * pieces + b) * 8 + 2 * (j >> 2) + (j & 1)
+const fn source_piece(u: usize, pieces: usize) -> usize {
+    let (m, r) = (u / 8, u % 8);
+    tile_token((m / pieces) as u32, r as u32) as usize * pieces + m % pieces
 }
 
-/// `ldmatrix` calls that read the `2 * pieces` matrices of a stage section laid out by
-/// [`stage_piece`]: lane `(g, t)` receives word `t` of piece `m % pieces` of its token
+/// `ldmatrix` calls that read the `2 * pieces` matrices of a stage section laid out as
+/// [`source_piece`] says: lane `(g, t)` receives word `t` of piece `m % pieces` of its token
 /// `tile_token(m / pieces, g)` (keys: the [`Raw::kw`] words), or read transposed,
 /// half-word `g` of that piece of tokens `tile_token(m / pieces, 2t)` and `.. 2t + 1`,
 /// that is `4t + 2 (m / pieces)` and the next (values: the [`Raw::vw`] pairs). One `x2`
@@ -579,9 +580,12 @@ impl StageLoads {
 }
 
 /// Starts copying one tile from the pool into a ring stage at `dst` with `cp.async`
-/// (the lane's share of its [`tile_bytes`] / 16 pieces of 16 bytes, read in the pool's
-/// order): key codes and value codes, each section in the [`stage_piece`] order, then the
-/// scale and zero arrays packed 32 bytes apart.
+/// (the lane's share of its [`tile_bytes`] / 16 pieces of 16 bytes): key codes and value
+/// codes, each section laid out as [`source_piece`] says, then the scale and zero arrays packed
+/// 32 bytes apart. Lane `L` fills stage units `L, L + 32, ...` (each `cp.async` writes 512
+/// contiguous bytes: every bank group four times, no conflict) from the pieces
+/// [`source_piece`] names (each still reads whole 512-byte runs of the pool, in another
+/// order).
 ///
 /// # Safety
 /// `src` addresses a whole tile of the pool (16-byte aligned, as FORMAT.md's page layout
@@ -602,17 +606,16 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
     for r in 0..total.div_ceil(WARP as usize) {
         let i = lane + WARP as usize * r;
         if i < total {
-            let (from, to) = if i < nk {
-                (unsafe { src.k.add(16 * i) }, stage_piece(i / pk, i % pk, pk))
+            let from = if i < nk {
+                unsafe { src.k.add(16 * source_piece(i, pk)) }
             } else if i < nk + nv {
-                let i = i - nk;
-                (unsafe { src.v.add(16 * i) }, nk + stage_piece(i / pv, i % pv, pv))
+                unsafe { src.v.add(16 * source_piece(i - nk, pv)) }
             } else {
                 let j = i - nk - nv;
-                (unsafe { src.s.add(j / 2 * src.sstride + 16 * (j % 2)) }, i)
+                unsafe { src.s.add(j / 2 * src.sstride + 16 * (j % 2)) }
             };
             // SAFETY: the caller's contract; a piece of both.
-            unsafe { ctx.cp_async16(dst.add(16 * to), from) };
+            unsafe { ctx.cp_async16(dst.add(16 * i), from) };
         }
     }
 }
@@ -1310,6 +1313,12 @@ mod tests {
         );
     }
 
+    /// Where piece `b` of token `j` lies in a stage section: `source_piece`'s inverse,
+    /// written from `tile_token` (`nt` = bit 1 of `j`, `r = 2 (j / 4) + j % 2`).
+    fn stage_piece(j: usize, b: usize, pieces: usize) -> usize {
+        (((j >> 1) & 1) * pieces + b) * 8 + 2 * (j >> 2) + (j & 1)
+    }
+
     #[test]
     fn stage_pieces_are_a_permutation_with_each_matrix_on_all_bank_groups() {
         for pieces in [1usize, 2, 4] {
@@ -1319,6 +1328,7 @@ mod tests {
                     let at = stage_piece(j, b, pieces);
                     assert!(at < 16 * pieces && !seen[at], "pieces {pieces} token {j} piece {b}");
                     seen[at] = true;
+                    assert_eq!(source_piece(at, pieces), j * pieces + b);
                 }
             }
             // Row r of matrix (nt, b): token tile_token(nt, r), piece b, at unit 8 m + r.

@@ -22,6 +22,15 @@
 //!   products and sums); `load16` of a misaligned address is a launch error.
 //! - `cp_async16` copies are deferred to the `cp_async_wait` that retires their group, so
 //!   a kernel that reads the destination without waiting sees NaN.
+//! - `ldmatrix` (`x2`/`x4`, plain and `.trans`) exchanges the row addresses in one warp
+//!   operation; every lane checks every row (aligned, inside the block's shared memory)
+//!   and the ordering of the `cp.async` copies it reads: each 16-byte unit of shared
+//!   memory records its last copy (thread, landed or not, the thread's barrier counts) and
+//!   its last `ldmatrix` reader. Reading another thread's copy that is still in flight, or
+//!   that landed with no barrier since (a `sync_warp` within a warp, a `sync_threads`
+//!   across warps), is a launch error, and so is a copy into a unit another thread read
+//!   with no barrier since. Plain loads of shared memory are not checked this way (a read
+//!   before the copy's wait still sees NaN).
 //! - Dynamic shared memory ([`SimCtx::shared`]) is filled with `0xFF` bytes (NaN as f32
 //!   and f16) before each block, so reading what no thread wrote shows up.
 
@@ -180,9 +189,26 @@ impl SimBarrier {
 /// Words one lane publishes for a warp operation: a tag (the operation's number and
 /// kind), then the payload (a shuffle uses one word, an mma the four A and two B words).
 const SLOT_WORDS: usize = 7;
-/// Operation kinds in a slot's tag.
+/// Operation kinds in a slot's tag (its low [`OP_BITS`] bits).
 const OP_SHFL: u32 = 0;
 const OP_MMA: u32 = 1;
+/// `ldmatrix`: plus 1 for `.trans`, plus 2 for `x4` (else `x2`).
+const OP_LDMATRIX: u32 = 2;
+const OP_SYNC_WARP: u32 = 6;
+const OP_BITS: u32 = 3;
+
+/// What a warp operation of tag `t` was, for messages.
+fn op_name(t: u32) -> &'static str {
+    match t & ((1 << OP_BITS) - 1) {
+        OP_SHFL => "a shuffle",
+        OP_MMA => "an mma",
+        2 => "an ldmatrix x2",
+        3 => "an ldmatrix x2.trans",
+        4 => "an ldmatrix x4",
+        5 => "an ldmatrix x4.trans",
+        _ => "a sync_warp",
+    }
+}
 
 /// One warp's exchange: its barrier and two slot arrays, one slot per lane, used
 /// alternately by successive warp operations (shuffles and mma).
@@ -198,6 +224,48 @@ struct Block {
     shared: Box<[UnsafeCell<u128>]>,
     /// Per thread: block barriers and warp barriers passed.
     passed: Vec<(AtomicU32, AtomicU32)>,
+    /// Per thread: `sync_warp`s passed.
+    warp_syncs: Vec<AtomicU32>,
+    /// Per 16-byte unit of shared memory: the last `cp.async` copy into it ([`Copy`]).
+    copies: Box<[AtomicU64]>,
+    /// Per 16-byte unit: the last `ldmatrix` read of it ([`Copy`], `landed` unset).
+    reads: Box<[AtomicU64]>,
+}
+
+/// Who wrote (a `cp.async` copy) or read (an `ldmatrix` row) a unit of shared memory, and
+/// when: the thread, whether the copy has landed (its group retired), and the thread's
+/// barrier counts then (block barriers; block barriers plus `sync_warp`s). Packed into a
+/// `u64`, 0 for none.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Copy {
+    thread: u32,
+    landed: bool,
+    block: u32,
+    all: u32,
+}
+
+impl Copy {
+    fn pack(self) -> u64 {
+        u64::from(self.thread + 1)
+            | u64::from(self.landed) << 11
+            | u64::from(self.block & 0xf_ffff) << 12
+            | u64::from(self.all) << 32
+    }
+    fn unpack(x: u64) -> Option<Self> {
+        (x != 0).then(|| Self {
+            thread: (x & 0x7ff) as u32 - 1,
+            landed: x >> 11 & 1 == 1,
+            block: (x >> 12 & 0xf_ffff) as u32,
+            all: (x >> 32) as u32,
+        })
+    }
+    /// Whether a barrier both threads passed separates this access from `other`'s
+    /// (`other` happening now, in a thread with the counts `other.block`, `other.all`):
+    /// within a warp any barrier (`sync_warp` or `sync_threads`), across warps a
+    /// `sync_threads`.
+    fn ordered_before(self, other: Copy) -> bool {
+        if self.thread / WARP == other.thread / WARP { other.all > self.all } else { other.block > self.block }
+    }
 }
 
 // SAFETY: the barriers and atomics are Sync; the shared-memory cells are only reached
@@ -219,6 +287,9 @@ impl Block {
                 .collect(),
             shared: (0..shared_bytes.div_ceil(16)).map(|_| UnsafeCell::new(u128::MAX)).collect(),
             passed: (0..threads).map(|_| (AtomicU32::new(0), AtomicU32::new(0))).collect(),
+            warp_syncs: (0..threads).map(|_| AtomicU32::new(0)).collect(),
+            copies: (0..shared_bytes.div_ceil(16)).map(|_| AtomicU64::new(0)).collect(),
+            reads: (0..shared_bytes.div_ceil(16)).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -287,7 +358,7 @@ impl SimCtx<'_> {
         for (w, &v) in mine[1..].iter().zip(words) {
             w.store(v, Ordering::SeqCst);
         }
-        let tag = n.wrapping_shl(1) | kind;
+        let tag = n.wrapping_shl(OP_BITS) | kind;
         mine[0].store(tag, Ordering::SeqCst);
         let base = (self.thread / WARP * WARP) as usize;
         warp.barrier.wait(&self.members[base..base + WARP as usize], self.lane() as usize, self.yielder);
@@ -298,12 +369,12 @@ impl SimCtx<'_> {
     fn check_lane(&self, slots: &Slots, src: u32, tag: u32) {
         let got = slots[src as usize][0].load(Ordering::SeqCst);
         if got != tag {
-            let what = |t: u32| if t & 1 == OP_MMA { "an mma" } else { "a shuffle" };
+            let what = op_name;
             let warp_base = self.thread / WARP * WARP;
-            if got >> 1 == tag >> 1 {
+            if got >> OP_BITS == tag >> OP_BITS {
                 panic!(
                     "divergent barrier: in warp operation {} lane {} ran {} while thread {} ran {}",
-                    tag >> 1,
+                    tag >> OP_BITS,
                     warp_base + src,
                     what(got),
                     self.thread,
@@ -313,7 +384,7 @@ impl SimCtx<'_> {
             panic!(
                 "divergent barrier: thread {} did not take part in warp operation {} ({}) of thread {}",
                 warp_base + src,
-                tag >> 1,
+                tag >> OP_BITS,
                 what(tag),
                 self.thread
             );
@@ -327,7 +398,8 @@ impl SimCtx<'_> {
     /// Nobody writes the rows during the call.
     unsafe fn ldmatrix<const N: usize>(&self, row: *const u8, trans: bool) -> [u32; N] {
         let a = row.addr() as u64;
-        let (slots, tag) = self.warp_exchange(OP_SHFL, &[a as u32, (a >> 32) as u32]);
+        let kind = OP_LDMATRIX + u32::from(trans) + if N == 4 { 2 } else { 0 };
+        let (slots, tag) = self.warp_exchange(kind, &[a as u32, (a >> 32) as u32]);
         let shared = self.shared().cast_const();
         let (base, end) = (shared.addr(), shared.addr() + self.block.shared.len() * 16);
         let rows: [*const u8; 32] = core::array::from_fn(|src| {
@@ -344,6 +416,26 @@ impl SimCtx<'_> {
             );
             shared.with_addr(at)
         });
+        // Every lane checks every row read, so that all of them report a race alike.
+        let now = self.now(false);
+        for &row in &rows[..8 * N] {
+            let u = self.unit(row);
+            if let Some(c) = Copy::unpack(self.block.copies[u].load(Ordering::SeqCst)) {
+                assert!(
+                    c.landed || c.thread == self.thread,
+                    "ldmatrix reads shared memory (unit {u}) that a cp.async of thread {} is still copying (its group not retired)",
+                    c.thread
+                );
+                assert!(
+                    c.thread == self.thread || c.ordered_before(now),
+                    "ldmatrix reads a cp.async copy of thread {} (unit {u}) with no barrier since it landed: \
+                     cp.async.wait_group makes a copy visible to its own thread only; a sync_warp or \
+                     sync_threads of both must follow",
+                    c.thread
+                );
+            }
+            self.block.reads[u].store(now.pack(), Ordering::SeqCst);
+        }
         let (g, t) = (self.lane() / 4, self.lane() % 4);
         core::array::from_fn(|i| {
             let r = |k: u32| rows[8 * i + k as usize];
@@ -357,6 +449,20 @@ impl SimCtx<'_> {
                 }
             }
         })
+    }
+
+    /// This thread now, for the records of [`Block::copies`] and [`Block::reads`].
+    fn now(&self, landed: bool) -> Copy {
+        let t = self.thread as usize;
+        let block = self.block.passed[t].0.load(Ordering::SeqCst);
+        let all = block + self.block.warp_syncs[t].load(Ordering::SeqCst);
+        // The packed record keeps 20 bits of the block count (a million barriers).
+        Copy { thread: self.thread, landed, block: block & 0xf_ffff, all }
+    }
+
+    /// The 16-byte unit of shared memory at `p` (inside it: checked by the callers).
+    fn unit(&self, p: *const u8) -> usize {
+        (p.addr() - self.shared().addr()) / 16
     }
 
     fn shuffle(&self, v: u32, src_lane: u32) -> u32 {
@@ -392,6 +498,15 @@ impl Ctx for SimCtx<'_> {
     }
     fn shfl_idx_u32(&self, v: u32, src_lane: u32) -> u32 {
         self.shuffle(v, src_lane)
+    }
+    /// A warp barrier (every lane must take part) that also counts, for the emulator's
+    /// check that a lane reads another lane's `cp.async` copy only after a barrier.
+    fn sync_warp(&self) {
+        let (slots, tag) = self.warp_exchange(OP_SYNC_WARP, &[]);
+        for src in 0..WARP {
+            self.check_lane(slots, src, tag);
+        }
+        self.block.warp_syncs[self.thread as usize].fetch_add(1, Ordering::SeqCst);
     }
     /// From the PTX ISA fragment layout (see [`Ctx::mma_m16n8k16`]): every lane publishes
     /// its A and B words, then computes its four outputs from the whole warp's. Products
@@ -429,6 +544,16 @@ impl Ctx for SimCtx<'_> {
             dst_shared.addr() >= base && dst_shared.addr() + 16 <= end,
             "cp_async16 destination {dst_shared:p} outside the block's shared memory"
         );
+        let u = self.unit(dst_shared);
+        let now = self.now(false);
+        if let Some(r) = Copy::unpack(self.block.reads[u].load(Ordering::SeqCst)) {
+            assert!(
+                r.thread == self.thread || r.ordered_before(now),
+                "cp_async16 into shared memory (unit {u}) that thread {} read with ldmatrix with no barrier since",
+                r.thread
+            );
+        }
+        self.block.copies[u].store(now.pack(), Ordering::SeqCst);
         self.cp_async.borrow_mut().open.push((dst_shared, src_global));
     }
     fn cp_async_commit(&self) {
@@ -443,6 +568,7 @@ impl Ctx for SimCtx<'_> {
                 // SAFETY: the `cp_async16` contract: both valid for 16 bytes, `dst` in
                 // this block's shared memory (checked), `src` not written.
                 unsafe { core::ptr::copy_nonoverlapping(src, dst, 16) };
+                self.block.copies[self.unit(dst)].store(self.now(true).pack(), Ordering::SeqCst);
             }
         }
     }
@@ -1218,6 +1344,51 @@ mod tests {
         })
         .unwrap();
         assert_eq!(ok.load(Ordering::SeqCst), 32);
+    }
+
+    /// A lane's `cp.async` copy read by another lane's `ldmatrix`: an error without a
+    /// barrier after the wait, or while the copy is in flight; and a copy into a row
+    /// another lane read, with no barrier between.
+    #[test]
+    fn ldmatrix_and_cp_async_races_between_lanes_are_errors() {
+        let src = chunks(32);
+        let run = |barrier: bool, early_read: bool, refill: bool, refill_after_barrier: bool| {
+            launch([1, 1, 1], 32, 32 * 16, |c| {
+                let t = c.thread_idx() as usize;
+                // SAFETY: chunk t of `src` and of the 512-byte shared memory.
+                unsafe { c.cp_async16(c.shared().add(16 * t), src[t].as_ptr().cast()) };
+                c.cp_async_commit();
+                if !early_read {
+                    c.cp_async_wait(0);
+                }
+                if barrier {
+                    c.sync_warp();
+                }
+                // Lane L reads row L (written by lane L), but each row is read by 4
+                // lanes (x4, non-trans: row g by lanes 4g .. 4g + 4).
+                // SAFETY: aligned rows of the shared memory.
+                unsafe { c.ldmatrix_x4(c.shared().add(16 * t).cast_const(), false) };
+                if refill {
+                    // Every lane's reads done (a shuffle orders execution, not memory),
+                    // then lane t copies into row (t + 1) % 32, which other lanes read.
+                    c.shfl_xor(0.0, 1);
+                    if refill_after_barrier {
+                        c.sync_warp();
+                    }
+                    // SAFETY: as above.
+                    unsafe { c.cp_async16(c.shared().add(16 * ((t + 1) % 32)), src[t].as_ptr().cast()) };
+                }
+                c.cp_async_wait(0);
+            })
+        };
+        run(true, false, false, false).unwrap();
+        run(true, false, true, true).unwrap();
+        let e = run(false, false, false, false).unwrap_err().0;
+        assert!(e.contains("no barrier since it landed"), "{e}");
+        let e = run(true, true, false, false).unwrap_err().0;
+        assert!(e.contains("still copying"), "{e}");
+        let e = run(true, false, true, false).unwrap_err().0;
+        assert!(e.contains("read with ldmatrix with no barrier since"), "{e}");
     }
 
     #[test]

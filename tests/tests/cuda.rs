@@ -18,6 +18,20 @@ fn a_mma_selftest() {
     eprintln!("mma self-test: exact");
 }
 
+/// Also first: `cp.async` into shared memory, its wait and `bar.warp.sync`, and `ldmatrix`
+/// `x4`/`x2`, plain and transposed, give every lane the registers of the PTX ISA layout
+/// the decode kernel's ring relies on.
+#[test]
+fn a_ldmatrix_selftest() {
+    if !Backend::Cuda.available() {
+        eprintln!("SKIPPED: ldmatrix self-test (no CUDA driver or device on this machine)");
+        return;
+    }
+    let ctx = rotkv::cuda::cudarc::driver::CudaContext::new(0).unwrap();
+    rotkv::cuda::ldmatrix_selftest(&ctx.new_stream().unwrap()).unwrap();
+    eprintln!("ldmatrix self-test: exact");
+}
+
 #[test]
 fn cuda_backend_is_used_when_present_or_reported_skipped() {
     if !Backend::Cuda.available() {

@@ -751,6 +751,37 @@ fn mma_selftest_packing_on_the_emulator() {
     assert!(mma_selftest_check(&cases, &run(&swapped)).is_err());
 }
 
+/// The GPU bundle's ldmatrix self-test on the emulator: the kernel body's registers pass
+/// the host's check of the PTX ISA layout, and a wrong input does not.
+#[test]
+fn ldmatrix_selftest_on_the_emulator() {
+    use rotkv::launch::{ldmatrix_selftest_check, ldmatrix_selftest_rows};
+    use rotkv_kernels::selftest::{LDMATRIX_ROWS, LDMATRIX_WORDS, ldmatrix_selftest};
+    let run = |rows: &[u8]| {
+        // 16-byte aligned rows, as cp.async needs.
+        let mut aligned = vec![0u128; LDMATRIX_ROWS];
+        for (a, r) in aligned.iter_mut().zip(rows.chunks(16)) {
+            *a = u128::from_le_bytes(r.try_into().unwrap());
+        }
+        let mut out = vec![0u32; 32 * LDMATRIX_WORDS];
+        let (rp, op) = (aligned.as_ptr() as usize, out.as_mut_ptr() as usize);
+        rotkv_kernels::sim::launch([1, 1, 1], 32, LDMATRIX_ROWS * 16, |ctx| {
+            // SAFETY: 512 aligned bytes of rows, 32 * 12 words of output, one warp with
+            // 512 bytes of shared memory.
+            unsafe { ldmatrix_selftest(ctx, rp as *const u8, op as *mut u32) }
+        })
+        .unwrap();
+        out
+    };
+    let rows = ldmatrix_selftest_rows();
+    ldmatrix_selftest_check(&run(&rows)).unwrap();
+    // Rows 1 and 2 of matrix 0 swapped: caught.
+    let mut swapped = rows.clone();
+    swapped[16..48].rotate_left(16);
+    let e = ldmatrix_selftest_check(&run(&swapped)).unwrap_err().to_string();
+    assert!(e.contains("ldmatrix self-test"), "{e}");
+}
+
 /// Appends `counts` tokens to a fresh sequence of `strided` with K and V each at its own
 /// row stride (`append_strided`), and the same tokens to a fresh sequence of `dense` as
 /// contiguous rows at one stride (`append`). `k_fused`: K is a head range of a fused QKV

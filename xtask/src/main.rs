@@ -1283,9 +1283,11 @@ ln -s "$here/logs" "$work/logs"
 cd "$work"
 export ROTKV_REPO_DATA="$PWD/data"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
-# First: the tensor-core fragment layout on this GPU (one mma.sync per warp, exact).
+# First: the tensor-core fragment layout on this GPU (one mma.sync per warp, exact), and
+# the decode ring's cp.async, warp barrier and ldmatrix layouts (one warp, exact).
 if [ -x bin/cuda ]; then
     bin/cuda --exact a_mma_selftest --nocapture 2>&1 | tee logs/mma_selftest.log
+    bin/cuda --exact a_ldmatrix_selftest --nocapture 2>&1 | tee logs/ldmatrix_selftest.log
 fi
 # bin/candle_cuda (candle-core's `cuda` feature) is linked against the CUDA libraries:
 # libcuda.so.1 (the driver's), libcublas.so.13 (and its libcublasLt.so.13),

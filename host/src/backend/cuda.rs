@@ -444,3 +444,27 @@ pub fn mma_selftest(stream: &Arc<CudaStream>) -> Result<()> {
     let d = stream.clone_dtoh(&d_d).map_err(err("download"))?;
     launch::mma_selftest_check(&cases, &d)
 }
+
+/// Runs the `rotkv_ldmatrix_selftest` kernel on `stream`'s device: one warp copies 32
+/// host-given rows into shared memory with `cp.async`, retires them (`wait_group` and
+/// `bar.warp.sync`) and reads them back with `ldmatrix` `x4` and `x2`, plain and
+/// transposed; every register is compared with the PTX ISA layout
+/// ([`launch::ldmatrix_selftest_check`]). The first check of the primitives of the
+/// decode kernel's `cp.async` ring on a new GPU.
+pub fn ldmatrix_selftest(stream: &Arc<CudaStream>) -> Result<()> {
+    use rotkv_kernels::selftest::{LDMATRIX_ROWS, LDMATRIX_WORDS};
+    let kernels = Kernels::load(stream.context())?;
+    let f = kernels.function("rotkv_ldmatrix_selftest")?;
+    let rows = launch::ldmatrix_selftest_rows();
+    let rows_d = stream.clone_htod(&rows).map_err(err("upload"))?;
+    let mut out_d = stream.alloc_zeros::<u32>(32 * LDMATRIX_WORDS).map_err(err("alloc"))?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&rows_d).arg(&mut out_d);
+    // SAFETY: `ldmatrix_selftest`'s parameters in order: 512 bytes of rows (cudarc's
+    // allocations are 256-byte aligned), 32 * 12 words of output; one warp with 512 bytes
+    // of dynamic shared memory.
+    unsafe { lb.launch(launch_config_block([1, 1, 1], 32, (LDMATRIX_ROWS * 16) as u32)) }
+        .map_err(err("rotkv_ldmatrix_selftest"))?;
+    let out = stream.clone_dtoh(&out_d).map_err(err("download"))?;
+    launch::ldmatrix_selftest_check(&out)
+}
