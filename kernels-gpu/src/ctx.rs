@@ -39,10 +39,11 @@ pub trait Ctx {
     /// `cp.async.cg.shared.global [dst], [src], 16`: starts a 16-byte copy from global to
     /// shared memory in the thread's current cp.async group (see [`Ctx::cp_async_commit`]).
     /// The data is visible to this thread only after the [`Ctx::cp_async_wait`] that
-    /// retires its group, to the rest of the block after a `sync_threads` that follows
-    /// that wait. The default body copies at once (correct for any context); the emulator
-    /// defers the copy to the wait (so `dst` keeps its NaN fill until then), the device
-    /// copies asynchronously (sm_80+).
+    /// retires its group, to the rest of its warp after a [`Ctx::sync_warp`] that follows
+    /// that wait, to the rest of the block after a `sync_threads` that follows it. The
+    /// default body copies at once (correct for any context); the emulator fills `dst`
+    /// with NaN and defers the copy to the wait, the device copies asynchronously
+    /// (sm_80+).
     ///
     /// # Safety
     /// `dst_shared` must point into the block's shared memory and `src_global` into global

@@ -20,17 +20,19 @@
 //!   a lane that skips one, or runs a different one, is reported as a divergent barrier.
 //! - `mma_m16n8k16` is computed from the PTX ISA fragment layout in one exchange (f32
 //!   products and sums); `load16` of a misaligned address is a launch error.
-//! - `cp_async16` copies are deferred to the `cp_async_wait` that retires their group, so
-//!   a kernel that reads the destination without waiting sees NaN.
+//! - `cp_async16` copies are deferred to the `cp_async_wait` that retires their group, and
+//!   the destination is filled with NaN when the copy is issued, so a kernel that reads
+//!   it without waiting sees NaN (a refilled buffer too).
 //! - `ldmatrix` (`x2`/`x4`, plain and `.trans`) exchanges the row addresses in one warp
 //!   operation; every lane checks every row (aligned, inside the block's shared memory)
 //!   and the ordering of the `cp.async` copies it reads: each 16-byte unit of shared
 //!   memory records its last copy (thread, landed or not, the thread's barrier counts) and
 //!   its last `ldmatrix` reader. Reading another thread's copy that is still in flight, or
 //!   that landed with no barrier since (a `sync_warp` within a warp, a `sync_threads`
-//!   across warps), is a launch error, and so is a copy into a unit another thread read
-//!   with no barrier since. Plain loads of shared memory are not checked this way (a read
-//!   before the copy's wait still sees NaN).
+//!   across warps), is a launch error, and so is a copy into a unit an `ldmatrix` read
+//!   with no barrier since (only the last reader is kept: a read by another warp earlier
+//!   in the same interval is not seen). Plain loads of shared memory are not checked this
+//!   way (a read before the copy's wait sees NaN).
 //! - Dynamic shared memory ([`SimCtx::shared`]) is filled with `0xFF` bytes (NaN as f32
 //!   and f16) before each block, so reading what no thread wrote shows up.
 
@@ -226,9 +228,9 @@ struct Block {
     passed: Vec<(AtomicU32, AtomicU32)>,
     /// Per thread: `sync_warp`s passed.
     warp_syncs: Vec<AtomicU32>,
-    /// Per 16-byte unit of shared memory: the last `cp.async` copy into it ([`Copy`]).
+    /// Per 16-byte unit of shared memory: the last `cp.async` copy into it ([`Access`]).
     copies: Box<[AtomicU64]>,
-    /// Per 16-byte unit: the last `ldmatrix` read of it ([`Copy`], `landed` unset).
+    /// Per 16-byte unit: the last `ldmatrix` read of it ([`Access`], `landed` unset).
     reads: Box<[AtomicU64]>,
 }
 
@@ -237,14 +239,14 @@ struct Block {
 /// barrier counts then (block barriers; block barriers plus `sync_warp`s). Packed into a
 /// `u64`, 0 for none.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Copy {
+struct Access {
     thread: u32,
     landed: bool,
     block: u32,
     all: u32,
 }
 
-impl Copy {
+impl Access {
     fn pack(self) -> u64 {
         u64::from(self.thread + 1)
             | u64::from(self.landed) << 11
@@ -262,9 +264,10 @@ impl Copy {
     /// Whether a barrier both threads passed separates this access from `other`'s
     /// (`other` happening now, in a thread with the counts `other.block`, `other.all`):
     /// within a warp any barrier (`sync_warp` or `sync_threads`), across warps a
-    /// `sync_threads`.
-    fn ordered_before(self, other: Copy) -> bool {
-        if self.thread / WARP == other.thread / WARP { other.all > self.all } else { other.block > self.block }
+    /// `sync_threads`. The counts only grow, so "passed one since" is "differs" (which
+    /// also holds when the 20-bit block count wraps).
+    fn ordered_before(self, other: Access) -> bool {
+        if self.thread / WARP == other.thread / WARP { other.all != self.all } else { other.block != self.block }
     }
 }
 
@@ -420,7 +423,7 @@ impl SimCtx<'_> {
         let now = self.now(false);
         for &row in &rows[..8 * N] {
             let u = self.unit(row);
-            if let Some(c) = Copy::unpack(self.block.copies[u].load(Ordering::SeqCst)) {
+            if let Some(c) = Access::unpack(self.block.copies[u].load(Ordering::SeqCst)) {
                 assert!(
                     c.landed || c.thread == self.thread,
                     "ldmatrix reads shared memory (unit {u}) that a cp.async of thread {} is still copying (its group not retired)",
@@ -452,12 +455,12 @@ impl SimCtx<'_> {
     }
 
     /// This thread now, for the records of [`Block::copies`] and [`Block::reads`].
-    fn now(&self, landed: bool) -> Copy {
+    fn now(&self, landed: bool) -> Access {
         let t = self.thread as usize;
         let block = self.block.passed[t].0.load(Ordering::SeqCst);
         let all = block + self.block.warp_syncs[t].load(Ordering::SeqCst);
         // The packed record keeps 20 bits of the block count (a million barriers).
-        Copy { thread: self.thread, landed, block: block & 0xf_ffff, all }
+        Access { thread: self.thread, landed, block: block & 0xf_ffff, all }
     }
 
     /// The 16-byte unit of shared memory at `p` (inside it: checked by the callers).
@@ -546,14 +549,20 @@ impl Ctx for SimCtx<'_> {
         );
         let u = self.unit(dst_shared);
         let now = self.now(false);
-        if let Some(r) = Copy::unpack(self.block.reads[u].load(Ordering::SeqCst)) {
+        // An ldmatrix row goes to other lanes: whoever read it last, this lane included, a
+        // barrier must separate the read from the new copy.
+        if let Some(r) = Access::unpack(self.block.reads[u].load(Ordering::SeqCst)) {
             assert!(
-                r.thread == self.thread || r.ordered_before(now),
+                r.ordered_before(now),
                 "cp_async16 into shared memory (unit {u}) that thread {} read with ldmatrix with no barrier since",
                 r.thread
             );
         }
         self.block.copies[u].store(now.pack(), Ordering::SeqCst);
+        // The destination reads as NaN until the copy lands, a refilled buffer too, so a
+        // plain load that does not wait for it shows.
+        // SAFETY: 16 bytes of this block's shared memory (checked above).
+        unsafe { core::ptr::write_bytes(dst_shared, 0xff, 16) };
         self.cp_async.borrow_mut().open.push((dst_shared, src_global));
     }
     fn cp_async_commit(&self) {
