@@ -54,6 +54,16 @@ pub trait Ctx {
         // SAFETY: forwarded contract.
         unsafe { core::ptr::copy_nonoverlapping(src_global, dst_shared, 16) }
     }
+    /// [`Ctx::cp_async16`] into the block's dynamic shared memory at byte offset
+    /// `dst_offset`: the device adds it to the shared window's 32-bit address of the
+    /// array, so a kernel's destination arithmetic stays 32-bit.
+    ///
+    /// # Safety
+    /// As [`Ctx::cp_async16`] for `self.shared() + dst_offset`.
+    unsafe fn cp_async16_at(&self, dst_offset: u32, src_global: *const u8) {
+        // SAFETY: forwarded contract.
+        unsafe { self.cp_async16(self.shared().add(dst_offset as usize), src_global) }
+    }
     /// `cp.async.commit_group`: closes the current group of [`Ctx::cp_async16`] copies
     /// (an empty group is allowed and trivially complete).
     fn cp_async_commit(&self) {}
@@ -345,6 +355,19 @@ impl Ctx for Nvptx {
             }
         }
         [a, b]
+    }
+    #[inline(always)]
+    unsafe fn cp_async16_at(&self, dst_offset: u32, src_global: *const u8) {
+        // SAFETY: the caller guarantees an aligned offset inside the block's dynamic
+        // shared memory and an aligned global source valid for 16 bytes.
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u32 s; .reg .u64 g; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; cvta.to.global.u64 g, {p}; cp.async.cg.shared.global [s], [g], 16; }}",
+                o = in(reg32) dst_offset,
+                p = in(reg64) src_global,
+                options(nostack),
+            );
+        }
     }
     #[inline(always)]
     fn sync_warp(&self) {

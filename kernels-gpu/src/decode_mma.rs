@@ -589,13 +589,14 @@ impl StageLoads {
 ///
 /// # Safety
 /// `src` addresses a whole tile of the pool (16-byte aligned, as FORMAT.md's page layout
-/// makes every tile's sections); `dst` is 16-byte aligned with [`tile_bytes`] of the
-/// block's shared memory that no one touches until the copy's group is retired.
+/// makes every tile's sections); `dst` (a byte offset into the block's dynamic shared
+/// memory) is 16-byte aligned, with [`tile_bytes`] of shared memory that no one touches
+/// until the copy's group is retired.
 #[inline(always)]
 unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const NG: usize>(
     ctx: &C,
     src: TilePtr,
-    dst: *mut u8,
+    dst: u32,
 ) {
     // Pieces: 16 tokens x D * KB / 8 bytes of key codes is D * KB / 8 pieces.
     let nk = D * KB as usize / 8;
@@ -615,7 +616,7 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
                 unsafe { src.s.add(j / 2 * src.sstride + 16 * (j % 2)) }
             };
             // SAFETY: the caller's contract; a piece of both.
-            unsafe { ctx.cp_async16(dst.add(16 * i), from) };
+            unsafe { ctx.cp_async16_at(dst + 16 * i as u32, from) };
         }
     }
 }
@@ -640,7 +641,7 @@ fn ring_chunks<
     const U: usize,
 >(
     (ctx, aq, qsp, unscale_q): (&C, *const u32, &[[f32; NG]; 2], f32),
-    (tile_at, lo, ring): (&impl Fn(u32) -> TilePtr, LaneOff, *mut u8),
+    (tile_at, lo, ring): (&impl Fn(u32) -> TilePtr, LaneOff, u32),
     f0: u32,
     nchunks: u32,
     st: &mut Soft,
@@ -658,7 +659,11 @@ fn ring_chunks<
     let (nbk, nh) = (D * KB as usize / 128, D * VB as usize / 128);
     let kl = StageLoads::new(ctx.lane(), nbk);
     let vl = StageLoads::new(ctx.lane(), nh);
-    let stage = |slot: u32, u: usize| unsafe { ring.add(((slot * U as u32 + u as u32) * tb) as usize) };
+    // Stage `slot`'s tile `u`: its byte offset in shared memory (for the copies) and its
+    // address (for the reads).
+    let stage_off = |slot: u32, u: usize| ring + (slot * U as u32 + u as u32) * tb;
+    let sh = ctx.shared();
+    let stage = |slot: u32, u: usize| unsafe { sh.add(stage_off(slot, u) as usize) };
     // Chunk k of this warp into stage `slot`; past the warp's last chunk an empty group,
     // so that every iteration retires exactly one.
     let issue = |k: u32, slot: u32| {
@@ -668,7 +673,7 @@ fn ring_chunks<
                 let rel = (f0 + U as u32 * c + u as u32) * TILE;
                 // SAFETY: a tile of the split's quantized range; the stage is this warp's
                 // and was last read before the `sync_warp` that precedes this call.
-                unsafe { copy_tile::<C, D, KB, VB, NG>(ctx, tile_at(rel), stage(slot, u)) };
+                unsafe { copy_tile::<C, D, KB, VB, NG>(ctx, tile_at(rel), stage_off(slot, u)) };
             }
         }
         ctx.cp_async_commit();
@@ -1061,9 +1066,9 @@ pub unsafe fn decode_mma<
         let nchunks = (f1 - f0) / ut;
         let cur_args = (ctx, aq_sh.cast_const(), &qsp, unscale_q);
         let stages = ring_stages(D as u32, KB, VB, NG as u32);
-        // The warp's ring in the merge area (idle from the fragments' barrier in section
+        // The warp's ring, a byte offset into the merge area (idle from the fragments' barrier in section
         // 2 to the one in section 5).
-        let ring = unsafe { sh.add((warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32)) as usize) };
+        let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
         let src = (&tile_at, lo, ring);
         if stages > 0 && ut == 2 {
             ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);

@@ -72,8 +72,9 @@ pub unsafe fn ldmatrix_selftest<C: Ctx>(ctx: &C, rows: *const u8, out: *mut u32)
     let sh = ctx.shared();
     // SAFETY (every access): inside the sizes of the contract.
     unsafe {
+        // By offset, as the decode kernel's ring copies.
         let mine = sh.add(16 * ldmatrix_slot(lane));
-        ctx.cp_async16(mine, rows.add(16 * lane));
+        ctx.cp_async16_at(16 * ldmatrix_slot(lane) as u32, rows.add(16 * lane));
         ctx.cp_async_commit();
         ctx.cp_async_wait(0);
         ctx.sync_warp();
