@@ -177,8 +177,6 @@ pub(crate) unsafe fn ldmatrix_by_shuffles<C: Ctx + ?Sized, const N: usize>(
     row: *const u8,
     trans: bool,
 ) -> [u32; N] {
-    let lane = ctx.lane();
-    let (g, t) = (lane / 4, lane % 4);
     let a = row as usize as u64;
     // Row `r` of matrix `i`: the address lane `8 i + r` gave.
     let row_of = |i: u32, r: u32| -> *const u8 {
@@ -188,15 +186,28 @@ pub(crate) unsafe fn ldmatrix_by_shuffles<C: Ctx + ?Sized, const N: usize>(
         // Every row lies in the block's shared memory, as this lane's does.
         row.with_addr((lo | hi << 32) as usize)
     };
+    // SAFETY: the rows are valid for 16 bytes (the caller's contract).
+    unsafe { ldmatrix_fragment(ctx.lane(), trans, row_of) }
+}
+
+/// `lane`'s registers of an `ldmatrix` of `N` matrices (the layout of
+/// [`Ctx::ldmatrix_x4`]) from `row_of(i, r)`, the address of row `r` of matrix `i`.
+///
+/// # Safety
+/// Every row `row_of` gives for `i < N` is valid for 16 bytes of reads.
+pub(crate) unsafe fn ldmatrix_fragment<const N: usize>(
+    lane: u32,
+    trans: bool,
+    row_of: impl Fn(u32, u32) -> *const u8,
+) -> [u32; N] {
+    let (g, t) = (lane / 4, lane % 4);
     core::array::from_fn(|i| {
         let i = i as u32;
-        // SAFETY: the rows are valid for 16 bytes (the caller's contract); words and
-        // half-words inside them.
+        // SAFETY: words and half-words inside rows valid for 16 bytes.
         unsafe {
             if trans {
-                let (r0, r1) = (row_of(i, 2 * t), row_of(i, 2 * t + 1));
                 let h = |p: *const u8| p.add(2 * g as usize).cast::<u16>().read() as u32;
-                h(r0) | h(r1) << 16
+                h(row_of(i, 2 * t)) | h(row_of(i, 2 * t + 1)) << 16
             } else {
                 row_of(i, g).add(4 * t as usize).cast::<u32>().read()
             }

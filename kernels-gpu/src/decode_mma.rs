@@ -488,7 +488,7 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
             r.kw[nt][b & 3] = unsafe { *kp.add(2 * nt * kcb + 16 * b).cast::<u32>() };
         }
     }
-    unsafe { read_scales(&mut r, tp) };
+    unsafe { read_scales(&mut r, tp.s, tp.sstride) };
     let vp = tp.v;
     for h in 0..nh {
         let hw = |j: usize| -> u32 { unsafe { *vp.add(j * vcb + 16 * h).cast::<u16>() as u32 } };
@@ -498,15 +498,16 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
 }
 
 /// The scales and zeros of tokens `4t .. 4t + 4` (8 bytes, 8-byte aligned, per array)
-/// from `tp.s` (carrying the lane's offset) into `r`.
+/// into `r`, from `s` (the first array, with the lane's offset) and the arrays `sstride`
+/// bytes apart, as in [`TilePtr`].
 ///
 /// # Safety
-/// As [`read_tile`].
+/// The `4 * NG` arrays lie there, as in [`read_tile`].
 #[inline(always)]
-unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, tp: TilePtr) {
+unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, s: *const u8, sstride: usize) {
     let ld2 = |a: usize| -> [u32; 2] {
         // SAFETY: inside the tile, by the caller's contract.
-        let x = unsafe { *tp.s.add(a * tp.sstride).cast::<u64>() };
+        let x = unsafe { *s.add(a * sstride).cast::<u64>() };
         [x as u32, (x >> 32) as u32]
     };
     for gi in 0..NG {
@@ -627,7 +628,9 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
 /// chunk's copies (and the warp's lanes for each other's), starts the copy of the chunk
 /// `RING - 1` ahead into the stage the previous iteration read, then reads its own stage
 /// into registers and computes as [`fast_chunks`]: two chunks' bytes are in flight
-/// while one is computed, against one for the register prefetch.
+/// while one is computed, against one for the register prefetch. `tile_at` places a tile
+/// in the pool, `slane` is the lane's scale offset ([`LaneOff::s`]), `ring` the warp's
+/// ring as a byte offset into shared memory.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn ring_chunks<
@@ -641,7 +644,7 @@ fn ring_chunks<
     const U: usize,
 >(
     (ctx, aq, qsp, unscale_q): (&C, *const u32, &[[f32; NG]; 2], f32),
-    (tile_at, lo, ring): (&impl Fn(u32) -> TilePtr, LaneOff, u32),
+    (tile_at, slane, ring): (&impl Fn(u32) -> TilePtr, usize, u32),
     f0: u32,
     nchunks: u32,
     st: &mut Soft,
@@ -701,8 +704,7 @@ fn ring_chunks<
                 for m in 0..2 * nh {
                     r.vw[(m % nh) & 3][m / nh] = vw[m];
                 }
-                let tp = TilePtr { k: p, v: p, s: p.add(16 * (kcb + vcb) + lo.s), sstride: 32 };
-                read_scales(&mut r, tp);
+                read_scales(&mut r, p.add(16 * (kcb + vcb) + slane), 32);
             }
             r
         });
@@ -1069,7 +1071,7 @@ pub unsafe fn decode_mma<
         // The warp's ring, a byte offset into the merge area (idle from the fragments' barrier in section
         // 2 to the one in section 5).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
-        let src = (&tile_at, lo, ring);
+        let src = (&tile_at, lo.s, ring);
         if stages > 0 && ut == 2 {
             ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if stages > 0 && ut == 1 {

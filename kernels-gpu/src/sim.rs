@@ -36,7 +36,7 @@
 //! - Dynamic shared memory ([`SimCtx::shared`]) is filled with `0xFF` bytes (NaN as f32
 //!   and f16) before each block, so reading what no thread wrote shows up.
 
-use crate::ctx::{Ctx, WARP};
+use crate::ctx::{Ctx, WARP, ldmatrix_fragment};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::boxed::Box;
 use std::cell::{RefCell, UnsafeCell};
@@ -439,19 +439,8 @@ impl SimCtx<'_> {
             }
             self.block.reads[u].store(now.pack(), Ordering::SeqCst);
         }
-        let (g, t) = (self.lane() / 4, self.lane() % 4);
-        core::array::from_fn(|i| {
-            let r = |k: u32| rows[8 * i + k as usize];
-            // SAFETY: rows checked inside the shared memory; words and half-words in them.
-            unsafe {
-                if trans {
-                    let h = |p: *const u8| p.add(2 * g as usize).cast::<u16>().read() as u32;
-                    h(r(2 * t)) | h(r(2 * t + 1)) << 16
-                } else {
-                    r(g).add(4 * t as usize).cast::<u32>().read()
-                }
-            }
-        })
+        // SAFETY: rows checked inside the shared memory.
+        unsafe { ldmatrix_fragment(self.lane(), trans, |i, r| rows[(8 * i + r) as usize]) }
     }
 
     /// This thread now, for the records of [`Block::copies`] and [`Block::reads`].
