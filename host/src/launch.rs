@@ -103,7 +103,9 @@ pub fn decode_launch(p: &DecodeParams) -> DecodeLaunch {
     let z = p.num_splits as usize * z_factor(kernel, gqa as usize, p.q_len as usize);
     let (block, shared) = match kernel {
         DecodeKernel::Split => (BLOCK, decode_shared_bytes(&p.format, MAX_GROUP as u32)),
-        DecodeKernel::Mma { groups } => (decode_mma::THREADS, mma_shared_bytes(p.format.head_dim, groups)),
+        DecodeKernel::Mma { groups } => {
+            (decode_mma::THREADS, mma_shared_bytes(p.format.head_dim, p.format.key_bits, p.format.value_bits, groups))
+        }
     };
     DecodeLaunch { kernel, grid: [p.num_kv_heads, p.num_seqs, z as u32], block, shared }
 }

@@ -30,12 +30,19 @@
 //! for the scores, one k-step for the values). The steady state is an unmasked loop over
 //! chunks of [`chunk_tiles`] tiles (16 to 64 tokens) with one online-softmax update per
 //! chunk, chunk `k` by warp `k mod WARPS`. Where [`ring_stages`] allows, each warp
-//! streams its chunks through a three-stage `cp.async` ring in the (then idle) merge area
-//! of shared memory, two chunks in flight while one is computed, and takes the codes into
+//! streams its chunks through a `cp.async` ring of three stages (two at head_dim 256 with
+//! a 4-bit side) in the block's area of shared memory (idle between the setup and the
+//! merge), two chunks in flight while one is computed, and takes the codes into
 //! fragments with `ldmatrix`; elsewhere the next chunk's register loads are issued while
 //! the current one is computed. Tiles that need a mask (a split's ends, causal limits of multi-token
 //! queries, sliding-window starts, protected positions) go one at a time through a second, masked loop. The
-//! warps merge their `(m, l, o)` in shared memory at the end.
+//! warps merge their `(m, l, o)` in shared memory at the end, in passes of
+//! [`merge_channels`] output channels (all of them up to head_dim 128, 64 at 256).
+//!
+//! Head_dim 256 holds 128 f32 output accumulators per lane (32 n-tiles): one 16-token tile
+//! per chunk, the ring sized to the 48 KiB default, and a few spilled loop invariants
+//! (SASS.md: the only decode entry points with local memory, within a budget the static
+//! gate enforces).
 //!
 //! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
 //! and the fragment counts are compile-time constants of each entry point
@@ -104,15 +111,46 @@ const fn tile_token(nt: u32, n: u32) -> u32 {
     2 * n - (n & 1) + 2 * nt
 }
 
-/// Dynamic shared memory of `decode_mma` for a head dimension and groups per head: the
-/// warps' merge area (which holds the rotated queries during setup), the two sets of
-/// query fragments and the per-group query sums.
-pub const fn mma_shared_bytes(head_dim: u32, groups: u32) -> u32 {
-    merge_bytes(head_dim) + 2 * frag_bytes(head_dim) + ROWS * groups * 4
+/// Dynamic shared memory of `decode_mma` for a head dimension, key and value bits and
+/// groups per head: the block's area (the rotated queries during setup, the warps'
+/// `cp.async` rings during the loop, the merge at the end; [`area_bytes`]), the two sets
+/// of query fragments and the per-group query sums. At most 48 KiB, the default a kernel
+/// may use without opting in.
+pub const fn mma_shared_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
+    area_bytes(head_dim, key_bits, value_bits, groups) + fixed_bytes(head_dim, groups)
 }
 
+/// Dynamic shared memory a kernel may use without opting in.
+const SHARED_DEFAULT_MAX: u32 = 48 * 1024;
+
+/// The shared memory outside the area: both fragment sets and the query sums.
+const fn fixed_bytes(head_dim: u32, groups: u32) -> u32 {
+    2 * frag_bytes(head_dim) + ROWS * groups * 4
+}
+
+/// Output channels the warps merge per pass (section 6 of [`decode_mma`]): all of them
+/// up to head_dim 128; 64 at head_dim 256, where all at once (66 KB) would not fit the
+/// 48 KiB beside the fragments.
+pub const fn merge_channels(head_dim: u32) -> u32 {
+    if head_dim > 128 { 64 } else { head_dim }
+}
+
+/// One merge pass: every warp's `[ROWS][merge_channels]` values, maxima and sums.
 const fn merge_bytes(head_dim: u32) -> u32 {
-    WARPS * ROWS * (head_dim + 2) * 4
+    WARPS * ROWS * (merge_channels(head_dim) + 2) * 4
+}
+
+/// The block's area at the start of its shared memory, used in turn by the setup's
+/// rotated queries (`ROWS x (D + 1)` f32), the warps' rings and the merge: the largest
+/// of the three. Up to head_dim 128 the rings live inside the merge area
+/// ([`ring_stages`]), so this is the merge area.
+pub const fn area_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
+    let ring = WARPS
+        * ring_stages(head_dim, key_bits, value_bits, groups)
+        * chunk_bytes(head_dim, key_bits, value_bits, groups);
+    let setup = ROWS * (head_dim + 1) * 4;
+    let m = if merge_bytes(head_dim) > setup { merge_bytes(head_dim) } else { setup };
+    if ring > m { ring } else { m }
 }
 
 const fn frag_bytes(head_dim: u32) -> u32 {
@@ -134,15 +172,15 @@ struct Tok {
 /// configuration; smaller ones leave entries unused (and the compiler drops them).
 #[derive(Clone, Copy)]
 struct Raw<const NG: usize> {
-    kw: [[u32; 4]; 2],
-    vw: [[u32; 2]; 4],
+    kw: [[u32; 8]; 2],
+    vw: [[u32; 2]; 8],
     ks: [[u32; 4]; NG],
     vs: [[u32; 4]; NG],
 }
 
 impl<const NG: usize> Default for Raw<NG> {
     fn default() -> Self {
-        Self { kw: [[0; 4]; 2], vw: [[0; 2]; 4], ks: [[0; 4]; NG], vs: [[0; 4]; NG] }
+        Self { kw: [[0; 8]; 2], vw: [[0; 2]; 8], ks: [[0; 4]; NG], vs: [[0; 4]; NG] }
     }
 }
 
@@ -236,37 +274,39 @@ fn scores<C: Ctx, const U: usize, const KB: u32, const NG: usize, const NKS: usi
     qsp: &[[f32; NG]; 2],
 ) -> [[[f32; 4]; 2]; U] {
     let lane = ctx.lane() as usize;
-    let nbk = NKS * KB as usize / 8;
     let ks_per_block = (per_half(KB) / 2) as usize;
     let gsize = NKS * 16 / NG;
-    let mut sg = [[[[0f32; 4]; 2]; NG]; U];
-    for b in 0..nbk {
-        let gi = clamp_idx(b * (128 / KB as usize) / gsize, NG);
-        let w: [[u32; 2]; U] = core::array::from_fn(|u| [raw[u].kw[0][b & 3], raw[u].kw[1][b & 3]]);
-        let x: [[u32; 2]; U] = core::array::from_fn(|u| w[u].map(|wv| wv >> (KB * direct(KB))));
-        for st in 0..ks_per_block {
-            let ks = clamp_idx(b * ks_per_block + st, NKS);
-            // SAFETY: the fragment area holds NKS x 32 lanes x 4 words.
-            let a: [u32; 4] = core::array::from_fn(|r| unsafe { *aq.add((ks * WARP as usize + lane) * 4 + r) });
-            let j = 2 * st as u32;
-            for u in 0..U {
-                for nt in 0..2 {
-                    let bf = [extract(KB, w[u][nt], x[u][nt], j), extract(KB, w[u][nt], x[u][nt], j + 1)];
-                    sg[u][gi][nt] = ctx.mma_m16n8k16(a, bf, sg[u][gi][nt]);
+    // 16-byte blocks of a token's key codes per group (`128 / KB` channels a block).
+    let bpg = gsize * KB as usize / 128;
+    let mut s = [[[0f32; 4]; 2]; U];
+    // Group by group, each folded into `s` as soon as its k-steps are done: one set of
+    // group accumulators is live at a time.
+    for gi in 0..NG {
+        let mut sg = [[[0f32; 4]; 2]; U];
+        for b in gi * bpg..(gi + 1) * bpg {
+            let w: [[u32; 2]; U] = core::array::from_fn(|u| [raw[u].kw[0][b & 7], raw[u].kw[1][b & 7]]);
+            let x: [[u32; 2]; U] = core::array::from_fn(|u| w[u].map(|wv| wv >> (KB * direct(KB))));
+            for st in 0..ks_per_block {
+                let ks = clamp_idx(b * ks_per_block + st, NKS);
+                // SAFETY: the fragment area holds NKS x 32 lanes x 4 words.
+                let a: [u32; 4] = core::array::from_fn(|r| unsafe { *aq.add((ks * WARP as usize + lane) * 4 + r) });
+                let j = 2 * st as u32;
+                for u in 0..U {
+                    for nt in 0..2 {
+                        let bf = [extract(KB, w[u][nt], x[u][nt], j), extract(KB, w[u][nt], x[u][nt], j + 1)];
+                        sg[u][nt] = ctx.mma_m16n8k16(a, bf, sg[u][nt]);
+                    }
                 }
             }
         }
-    }
-    let mut s = [[[0f32; 4]; 2]; U];
-    for u in 0..U {
-        for gi in 0..NG {
+        for u in 0..U {
             let ksc = f16x4([raw[u].ks[gi][0], raw[u].ks[gi][1]]);
             let kz = f16x4([raw[u].ks[gi][2], raw[u].ks[gi][3]]);
             for nt in 0..2 {
                 for c in 0..4 {
                     let tk = 2 * nt + (c & 1);
                     let acc = if gi == 0 { kz[tk] * qsp[c / 2][gi] } else { fma(kz[tk], qsp[c / 2][gi], s[u][nt][c]) };
-                    s[u][nt][c] = fma(sg[u][gi][nt][c], ksc[tk], acc);
+                    s[u][nt][c] = fma(sg[u][nt][c], ksc[tk], acc);
                 }
             }
         }
@@ -319,7 +359,7 @@ fn values<C: Ctx, const VB: u32, const NG: usize, const NVT: usize>(
     let nh = NVT / cph_v;
     let gsize = NVT * 8 / NG;
     for h in 0..nh {
-        let [wa, wb] = raw.vw[h & 3];
+        let [wa, wb] = raw.vw[h & 7];
         let (xa, xb) = (wa >> (VB * direct(VB)), wb >> (VB * direct(VB)));
         let gi = clamp_idx(h * (128 / VB as usize) / gsize, NG);
         for ev in 0..cph_v {
@@ -365,9 +405,9 @@ fn zl_parts<C: Ctx, const NG: usize>(ctx: &C, zl: &[f32; 4]) -> ([[f32; NG]; 2],
 /// chunk): as many as ptxas keeps in registers without spilling (measured with `cargo
 /// xtask sass`): four (64 tokens) at head_dim 64 with 2-bit values, two (32 tokens) for
 /// most of head_dim 128, one for 4-bit values at head_dim 64 or with two groups per head
-/// at 128.
+/// at 128, and at head_dim 256.
 pub const fn chunk_tiles(head_dim: u32, value_bits: u32, groups: u32) -> u32 {
-    if value_bits == 4 && (head_dim == 64 || groups > 1) {
+    if head_dim > 128 || (value_bits == 4 && (head_dim == 64 || groups > 1)) {
         1
     } else if head_dim == 64 {
         4
@@ -456,16 +496,38 @@ pub const fn tile_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u
 /// memory with `cp.async`.
 const RING: u32 = 3;
 
-/// Stages of the steady-state loop's per-warp `cp.async` ring (`ring_chunks`): 3 (two
-/// chunks in flight while a third is computed) where the four warps' rings fit in the
-/// merge area, which is idle during the loop; else 0, and the loop prefetches one chunk
-/// into registers (`fast_chunks`). Head_dim 128 with 2-bit keys and values and the
-/// one-tile entry points (4-bit values at head_dim 64, or at 128 with groups of 64) have
-/// a ring; head_dim 64 with 2-bit values (64-token chunks, in a merge area half as large)
-/// and the other head_dim-128 entry points (larger chunks) do not.
+/// Bytes of one chunk of the steady-state loop in a ring stage.
+const fn chunk_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
+    chunk_tiles(head_dim, value_bits, groups) * tile_bytes(head_dim, key_bits, value_bits, groups)
+}
+
+/// Stages of the steady-state loop's per-warp `cp.async` ring (`ring_chunks`), or 0
+/// where the loop prefetches one chunk into registers instead (`fast_chunks`).
+///
+/// Up to head_dim 128: 3 (two chunks in flight while a third is computed) where the four
+/// warps' rings fit in the merge area, which is idle during the loop, else 0. Head_dim
+/// 128 with 2-bit keys and values and the one-tile entry points (4-bit values at head_dim
+/// 64, or at 128 with groups of 64) have a ring; head_dim 64 with 2-bit values (64-token
+/// chunks, in a merge area half as large) and the other head_dim-128 entry points (larger
+/// chunks) do not.
+///
+/// At head_dim 256, whose 128 output accumulators per lane leave no registers for a
+/// prefetched chunk, the area grows to hold the rings within the 48 KiB default: 3
+/// stages for 2-bit keys and values, 2 (one chunk in flight while one is computed) with
+/// one 4-bit side, 0 for k4v4 (not instantiated).
 pub const fn ring_stages(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
-    let chunk = chunk_tiles(head_dim, value_bits, groups) * tile_bytes(head_dim, key_bits, value_bits, groups);
-    if WARPS * RING * chunk <= merge_bytes(head_dim) { RING } else { 0 }
+    let chunk = chunk_bytes(head_dim, key_bits, value_bits, groups);
+    if head_dim <= 128 {
+        return if WARPS * RING * chunk <= merge_bytes(head_dim) { RING } else { 0 };
+    }
+    let room = SHARED_DEFAULT_MAX - fixed_bytes(head_dim, groups);
+    if WARPS * RING * chunk <= room {
+        RING
+    } else if WARPS * 2 * chunk <= room {
+        2
+    } else {
+        0
+    }
 }
 
 /// One tile's raw bytes for this lane from `tp` (the pool or a ring stage), whose
@@ -485,36 +547,43 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
     let kp = tp.k;
     for nt in 0..2 {
         for b in 0..nbk {
-            r.kw[nt][b & 3] = unsafe { *kp.add(2 * nt * kcb + 16 * b).cast::<u32>() };
+            r.kw[nt][b & 7] = unsafe { *kp.add(2 * nt * kcb + 16 * b).cast::<u32>() };
         }
     }
-    unsafe { read_scales(&mut r, tp.s, tp.sstride) };
+    unsafe {
+        read_scales(&mut r, tp.s, tp.sstride, false);
+        read_scales(&mut r, tp.s, tp.sstride, true);
+    }
     let vp = tp.v;
     for h in 0..nh {
         let hw = |j: usize| -> u32 { unsafe { *vp.add(j * vcb + 16 * h).cast::<u16>() as u32 } };
-        r.vw[h & 3] = [hw(0) | hw(1) << 16, hw(2) | hw(3) << 16];
+        r.vw[h & 7] = [hw(0) | hw(1) << 16, hw(2) | hw(3) << 16];
     }
     r
 }
 
-/// The scales and zeros of tokens `4t .. 4t + 4` (8 bytes, 8-byte aligned, per array)
-/// into `r`, from `s` (the first array, with the lane's offset) and the arrays `sstride`
-/// bytes apart, as in [`TilePtr`].
+/// The key (`values == false`) or value scales and zeros of tokens `4t .. 4t + 4` (8
+/// bytes, 8-byte aligned, per array) into `r`, from `s` (the first array, with the lane's
+/// offset) and the arrays `sstride` bytes apart, as in [`TilePtr`].
 ///
 /// # Safety
 /// The `4 * NG` arrays lie there, as in [`read_tile`].
 #[inline(always)]
-unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, s: *const u8, sstride: usize) {
+unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, s: *const u8, sstride: usize, values: bool) {
     let ld2 = |a: usize| -> [u32; 2] {
         // SAFETY: inside the tile, by the caller's contract.
         let x = unsafe { *s.add(a * sstride).cast::<u64>() };
         [x as u32, (x >> 32) as u32]
     };
+    let first = if values { 2 * NG } else { 0 };
     for gi in 0..NG {
-        let (a, b) = (ld2(gi), ld2(NG + gi));
-        let (c, d) = (ld2(2 * NG + gi), ld2(3 * NG + gi));
-        r.ks[gi] = [a[0], a[1], b[0], b[1]];
-        r.vs[gi] = [c[0], c[1], d[0], d[1]];
+        let (a, b) = (ld2(first + gi), ld2(first + NG + gi));
+        let w = [a[0], a[1], b[0], b[1]];
+        if values {
+            r.vs[gi] = w;
+        } else {
+            r.ks[gi] = w;
+        }
     }
 }
 
@@ -541,8 +610,8 @@ const fn source_piece(u: usize, pieces: usize) -> usize {
 #[derive(Clone, Copy)]
 struct StageLoads {
     /// This lane's row address per call, from the section's start.
-    off: [usize; 2],
-    /// Matrices (2, 4 or 8).
+    off: [usize; 4],
+    /// Matrices (2, 4, 8 or 16).
     n: usize,
 }
 
@@ -562,8 +631,8 @@ impl StageLoads {
     /// `base` is a ring stage's section of whole tokens (16-byte aligned), retired and
     /// made visible to the warp.
     #[inline(always)]
-    unsafe fn load<C: Ctx>(&self, ctx: &C, base: *const u8, trans: bool) -> [u32; 8] {
-        let mut w = [0u32; 8];
+    unsafe fn load<C: Ctx>(&self, ctx: &C, base: *const u8, trans: bool) -> [u32; 16] {
+        let mut w = [0u32; 16];
         // SAFETY: the caller's contract; rows inside the section.
         unsafe {
             if self.n == 2 {
@@ -571,7 +640,7 @@ impl StageLoads {
                 w[..2].copy_from_slice(&x);
             } else {
                 for c in 0..self.n / 4 {
-                    let x = ctx.ldmatrix_x4(base.add(self.off[clamp_idx(c, 2)]), trans);
+                    let x = ctx.ldmatrix_x4(base.add(self.off[clamp_idx(c, 4)]), trans);
                     w[4 * c..4 * c + 4].copy_from_slice(&x);
                 }
             }
@@ -603,8 +672,39 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
     let nk = D * KB as usize / 8;
     let nv = D * VB as usize / 8;
     let (pk, pv) = (nk / 16, nv / 16);
-    let total = nk + nv + 8 * NG;
+    let ns = 8 * NG;
     let lane = ctx.lane() as usize;
+    if pk >= 2 && pv >= 2 {
+        // Each section a whole number of rounds of 32 pieces: round `r` of a section with
+        // `p >= 2` pieces per token reads `source_piece(L + 32 r, p)`, which is
+        // `source_piece(L, p) + source_piece(32 r, p)` (test `source_piece_splits_by_rounds`), so every
+        // copy's source is one per-lane pointer per section plus a constant: no address
+        // arithmetic per copy beyond the tile's base.
+        // SAFETY (every copy): the caller's contract; a piece of both.
+        let kb = unsafe { src.k.add(16 * source_piece(lane, pk)) };
+        for r in 0..nk / WARP as usize {
+            let from = unsafe { kb.add(16 * source_piece(WARP as usize * r, pk)) };
+            unsafe { ctx.cp_async16_at(dst + 16 * (lane + WARP as usize * r) as u32, from) };
+        }
+        let vb = unsafe { src.v.add(16 * source_piece(lane, pv)) };
+        let vdst = dst + 16 * nk as u32;
+        for r in 0..nv / WARP as usize {
+            let from = unsafe { vb.add(16 * source_piece(WARP as usize * r, pv)) };
+            unsafe { ctx.cp_async16_at(vdst + 16 * (lane + WARP as usize * r) as u32, from) };
+        }
+        // Scale piece `j = L + 32 r`: array `j / 2 = L / 2 + 16 r`, half `j % 2 = L % 2`.
+        let sb = unsafe { src.s.add(lane / 2 * src.sstride + 16 * (lane % 2)) };
+        let sdst = dst + 16 * (nk + nv) as u32;
+        for r in 0..ns.div_ceil(WARP as usize) {
+            if lane + WARP as usize * r < ns {
+                let from = unsafe { sb.add(16 * r * src.sstride) };
+                unsafe { ctx.cp_async16_at(sdst + 16 * (lane + WARP as usize * r) as u32, from) };
+            }
+        }
+        return;
+    }
+    // A section of 16 pieces (one per token) shares a round with the next one.
+    let total = nk + nv + ns;
     for r in 0..total.div_ceil(WARP as usize) {
         let i = lane + WARP as usize * r;
         if i < total {
@@ -624,11 +724,11 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
 
 /// The steady state with a `cp.async` ring (section 4a of [`decode_mma`] where
 /// [`ring_stages`] is non-zero): the warp's chunks `warp, warp + WARPS, ...` below
-/// `nchunks`, its `k`-th in stage `k mod RING` of its ring. Each iteration waits for its
-/// chunk's copies (and the warp's lanes for each other's), starts the copy of the chunk
-/// `RING - 1` ahead into the stage the previous iteration read, then reads its own stage
-/// into registers and computes as [`fast_chunks`]: two chunks' bytes are in flight
-/// while one is computed, against one for the register prefetch. `tile_at` places a tile
+/// `nchunks`, its `k`-th in stage `k mod R` of its ring of `R` stages (2 or 3). Each
+/// iteration waits for its chunk's copies (and the warp's lanes for each other's), starts
+/// the copy of the chunk `R - 1` ahead into the stage the previous iteration read, then
+/// reads its own stage into registers and computes as [`fast_chunks`]: `R - 1` chunks'
+/// bytes are in flight while one is computed, without the registers a prefetch needs. `tile_at` places a tile
 /// in the pool, `slane` is the lane's scale offset ([`LaneOff::s`]), `ring` the warp's
 /// ring as a byte offset into shared memory.
 #[inline(always)]
@@ -642,6 +742,7 @@ fn ring_chunks<
     const NKS: usize,
     const NVT: usize,
     const U: usize,
+    const R: u32,
 >(
     (ctx, aq, qsp, unscale_q): (&C, *const u32, &[[f32; NG]; 2], f32),
     (tile_at, slane, ring): (&impl Fn(u32) -> TilePtr, usize, u32),
@@ -681,39 +782,47 @@ fn ring_chunks<
         }
         ctx.cp_async_commit();
     };
-    for k in 0..RING - 1 {
+    for k in 0..R - 1 {
         issue(k, k);
     }
     let mut slot = 0u32;
     let mut k = 0u32;
     while k < mine {
-        ctx.cp_async_wait(RING - 2);
+        ctx.cp_async_wait(R - 2);
         ctx.sync_warp();
-        issue(k + RING - 1, if slot == 0 { RING - 1 } else { slot - 1 });
-        let cur: [Raw<NG>; U] = core::array::from_fn(|u| {
+        issue(k + R - 1, if slot == 0 { R - 1 } else { slot - 1 });
+        // The keys' half of the chunk, its scores, then the values' half (read from the
+        // stage only now: fewer registers live across the scores).
+        let mut cur = [Raw::<NG>::default(); U];
+        for (u, r) in cur.iter_mut().enumerate() {
             let p = stage(slot, u).cast_const();
-            let mut r = Raw::<NG>::default();
             // SAFETY: the stage holds chunk k's tile u (its group retired and made visible
             // to the warp above).
             unsafe {
                 let kw = kl.load(ctx, p, false);
                 for m in 0..2 * nbk {
-                    r.kw[m / nbk][(m % nbk) & 3] = kw[m];
+                    r.kw[m / nbk][(m % nbk) & 7] = kw[m];
                 }
+                read_scales(r, p.add(16 * (kcb + vcb) + slane), 32, false);
+            }
+        }
+        let mut s = scores::<C, U, KB, NG, NKS>(ctx, aq, &cur, qsp);
+        for (u, r) in cur.iter_mut().enumerate() {
+            let p = stage(slot, u).cast_const();
+            // SAFETY: as above.
+            unsafe {
                 let vw = vl.load(ctx, p.add(16 * kcb), true);
                 for m in 0..2 * nh {
-                    r.vw[(m % nh) & 3][m / nh] = vw[m];
+                    r.vw[(m % nh) & 7][m / nh] = vw[m];
                 }
-                read_scales(&mut r, p.add(16 * (kcb + vcb) + slane), 32);
+                read_scales(r, p.add(16 * (kcb + vcb) + slane), 32, true);
             }
-            r
-        });
-        let mut s = scores::<C, U, KB, NG, NKS>(ctx, aq, &cur, qsp);
+        }
         softmax::<C, U, NVT>(ctx, st, &mut s, unscale_q, false, false, o, zl);
         for u in 0..U {
             values::<C, VB, NG, NVT>(ctx, &s[u], &cur[u], o, zl);
         }
-        slot = if slot + 1 == RING { 0 } else { slot + 1 };
+        slot = if slot + 1 == R { 0 } else { slot + 1 };
         k += 1;
     }
     // Nothing may land in the merge area after its next use (section 5).
@@ -803,7 +912,7 @@ pub unsafe fn decode_mma<
     let sh = ctx.shared();
     let qf = sh.cast::<f32>();
     let rowmax = unsafe { qf.add(ROWS as usize * D) };
-    let aq_sh = unsafe { sh.add(merge_bytes(D as u32) as usize).cast::<u32>() };
+    let aq_sh = unsafe { sh.add(area_bytes(D as u32, KB, VB, NG as u32) as usize).cast::<u32>() };
     let ah_sh = unsafe { aq_sh.add(NKS * WARP as usize * 4) };
     let qsum_sh = unsafe { ah_sh.add(NKS * WARP as usize * 4).cast::<f32>() };
 
@@ -983,12 +1092,30 @@ pub unsafe fn decode_mma<
         ];
         let vrows: [*const u16; 4] =
             core::array::from_fn(|j| unsafe { side.add(fmt.side_row_at(kvh, true, toks[j].1)) });
-        for (n, on) in o.iter_mut().enumerate() {
-            let (h, ev) = (n / cph_v, n % cph_v);
-            let ch = (8 * h + g as usize) * cph_v + ev;
-            let val = |j: usize| if toks[j].2 { unsafe { *vrows[j].add(ch) as u32 } } else { 0 };
-            let b = [val(0) | val(1) << 16, val(2) | val(3) << 16];
-            *on = ctx.mma_m16n8k16(a, b, *on);
+        for h in 0..NVT / cph_v {
+            // n-tiles `h cph_v + ev` take channel `(8 h + g) cph_v + ev` of the lane's four
+            // tokens: the `cph_v` channels of a token are one vector load (16 bytes for
+            // 2-bit values, 8 for 4-bit; aligned, as rows and the side store are), two
+            // f16 per word.
+            let words: [[u32; 4]; 4] = core::array::from_fn(|j| {
+                let at = unsafe { vrows[j].add((8 * h + g as usize) * cph_v) }.cast::<u8>();
+                if !toks[j].2 {
+                    [0; 4]
+                } else if cph_v == 8 {
+                    // SAFETY: 16 bytes of the token's value row, 16-byte aligned.
+                    unsafe { ctx.load16(at) }
+                } else {
+                    // SAFETY: 8 bytes of the row, 8-byte aligned.
+                    let x = unsafe { *at.cast::<u64>() };
+                    [x as u32, (x >> 32) as u32, 0, 0]
+                }
+            });
+            for ev in 0..cph_v {
+                let half = |j: usize| (words[j][clamp_idx(ev / 2, 4)] >> (16 * (ev % 2))) & 0xffff;
+                let b = [half(0) | half(1) << 16, half(2) | half(3) << 16];
+                let n = clamp_idx(h * cph_v + ev, NVT);
+                o[n] = ctx.mma_m16n8k16(a, b, o[n]);
+            }
         }
         tile += WARPS;
     }
@@ -1072,10 +1199,12 @@ pub unsafe fn decode_mma<
         // 2 to the one in section 5).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
         let src = (&tile_at, lo.s, ring);
-        if stages > 0 && ut == 2 {
-            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else if stages > 0 && ut == 1 {
-            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
+        if stages == RING && ut == 2 {
+            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else if stages == RING && ut == 1 {
+            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else if stages == 2 && ut == 1 {
+            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if ut == 4 {
             fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if ut == 2 {
@@ -1133,70 +1262,82 @@ pub unsafe fn decode_mma<
         st.l[r] += ctx.shfl_xor(st.l[r], 2);
         st.l[r] += lq[r];
     }
-    ctx.sync_threads(); // everyone is done with the query area
+    // 6. Merge the warps and write the split's partials, `mc` channels per pass (all of
+    // them up to head_dim 128): each warp's values of the pass, then the merge.
+    let mc = merge_channels(D as u32) as usize;
     let mo = qf;
-    let mm = unsafe { mo.add(WARPS as usize * ROWS as usize * D) };
+    let mm = unsafe { mo.add(WARPS as usize * ROWS as usize * mc) };
     let ml = unsafe { mm.add(WARPS as usize * ROWS as usize) };
-    for (n, on) in o.iter().enumerate() {
-        let (h, ev) = (n / cph_v, n % cph_v);
-        let f = pow2(24 - factor_log2(VB, ev as u32) as i32);
-        let gi = clamp_idx(h * (128 / VB as usize) / gsize as usize, NG);
-        for (c, &x) in on.iter().enumerate() {
-            let row = g as usize + 8 * (c / 2);
-            let col = 2 * t as usize + (c & 1);
-            let ch = (8 * h + col) * cph_v + ev;
-            unsafe { *mo.add((warp as usize * ROWS as usize + row) * D + ch) = x * f + zs[c / 2][gi] };
-        }
-    }
-    if t == 0 {
-        for r in 0..2 {
-            let row = warp as usize * ROWS as usize + g as usize + 8 * r;
-            unsafe {
-                *mm.add(row) = st.m[r];
-                *ml.add(row) = st.l[r];
+    for pass in 0..D / mc {
+        // Everyone is done with the query area (or the ring), or the previous pass.
+        ctx.sync_threads();
+        for (n, on) in o.iter().enumerate() {
+            let (h, ev) = (n / cph_v, n % cph_v);
+            // n-tiles `h cph_v ..` hold channels `8 h cph_v .. 8 (h + 1) cph_v`, within
+            // one pass (`mc` is a multiple of 32).
+            if 8 * h * cph_v / mc != pass {
+                continue;
+            }
+            let f = pow2(24 - factor_log2(VB, ev as u32) as i32);
+            let gi = clamp_idx(h * (128 / VB as usize) / gsize as usize, NG);
+            for (c, &x) in on.iter().enumerate() {
+                let row = g as usize + 8 * (c / 2);
+                let col = 2 * t as usize + (c & 1);
+                let ch = (8 * h + col) * cph_v + ev - pass * mc;
+                unsafe { *mo.add((warp as usize * ROWS as usize + row) * mc + ch) = x * f + zs[c / 2][gi] };
             }
         }
-    }
-    ctx.sync_threads();
+        if pass == 0 && t == 0 {
+            for r in 0..2 {
+                let row = warp as usize * ROWS as usize + g as usize + 8 * r;
+                unsafe {
+                    *mm.add(row) = st.m[r];
+                    *ml.add(row) = st.l[r];
+                }
+            }
+        }
+        ctx.sync_threads();
 
-    // 6. Merge the warps and write the split's partials.
-    let mut e = tid as usize;
-    while e < ROWS as usize * D {
-        let (r, ch) = (e / D, e % D);
-        let row = r0 + r as u32;
-        if row < rows_total {
-            let mut m = f32::NEG_INFINITY;
-            for w in 0..WARPS as usize {
-                m = m.max(unsafe { *mm.add(w * ROWS as usize + r) });
-            }
-            let (mut l, mut acc) = (0f32, 0f32);
-            if m != f32::NEG_INFINITY {
+        let mut e = tid as usize;
+        while e < ROWS as usize * mc {
+            let (r, c) = (e / mc, e % mc);
+            let row = r0 + r as u32;
+            if row < rows_total {
+                let mut m = f32::NEG_INFINITY;
                 for w in 0..WARPS as usize {
-                    let mw = unsafe { *mm.add(w * ROWS as usize + r) };
-                    if mw != f32::NEG_INFINITY {
-                        let c = exp2_neg(mw - m);
-                        l += c * unsafe { *ml.add(w * ROWS as usize + r) };
-                        acc += c * unsafe { *mo.add((w * ROWS as usize + r) * D + ch) };
+                    m = m.max(unsafe { *mm.add(w * ROWS as usize + r) });
+                }
+                let (mut l, mut acc) = (0f32, 0f32);
+                if m != f32::NEG_INFINITY {
+                    for w in 0..WARPS as usize {
+                        let mw = unsafe { *mm.add(w * ROWS as usize + r) };
+                        if mw != f32::NEG_INFINITY {
+                            let cw = exp2_neg(mw - m);
+                            l += cw * unsafe { *ml.add(w * ROWS as usize + r) };
+                            acc += cw * unsafe { *mo.add((w * ROWS as usize + r) * mc + c) };
+                        }
+                    }
+                }
+                let (i, h) = (row / gqa, row % gqa);
+                let out_row = ((seq * p.q_len + i) * hq + kvh * gqa + h) as usize * nsplit as usize + split as usize;
+                let ch = pass * mc + c;
+                unsafe { *part_o.add(out_row * D + ch) = acc };
+                if ch == 0 {
+                    unsafe {
+                        *part_m.add(out_row) = m * core::f32::consts::LN_2;
+                        *part_l.add(out_row) = l;
                     }
                 }
             }
-            let (i, h) = (row / gqa, row % gqa);
-            let out_row = ((seq * p.q_len + i) * hq + kvh * gqa + h) as usize * nsplit as usize + split as usize;
-            unsafe { *part_o.add(out_row * D + ch) = acc };
-            if ch == 0 {
-                unsafe {
-                    *part_m.add(out_row) = m * core::f32::consts::LN_2;
-                    *part_l.add(out_row) = l;
-                }
-            }
+            e += THREADS as usize;
         }
-        e += THREADS as usize;
     }
 }
 
 /// Calls `$m!` with every `decode_mma` instantiation: `(entry point, head_dim, channels
 /// per lane, key bits, value bits, groups per head, score k-steps, value n-tiles)`.
-/// Group sizes of at least 64 channels; other configurations run `decode_split`.
+/// Group sizes of at least 64 channels, at head_dim 256 groups of 128 and not k4v4 (its
+/// registers spill heavily); other configurations run `decode_split`.
 #[macro_export]
 macro_rules! for_each_decode_mma {
     ($m:ident) => {
@@ -1212,7 +1353,10 @@ macro_rules! for_each_decode_mma {
             (rotkv_decode_mma_d128_k2v2_g64, 128, 4, 2, 2, 2, 8, 16),
             (rotkv_decode_mma_d128_k2v4_g64, 128, 4, 2, 4, 2, 8, 16),
             (rotkv_decode_mma_d128_k4v2_g64, 128, 4, 4, 2, 2, 8, 16),
-            (rotkv_decode_mma_d128_k4v4_g64, 128, 4, 4, 4, 2, 8, 16)
+            (rotkv_decode_mma_d128_k4v4_g64, 128, 4, 4, 4, 2, 8, 16),
+            (rotkv_decode_mma_d256_k2v2_g128, 256, 8, 2, 2, 2, 16, 32),
+            (rotkv_decode_mma_d256_k2v4_g128, 256, 8, 2, 4, 2, 16, 32),
+            (rotkv_decode_mma_d256_k4v2_g128, 256, 8, 4, 2, 2, 16, 32)
         }
     };
 }
@@ -1289,35 +1433,67 @@ mod tests {
     }
 
     #[test]
-    fn rings_fit_the_merge_area_of_the_entry_points_that_have_them() {
+    fn rings_fit_the_area_of_the_entry_points_that_have_them() {
         macro_rules! entries {
             ($(($name:ident, $d:literal, $v:literal, $kb:literal, $vb:literal, $ng:literal, $nks:literal, $nvt:literal)),* $(,)?) => {
                 [$((stringify!($name), $d, $kb, $vb, $ng)),*]
             };
         }
-        let all: [(&str, u32, u32, u32, u32); 12] = crate::for_each_decode_mma!(entries);
-        let (mut rings, mut n) = ([""; 12], 0);
+        let all: [(&str, u32, u32, u32, u32); 15] = crate::for_each_decode_mma!(entries);
+        let (mut rings, mut n) = ([("", 0); 15], 0);
         for (name, d, kb, vb, ng) in all {
             // A tile is whole 16-byte pieces: 16 tokens of codes, 4 NG arrays of 16 f16.
             assert_eq!(tile_bytes(d, kb, vb, ng), 16 * (d * kb / 8 + d * vb / 8 + 8 * ng), "{name}");
+            // Everything within the 48 KiB a kernel may use without opting in; the setup's
+            // queries and one merge pass within the area.
+            let area = area_bytes(d, kb, vb, ng);
+            assert!(mma_shared_bytes(d, kb, vb, ng) <= 48 * 1024, "{name}");
+            assert!(ROWS * (d + 1) * 4 <= area && merge_bytes(d) <= area, "{name}");
+            assert_eq!(d % merge_channels(d), 0);
             let stages = ring_stages(d, kb, vb, ng);
             if stages > 0 {
-                assert!(WARPS * stages * chunk_tiles(d, vb, ng) * tile_bytes(d, kb, vb, ng) <= merge_bytes(d));
-                rings[n] = name;
+                assert!(WARPS * stages * chunk_tiles(d, vb, ng) * tile_bytes(d, kb, vb, ng) <= area, "{name}");
+                rings[n] = (name, stages);
                 n += 1;
+            }
+            // Up to head_dim 128 the rings live inside the merge area (no extra shared
+            // memory).
+            if d <= 128 {
+                assert_eq!(area, merge_bytes(d), "{name}");
             }
         }
         assert_eq!(
             rings[..n],
             [
-                "rotkv_decode_mma_d64_k2v4_g64",
-                "rotkv_decode_mma_d64_k4v4_g64",
-                "rotkv_decode_mma_d128_k2v2_g128",
-                "rotkv_decode_mma_d128_k2v2_g64",
-                "rotkv_decode_mma_d128_k2v4_g64",
-                "rotkv_decode_mma_d128_k4v4_g64",
+                ("rotkv_decode_mma_d64_k2v4_g64", 3),
+                ("rotkv_decode_mma_d64_k4v4_g64", 3),
+                ("rotkv_decode_mma_d128_k2v2_g128", 3),
+                ("rotkv_decode_mma_d128_k2v2_g64", 3),
+                ("rotkv_decode_mma_d128_k2v4_g64", 3),
+                ("rotkv_decode_mma_d128_k4v4_g64", 3),
+                ("rotkv_decode_mma_d256_k2v2_g128", 3),
+                ("rotkv_decode_mma_d256_k2v4_g128", 2),
+                ("rotkv_decode_mma_d256_k4v2_g128", 2),
             ]
         );
+    }
+
+    #[test]
+    fn source_piece_splits_by_rounds() {
+        // What `copy_tile`'s per-section rounds rely on: with at least two pieces per
+        // token, lane L's piece of round r is its piece of round 0 plus a constant.
+        for pieces in [2usize, 4, 8] {
+            for r in 0..16 * pieces / 32 {
+                for lane in 0..32 {
+                    let at = lane + 32 * r;
+                    assert_eq!(
+                        source_piece(at, pieces),
+                        source_piece(lane, pieces) + source_piece(32 * r, pieces),
+                        "pieces {pieces} round {r} lane {lane}"
+                    );
+                }
+            }
+        }
     }
 
     /// Where piece `b` of token `j` lies in a stage section: `source_piece`'s inverse,
@@ -1328,8 +1504,8 @@ mod tests {
 
     #[test]
     fn stage_pieces_are_a_permutation_with_each_matrix_on_all_bank_groups() {
-        for pieces in [1usize, 2, 4] {
-            let mut seen = [false; 64];
+        for pieces in [1usize, 2, 4, 8] {
+            let mut seen = [false; 128];
             for j in 0..16 {
                 for b in 0..pieces {
                     let at = stage_piece(j, b, pieces);

@@ -479,7 +479,8 @@ fn decode_matches_reference_at_boundary_and_long_lengths() {
 }
 
 /// The tensor-core kernel's `cp.async` ring (`decode_mma::ring_stages`: head_dim 128 with
-/// 2-bit keys and values, and the one-tile entry points) on the emulator with one split,
+/// 2-bit keys and values, the one-tile entry points, head_dim 256 with 3 or 2 stages) on
+/// the emulator with one split,
 /// so that each of the block's 4 warps takes 5 or more chunks and refills every stage of
 /// its ring at least once; page size 16, so the 32-token chunks span two pages. The
 /// emulator reports a read of another lane's copy without a barrier, a copy into a stage
@@ -487,8 +488,17 @@ fn decode_matches_reference_at_boundary_and_long_lengths() {
 #[test]
 fn decode_ring_refills_every_stage() {
     // (head_dim, key bits, value bits, group, tokens per chunk)
-    for (i, &(d, kb, vb, g, chunk)) in
-        [(128, 2, 2, 128, 32), (128, 2, 2, 64, 32), (128, 4, 4, 64, 16), (64, 2, 4, 64, 16)].iter().enumerate()
+    for (i, &(d, kb, vb, g, chunk)) in [
+        (128, 2, 2, 128, 32),
+        (128, 2, 2, 64, 32),
+        (128, 4, 4, 64, 16),
+        (64, 2, 4, 64, 16),
+        // head_dim 256: 3 stages (k2v2) and 2 (k4v2).
+        (256, 2, 2, 128, 16),
+        (256, 4, 2, 128, 16),
+    ]
+    .iter()
+    .enumerate()
     {
         let config = small_config(d, kb, vb, g);
         let len = 3 + 4 * 5 * chunk + 17 + 32;

@@ -1256,8 +1256,24 @@ fn ptxas() -> Result<(), Step> {
     if rows.is_empty() {
         return Err(Step::Failed("ptxas reported no entry function".into()));
     }
-    if let Some(u) = rows.iter().find(|u| u.spill > 0) {
-        return Err(Step::Failed(format!("{} spills {} bytes on {}", u.kernel, u.spill, u.arch)));
+    // Spills fail, except within a budget the gate file states for an entry point's
+    // family (`max_spill_bytes`: the head_dim-256 tensor-core decode, see SASS.md).
+    let budget = sass::spill_budgets()?;
+    for u in rows.iter().filter(|u| u.spill > 0) {
+        let allowed = budget(&u.kernel);
+        if u64::from(u.spill) > allowed {
+            return Err(Step::Failed(format!(
+                "{} spills {} bytes on {} (allowed: {allowed})",
+                u.kernel, u.spill, u.arch
+            )));
+        }
+        println!(
+            "within budget (max_spill_bytes = {allowed} in {}): {} spills {} bytes on {}",
+            sass::GATE_FILE,
+            u.kernel,
+            u.spill,
+            u.arch
+        );
     }
     Ok(())
 }

@@ -120,7 +120,7 @@ fn main() -> std::process::ExitCode {
     let limit = 6usize << 30;
     let mut table = Vec::new();
     let mut failed = false;
-    for (d, hkv, hq) in [(64, 3, 9), (128, 8, 32)] {
+    for (d, hkv, hq) in [(64, 3, 9), (128, 8, 32), (256, 8, 16)] {
         for preset in ["k2v2", "k4v2"] {
             let config = CacheConfig::preset(preset, d).expect("known preset");
             let per_token = config.bytes_per_token().expect("supported") * hkv;
