@@ -504,21 +504,23 @@ const fn chunk_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32)
 /// Stages of the steady-state loop's per-warp `cp.async` ring (`ring_chunks`), or 0
 /// where the loop prefetches one chunk into registers instead (`fast_chunks`).
 ///
-/// Up to head_dim 128: 3 (two chunks in flight while a third is computed) where the four
-/// warps' rings fit in the merge area, which is idle during the loop, else 0. Head_dim
-/// 128 with 2-bit keys and values and the one-tile entry points (4-bit values at head_dim
-/// 64, or at 128 with groups of 64) have a ring; head_dim 64 with 2-bit values (64-token
-/// chunks, in a merge area half as large) and the other head_dim-128 entry points (larger
-/// chunks) do not.
-///
-/// At head_dim 256, whose 128 output accumulators per lane leave no registers for a
-/// prefetched chunk, the area grows to hold the rings within the 48 KiB default: 3
-/// stages for 2-bit keys and values, 2 (one chunk in flight while one is computed) with
-/// one 4-bit side, 0 for k4v4 (not instantiated).
+/// 3 (two chunks in flight while a third is computed) where the four warps' rings fit in
+/// the merge area, which is idle during the loop (no extra shared memory: head_dim 128
+/// with 2-bit keys and values, the one-tile entry points at head_dim 64 and 128). Else
+/// the block's area grows to hold the rings within the 48 KiB default: 3 stages where
+/// they fit (head_dim 128 k2v4 and k4v2 with groups of 128, head_dim 256 k2v2), else 2
+/// (one chunk in flight while one is computed: head_dim 128 k4v4 with groups of 128 and
+/// k4v2 with groups of 64, head_dim 256 with a 4-bit side). None for the 64-token chunks
+/// of head_dim 64 with 2-bit values: a ring there measured 724 instructions per chunk
+/// against the register prefetch's 700 (its loads are cheap at constant offsets, the
+/// ring's copy and stage reads are not).
 pub const fn ring_stages(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
     let chunk = chunk_bytes(head_dim, key_bits, value_bits, groups);
-    if head_dim <= 128 {
-        return if WARPS * RING * chunk <= merge_bytes(head_dim) { RING } else { 0 };
+    if chunk_tiles(head_dim, value_bits, groups) > 2 {
+        return 0;
+    }
+    if WARPS * RING * chunk <= merge_bytes(head_dim) {
+        return RING;
     }
     let room = SHARED_DEFAULT_MAX - fixed_bytes(head_dim, groups);
     if WARPS * RING * chunk <= room {
@@ -1188,13 +1190,13 @@ pub unsafe fn decode_mma<
         let min_lim = p.row_len(len, r0 / gqa);
         let max_start = p.row_start(len, ((r0 + ROWS).min(rows_total) - 1) / gqa);
         let fast_end = hi_pos.min(min_lim);
-        let ut = chunk_tiles(D as u32, VB, NG as u32);
+        let ut = const { chunk_tiles(D as u32, VB, NG as u32) };
         let f0 = (lo_pos.max(max_start) - qbeg).div_ceil(ut * TILE) * ut;
         let f1 = if fast_end > qbeg { (fast_end - qbeg) / (ut * TILE) * ut } else { 0 };
         let (f0, f1) = if p_lo == p_hi && f1 > f0 { (f0, f1) } else { (last, last) };
         let nchunks = (f1 - f0) / ut;
         let cur_args = (ctx, aq_sh.cast_const(), &qsp, unscale_q);
-        let stages = ring_stages(D as u32, KB, VB, NG as u32);
+        let stages = const { ring_stages(D as u32, KB, VB, NG as u32) };
         // The warp's ring, a byte offset into the merge area (idle from the fragments' barrier in section
         // 2 to the one in section 5).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
@@ -1203,6 +1205,8 @@ pub unsafe fn decode_mma<
             ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if stages == RING && ut == 1 {
             ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
+        } else if stages == 2 && ut == 2 {
+            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if stages == 2 && ut == 1 {
             ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if ut == 4 {
@@ -1456,9 +1460,9 @@ mod tests {
                 rings[n] = (name, stages);
                 n += 1;
             }
-            // Up to head_dim 128 the rings live inside the merge area (no extra shared
-            // memory).
-            if d <= 128 {
+            // Without a ring (head_dim 64 with 64-token chunks) the area is the merge
+            // area.
+            if stages == 0 && d <= 128 {
                 assert_eq!(area, merge_bytes(d), "{name}");
             }
         }
@@ -1468,8 +1472,12 @@ mod tests {
                 ("rotkv_decode_mma_d64_k2v4_g64", 3),
                 ("rotkv_decode_mma_d64_k4v4_g64", 3),
                 ("rotkv_decode_mma_d128_k2v2_g128", 3),
+                ("rotkv_decode_mma_d128_k2v4_g128", 3),
+                ("rotkv_decode_mma_d128_k4v2_g128", 3),
+                ("rotkv_decode_mma_d128_k4v4_g128", 2),
                 ("rotkv_decode_mma_d128_k2v2_g64", 3),
                 ("rotkv_decode_mma_d128_k2v4_g64", 3),
+                ("rotkv_decode_mma_d128_k4v2_g64", 2),
                 ("rotkv_decode_mma_d128_k4v4_g64", 3),
                 ("rotkv_decode_mma_d256_k2v2_g128", 3),
                 ("rotkv_decode_mma_d256_k2v4_g128", 2),

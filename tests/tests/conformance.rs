@@ -493,6 +493,10 @@ fn decode_ring_refills_every_stage() {
         (128, 2, 2, 64, 32),
         (128, 4, 4, 64, 16),
         (64, 2, 4, 64, 16),
+        // 3 stages with 4-bit keys; 2 stages of two tiles.
+        (128, 4, 2, 128, 32),
+        (128, 4, 4, 128, 32),
+        (128, 4, 2, 64, 32),
         // head_dim 256: 3 stages (k2v2) and 2 (k4v2).
         (256, 2, 2, 128, 16),
         (256, 4, 2, 128, 16),
