@@ -754,14 +754,11 @@ pub fn decode<T: KvElement>(
     Ok(())
 }
 
-/// Splits per sequence for the GPU decode kernel: enough `(KV head, sequence, split)`
-/// blocks for two waves over `num_sms` multiprocessors, no split shorter than 256
-/// tokens, at most 64 splits.
+/// Splits per sequence for the GPU decode kernel of a per-call launch: the rule of
+/// [`crate::launch::wave_splits`] for `(KV head, sequence)` blocks per split at two
+/// resident blocks per multiprocessor (no split shorter than 256 tokens, at most 64).
 pub fn gpu_split_count(max_len: usize, num_seqs: usize, num_kv_heads: usize, num_sms: usize) -> u32 {
-    let blocks = (num_seqs * num_kv_heads).max(1);
-    let want = (2 * num_sms).div_ceil(blocks);
-    let cap = max_len.div_ceil(256).clamp(1, 64);
-    want.clamp(1, cap) as u32
+    crate::launch::wave_splits(max_len, num_seqs * num_kv_heads, 2 * num_sms)
 }
 
 #[cfg(test)]
@@ -770,7 +767,11 @@ mod tests {
 
     #[test]
     fn gpu_split_count_fills_the_device_without_tiny_splits() {
-        // H200: 132 SMs. One long sequence on 8 KV heads: two waves need 33 splits.
+        // H200: 132 SMs. One long sequence on 8 KV heads: 33 splits fill one wave of
+        // 264 blocks exactly.
+        assert_eq!(gpu_split_count(131_072, 1, 8, 132), 33);
+        // Batch 8 x 8 KV heads: 4 splits (256 blocks), not 5 (320: a partial second wave).
+        assert_eq!(gpu_split_count(32_768, 8, 8, 132), 4);
         assert_eq!(gpu_split_count(131_072, 1, 8, 132), 33);
         // A big batch fills the device by itself.
         assert_eq!(gpu_split_count(32_768, 64, 8, 132), 1);

@@ -1066,7 +1066,8 @@ pub struct PlanShape {
     pub sm_count: Option<usize>,
     /// Decode blocks one multiprocessor holds at once; `None` takes
     /// [`Device::resident_blocks`] (the driver's occupancy calculation on a GPU). The
-    /// split count targets one full wave: `sm_count * blocks_per_sm` blocks.
+    /// split count is sized to waves of `sm_count * blocks_per_sm` blocks
+    /// ([`launch::wave_splits`](crate::launch::wave_splits)).
     pub blocks_per_sm: Option<usize>,
     /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
     pub sm_scale: Option<f32>,
@@ -1125,7 +1126,7 @@ impl DecodePlan {
         }
         let hq = layer.shape.num_q_heads;
         let sms = shape.sm_count.unwrap_or(layer.device.sm_count()).max(1);
-        // One full wave of resident blocks: the q_len-1 launch's blocks per split, the
+        // A wave of resident blocks: the q_len-1 launch's blocks per split, the
         // kernel's occupancy on this device.
         let one = launch::decode_launch(&Self::params(layer, shape.max_seqs, 1, sm_scale, 1, attn_window));
         let per_sm = match shape.blocks_per_sm {
