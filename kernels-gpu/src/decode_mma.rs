@@ -29,12 +29,12 @@
 //! softmax sees one stream. Quantized tokens are walked in tiles of 16 (two n-tiles of 8
 //! for the scores, one k-step for the values). The steady state is an unmasked loop over
 //! chunks of [`chunk_tiles`] tiles (16 to 64 tokens) with one online-softmax update per
-//! chunk, chunk `k` by warp `k mod WARPS`. Where [`ring_stages`] allows, each warp
-//! streams its chunks through a `cp.async` ring of three stages (two at head_dim 256 with
-//! a 4-bit side) in the block's area of shared memory (idle between the setup and the
-//! merge), two chunks in flight while one is computed, and takes the codes into
-//! fragments with `ldmatrix`; elsewhere the next chunk's register loads are issued while
-//! the current one is computed. Tiles that need a mask (a split's ends, causal limits of multi-token
+//! chunk, chunk `k` by warp `k mod WARPS`. Where [`ring_stages`] allows (every entry
+//! point but head_dim 64 with 2-bit values), each warp streams its chunks through a
+//! `cp.async` ring of three stages (two where three do not fit) in the block's area of
+//! shared memory (idle between the setup and the merge), two chunks (one) in flight
+//! while one is computed, and takes the codes into fragments with `ldmatrix`; elsewhere
+//! the next chunk's register loads are issued while the current one is computed. Tiles that need a mask (a split's ends, causal limits of multi-token
 //! queries, sliding-window starts, protected positions) go one at a time through a second, masked loop. The
 //! warps merge their `(m, l, o)` in shared memory at the end, in passes of
 //! [`merge_channels`] output channels (all of them up to head_dim 128, 64 at 256).
@@ -142,8 +142,8 @@ const fn merge_bytes(head_dim: u32) -> u32 {
 
 /// The block's area at the start of its shared memory, used in turn by the setup's
 /// rotated queries (`ROWS x (D + 1)` f32), the warps' rings and the merge: the largest
-/// of the three. Up to head_dim 128 the rings live inside the merge area
-/// ([`ring_stages`]), so this is the merge area.
+/// of the three. Where the rings fit in the merge area (and without a ring) this is the
+/// merge area; elsewhere it grows to the rings ([`ring_stages`]).
 pub const fn area_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
     let ring = WARPS
         * ring_stages(head_dim, key_bits, value_bits, groups)
@@ -827,7 +827,7 @@ fn ring_chunks<
         slot = if slot + 1 == R { 0 } else { slot + 1 };
         k += 1;
     }
-    // Nothing may land in the merge area after its next use (section 5).
+    // Nothing may land in the area after its next use (the merge, section 6).
     ctx.cp_async_wait(0);
 }
 
@@ -845,7 +845,7 @@ fn ring_chunks<
 /// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
 /// a power of two `>= 16`, the pool, side stores and every head-page section 16-byte
 /// aligned (FORMAT.md). Grid `(Hkv, S, N * ceil(G * q_len / 16))` with `G` the GQA group,
-/// [`THREADS`] threads, [`mma_shared_bytes`]`(D, NG)` of dynamic shared memory.
+/// [`THREADS`] threads, [`mma_shared_bytes`]`(D, KB, VB, NG)` of dynamic shared memory.
 ///
 /// # Parameters
 /// Outputs per `[seq][q_len][q_head][split]`: `part_m` the max logit (natural log units;
@@ -862,8 +862,9 @@ fn ring_chunks<
 /// ...` of the rest; lane `(g, t) = (lane / 4, lane % 4)` loads key codes of tokens
 /// `tile_token(0, g)` and `tile_token(1, g)` (32-bit words `t, t + 4, ...`), value codes,
 /// scales and zeros of tokens `4t .. 4t + 4`, and holds rows `g` and `g + 8` of the score
-/// and output accumulators. End: the warps' partials merge in shared memory; thread `i`
-/// writes channels `i, i + 128, ...` of each row.
+/// and output accumulators. End: the warps' partials merge in shared memory in passes of
+/// [`merge_channels`] channels; in each, thread `i` merges and writes elements `i, i +
+/// 128, ...` of the pass's `[16 rows][channels]`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn decode_mma<
@@ -1197,8 +1198,8 @@ pub unsafe fn decode_mma<
         let nchunks = (f1 - f0) / ut;
         let cur_args = (ctx, aq_sh.cast_const(), &qsp, unscale_q);
         let stages = const { ring_stages(D as u32, KB, VB, NG as u32) };
-        // The warp's ring, a byte offset into the merge area (idle from the fragments' barrier in section
-        // 2 to the one in section 5).
+        // The warp's ring, a byte offset into the area (idle from the fragments' barrier in
+        // section 2 to the first merge pass's barrier in section 6).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
         let src = (&tile_at, lo.s, ring);
         if stages == RING && ut == 2 {

@@ -478,9 +478,8 @@ fn decode_matches_reference_at_boundary_and_long_lengths() {
     }
 }
 
-/// The tensor-core kernel's `cp.async` ring (`decode_mma::ring_stages`: head_dim 128 with
-/// 2-bit keys and values, the one-tile entry points, head_dim 256 with 3 or 2 stages) on
-/// the emulator with one split,
+/// The tensor-core kernel's `cp.async` ring (`decode_mma::ring_stages`: every entry point
+/// but head_dim 64 with 2-bit values; 3 stages or 2) on the emulator with one split,
 /// so that each of the block's 4 warps takes 5 or more chunks and refills every stage of
 /// its ring at least once; page size 16, so the 32-token chunks span two pages. The
 /// emulator reports a read of another lane's copy without a barrier, a copy into a stage
@@ -497,9 +496,10 @@ fn decode_ring_refills_every_stage() {
         (128, 4, 2, 128, 32),
         (128, 4, 4, 128, 32),
         (128, 4, 2, 64, 32),
-        // head_dim 256: 3 stages (k2v2) and 2 (k4v2).
+        // head_dim 256: 3 stages (k2v2) and 2 (k4v2, k2v4: 16 value matrices per tile).
         (256, 2, 2, 128, 16),
         (256, 4, 2, 128, 16),
+        (256, 2, 4, 128, 16),
     ]
     .iter()
     .enumerate()

@@ -894,3 +894,86 @@ fn append_strided_checks_each_input_and_changes_nothing_on_error() {
     // The same buffers at strides they fit: appended (K every third row, V dense).
     assert_eq!(t.layer.append_strided(t.did(s), n, &k, 3 * row, &v, row).unwrap(), 75);
 }
+
+/// The raw entry points refuse a pool or side-store base that is not 16-byte aligned
+/// (the kernels read both with 16-byte loads and `cp.async`) with `Error::Shape`, before
+/// anything is enqueued.
+#[test]
+fn raw_entry_points_refuse_misaligned_pool_and_side_stores() {
+    use rotkv::device::raw;
+    use rotkv::launch::{AppendPtrs, DecodePtrs, FlushPtrs};
+    use rotkv_kernels::params::{AppendParams, DTYPE_F32, DecodeParams};
+    let dev = Device::sim();
+    let fmt = CacheConfig::k2v2(128).format().unwrap();
+    let dp = DecodeParams {
+        format: fmt,
+        num_seqs: 1,
+        num_q_heads: 4,
+        num_kv_heads: 1,
+        num_splits: 1,
+        block_table_stride: 1,
+        flags: 0,
+        sm_scale: 0.125,
+        q_seq_stride: 4 * 128,
+        q_token_stride: 4 * 128,
+        q_dtype: DTYPE_F32,
+        num_blocks: 1,
+        max_len: 1,
+        q_len: 1,
+        attn_window: 0,
+    };
+    let ap = AppendParams {
+        format: fmt,
+        num_kv_heads: 1,
+        start: 0,
+        count: 1,
+        new_len: 1,
+        num_blocks: 1,
+        flags: 0,
+        token_stride: 128,
+        v_token_stride: 128,
+        head_stride: 128,
+        input_dtype: DTYPE_F32,
+    };
+    let before = dev.counters();
+    for (pool, side) in [(8u64, 16u64), (16, 4)] {
+        let dptrs = DecodePtrs {
+            q: 16,
+            pool,
+            tables: 16,
+            lens: 16,
+            sides: side,
+            protected: 16,
+            key_scale: 16,
+            key_perm: 16,
+            key_rot: 16,
+            m: 16,
+            l: 16,
+            o: 16,
+        };
+        let fptrs = FlushPtrs { block_table: 16, side, pool };
+        let aptrs = AppendPtrs {
+            k: 16,
+            v: 16,
+            block_table: 16,
+            protected: 16,
+            side,
+            pool,
+            key_mean: 16,
+            key_scale: 16,
+            key_perm: 16,
+            value_perm: 16,
+            key_rot: 16,
+            value_rot: 16,
+            seq_len: 0,
+        };
+        // SAFETY: every call is refused for its misaligned base before any address is
+        // used.
+        unsafe {
+            assert!(matches!(raw::decode(&dev, &dp, &dptrs), Err(Error::Shape(_))), "{pool} {side}");
+            assert!(matches!(raw::append_flush(&dev, &ap, &fptrs), Err(Error::Shape(_))), "{pool} {side}");
+            assert!(matches!(raw::append_tokens(&dev, &ap, &aptrs), Err(Error::Shape(_))), "{pool} {side}");
+        }
+    }
+    assert_eq!(dev.counters(), before);
+}

@@ -24,8 +24,9 @@ fn sim_decode_split_and_merge_match_the_reference() {
         (128, 4, 2, 64, 4, 75, 1, 2),
         (128, 2, 2, 64, 8, 66, 3, 3),
         (64, 2, 4, 64, 1, 45, 2, 4),
-        // head_dim 256 on tensor cores: the ring of 3 stages (k2v2), of 2 (k4v2, k2v4),
-        // the merge in passes of 64 channels, two row tiles.
+        // head_dim 256 on tensor cores: the merge in passes of 64 channels, two row
+        // tiles, 2-3 query tokens (the protected positions send most tiles through the
+        // masked loop; `decode_ring_refills_every_stage` runs the rings).
         (256, 2, 2, 128, 4, 70, 2, 2),
         (256, 4, 2, 128, 8, 45, 3, 3),
         (256, 2, 4, 128, 2, 60, 1, 1),

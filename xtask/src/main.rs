@@ -60,7 +60,8 @@
 //! - `ptxas`: fetches the `nvidia-cuda-nvcc-cu12` wheel from PyPI into
 //!   `~/.cache/rotkv` (not the repo), assembles the PTX for sm_80 and sm_90 with
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
-//!   any error or spill.
+//!   any error or spill beyond the `max_spill_bytes` the gate file states for an entry
+//!   point's family (none but the head_dim-256 tensor-core decode has one).
 //! - `sass`: the static performance gate (a model, not a measurement; see `SASS.md`):
 //!   assembles the PTX for sm_80 and sm_90 with the CUDA 13.2 ptxas, disassembles it with
 //!   `nvdisasm -bbcfg` (both from PyPI wheels, into the cache folder), prints per entry

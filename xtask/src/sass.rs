@@ -401,6 +401,9 @@ pub struct Family {
     /// With `no_local_memory`: the spill bytes (ptxas's spill stores plus loads) and
     /// stack frame it may have, each at most this; 0 (the default) allows none.
     pub max_spill_bytes: u64,
+    /// With `max_spill_bytes`: the local loads and stores (LDL + STL) the hot loop may
+    /// hold per iteration (default 0).
+    pub max_hot_local: u64,
 }
 
 /// A `gpu_decode` case to model.
@@ -489,6 +492,7 @@ pub fn parse_gate(text: &str) -> Result<Gate, String> {
                     bytes_in_flight_per_warp: r.opt_num("bytes_in_flight_per_warp")?.unwrap_or(0.0),
                     no_local_memory: r.opt_bool("no_local_memory")?.unwrap_or(false),
                     max_spill_bytes: r.opt_count("max_spill_bytes")?.unwrap_or(0),
+                    max_hot_local: r.opt_count("max_hot_local")?.unwrap_or(0),
                 };
                 r.finish()?;
                 gate.families.push(f);
@@ -1210,11 +1214,18 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
                 r.usage.kernel, r.usage.arch, r.mix.ldl, r.mix.stl, r.usage.stack
             );
             let budget = fam.max_spill_bytes;
-            let within = budget > 0 && u64::from(r.usage.spill) <= budget && u64::from(r.usage.stack) <= budget;
+            // Local loads and stores in the hot loop's blocks (per iteration).
+            let hot_local: u64 = r.hot.as_ref().map_or(0, |h| {
+                r.loops[h.root].body.iter().map(|&b| block_mix(&r.func.blocks[b])).map(|m| m.ldl + m.stl).sum()
+            });
+            let within = budget > 0
+                && u64::from(r.usage.spill) <= budget
+                && u64::from(r.usage.stack) <= budget
+                && hot_local <= fam.max_hot_local;
             if fam.no_local_memory && within {
                 println!(
-                    "within budget (max_spill_bytes = {budget} in {GATE_FILE}): {what}, {} spill bytes",
-                    r.usage.spill
+                    "within budget (max_spill_bytes = {budget}, max_hot_local = {} in {GATE_FILE}): {what}, {} spill bytes, {hot_local} in the hot loop",
+                    fam.max_hot_local, r.usage.spill
                 );
             } else if fam.no_local_memory {
                 println!("FAILED: {what}");
