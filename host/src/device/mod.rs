@@ -1067,7 +1067,7 @@ pub struct PlanShape {
     /// Decode blocks one multiprocessor holds at once; `None` takes
     /// [`Device::resident_blocks`] (the driver's occupancy calculation on a GPU). The
     /// split count is sized to waves of `sm_count * blocks_per_sm` blocks
-    /// ([`launch::wave_splits`](crate::launch::wave_splits)).
+    /// ([`launch::wave_splits`]).
     pub blocks_per_sm: Option<usize>,
     /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
     pub sm_scale: Option<f32>,
