@@ -113,9 +113,9 @@ const fn tile_token(nt: u32, n: u32) -> u32 {
 
 /// Dynamic shared memory of `decode_mma` for a head dimension, key and value bits and
 /// groups per head: the block's area (the rotated queries during setup, the warps'
-/// `cp.async` rings during the loop, the merge at the end; [`area_bytes`]), the two sets
-/// of query fragments and the per-group query sums. At most 48 KiB, the default a kernel
-/// may use without opting in.
+/// `cp.async` rings during the loop, the merge at the end; [`area_bytes`]), the query
+/// fragments and the per-group query sums. At most 48 KiB, the default a kernel may use
+/// without opting in.
 pub const fn mma_shared_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
     area_bytes(head_dim, key_bits, value_bits, groups) + fixed_bytes(head_dim, groups)
 }
@@ -123,9 +123,26 @@ pub const fn mma_shared_bytes(head_dim: u32, key_bits: u32, value_bits: u32, gro
 /// Dynamic shared memory a kernel may use without opting in.
 const SHARED_DEFAULT_MAX: u32 = 48 * 1024;
 
-/// The shared memory outside the area: both fragment sets and the query sums.
+/// Whether the natural-order query fragments (read only by the f16 rows, section 3 of
+/// [`decode_mma`]) live in the area, after the setup's rotated queries, rather than
+/// beside the quantized-order ones: at head_dim 256, where their 8 KiB buy the rings'
+/// room (a barrier after section 3 keeps the rings' copies after their last read).
+pub const fn natural_frags_in_area(head_dim: u32) -> bool {
+    head_dim > 128
+}
+
+/// The shared memory outside the area: the query fragments kept through the loop (both
+/// sets, or the quantized-order set alone) and the query sums.
 const fn fixed_bytes(head_dim: u32, groups: u32) -> u32 {
-    2 * frag_bytes(head_dim) + ROWS * groups * 4
+    let sets = if natural_frags_in_area(head_dim) { 1 } else { 2 };
+    sets * frag_bytes(head_dim) + ROWS * groups * 4
+}
+
+/// Bytes of the area the setup uses: the rotated queries and row maxima (`ROWS x (D +
+/// 1)` f32), then the natural-order fragments where they live in the area.
+const fn setup_bytes(head_dim: u32) -> u32 {
+    let q = ROWS * (head_dim + 1) * 4;
+    if natural_frags_in_area(head_dim) { q + frag_bytes(head_dim) } else { q }
 }
 
 /// Output channels the warps merge per pass (section 6 of [`decode_mma`]): all of them
@@ -141,14 +158,15 @@ const fn merge_bytes(head_dim: u32) -> u32 {
 }
 
 /// The block's area at the start of its shared memory, used in turn by the setup's
-/// rotated queries (`ROWS x (D + 1)` f32), the warps' rings and the merge: the largest
-/// of the three. Where the rings fit in the merge area (and without a ring) this is the
+/// rotated queries (`ROWS x (D + 1)` f32; at head_dim 256 followed by the natural-order
+/// fragments, [`natural_frags_in_area`]), the warps' rings and the merge: the largest of
+/// the three. Where the rings fit in the merge area (and without a ring) this is the
 /// merge area; elsewhere it grows to the rings ([`ring_stages`]).
 pub const fn area_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32) -> u32 {
     let ring = WARPS
         * ring_stages(head_dim, key_bits, value_bits, groups)
         * chunk_bytes(head_dim, key_bits, value_bits, groups);
-    let setup = ROWS * (head_dim + 1) * 4;
+    let setup = setup_bytes(head_dim);
     let m = if merge_bytes(head_dim) > setup { merge_bytes(head_dim) } else { setup };
     if ring > m { ring } else { m }
 }
@@ -508,9 +526,9 @@ const fn chunk_bytes(head_dim: u32, key_bits: u32, value_bits: u32, groups: u32)
 /// the merge area, which is idle during the loop (no extra shared memory: head_dim 128
 /// with 2-bit keys and values, the one-tile entry points at head_dim 64 and 128). Else
 /// the block's area grows to hold the rings within the 48 KiB default: 3 stages where
-/// they fit (head_dim 128 k2v4 and k4v2 with groups of 128, head_dim 256 k2v2), else 2
-/// (one chunk in flight while one is computed: head_dim 128 k4v4 with groups of 128 and
-/// k4v2 with groups of 64, head_dim 256 with a 4-bit side). None for the 64-token chunks
+/// they fit (head_dim 128 k2v4 and k4v2 with groups of 128, head_dim 256 k2v2, k2v4 and
+/// k4v2), else 2 (one chunk in flight while one is computed: head_dim 128 k4v4 with
+/// groups of 128 and k4v2 with groups of 64, head_dim 256 k4v4). None for the 64-token chunks
 /// of head_dim 64 with 2-bit values: a ring there measured 724 instructions per chunk
 /// against the register prefetch's 700 (its loads are cheap at constant offsets, the
 /// ring's copy and stage reads are not).
@@ -916,8 +934,16 @@ pub unsafe fn decode_mma<
     let qf = sh.cast::<f32>();
     let rowmax = unsafe { qf.add(ROWS as usize * D) };
     let aq_sh = unsafe { sh.add(area_bytes(D as u32, KB, VB, NG as u32) as usize).cast::<u32>() };
-    let ah_sh = unsafe { aq_sh.add(NKS * WARP as usize * 4) };
-    let qsum_sh = unsafe { ah_sh.add(NKS * WARP as usize * 4).cast::<f32>() };
+    let frags_in_area = const { natural_frags_in_area(D as u32) };
+    let (ah_sh, qsum_sh) = if frags_in_area {
+        // After the rotated queries and row maxima (`ROWS x (D + 1)` f32, a multiple of
+        // 16 bytes).
+        let ah = unsafe { sh.add(ROWS as usize * (D + 1) * 4).cast::<u32>() };
+        (ah, unsafe { aq_sh.add(NKS * WARP as usize * 4).cast::<f32>() })
+    } else {
+        let ah = unsafe { aq_sh.add(NKS * WARP as usize * 4) };
+        (ah, unsafe { ah.add(NKS * WARP as usize * 4).cast::<f32>() })
+    };
 
     // 1. Rotated, permuted queries of the tile's rows: times the key scales (`q * s`), then
     //    sm_scale * log2(e).
@@ -1121,6 +1147,11 @@ pub unsafe fn decode_mma<
             }
         }
         tile += WARPS;
+    }
+    if frags_in_area {
+        // The rings below overwrite the natural-order fragments: every warp is done with
+        // its f16 rows.
+        ctx.sync_threads();
     }
     // From here on the value accumulators hold code-scaled sums: convert what the f16
     // rows left there into the same units (exact powers of two).
@@ -1341,8 +1372,8 @@ pub unsafe fn decode_mma<
 
 /// Calls `$m!` with every `decode_mma` instantiation: `(entry point, head_dim, channels
 /// per lane, key bits, value bits, groups per head, score k-steps, value n-tiles)`.
-/// Group sizes of at least 64 channels, at head_dim 256 groups of 128 and not k4v4 (its
-/// registers spill heavily); other configurations run `decode_split`.
+/// Group sizes of at least 64 channels, at head_dim 256 groups of 128; other
+/// configurations run `decode_split`.
 #[macro_export]
 macro_rules! for_each_decode_mma {
     ($m:ident) => {
@@ -1361,7 +1392,8 @@ macro_rules! for_each_decode_mma {
             (rotkv_decode_mma_d128_k4v4_g64, 128, 4, 4, 4, 2, 8, 16),
             (rotkv_decode_mma_d256_k2v2_g128, 256, 8, 2, 2, 2, 16, 32),
             (rotkv_decode_mma_d256_k2v4_g128, 256, 8, 2, 4, 2, 16, 32),
-            (rotkv_decode_mma_d256_k4v2_g128, 256, 8, 4, 2, 2, 16, 32)
+            (rotkv_decode_mma_d256_k4v2_g128, 256, 8, 4, 2, 2, 16, 32),
+            (rotkv_decode_mma_d256_k4v4_g128, 256, 8, 4, 4, 2, 16, 32)
         }
     };
 }
@@ -1444,8 +1476,8 @@ mod tests {
                 [$((stringify!($name), $d, $kb, $vb, $ng)),*]
             };
         }
-        let all: [(&str, u32, u32, u32, u32); 15] = crate::for_each_decode_mma!(entries);
-        let (mut rings, mut n) = ([("", 0); 15], 0);
+        let all: [(&str, u32, u32, u32, u32); 16] = crate::for_each_decode_mma!(entries);
+        let (mut rings, mut n) = ([("", 0); 16], 0);
         for (name, d, kb, vb, ng) in all {
             // A tile is whole 16-byte pieces: 16 tokens of codes, 4 NG arrays of 16 f16.
             assert_eq!(tile_bytes(d, kb, vb, ng), 16 * (d * kb / 8 + d * vb / 8 + 8 * ng), "{name}");
@@ -1453,7 +1485,10 @@ mod tests {
             // queries and one merge pass within the area.
             let area = area_bytes(d, kb, vb, ng);
             assert!(mma_shared_bytes(d, kb, vb, ng) <= 48 * 1024, "{name}");
-            assert!(ROWS * (d + 1) * 4 <= area && merge_bytes(d) <= area, "{name}");
+            assert!(setup_bytes(d) <= area && merge_bytes(d) <= area, "{name}");
+            // The natural-order fragments, where they live in the area, start 16-byte
+            // aligned after the rotated queries and row maxima.
+            assert_eq!(ROWS * (d + 1) * 4 % 16, 0);
             assert_eq!(d % merge_channels(d), 0);
             let stages = ring_stages(d, kb, vb, ng);
             if stages > 0 {
@@ -1481,8 +1516,9 @@ mod tests {
                 ("rotkv_decode_mma_d128_k4v2_g64", 2),
                 ("rotkv_decode_mma_d128_k4v4_g64", 3),
                 ("rotkv_decode_mma_d256_k2v2_g128", 3),
-                ("rotkv_decode_mma_d256_k2v4_g128", 2),
-                ("rotkv_decode_mma_d256_k4v2_g128", 2),
+                ("rotkv_decode_mma_d256_k2v4_g128", 3),
+                ("rotkv_decode_mma_d256_k4v2_g128", 3),
+                ("rotkv_decode_mma_d256_k4v4_g128", 2),
             ]
         );
     }

@@ -496,10 +496,12 @@ fn decode_ring_refills_every_stage() {
         (128, 4, 2, 128, 32),
         (128, 4, 4, 128, 32),
         (128, 4, 2, 64, 32),
-        // head_dim 256: 3 stages (k2v2) and 2 (k4v2, k2v4: 16 value matrices per tile).
+        // head_dim 256: 3 stages (k2v2, k4v2, k2v4: 16 value matrices per tile) and 2
+        // (k4v4); the natural-order fragments share the area with the rings.
         (256, 2, 2, 128, 16),
         (256, 4, 2, 128, 16),
         (256, 2, 4, 128, 16),
+        (256, 4, 4, 128, 16),
     ]
     .iter()
     .enumerate()
