@@ -341,7 +341,7 @@ fn rows_of(name: &str, layout: &candle_core::Layout, storage_len: usize) -> Resu
 ///
 /// # Errors
 ///
-/// [`Error::Unsupported`] or [`Error::Backend`] for a tensor on another device, or of
+/// [`Error::Unsupported`] or [`Error::Device`] for a tensor on another device, or of
 /// another dtype than `T`; [`Error::Shape`] for a rank other than 3, no rows, or another
 /// layout; then `f`'s errors.
 #[cfg(any(feature = "sim", feature = "cuda"))]
@@ -435,13 +435,13 @@ fn check_cuda_stream(name: &str, cs: &candle_core::CudaStorage, dev: &crate::dev
     let ours = layer_stream(dev)?;
     let theirs = cs.device.cuda_stream();
     if theirs.context().cu_ctx() != ours.context().cu_ctx() {
-        return Err(Error::Backend(format!(
+        return Err(Error::Device(format!(
             "{name} is on {:?}, a CUDA context other than the layer's: one DeviceLayer per GPU",
             cs.device
         )));
     }
     if theirs.cu_stream() != ours.cu_stream() {
-        return Err(Error::Backend(format!(
+        return Err(Error::Device(format!(
             "{name} is on candle's stream, the layer on another stream of the same GPU: make the layer's \
              Device with rotkv::candle::cuda_device(&candle_device) so both use candle's stream"
         )));
@@ -489,7 +489,7 @@ pub fn cuda_device(dev: &candle_core::Device) -> Result<crate::device::Device> {
 /// [`Error::Unsupported`] for a dtype other than f32, f16 and bf16, `k` and `v` of
 /// different dtypes, or a tensor on another kind of device than the layer's (a CUDA
 /// tensor on a sim layer, a CPU tensor on a cuda layer, Metal, CUDA without the
-/// `candle-cuda` feature); [`Error::Backend`] for a CUDA tensor of another context or
+/// `candle-cuda` feature); [`Error::Device`] for a CUDA tensor of another context or
 /// stream; [`Error::Shape`] for a rank other than 3, heads or head_dim other than the
 /// layer's, `v` shaped unlike `k`, or a layout other than contiguous rows at a stride;
 /// then every error of [`DeviceLayer::append_strided`].

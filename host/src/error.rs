@@ -51,9 +51,14 @@ pub enum Error {
     /// Bad calibration data (a permutation that is not one, a non-finite mean).
     #[error("invalid calibration: {0}")]
     Calibration(String),
-    /// A backend that is not available on this machine.
+    /// A backend that is not available on this machine, or a failure reported by the
+    /// device's driver.
     #[error("backend unavailable: {0}")]
     Backend(String),
+    /// A buffer, view, stream or plan that belongs to another device handle (or, for
+    /// candle tensors, another device, context or stream) than the call's.
+    #[error("wrong device: {0}")]
+    Device(String),
     /// A file that could not be read or parsed (eval and CLI).
     #[error("input error: {0}")]
     Input(String),

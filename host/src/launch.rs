@@ -401,6 +401,57 @@ pub struct FlushPtrs {
     pub pool: u64,
 }
 
+/// Device addresses of the batched append's buffers (`append_batch_flush` and
+/// `append_batch_tokens`), every slot's at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchPtrs {
+    /// The step batch, u32 [`rotkv_kernels::params::batch_meta_len`] entries (see
+    /// [`rotkv_kernels::params::AppendBatchParams`]).
+    pub meta: u64,
+    /// Keys, `[row][kv_head][head_dim]` of `input_dtype`, `token_stride` apart
+    /// (`max_rows` rows).
+    pub k: u64,
+    /// Values, as `k` but `v_token_stride` apart.
+    pub v: u64,
+    /// Key mean, f32 `[kv_head][head_dim]`.
+    pub key_mean: u64,
+    /// Key scales, f32 `[kv_head][head_dim]`.
+    pub key_scale: u64,
+    /// Key permutations, u16 `[kv_head][head_dim]`.
+    pub key_perm: u64,
+    /// Value permutations, u16 `[kv_head][head_dim]`.
+    pub value_perm: u64,
+    /// Learned key rotations (read only with `FLAG_DENSE_KEYS`).
+    pub key_rot: u64,
+    /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+    pub value_rot: u64,
+    /// Block tables, u32 `[max_seqs][table_stride]`.
+    pub tables: u64,
+    /// Protected lists, u32 `[max_seqs][protected_stride]`.
+    pub protected: u64,
+    /// The page pool.
+    pub pool: u64,
+    /// Side stores, f16 `[max_seqs][side_elems]`.
+    pub sides: u64,
+    /// Sequence lengths, u32 `[max_seqs]` (the slots with new tokens get their new length).
+    pub lens: u64,
+    /// Error counters, u32 [`rotkv_kernels::params::BATCH_ERRORS`], or 0 for none.
+    pub errors: u64,
+}
+
+/// The batched-append entry points `(tokens, flush)` for a head dimension.
+pub fn append_batch_entries(d: u32) -> Result<(&'static str, &'static str)> {
+    macro_rules! names {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
+            match d {
+                $($d => Ok((stringify!($tok), stringify!($flush))),)*
+                other => Err(Error::Unsupported(format!("head_dim {other}"))),
+            }
+        };
+    }
+    rotkv_kernels::for_each_append_batch!(names)
+}
+
 /// The `decode_merge` entry point for a head dimension.
 pub fn merge_entry(d: u32) -> Result<&'static str> {
     macro_rules! name {

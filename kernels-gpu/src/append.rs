@@ -16,7 +16,8 @@ use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, SIDE_PAGE, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{
-    AppendParams, FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES, load_elem,
+    AppendBatchParams, AppendParams, BATCH_ERROR_BATCH, BATCH_ERROR_BLOCK, BATCH_NO_SLOT, FLAG_DENSE_KEYS,
+    FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES, load_elem,
 };
 
 /// Where a token's f16 rows and codes go: resolved on the device from the sequence's
@@ -118,17 +119,78 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     side: *mut u16,
     seq_len: *mut u32,
 ) {
-    let fmt = &p.format;
     let [h, t, _] = ctx.block_idx();
+    // SAFETY: forwarded contract; input row `t` is token `t`; no error counters.
+    unsafe {
+        append_row::<C, D, V>(
+            ctx,
+            p,
+            h,
+            t,
+            t,
+            k,
+            v,
+            key_mean,
+            key_scale,
+            key_perm,
+            value_perm,
+            key_rot,
+            value_rot,
+            block_table,
+            protected,
+            pool,
+            side,
+            seq_len,
+            core::ptr::null_mut(),
+        )
+    }
+}
+
+/// The body of [`append_tokens`] for token `t` of the append `p` (position `p.start +
+/// t`) and KV head `h`, read from input row `row` of `k` and `v`; a warp. When `errors`
+/// is not null, a token whose block-table entry is at or past `p.num_blocks` adds 2 (its
+/// K and V rows) to `errors[BATCH_ERROR_BLOCK]`.
+///
+/// # Safety
+/// As [`append_tokens`], with `row` in place of the block's `t` for the inputs; `errors`
+/// null or [`crate::params::BATCH_ERRORS`] writable u32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn append_row<C: Ctx, const D: usize, const V: usize>(
+    ctx: &C,
+    p: &AppendParams,
+    h: u32,
+    t: u32,
+    row: u32,
+    k: *const u8,
+    v: *const u8,
+    key_mean: *const f32,
+    key_scale: *const f32,
+    key_perm: *const u16,
+    value_perm: *const u16,
+    key_rot: *const f32,
+    value_rot: *const f32,
+    block_table: *const u32,
+    protected: *const u32,
+    pool: *mut u8,
+    side: *mut u16,
+    seq_len: *mut u32,
+    errors: *mut u32,
+) {
+    let fmt = &p.format;
     let lane = ctx.lane() as usize;
     let head = h as usize * p.head_stride as usize + lane * V;
-    let k_src = t as usize * p.token_stride as usize + head;
-    let v_src = t as usize * p.v_token_stride as usize + head;
+    let k_src = row as usize * p.token_stride as usize + head;
+    let v_src = row as usize * p.v_token_stride as usize + head;
     // SAFETY: the table and list as the contract gives them.
     let dest = unsafe { destination(p, p.start + t, block_table, protected) };
     if h == 0 && t == 0 && lane == 0 && !seq_len.is_null() && p.start + p.count == p.new_len {
         // SAFETY: one writable u32 (contract).
         unsafe { *seq_len = p.new_len };
+    }
+    if dest.side_row == NONE && dest.block == NONE && lane == 0 && !errors.is_null() {
+        // SAFETY: the counters (contract).
+        unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_BLOCK), 2) };
     }
     // Keys, then values. (A range, not a loop over `[false, true]`: an array iterator
     // whose loop is not unrolled lives in local memory on the device, and a closure
@@ -136,14 +198,20 @@ pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
     for half in 0..2 {
         let value = half == 1;
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
-        let mut x: [f32; V] = core::array::from_fn(|c| unsafe {
-            if value {
-                load_elem(v, p.input_dtype, v_src + c)
-            } else {
-                let at = h as usize * D + lane * V + c;
-                (load_elem(k, p.input_dtype, k_src + c) - *key_mean.add(at)) / *key_scale.add(at)
-            }
-        });
+        // (A constant-bound loop, not `array::from_fn`: the body has two callers, and the
+        // closure of a from_fn is not always inlined into both: a call with the array on
+        // the stack.)
+        let mut x = [0.0f32; V];
+        for (c, xc) in x.iter_mut().enumerate() {
+            *xc = unsafe {
+                if value {
+                    load_elem(v, p.input_dtype, v_src + c)
+                } else {
+                    let at = h as usize * D + lane * V + c;
+                    (load_elem(k, p.input_dtype, k_src + c) - *key_mean.add(at)) / *key_scale.add(at)
+                }
+            };
+        }
         let (dense, hadamard, rot) = if value {
             (FLAG_DENSE_VALUES, FLAG_ROTATE_VALUES, value_rot)
         } else {
@@ -216,11 +284,44 @@ pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
     side: *const u16,
     pool: *mut u8,
 ) {
-    let fmt = &p.format;
     let [i, head, value] = ctx.block_idx();
-    let value = value != 0;
+    // SAFETY: forwarded contract; no error counters.
+    unsafe {
+        flush_row::<C, D, V>(
+            ctx,
+            p,
+            flush_range(p).0 + i,
+            head,
+            value != 0,
+            block_table,
+            side,
+            pool,
+            core::ptr::null_mut(),
+        )
+    }
+}
+
+/// The body of [`append_flush`] for window position `pos` (inside [`flush_range`]), KV
+/// head `head`, keys or values; a warp. When `errors` is not null, a table entry at or
+/// past `p.num_blocks` adds 1 to `errors[BATCH_ERROR_BLOCK]`.
+///
+/// # Safety
+/// As [`append_flush`]; `errors` null or [`crate::params::BATCH_ERRORS`] writable u32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn flush_row<C: Ctx, const D: usize, const V: usize>(
+    ctx: &C,
+    p: &AppendParams,
+    pos: u32,
+    head: u32,
+    value: bool,
+    block_table: *const u32,
+    side: *const u16,
+    pool: *mut u8,
+    errors: *mut u32,
+) {
+    let fmt = &p.format;
     let lane = ctx.lane() as usize;
-    let pos = flush_range(p).0 + i;
     let (page, slot) = fmt.locate(pos, p.new_len);
     if page == SIDE_PAGE {
         return;
@@ -228,6 +329,10 @@ pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
     // SAFETY: page < pages_for(new_len) (contract).
     let block = unsafe { *block_table.add(page as usize) };
     if block >= p.num_blocks {
+        if lane == 0 && !errors.is_null() {
+            // SAFETY: the counters (contract).
+            unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_BLOCK), 1) };
+        }
         return;
     }
     let at = fmt.side_row_at(head, value, fmt.window_row(pos)) + lane * V;
@@ -235,6 +340,197 @@ pub unsafe fn append_flush<C: Ctx, const D: usize, const V: usize>(
     let stored: [u16; V] = core::array::from_fn(|c| unsafe { *side.add(at + c) });
     // SAFETY: the block is inside the pool (checked above).
     unsafe { quantize_lanes::<C, V>(ctx, fmt, p.num_kv_heads, value, &stored, pool, block, slot, head) };
+}
+
+/// Window rows one block of [`append_batch_flush`] quantizes (in a loop).
+pub const FLUSH_ROWS_PER_BLOCK: u32 = 8;
+
+/// The most window rows one sequence flushes in a step of at most `max_rows` new tokens:
+/// a multiple of the page size, `page_size * ceil(max_rows / page_size)` (the quantized
+/// length grows by whole pages, at most that many in `max_rows` tokens).
+#[inline]
+pub const fn batch_flush_rows(fmt: &Format, max_rows: u32) -> u32 {
+    max_rows.div_ceil(fmt.page_size) * fmt.page_size
+}
+
+/// Grid of [`append_batch_flush`]: `(ceil(batch_flush_rows / FLUSH_ROWS_PER_BLOCK), Hkv,
+/// 2 * max_seqs)`.
+#[inline]
+pub const fn batch_flush_grid(bp: &AppendBatchParams) -> [u32; 3] {
+    let rows = batch_flush_rows(&bp.append.format, bp.max_rows);
+    [rows.div_ceil(FLUSH_ROWS_PER_BLOCK), bp.append.num_kv_heads, 2 * bp.max_seqs]
+}
+
+/// Grid of [`append_batch_tokens`]: `(Hkv, max_rows, 1)`.
+#[inline]
+pub const fn batch_tokens_grid(bp: &AppendBatchParams) -> [u32; 3] {
+    [bp.append.num_kv_heads, bp.max_rows, 1]
+}
+
+/// The append of slot `slot` in a step batch (`meta`, see [`AppendBatchParams`]) as
+/// [`AppendParams`], and whether it is consistent: the slot below `bp.max_seqs`, its new
+/// length within `u32` (at most `u32::MAX / 2`, the format's limit) and its pages within
+/// `bp.table_stride` entries. The first row is returned beside it.
+///
+/// # Safety
+/// `meta` valid for [`crate::params::batch_meta_len`]`(bp.max_rows, bp.max_seqs)` entries.
+#[inline(always)]
+unsafe fn slot_append(bp: &AppendBatchParams, meta: *const u32, slot: u32) -> (bool, AppendParams, u32) {
+    let (rows, seqs) = (bp.max_rows as usize, bp.max_seqs as usize);
+    let mut p = bp.append;
+    if slot >= bp.max_seqs {
+        return (false, p, 0);
+    }
+    let s = slot as usize;
+    // SAFETY: s < max_seqs, inside the three per-slot arrays (contract).
+    let (start, count, first) =
+        unsafe { (*meta.add(rows + s), *meta.add(rows + seqs + s), *meta.add(rows + 2 * seqs + s)) };
+    p.start = start;
+    p.count = count;
+    p.new_len = start.wrapping_add(count);
+    let ok = start <= u32::MAX / 2 && count <= u32::MAX / 2 - start && p.format.pages_for(p.new_len) <= bp.table_stride;
+    (ok, p, first)
+}
+
+/// Window rows that leave the window during a step, for every sequence of a step batch
+/// (the batched [`append_flush`]): block `(x, h, 2 * s + kv)` quantizes rows `x *
+/// FLUSH_ROWS_PER_BLOCK ..` (at most [`FLUSH_ROWS_PER_BLOCK`]) of slot `s`'s
+/// [`flush_range`], KV head `h`, keys for `kv == 0` and values for 1. Must run before the
+/// same step's [`append_batch_tokens`] (it reads the ring rows those may overwrite).
+///
+/// # Safety
+/// `meta` a step batch of [`crate::params::batch_meta_len`]`(bp.max_rows, bp.max_seqs)`
+/// entries; `tables` `bp.max_seqs` block tables of `bp.table_stride` entries; `sides`
+/// `bp.max_seqs` side stores of `side_elems(Hkv)` f16; `pool` as [`append_flush`];
+/// `errors` null or [`crate::params::BATCH_ERRORS`] writable u32. Grid
+/// [`batch_flush_grid`], 32 threads. The slots' lengths in `meta` are the sequences'
+/// lengths before the step.
+///
+/// # Parameters
+/// A slot with no new tokens, or whose step is inconsistent (see [`slot_append`]; the
+/// tokens kernel counts it), flushes nothing. Table entries at or past the pool's blocks
+/// are skipped and counted in `errors[BATCH_ERROR_BLOCK]`.
+///
+/// # Thread mapping
+/// One warp per block, looping over its rows; each row as [`append_flush`]'s block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn append_batch_flush<C: Ctx, const D: usize, const V: usize>(
+    ctx: &C,
+    bp: &AppendBatchParams,
+    meta: *const u32,
+    tables: *const u32,
+    sides: *const u16,
+    pool: *mut u8,
+    errors: *mut u32,
+) {
+    let [x, head, z] = ctx.block_idx();
+    let (slot, value) = (z >> 1, z & 1 != 0);
+    // SAFETY: the step batch (contract).
+    let (ok, p, _) = unsafe { slot_append(bp, meta, slot) };
+    if !ok || p.count == 0 {
+        return;
+    }
+    let (first, n) = flush_range(&p);
+    let side_elems = p.format.side_elems(p.num_kv_heads);
+    // SAFETY: slot < max_seqs (checked by slot_append): inside the tables and sides.
+    let (table, side) =
+        unsafe { (tables.add(slot as usize * bp.table_stride as usize), sides.add(slot as usize * side_elems)) };
+    let mut i = x * FLUSH_ROWS_PER_BLOCK;
+    let end = if n < i + FLUSH_ROWS_PER_BLOCK { n } else { i + FLUSH_ROWS_PER_BLOCK };
+    while i < end {
+        // SAFETY: pages_for(new_len) <= table_stride (slot_append); the slot's side store.
+        unsafe { flush_row::<C, D, V>(ctx, &p, first + i, head, value, table, side, pool, errors) };
+        i += 1;
+    }
+}
+
+/// The new tokens of every sequence of a step batch, one launch (the batched
+/// [`append_tokens`], vLLM's reshape-and-cache): block `(h, r)` stores input row `r`
+/// (KV head `h`) of `k` and `v` at its slot's next position, as [`append_tokens`] does,
+/// and the block of a slot's first row stores the slot's new length in `lens[slot]`.
+///
+/// # Safety
+/// `k` and `v` valid for `bp.max_rows` rows at their strides (as [`append_tokens`] asks
+/// for `count` tokens); `meta`, `tables`, `sides`, `errors` as [`append_batch_flush`];
+/// `protected` `bp.max_seqs` lists of `bp.protected_stride` entries; `lens` `bp.max_seqs`
+/// writable u32; the calibration buffers and `pool` as [`append_tokens`]. Grid
+/// [`batch_tokens_grid`], 32 threads.
+///
+/// # Parameters
+/// An input row whose slot is [`BATCH_NO_SLOT`] is skipped. A row whose slot is past
+/// `bp.max_seqs`, that lies outside its slot's rows, or whose slot's step is
+/// inconsistent ([`slot_append`]) is skipped and counted in
+/// `errors[BATCH_ERROR_BATCH]` (one per KV head); table entries at or past the pool's
+/// blocks in `errors[BATCH_ERROR_BLOCK]`. Nothing is read or written outside the
+/// buffers the contract names.
+///
+/// # Thread mapping
+/// As [`append_tokens`]: one warp per (KV head, row).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn append_batch_tokens<C: Ctx, const D: usize, const V: usize>(
+    ctx: &C,
+    bp: &AppendBatchParams,
+    meta: *const u32,
+    k: *const u8,
+    v: *const u8,
+    key_mean: *const f32,
+    key_scale: *const f32,
+    key_perm: *const u16,
+    value_perm: *const u16,
+    key_rot: *const f32,
+    value_rot: *const f32,
+    tables: *const u32,
+    protected: *const u32,
+    pool: *mut u8,
+    sides: *mut u16,
+    lens: *mut u32,
+    errors: *mut u32,
+) {
+    let [h, r, _] = ctx.block_idx();
+    // SAFETY: r < max_rows (grid): inside the rows' slots.
+    let slot = unsafe { *meta.add(r as usize) };
+    if slot == BATCH_NO_SLOT {
+        return;
+    }
+    // SAFETY: the step batch (contract).
+    let (ok, p, first) = unsafe { slot_append(bp, meta, slot) };
+    let t = r.wrapping_sub(first);
+    if !ok || t >= p.count {
+        if ctx.lane() == 0 && !errors.is_null() {
+            // SAFETY: the counters (contract).
+            unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_BATCH), 1) };
+        }
+        return;
+    }
+    let s = slot as usize;
+    let side_elems = p.format.side_elems(p.num_kv_heads);
+    // SAFETY: s < max_seqs (slot_append): the slot's table (pages_for(new_len) <=
+    // table_stride), protected list, side store and length; row r < max_rows.
+    unsafe {
+        append_row::<C, D, V>(
+            ctx,
+            &p,
+            h,
+            t,
+            r,
+            k,
+            v,
+            key_mean,
+            key_scale,
+            key_perm,
+            value_perm,
+            key_rot,
+            value_rot,
+            tables.add(s * bp.table_stride as usize),
+            protected.add(s * bp.protected_stride as usize),
+            pool,
+            sides.add(s * side_elems),
+            lens.add(s),
+            errors,
+        )
+    }
 }
 
 /// Quantizes one stored row held by a warp (lane `i`: channels `[i * V, (i + 1) * V)`, f16
@@ -339,11 +635,24 @@ macro_rules! for_each_append {
     };
 }
 
+/// Calls `$m!` with every batched-append instantiation: `(tokens entry, flush entry,
+/// head_dim, channels per lane)`.
+#[macro_export]
+macro_rules! for_each_append_batch {
+    ($m:ident) => {
+        $m! {
+            (rotkv_append_batch_tokens_d64, rotkv_append_batch_flush_d64, 64, 2),
+            (rotkv_append_batch_tokens_d128, rotkv_append_batch_flush_d128, 128, 4),
+            (rotkv_append_batch_tokens_d256, rotkv_append_batch_flush_d256, 256, 8)
+        }
+    };
+}
+
 #[cfg(target_arch = "nvptx64")]
 mod entry {
-    use super::{append_flush, append_tokens};
+    use super::{append_batch_flush, append_batch_tokens, append_flush, append_tokens};
     use crate::ctx::Nvptx;
-    use crate::params::AppendParams;
+    use crate::params::{AppendBatchParams, AppendParams};
 
     macro_rules! append_entries {
         ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {$(
@@ -394,4 +703,58 @@ mod entry {
         )*};
     }
     crate::for_each_append!(append_entries);
+
+    macro_rules! append_batch_entries {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {$(
+            /// PTX entry point of [`append_batch_tokens`].
+            ///
+            /// # Safety
+            /// See [`append_batch_tokens`].
+            #[unsafe(no_mangle)]
+            pub unsafe extern "ptx-kernel" fn $tok(
+                bp: AppendBatchParams,
+                meta: *const u32,
+                k: *const u8,
+                v: *const u8,
+                key_mean: *const f32,
+                key_scale: *const f32,
+                key_perm: *const u16,
+                value_perm: *const u16,
+                key_rot: *const f32,
+                value_rot: *const f32,
+                tables: *const u32,
+                protected: *const u32,
+                pool: *mut u8,
+                sides: *mut u16,
+                lens: *mut u32,
+                errors: *mut u32,
+            ) {
+                // SAFETY: forwarded contract.
+                unsafe {
+                    append_batch_tokens::<_, $d, $v>(
+                        &Nvptx, &bp, meta, k, v, key_mean, key_scale, key_perm, value_perm, key_rot, value_rot,
+                        tables, protected, pool, sides, lens, errors,
+                    )
+                }
+            }
+
+            /// PTX entry point of [`append_batch_flush`].
+            ///
+            /// # Safety
+            /// See [`append_batch_flush`].
+            #[unsafe(no_mangle)]
+            pub unsafe extern "ptx-kernel" fn $flush(
+                bp: AppendBatchParams,
+                meta: *const u32,
+                tables: *const u32,
+                sides: *const u16,
+                pool: *mut u8,
+                errors: *mut u32,
+            ) {
+                // SAFETY: forwarded contract.
+                unsafe { append_batch_flush::<_, $d, $v>(&Nvptx, &bp, meta, tables, sides, pool, errors) }
+            }
+        )*};
+    }
+    crate::for_each_append_batch!(append_batch_entries);
 }

@@ -27,6 +27,15 @@ pub trait Ctx {
     fn shfl_idx(&self, v: f32, src_lane: u32) -> f32;
     /// The block's dynamic shared memory (16-byte aligned; its size is set at launch).
     fn shared(&self) -> *mut u8;
+    /// `red.global.add.u32 [p], v`: adds `v` to the u32 at `p` atomically, returning
+    /// nothing (the device-side error counters of the batched append).
+    ///
+    /// # Safety
+    /// `p` valid, 4-byte aligned, writable global memory.
+    unsafe fn atomic_add_u32(&self, p: *mut u32, v: u32) {
+        // SAFETY: forwarded contract; an `AtomicU32` has the layout of a `u32`.
+        unsafe { core::sync::atomic::AtomicU32::from_ptr(p).fetch_add(v, core::sync::atomic::Ordering::Relaxed) };
+    }
     /// One 16-byte load of read-only global memory (`ld.global.nc.v4.u32` on the device).
     ///
     /// # Safety
@@ -376,6 +385,18 @@ impl Ctx for Nvptx {
                 "{{ .reg .u32 s; .reg .u64 g; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; cvta.to.global.u64 g, {p}; cp.async.cg.shared.global [s], [g], 16; }}",
                 o = in(reg32) dst_offset,
                 p = in(reg64) src_global,
+                options(nostack),
+            );
+        }
+    }
+    #[inline(always)]
+    unsafe fn atomic_add_u32(&self, p: *mut u32, v: u32) {
+        // SAFETY: the caller guarantees a valid, aligned, writable global address.
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; red.global.add.u32 [g], {v}; }}",
+                p = in(reg64) p,
+                v = in(reg32) v,
                 options(nostack),
             );
         }

@@ -86,6 +86,59 @@ pub struct AppendParams {
 const _: () = assert!(core::mem::size_of::<AppendParams>() == core::mem::size_of::<Format>() + 10 * 4);
 const _: () = assert!(core::mem::align_of::<AppendParams>() == 4);
 
+/// Parameters of the batched append (`append_batch_flush`, `append_batch_tokens`): the
+/// new tokens of every sequence of a serving step, one layer, in one launch each.
+///
+/// The step's rows are described by a `u32` array in device memory (the step batch,
+/// [`batch_meta_len`] entries): `[0, max_rows)` the slot of each input row
+/// ([`BATCH_NO_SLOT`] for an unused row); then per slot its length before the step
+/// (`start`), its new tokens (`count`) and the input row of its first new token
+/// (`first_row`), `max_seqs` entries each. Slot `s`'s tokens are input rows `first_row
+/// .. first_row + count`, positions `start .. start + count`.
+///
+/// Layout (`#[repr(C)]`, taken by value by the PTX entry points): an [`AppendParams`]
+/// (its `start`, `count` and `new_len` unused: they come from the step batch), then four
+/// `u32`, no padding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct AppendBatchParams {
+    /// Format, heads, pool blocks, flags, input strides and dtype of the layer's append.
+    pub append: AppendParams,
+    /// Sequence slots of the layer the step batch may name (`s < max_seqs`).
+    pub max_seqs: u32,
+    /// Input rows of the step (grid y of `append_batch_tokens`).
+    pub max_rows: u32,
+    /// Block-table entries per slot (a slot's table is `tables + s * table_stride`); a
+    /// sequence that would need more pages is skipped and counted as an error.
+    pub table_stride: u32,
+    /// Entries of a slot's protected list (`protected + s * protected_stride`).
+    pub protected_stride: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<AppendBatchParams>() == core::mem::size_of::<AppendParams>() + 4 * 4);
+
+/// A step batch's row slot for an input row that carries no token.
+pub const BATCH_NO_SLOT: u32 = u32::MAX;
+
+/// `u32` entries of a step batch of `max_rows` rows over `max_seqs` slots: the rows'
+/// slots, then each slot's start, count and first row.
+#[inline]
+pub const fn batch_meta_len(max_rows: u32, max_seqs: u32) -> usize {
+    max_rows as usize + 3 * max_seqs as usize
+}
+
+/// Device-side error counters of the batched append (a `u32` array of [`BATCH_ERRORS`]
+/// entries the caller reads after the step): what the host could not see and the
+/// kernels skipped instead of reading or writing out of bounds.
+pub const BATCH_ERRORS: usize = 2;
+/// Error counter: (token, KV head) rows not stored because the step batch was
+/// inconsistent (a row's slot past `max_seqs`, a row outside its slot's rows, a length
+/// past `u32` or past the slot's block table).
+pub const BATCH_ERROR_BATCH: usize = 0;
+/// Error counter: (token or flushed row, KV head, K|V) rows not stored because their
+/// block-table entry is at or past the pool's blocks.
+pub const BATCH_ERROR_BLOCK: usize = 1;
+
 /// Parameters of the split-K decode of `q_len` query tokens per sequence.
 ///
 /// The queries (and the output) are `[num_seqs][q_len][num_q_heads][head_dim]`: row `i`

@@ -534,9 +534,10 @@ fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
         assert!(kind(&e), "{what}: {e}");
         assert_eq!(dev.counters(), before, "{what} enqueued work");
     }
-    // A plan of another layer; a plan whose max_context the sequence has outgrown (a
+    // A plan of a layer of another format (a plan serves every layer of the same format
+    // and heads, not others); a plan whose max_context the sequence has outgrown (a
     // check against the live sequences, still before anything is allocated or enqueued).
-    let other = device_layer(&dev, CacheConfig::k2v2(D));
+    let other = device_layer(&dev, CacheConfig::k4v2(D));
     let mut foreign = plan(&other, 1);
     let short =
         PlanShape { max_seqs: 1, max_q_len: 1, max_context: 5, sm_count: None, blocks_per_sm: None, sm_scale: None };
@@ -661,7 +662,7 @@ fn cuda_tensors_on_a_cuda_layer() {
     let mut other = device_layer(&rotkv::device::Device::cuda(stream).unwrap(), config);
     let os = other.add_sequence().unwrap();
     let e = rotkv::candle::device_append(&mut other, os, &kg, &vg).unwrap_err();
-    assert!(matches!(&e, Error::Backend(m) if m.contains("stream")), "{e}");
+    assert!(matches!(&e, Error::Device(m) if m.contains("stream")), "{e}");
     assert_eq!(other.len(os).unwrap(), 0);
 }
 

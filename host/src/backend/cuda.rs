@@ -21,7 +21,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use half::f16;
-use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
+use rotkv_kernels::params::{AppendBatchParams, AppendParams, DecodeParams, MergeParams};
 use std::sync::{Arc, OnceLock};
 
 /// The cudarc this build uses (0.19; `Device::cuda` takes its `CudaStream`).
@@ -382,6 +382,52 @@ impl Kernels {
         ];
         // SAFETY: `append_flush`'s parameters in order; forwarded contract.
         unsafe { self.launch(name, stream, grid, BLOCK, 0, &mut args) }
+    }
+
+    /// Enqueues the batched append on `stream`: `append_batch_flush` then
+    /// `append_batch_tokens`, the same two launches whatever the step holds.
+    ///
+    /// # Safety
+    /// As [`crate::device::raw::append_batch`], with device addresses in `stream`'s
+    /// context.
+    pub unsafe fn append_batch(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+        bp: &AppendBatchParams,
+        ptrs: &launch::BatchPtrs,
+    ) -> Result<()> {
+        let (tok, flush) = launch::append_batch_entries(bp.append.format.head_dim)?;
+        let (mut b, mut x) = (*bp, *ptrs);
+        let mut args = [
+            (&mut b as *mut AppendBatchParams).cast(),
+            (&mut x.meta as *mut u64).cast(),
+            (&mut x.tables as *mut u64).cast(),
+            (&mut x.sides as *mut u64).cast(),
+            (&mut x.pool as *mut u64).cast(),
+            (&mut x.errors as *mut u64).cast(),
+        ];
+        // SAFETY: `append_batch_flush`'s parameters in order; forwarded contract.
+        unsafe { self.launch(flush, stream, rotkv_kernels::append::batch_flush_grid(bp), BLOCK, 0, &mut args)? };
+        let mut args = [
+            (&mut b as *mut AppendBatchParams).cast(),
+            (&mut x.meta as *mut u64).cast(),
+            (&mut x.k as *mut u64).cast(),
+            (&mut x.v as *mut u64).cast(),
+            (&mut x.key_mean as *mut u64).cast(),
+            (&mut x.key_scale as *mut u64).cast(),
+            (&mut x.key_perm as *mut u64).cast(),
+            (&mut x.value_perm as *mut u64).cast(),
+            (&mut x.key_rot as *mut u64).cast(),
+            (&mut x.value_rot as *mut u64).cast(),
+            (&mut x.tables as *mut u64).cast(),
+            (&mut x.protected as *mut u64).cast(),
+            (&mut x.pool as *mut u64).cast(),
+            (&mut x.sides as *mut u64).cast(),
+            (&mut x.lens as *mut u64).cast(),
+            (&mut x.errors as *mut u64).cast(),
+        ];
+        // SAFETY: `append_batch_tokens`'s parameters in order; forwarded contract.
+        unsafe { self.launch(tok, stream, rotkv_kernels::append::batch_tokens_grid(bp), BLOCK, 0, &mut args) }
     }
 
     /// Enqueues `append_tokens` on `stream`, in launches of at most 65,535 tokens.

@@ -4,14 +4,16 @@
 
 use crate::config::LayerCalibration;
 use crate::error::{Error, Result};
-use crate::launch::{self, AppendPtrs, BLOCK, DecodeInputs, DecodeKernel, DecodePtrs, FlushPtrs, MergePtrs};
+use crate::launch::{self, AppendPtrs, BLOCK, BatchPtrs, DecodeInputs, DecodeKernel, DecodePtrs, FlushPtrs, MergePtrs};
 use crate::reference::SeqRef;
 use half::f16;
-use rotkv_kernels::append::{append_flush, append_tokens};
+use rotkv_kernels::append::{
+    append_batch_flush, append_batch_tokens, append_flush, append_tokens, batch_flush_grid, batch_tokens_grid,
+};
 use rotkv_kernels::decode::decode_split;
 use rotkv_kernels::decode_mma::decode_mma;
 use rotkv_kernels::merge::decode_merge;
-use rotkv_kernels::params::{AppendParams, DecodeParams, FLAG_DENSE_VALUES, MergeParams};
+use rotkv_kernels::params::{AppendBatchParams, AppendParams, DecodeParams, FLAG_DENSE_VALUES, MergeParams};
 use rotkv_kernels::sim::{self, SimCtx};
 
 /// Multiprocessors of the emulated device (drives the split count only).
@@ -372,4 +374,59 @@ pub unsafe fn append_tokens_raw(p: &AppendParams, ptrs: &AppendPtrs) -> Result<(
         rotkv_kernels::for_each_append!(run)?;
     }
     Ok(())
+}
+
+/// Runs the batched append on the emulator over raw addresses: `append_batch_flush`
+/// (grid [`batch_flush_grid`]) then `append_batch_tokens` (grid [`batch_tokens_grid`]),
+/// one warp per block.
+///
+/// # Safety
+/// The buffers at `ptrs` are live host buffers as the two kernels' `# Safety` sections
+/// ask for `bp`, and nothing else accesses them during the call.
+pub unsafe fn append_batch_raw(bp: &AppendBatchParams, ptrs: &BatchPtrs) -> Result<()> {
+    let x = *ptrs;
+    macro_rules! run {
+        ($(($tok:ident, $flush:ident, $d:literal, $v:literal)),* $(,)?) => {
+            match bp.append.format.head_dim {
+                $($d => {
+                    sim::launch(batch_flush_grid(bp), BLOCK, 0, |c: &SimCtx<'_>| {
+                        // SAFETY: forwarded contract.
+                        unsafe {
+                            append_batch_flush::<_, $d, $v>(
+                                c, bp, ptr(x.meta), ptr(x.tables), ptr(x.sides), ptr(x.pool), ptr(x.errors),
+                            )
+                        }
+                    })
+                    .map_err(|e| Error::Backend(format!("sim append_batch_flush: {e}")))?;
+                    sim::launch(batch_tokens_grid(bp), BLOCK, 0, |c: &SimCtx<'_>| {
+                        // SAFETY: forwarded contract.
+                        unsafe {
+                            append_batch_tokens::<_, $d, $v>(
+                                c,
+                                bp,
+                                ptr(x.meta),
+                                ptr(x.k),
+                                ptr(x.v),
+                                ptr(x.key_mean),
+                                ptr(x.key_scale),
+                                ptr(x.key_perm),
+                                ptr(x.value_perm),
+                                ptr(x.key_rot),
+                                ptr(x.value_rot),
+                                ptr(x.tables),
+                                ptr(x.protected),
+                                ptr(x.pool),
+                                ptr(x.sides),
+                                ptr(x.lens),
+                                ptr(x.errors),
+                            )
+                        }
+                    })
+                    .map_err(|e| Error::Backend(format!("sim append_batch_tokens: {e}")))
+                })*
+                other => Err(Error::Unsupported(format!("head_dim {other}"))),
+            }
+        };
+    }
+    rotkv_kernels::for_each_append_batch!(run)
 }

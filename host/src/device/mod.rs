@@ -108,6 +108,22 @@ struct Inner {
     kind: Kind,
     stats: Stats,
     id: u64,
+    /// The launches enqueued while recording ([`Device::record_launches`]).
+    log: std::sync::Mutex<Option<Vec<LaunchRecord>>>,
+}
+
+/// One kernel launch as a [`Device`] enqueued it: what a captured CUDA graph replays.
+/// Recorded while [`Device::record_launches`] is on (sim and cuda alike), so a test can
+/// check that every step of a serving loop enqueues the same list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchRecord {
+    /// The PTX entry point.
+    pub kernel: &'static str,
+    /// Grid dimensions.
+    pub grid: [u32; 3],
+    /// The kernel's arguments: its parameter block as 32-bit words, then every device
+    /// address it gets.
+    pub args: Vec<u64>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -128,7 +144,12 @@ impl std::fmt::Debug for Device {
 
 impl Device {
     fn new(kind: Kind) -> Self {
-        Device(Arc::new(Inner { kind, stats: Stats::default(), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) }))
+        Device(Arc::new(Inner {
+            kind,
+            stats: Stats::default(),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            log: std::sync::Mutex::new(None),
+        }))
     }
 
     /// The emulated device: buffers in host memory, kernels on the SIMT emulator,
@@ -208,6 +229,28 @@ impl Device {
         }
     }
 
+    /// Starts (`true`, with an empty list) or stops recording every kernel launch this
+    /// handle enqueues ([`LaunchRecord`]): the check that a step's launch list is fixed
+    /// (what a CUDA graph captures) before capturing it.
+    pub fn record_launches(&self, on: bool) {
+        let mut log = self.0.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *log = on.then(Vec::new);
+    }
+
+    /// The launches recorded since the last call (or since recording started); recording
+    /// goes on. Empty when not recording.
+    pub fn take_launches(&self) -> Vec<LaunchRecord> {
+        let mut log = self.0.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        log.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn log_launch(&self, kernel: &'static str, grid: [u32; 3], args: Vec<u64>) {
+        let mut log = self.0.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(l) = log.as_mut() {
+            l.push(LaunchRecord { kernel, grid, args });
+        }
+    }
+
     /// What this device has done so far.
     pub fn counters(&self) -> Counters {
         let s = &self.0.stats;
@@ -231,7 +274,7 @@ impl Device {
         bump(&self.0.stats.allocations);
         let mem = match &self.0.kind {
             #[cfg(feature = "sim")]
-            Kind::Sim => Mem::Host(vec![0u128; bytes.div_ceil(16)]),
+            Kind::Sim => Mem::Host(host_zeroed(bytes.div_ceil(16))?),
             #[cfg(feature = "cuda")]
             Kind::Cuda { stream, .. } => {
                 Mem::Cuda(stream.alloc_zeros::<u8>(bytes).map_err(|e| Error::Backend(format!("cuda alloc: {e:?}")))?)
@@ -258,14 +301,14 @@ impl Device {
 
     fn check_buffer<T>(&self, b: &DeviceBuffer<T>, what: &str) -> Result<()> {
         if b.device != self.0.id {
-            return Err(Error::Backend(format!("{what} belongs to another device handle")));
+            return Err(Error::Device(format!("{what} belongs to another device handle")));
         }
         Ok(())
     }
 
     fn check_view(&self, device: u64, what: &str) -> Result<()> {
         if device != self.0.id {
-            return Err(Error::Backend(format!("{what} belongs to another device handle")));
+            return Err(Error::Device(format!("{what} belongs to another device handle")));
         }
         Ok(())
     }
@@ -294,7 +337,7 @@ impl Device {
                 .memcpy_htod(src, &mut m.slice_mut(start..start + src.len()))
                 .map_err(|e| Error::Backend(format!("cuda upload: {e:?}"))),
             #[allow(unreachable_patterns)]
-            _ => Err(Error::Backend("buffer of another kind of device".into())),
+            _ => Err(Error::Device("buffer of another kind of device".into())),
         }
     }
 
@@ -319,7 +362,7 @@ impl Device {
                 self.synchronize()
             }
             #[allow(unreachable_patterns)]
-            _ => Err(Error::Backend("buffer of another kind of device".into())),
+            _ => Err(Error::Device("buffer of another kind of device".into())),
         }
     }
 
@@ -344,7 +387,7 @@ impl Device {
                 .memcpy_dtod(&a.slice(..n), &mut b.slice_mut(..n))
                 .map_err(|e| Error::Backend(format!("cuda copy: {e:?}"))),
             #[allow(unreachable_patterns)]
-            _ => Err(Error::Backend("buffer of another kind of device".into())),
+            _ => Err(Error::Device("buffer of another kind of device".into())),
         }
     }
 
@@ -363,7 +406,7 @@ impl Device {
             Kind::Sim => {
                 // (Irrefutable when the crate is built without `cuda`.)
                 #[allow(irrefutable_let_patterns)]
-                let Mem::Host(m) = &mut buf.mem else { return Err(Error::Backend("buffer of another kind".into())) };
+                let Mem::Host(m) = &mut buf.mem else { return Err(Error::Device("buffer of another kind".into())) };
                 let b = bytemuck::cast_slice_mut::<u128, u8>(m);
                 let (f, t) = (from * size_of::<T>(), to * size_of::<T>());
                 b.copy_within(f..f + bytes, t);
@@ -425,6 +468,24 @@ impl Device {
     }
 }
 
+/// `n` zeroed `u128` in host memory (the emulator's device memory), fallibly: a size
+/// the allocator refuses is [`Error::Capacity`], not an abort. Zeroed pages are mapped
+/// lazily, as `cudaMalloc`'s are.
+#[cfg(feature = "sim")]
+fn host_zeroed(n: usize) -> Result<Vec<u128>> {
+    let refused = || Error::Capacity(format!("{n} x 16 bytes of emulated device memory"));
+    let layout = std::alloc::Layout::array::<u128>(n.max(1)).map_err(|_| refused())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u128>();
+    if ptr.is_null() {
+        return Err(refused());
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `[u128;
+    // n.max(1)]` (the layout a Vec of that capacity has), and all of it is initialized
+    // (zero is a valid u128).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n.max(1), n.max(1)) })
+}
+
 enum Mem {
     #[cfg(feature = "sim")]
     Host(Vec<u128>),
@@ -477,6 +538,45 @@ impl<T> DeviceBuffer<T> {
     /// The whole buffer as a borrowed writable view (what [`DecodePlan::run`] writes).
     pub fn as_slice_mut(&mut self) -> DeviceSliceMut<'_, T> {
         DeviceSliceMut { addr: self.addr, len: self.len, device: self.device, _t: PhantomData }
+    }
+    /// Elements `range` of the buffer as a borrowed view (row `i` of a packed batch,
+    /// say); [`Error::Shape`] for a range outside the buffer.
+    pub fn slice(&self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceSlice<'_, T>> {
+        self.as_slice().slice(range)
+    }
+    /// Elements `range` of the buffer as a borrowed writable view; [`Error::Shape`] for a
+    /// range outside the buffer.
+    pub fn slice_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceSliceMut<'_, T>> {
+        let (start, end) = sub_range(self.len, range)?;
+        Ok(DeviceSliceMut {
+            addr: self.addr + (start * size_of::<T>()) as u64,
+            len: end - start,
+            device: self.device,
+            _t: PhantomData,
+        })
+    }
+}
+
+/// `range` of `len` elements as `(start, end)`, or [`Error::Shape`] when it is not inside.
+fn sub_range(len: usize, range: impl std::ops::RangeBounds<usize>) -> Result<(usize, usize)> {
+    use std::ops::Bound;
+    let start = match range.start_bound() {
+        Bound::Included(&a) => Some(a),
+        Bound::Excluded(&a) => a.checked_add(1),
+        Bound::Unbounded => Some(0),
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&b) => b.checked_add(1),
+        Bound::Excluded(&b) => Some(b),
+        Bound::Unbounded => Some(len),
+    };
+    match (start, end) {
+        (Some(a), Some(b)) if a <= b && b <= len => Ok((a, b)),
+        _ => Err(Error::Shape(format!(
+            "elements {:?} .. {:?} of a device view of {len}",
+            range.start_bound(),
+            range.end_bound()
+        ))),
     }
 }
 
@@ -550,6 +650,16 @@ impl<'a, T> DeviceSlice<'a, T> {
         check_raw::<T>(addr, len)?;
         Ok(Self { addr, len, device: device.0.id, _t: PhantomData })
     }
+    /// Elements `range` of this view; [`Error::Shape`] for a range outside it.
+    pub fn slice(&self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceSlice<'a, T>> {
+        let (start, end) = sub_range(self.len, range)?;
+        Ok(DeviceSlice {
+            addr: self.addr + (start * size_of::<T>()) as u64,
+            len: end - start,
+            device: self.device,
+            _t: PhantomData,
+        })
+    }
     /// Elements.
     pub fn len(&self) -> usize {
         self.len
@@ -584,6 +694,17 @@ impl<'a, T> DeviceSliceMut<'a, T> {
     pub unsafe fn from_raw(device: &Device, addr: u64, len: usize) -> Result<Self> {
         check_raw::<T>(addr, len)?;
         Ok(Self { addr, len, device: device.0.id, _t: PhantomData })
+    }
+    /// Elements `range` of this view, borrowed from it; [`Error::Shape`] for a range
+    /// outside it.
+    pub fn slice_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceSliceMut<'_, T>> {
+        let (start, end) = sub_range(self.len, range)?;
+        Ok(DeviceSliceMut {
+            addr: self.addr + (start * size_of::<T>()) as u64,
+            len: end - start,
+            device: self.device,
+            _t: PhantomData,
+        })
     }
     /// Elements.
     pub fn len(&self) -> usize {
@@ -762,13 +883,19 @@ impl DeviceLayer {
         let num_blocks = size.num_blocks.unwrap_or(max_blocks.saturating_mul(size.max_seqs));
         launch::check_pool_blocks(&fmt, num_blocks)?;
         let np = (fmt.protected as usize).max(1);
-        let pool_bytes = num_blocks * hkv * fmt.page_bytes() as usize;
+        let too_big = |what: &str| Error::Capacity(format!("the layer's {what} for {size:?} overflows usize"));
+        let pool_bytes = num_blocks
+            .checked_mul(hkv)
+            .and_then(|x| x.checked_mul(fmt.page_bytes() as usize))
+            .ok_or_else(|| too_big("page pool"))?;
         let side = fmt.side_elems(hkv as u32);
+        let sides_len = size.max_seqs.checked_mul(side).ok_or_else(|| too_big("side stores"))?;
+        let tables_len = size.max_seqs.checked_mul(max_blocks.max(1)).ok_or_else(|| too_big("block tables"))?;
         let rot = |r: &Option<Vec<f32>>| device.upload(r.as_deref().unwrap_or(&[0.0]));
         Ok(Self {
             pool: device.alloc(pool_bytes)?,
-            sides: device.alloc(size.max_seqs * side)?,
-            tables: device.alloc(size.max_seqs * max_blocks.max(1))?,
+            sides: device.alloc(sides_len)?,
+            tables: device.alloc(tables_len)?,
             lens: device.alloc(size.max_seqs)?,
             protected: device.upload(&vec![u32::MAX; size.max_seqs * np])?,
             key_mean: device.upload(&calib.key_mean)?,
@@ -960,6 +1087,17 @@ impl DeviceLayer {
         let seq = seq.slot();
         let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
         let len = s.len;
+        // The buffers are checked whatever the count: a zero-token append with a buffer
+        // of another device or a bad stride is the same mistake as a longer one.
+        for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
+            self.device.check_view(b.device, what)?;
+            if stride < hkv * d || stride > u32::MAX as usize {
+                return Err(Error::Shape(format!(
+                    "{what}: token stride {stride} (at least {hkv} heads x {d}, at most {})",
+                    u32::MAX
+                )));
+            }
+        }
         if tokens == 0 {
             return Ok(len);
         }
@@ -970,13 +1108,6 @@ impl DeviceLayer {
             )));
         };
         for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
-            if stride < hkv * d || stride > u32::MAX as usize {
-                return Err(Error::Shape(format!(
-                    "{what}: token stride {stride} (at least {hkv} heads x {d}, at most {})",
-                    u32::MAX
-                )));
-            }
-            self.device.check_view(b.device, what)?;
             // (tokens - 1) * stride fits: tokens <= max_tokens < 2^31, stride < 2^32.
             let need = (tokens - 1) as u64 * stride as u64 + (hkv * d) as u64;
             if (b.len() as u64) < need {
@@ -1053,6 +1184,397 @@ impl DeviceLayer {
     }
 }
 
+impl DeviceLayer {
+    /// Makes room for `seq` to grow to `len` tokens without taking blocks in an append:
+    /// the pages a sequence of `len` tokens uses are taken from the pool now and their
+    /// block-table entries written (one upload, only of new entries), so that the
+    /// appends of later steps ([`DeviceLayer::append_batch`], which takes no blocks)
+    /// need no host work. Between steps, not inside a captured one: on admission (the
+    /// prompt plus the most tokens the request may generate), or a page at a time ahead
+    /// of the sequence. Reserving less than the sequence holds does nothing; the blocks
+    /// go back to the pool with [`DeviceLayer::free_sequence`]. Returns the blocks the
+    /// sequence now holds.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::Capacity`] for `len` past `max_tokens` or more
+    /// blocks than are free (nothing is taken).
+    pub fn reserve(&mut self, seq: SeqId, len: usize) -> Result<usize> {
+        let s = self.seq(seq)?;
+        let slot = seq.slot();
+        if len > self.size.max_tokens {
+            return Err(Error::Capacity(format!(
+                "reserving {len} tokens for sequence {slot}: the layer holds at most {} per sequence",
+                self.size.max_tokens
+            )));
+        }
+        let have = s.table.len();
+        let fresh = (self.fmt.pages_for(len as u32) as usize).saturating_sub(have);
+        if fresh == 0 {
+            return Ok(have);
+        }
+        if fresh > self.free_blocks.len() {
+            return Err(Error::Capacity(format!(
+                "sequence {slot} needs {fresh} more blocks for {len} tokens, {} are free",
+                self.free_blocks.len()
+            )));
+        }
+        let new: Vec<u32> = self.free_blocks[self.free_blocks.len() - fresh..].iter().rev().copied().collect();
+        self.device.write(&mut self.tables, slot * self.max_blocks + have, &new)?;
+        self.free_blocks.truncate(self.free_blocks.len() - fresh);
+        let s = self.seqs[slot].as_mut().expect("checked above");
+        s.table.extend(new);
+        Ok(s.table.len())
+    }
+
+    /// Tokens `seq` can grow to without taking blocks: what [`DeviceLayer::reserve`] (or
+    /// earlier appends) gave it, up to `max_tokens`.
+    pub fn reserved(&self, seq: SeqId) -> Result<usize> {
+        let s = self.seq(seq)?;
+        Ok(self.tokens_for_pages(s.table.len()))
+    }
+
+    /// The longest sequence `pages` pages hold (sinks, quantized pages, a full window).
+    fn tokens_for_pages(&self, pages: usize) -> usize {
+        let f = &self.fmt;
+        let most = f.sinks as usize + (pages + 1) * f.page_size as usize + f.window as usize - 1;
+        most.min(self.size.max_tokens)
+    }
+
+    /// Appends a serving step's new tokens, every sequence of `batch` at once, in two
+    /// launches (`append_batch_flush`, `append_batch_tokens`) whatever the step holds:
+    /// the device-side twin of vLLM's reshape-and-cache. Input row `r` of `k` and `v`
+    /// (token `t`, KV head `h`, channel `c` at element `r * stride + h * head_dim + c`)
+    /// is the token the batch gives row `r` ([`StepBatch::set`]); the window rows whose
+    /// page fills and every token's place are decided on the device from the batch's
+    /// starts and counts and the block tables already there, and each slot's new length
+    /// is stored on the device. No allocation, upload or synchronization: the same launch
+    /// list every step, so a step can be captured in a CUDA graph and replayed (see
+    /// [`DeviceLayer::advance`]).
+    ///
+    /// Every layer of a model appends the same batch: a request has the same slot in
+    /// every layer when the layers add and free their sequences in the same order.
+    ///
+    /// # Errors
+    /// Checked before anything is enqueued, nothing changed on error: [`Error::Device`]
+    /// for a batch or buffer of another device; [`Error::Shape`] for a stride below a row
+    /// or past `u32`, `k` or `v` shorter than `batch.max_rows()` rows at their strides, a
+    /// batch over more slots than the layer has, or a batch whose start for a slot is not
+    /// this layer's length of it (a batch set before the last step; set it again after
+    /// every step); [`Error::UnknownSequence`] for a slot with tokens and no live
+    /// sequence; [`Error::Capacity`] for a sequence that would pass `max_tokens` or the
+    /// blocks it holds ([`DeviceLayer::reserve`] them first).
+    pub fn append_batch<T: KvElement>(
+        &mut self,
+        batch: &StepBatch,
+        k: &impl AsDeviceSlice<Elem = T>,
+        k_stride: usize,
+        v: &impl AsDeviceSlice<Elem = T>,
+        v_stride: usize,
+    ) -> Result<()> {
+        let (k, v) = (k.device_slice(), v.device_slice());
+        self.check_batch(batch)?;
+        let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
+        for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
+            self.device.check_view(b.device, what)?;
+            if stride < hkv * d || stride > u32::MAX as usize {
+                return Err(Error::Shape(format!(
+                    "{what}: row stride {stride} (at least {hkv} heads x {d}, at most {})",
+                    u32::MAX
+                )));
+            }
+            // max_rows <= 65,535 and stride < 2^32: no overflow in u64.
+            let need = (batch.max_rows - 1) as u64 * stride as u64 + (hkv * d) as u64;
+            if (b.len() as u64) < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {} elements; the batch's {} rows at stride {stride} need {need}",
+                    b.len(),
+                    batch.max_rows
+                )));
+            }
+        }
+        let np = self.fmt.protected as usize;
+        let bp = rotkv_kernels::params::AppendBatchParams {
+            append: AppendParams {
+                format: self.fmt,
+                num_kv_heads: hkv as u32,
+                start: 0,
+                count: 0,
+                new_len: 0,
+                num_blocks: self.num_blocks as u32,
+                flags: self.config.flags() | self.calib.flags(),
+                token_stride: k_stride as u32,
+                v_token_stride: v_stride as u32,
+                head_stride: d as u32,
+                input_dtype: T::DTYPE,
+            },
+            max_seqs: batch.max_seqs as u32,
+            max_rows: batch.max_rows as u32,
+            table_stride: self.max_blocks.max(1) as u32,
+            protected_stride: np as u32,
+        };
+        // SAFETY: the layer's buffers have the sizes the kernels ask for `bp` (tables of
+        // `max_blocks` entries, side stores, protected lists and lengths for `max_seqs
+        // >= batch.max_seqs` slots; the pool of `num_blocks` blocks); every slot with
+        // tokens holds a live sequence whose length is its start and whose table holds
+        // the pages of its new length (check_batch), blocks no other slot holds; k and v
+        // were checked for `max_rows` rows at their strides; the batch's meta and error
+        // words are its own buffers of this device.
+        unsafe {
+            raw::append_batch(
+                &self.device,
+                &bp,
+                &launch::BatchPtrs {
+                    meta: batch.meta.addr(),
+                    k: k.addr(),
+                    v: v.addr(),
+                    key_mean: self.key_mean.addr(),
+                    key_scale: self.key_scale.addr(),
+                    key_perm: self.key_perm.addr(),
+                    value_perm: self.value_perm.addr(),
+                    key_rot: self.key_rot.addr(),
+                    value_rot: self.value_rot.addr(),
+                    tables: self.tables.addr(),
+                    protected: self.protected.addr(),
+                    pool: self.pool.addr(),
+                    sides: self.sides.addr(),
+                    lens: self.lens.addr(),
+                    errors: batch.errors.addr(),
+                },
+            )?;
+        }
+        self.commit_batch(batch);
+        Ok(())
+    }
+
+    /// The host's side of [`DeviceLayer::append_batch`] without enqueuing anything: the
+    /// check, then every slot's length advanced by its count. For a step replayed from a
+    /// captured CUDA graph (the graph ran the kernels; the layer's bookkeeping, which the
+    /// next step's checks read, must follow). Errors as [`DeviceLayer::append_batch`]'s
+    /// for the batch itself.
+    pub fn advance(&mut self, batch: &StepBatch) -> Result<()> {
+        self.check_batch(batch)?;
+        self.commit_batch(batch);
+        Ok(())
+    }
+
+    fn check_batch(&self, batch: &StepBatch) -> Result<()> {
+        if batch.device.0.id != self.device.0.id {
+            return Err(Error::Device("the step batch belongs to another device handle".into()));
+        }
+        if batch.max_seqs > self.size.max_seqs {
+            return Err(Error::Shape(format!(
+                "a step batch over {} slots for a layer of {}",
+                batch.max_seqs, self.size.max_seqs
+            )));
+        }
+        for (slot, start, count) in batch.entries() {
+            let Some(s) = self.seqs[slot].as_ref() else {
+                return Err(Error::UnknownSequence(slot));
+            };
+            if s.len != start {
+                return Err(Error::Shape(format!(
+                    "the step batch says slot {slot} holds {start} tokens; this layer's sequence there holds {} (set \
+                     the batch again after every step)",
+                    s.len
+                )));
+            }
+            let new_len = start + count;
+            if new_len > self.size.max_tokens {
+                return Err(Error::Capacity(format!(
+                    "sequence {slot} holds {start} tokens; {count} more are past max_tokens {}",
+                    self.size.max_tokens
+                )));
+            }
+            let pages = self.fmt.pages_for(new_len as u32) as usize;
+            if pages > s.table.len() {
+                return Err(Error::Capacity(format!(
+                    "sequence {slot} at {new_len} tokens needs {pages} blocks and holds {}: reserve them first \
+                     (DeviceLayer::reserve)",
+                    s.table.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn commit_batch(&mut self, batch: &StepBatch) {
+        for (slot, start, count) in batch.entries() {
+            let s = self.seqs[slot].as_mut().expect("checked by check_batch");
+            s.len = start + count;
+        }
+    }
+}
+
+/// The new tokens of one serving step, in device memory: which sequence slot each input
+/// row of the step's K/V belongs to, and each slot's length before the step and count
+/// of new tokens (`rotkv_kernels::params::AppendBatchParams` gives the layout). One
+/// batch serves every layer of a model ([`DeviceLayer::append_batch`]); it is set once
+/// per step ([`StepBatch::set`], one upload, before the step's launches or a graph
+/// replay) and also holds the device-side error counters of the batched append
+/// ([`StepBatch::errors`]).
+pub struct StepBatch {
+    device: Device,
+    max_seqs: usize,
+    max_rows: usize,
+    meta: DeviceBuffer<u32>,
+    errors: DeviceBuffer<u32>,
+    /// The host's copy of `meta`.
+    host: Vec<u32>,
+}
+
+impl std::fmt::Debug for StepBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepBatch")
+            .field("max_seqs", &self.max_seqs)
+            .field("max_rows", &self.max_rows)
+            .field("entries", &self.entries().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// What the batched append skipped on the device ([`StepBatch::errors`]): nothing it
+/// skipped was read or written out of bounds, and both are zero for any batch the host
+/// API set and checked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchErrors {
+    /// (token, KV head) rows the step batch did not describe consistently (a slot past
+    /// the layer's, a row outside its slot's rows, a length past the block table).
+    pub batch_rows: u32,
+    /// K or V rows whose block-table entry is at or past the pool's blocks.
+    pub bad_blocks: u32,
+}
+
+impl StepBatch {
+    /// A batch for steps of at most `max_rows` new tokens over slots `0 .. max_seqs`
+    /// (at most 32,767 slots and 65,535 rows: the GPU's grid limits). Starts empty.
+    pub fn new(device: &Device, max_seqs: usize, max_rows: usize) -> Result<Self> {
+        if max_seqs == 0 || max_rows == 0 {
+            return Err(Error::Shape(format!("a step batch of {max_seqs} slots and {max_rows} rows")));
+        }
+        if max_rows > launch::MAX_GRID_YZ as usize || 2 * max_seqs > launch::MAX_GRID_YZ as usize {
+            return Err(Error::Capacity(format!(
+                "a step batch of {max_seqs} slots and {max_rows} rows (at most {} slots and {} rows)",
+                launch::MAX_GRID_YZ / 2,
+                launch::MAX_GRID_YZ
+            )));
+        }
+        let n = rotkv_kernels::params::batch_meta_len(max_rows as u32, max_seqs as u32);
+        let mut host = vec![0u32; n];
+        host[..max_rows].fill(rotkv_kernels::params::BATCH_NO_SLOT);
+        Ok(Self {
+            meta: device.upload(&host)?,
+            errors: device.alloc(rotkv_kernels::params::BATCH_ERRORS)?,
+            device: device.clone(),
+            max_seqs,
+            max_rows,
+            host,
+        })
+    }
+
+    /// Slots the batch may name.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+    /// Input rows of a step (what `k` and `v` hold).
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+    /// Rows this step uses (the new tokens of all its sequences).
+    pub fn rows(&self) -> usize {
+        self.entries().map(|(_, _, n)| n).sum()
+    }
+    /// `(slot, start, count)` of every slot with new tokens this step, in slot order; its
+    /// rows are `first_row(slot) ..` [`StepBatch::first_row`].
+    pub fn entries(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let (r, s) = (self.max_rows, self.max_seqs);
+        (0..s)
+            .filter(move |&i| self.host[r + s + i] > 0)
+            .map(move |i| (i, self.host[r + i] as usize, self.host[r + s + i] as usize))
+    }
+    /// The input row of `slot`'s first new token this step (`None` when it has none).
+    pub fn first_row(&self, slot: usize) -> Option<usize> {
+        let (r, s) = (self.max_rows, self.max_seqs);
+        (slot < s && self.host[r + s + slot] > 0).then(|| self.host[r + 2 * s + slot] as usize)
+    }
+
+    /// Sets the step: `(sequence, new tokens)` of every sequence that takes tokens, their
+    /// rows in that order (the first sequence's tokens are rows `0 .. n0`, the next
+    /// one's follow). Each sequence's start is its length in `layer` (any layer of the
+    /// model: all hold the same lengths). One upload; nothing else is enqueued.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`] for a sequence not live in `layer`; [`Error::Shape`]
+    /// for a slot at or past `max_seqs` or named twice; [`Error::Capacity`] for more
+    /// than `max_rows` tokens in all. On error the batch is unchanged.
+    pub fn set(&mut self, layer: &DeviceLayer, steps: &[(SeqId, usize)]) -> Result<()> {
+        let mut slots = Vec::with_capacity(steps.len());
+        for &(seq, count) in steps {
+            slots.push((seq.slot(), layer.len(seq)?, count));
+        }
+        self.set_slots(&slots)
+    }
+
+    /// [`StepBatch::set`] by slot: `(slot, start, count)` with `start` the slot's length
+    /// before the step, as a stack that keeps its own lengths has them.
+    pub fn set_slots(&mut self, steps: &[(usize, usize, usize)]) -> Result<()> {
+        let (r, s) = (self.max_rows, self.max_seqs);
+        let mut host = vec![0u32; self.host.len()];
+        host[..r].fill(rotkv_kernels::params::BATCH_NO_SLOT);
+        let mut row = 0usize;
+        let mut named = vec![false; s];
+        for &(slot, start, count) in steps {
+            if slot >= s {
+                return Err(Error::Shape(format!("slot {slot} in a step batch of {s} slots")));
+            }
+            if std::mem::replace(&mut named[slot], true) {
+                return Err(Error::Shape(format!("slot {slot} is named twice in one step")));
+            }
+            if start > u32::MAX as usize / 2 || count > r {
+                return Err(Error::Capacity(format!("slot {slot}: {count} tokens after {start}")));
+            }
+            if count == 0 {
+                continue;
+            }
+            let Some(end) = row.checked_add(count).filter(|&e| e <= r) else {
+                return Err(Error::Capacity(format!("more than the batch's {r} rows in one step")));
+            };
+            host[row..end].fill(slot as u32);
+            host[r + slot] = start as u32;
+            host[r + s + slot] = count as u32;
+            host[r + 2 * s + slot] = row as u32;
+            row = end;
+        }
+        self.device.write(&mut self.meta, 0, &host)?;
+        self.host = host;
+        Ok(())
+    }
+
+    /// The device-side error counters, read back (a download and a wait for the stream:
+    /// after a step, not inside one).
+    pub fn errors(&self) -> Result<BatchErrors> {
+        let mut e = [0u32; rotkv_kernels::params::BATCH_ERRORS];
+        self.device.read(&self.errors, &mut e)?;
+        Ok(BatchErrors {
+            batch_rows: e[rotkv_kernels::params::BATCH_ERROR_BATCH],
+            bad_blocks: e[rotkv_kernels::params::BATCH_ERROR_BLOCK],
+        })
+    }
+
+    /// Zeroes the error counters (one upload).
+    pub fn clear_errors(&mut self) -> Result<()> {
+        self.device.write(&mut self.errors, 0, &[0; rotkv_kernels::params::BATCH_ERRORS])
+    }
+
+    /// The step batch in device memory (`u32`, for [`raw::append_batch`]).
+    pub fn meta(&self) -> &DeviceBuffer<u32> {
+        &self.meta
+    }
+    /// The error counters in device memory (`u32` x `BATCH_ERRORS`).
+    pub fn error_words(&self) -> &DeviceBuffer<u32> {
+        &self.errors
+    }
+}
+
 /// The batch shape a [`DecodePlan`] is made for.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PlanShape {
@@ -1079,7 +1601,10 @@ pub struct PlanShape {
 #[derive(Debug)]
 pub struct DecodePlan {
     shape: PlanShape,
-    layer: u64,
+    /// What a layer must share with the one the plan was made for to run it.
+    fmt: Format,
+    layer_shape: LayerShape,
+    device: u64,
     num_splits: u32,
     sm_scale: f32,
     /// [`DecodeParams::attn_window`]: 0, or the sliding window's keys per row.
@@ -1090,7 +1615,11 @@ pub struct DecodePlan {
 }
 
 impl DecodePlan {
-    /// A plan for decoding `layer`'s slots `0 .. shape.max_seqs`.
+    /// A plan for decoding `layer`'s slots `0 .. shape.max_seqs`, and those of every
+    /// other layer of the same format and heads with at least `max_seqs` slots and
+    /// `max_context` tokens per sequence: one plan (and one workspace) serves every layer
+    /// of a model, [`DecodePlan::run`] taking the layer each time (the runs are ordered on
+    /// the device's stream, so they share the workspace).
     pub fn new(layer: &DeviceLayer, shape: PlanShape) -> Result<Self> {
         Self::new_windowed(layer, shape, None)
     }
@@ -1149,7 +1678,9 @@ impl DecodePlan {
         let dev = &layer.device;
         Ok(Self {
             shape,
-            layer: layer.id,
+            fmt: layer.fmt,
+            layer_shape: layer.shape,
+            device: layer.device.0.id,
             num_splits,
             sm_scale,
             attn_window,
@@ -1208,9 +1739,24 @@ impl DecodePlan {
     /// Decodes the last `q_len` tokens of every sequence in slots `0 .. max_seqs` of
     /// `layer`: `q` (f32, f16 or bf16) and `out` (f32, f16 or bf16) are dense
     /// `[max_seqs][q_len][num_q_heads][head_dim]` (rows as [`crate::paged::decode`]; a
-    /// free slot's rows are zero), exactly that many elements each. Enqueues two
-    /// launches; allocates, copies and waits for nothing. [`DecodePlan::run_strided`]
-    /// takes rows with gaps.
+    /// free slot's rows are zero), at least that many elements each (a buffer sized for
+    /// `max_q_len` serves every `q_len`). Enqueues two launches; allocates, copies and
+    /// waits for nothing. [`DecodePlan::run_strided`] takes rows with gaps.
+    ///
+    /// The `q_len` rows of a sequence are its last `q_len` tokens, already appended:
+    /// row `i` attends causally to positions `0 ..= len - q_len + i`, and every row reads
+    /// the cache as it holds them now. When the append of those tokens moved older
+    /// window rows into pages (a page of the window filled), the earlier rows see those
+    /// positions quantized, where `q_len` single-token steps would have seen some in f16:
+    /// a multi-token step (speculative verification, a chunk of a prompt) is not bit for
+    /// bit a run of single-token steps, by the quantization error of at most one page.
+    ///
+    /// # Errors
+    /// Before anything is enqueued: [`Error::Device`] for a layer or buffer of another
+    /// device handle; [`Error::Shape`] for a layer of another format or heads than the
+    /// plan's, `q_len` outside `1 ..= max_q_len`, a sequence shorter than `q_len`, or
+    /// buffers too small; [`Error::Capacity`] for a layer with fewer slots or tokens than
+    /// the plan, or a live sequence outside the plan's slots or past its `max_context`.
     pub fn run<Q: KvElement, O: OutputElement>(
         &mut self,
         layer: &DeviceLayer,
@@ -1221,9 +1767,9 @@ impl DecodePlan {
         let (q, mut out) = (q.device_slice(), out.device_slice_mut());
         let row = layer.shape.num_q_heads * layer.config.head_dim;
         let n = self.shape.max_seqs * q_len * row;
-        if (1..=self.shape.max_q_len).contains(&q_len) && (q.len() != n || out.len() != n) {
+        if (1..=self.shape.max_q_len).contains(&q_len) && (q.len() < n || out.len() < n) {
             return Err(Error::Shape(format!(
-                "q has {} and out {} elements, expected {} slots x {q_len} tokens x {row} = {n}",
+                "q has {} and out {} elements, at least {} slots x {q_len} tokens x {row} = {n} needed",
                 q.len(),
                 out.len(),
                 self.shape.max_seqs
@@ -1242,11 +1788,23 @@ impl DecodePlan {
         q: (u64, usize, usize),
         out: (u64, usize, usize),
     ) -> Result<()> {
-        if layer.id != self.layer {
-            return Err(Error::Shape("the plan was made for another layer".into()));
+        if layer.device.0.id != self.device {
+            return Err(Error::Device("the plan was made on another device handle".into()));
+        }
+        if layer.fmt != self.fmt || layer.shape != self.layer_shape {
+            return Err(Error::Shape(format!(
+                "the plan was made for a layer of another format or heads ({:?}, {:?}; this layer: {:?}, {:?})",
+                self.fmt, self.layer_shape, layer.fmt, layer.shape
+            )));
+        }
+        if self.shape.max_seqs > layer.size.max_seqs || self.shape.max_context > layer.size.max_tokens {
+            return Err(Error::Capacity(format!(
+                "the plan decodes {} slots of up to {} tokens; this layer has {} slots of {}",
+                self.shape.max_seqs, self.shape.max_context, layer.size.max_seqs, layer.size.max_tokens
+            )));
         }
         if !(1..=self.shape.max_q_len).contains(&q_len) {
-            return Err(Error::Value(format!("q_len {q_len}: the plan takes 1 to {}", self.shape.max_q_len)));
+            return Err(Error::Shape(format!("q_len {q_len}: the plan takes 1 to {}", self.shape.max_q_len)));
         }
         let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
         let rows = self.shape.max_seqs * q_len;

@@ -16,8 +16,38 @@
 
 use super::{Device, Kind, bump};
 use crate::error::{Error, Result};
-use crate::launch::{AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
-use rotkv_kernels::params::{AppendParams, DecodeParams, MergeParams};
+use crate::launch;
+
+/// The parameter blocks and address sets the entry points take, re-exported so that a
+/// stack calling them needs no second dependency on `rotkv-kernels`.
+pub use crate::launch::{AppendPtrs, BatchPtrs, DecodePtrs, FlushPtrs, MergePtrs};
+pub use rotkv_kernels::layout::Format;
+pub use rotkv_kernels::params::{
+    AppendBatchParams, AppendParams, BATCH_ERROR_BATCH, BATCH_ERROR_BLOCK, BATCH_ERRORS, BATCH_NO_SLOT, DTYPE_BF16,
+    DTYPE_F16, DTYPE_F32, DecodeParams, MergeParams, batch_meta_len,
+};
+
+/// The 32-bit words of a parameter block or the addresses of an address set, for the
+/// launch record ([`super::LaunchRecord`]).
+fn words<T: Copy>(x: &T) -> Vec<u64> {
+    const {
+        assert!(size_of::<T>().is_multiple_of(4) && align_of::<T>() >= 4);
+    }
+    // SAFETY: every type this is called with (the `#[repr(C)]` parameter blocks of u32,
+    // f32 and a `Format` of u32, and the address sets of u64) has no padding bytes, so
+    // all of its `size_of` bytes are initialized; the read is within the value.
+    let bytes = unsafe { std::slice::from_raw_parts((x as *const T).cast::<u8>(), size_of::<T>()) };
+    bytes.chunks_exact(4).map(|w| u32::from_ne_bytes([w[0], w[1], w[2], w[3]]) as u64).collect()
+}
+
+/// Records a launch of `kernel` with parameter block `p` and addresses `a` (when the
+/// device records) and counts it.
+fn note<P: Copy, A: Copy>(device: &Device, kernel: &'static str, grid: [u32; 3], p: &P, a: &A) {
+    bump(&device.0.stats.launches);
+    let mut args = words(p);
+    args.extend(words(a));
+    device.log_launch(kernel, grid, args);
+}
 
 /// A pool or side-store base the kernels read with 16-byte loads.
 fn aligned16(what: &str, addr: u64) -> Result<()> {
@@ -50,7 +80,8 @@ fn aligned16(what: &str, addr: u64) -> Result<()> {
 pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
     aligned16("pool", ptrs.pool)?;
     aligned16("side stores", ptrs.sides)?;
-    bump(&device.0.stats.launches);
+    let l = launch::decode_launch(p);
+    note(device, launch::decode_entry(&p.format, l.kernel)?, l.grid, p, ptrs);
     match &device.0.kind {
         // SAFETY: forwarded contract.
         #[cfg(feature = "sim")]
@@ -70,7 +101,7 @@ pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Re
 /// when `p.flags` has `FLAG_DENSE_VALUES`, an output of `p.num_seqs * p.num_q_heads *
 /// p.head_dim` f32 (or f16 with `FLAG_OUTPUT_F16`); all live allocations of `device`.
 pub unsafe fn merge(device: &Device, p: &MergeParams, ptrs: &MergePtrs) -> Result<()> {
-    bump(&device.0.stats.launches);
+    note(device, launch::merge_entry(p.head_dim)?, [p.num_q_heads, p.num_seqs, 1], p, ptrs);
     match &device.0.kind {
         // SAFETY: forwarded contract.
         #[cfg(feature = "sim")]
@@ -99,10 +130,8 @@ pub unsafe fn merge(device: &Device, p: &MergeParams, ptrs: &MergePtrs) -> Resul
 pub unsafe fn append_flush(device: &Device, p: &AppendParams, ptrs: &FlushPtrs) -> Result<()> {
     aligned16("pool", ptrs.pool)?;
     aligned16("side store", ptrs.side)?;
-    if crate::launch::flush_grid(p).is_none() {
-        return Ok(());
-    }
-    bump(&device.0.stats.launches);
+    let Some(grid) = launch::flush_grid(p) else { return Ok(()) };
+    note(device, launch::append_entries(p.format.head_dim)?.1, grid, p, ptrs);
     match &device.0.kind {
         // SAFETY: forwarded contract.
         #[cfg(feature = "sim")]
@@ -135,7 +164,7 @@ pub unsafe fn append_flush(device: &Device, p: &AppendParams, ptrs: &FlushPtrs) 
 pub unsafe fn append_tokens(device: &Device, p: &AppendParams, ptrs: &AppendPtrs) -> Result<()> {
     aligned16("pool", ptrs.pool)?;
     aligned16("side store", ptrs.side)?;
-    bump(&device.0.stats.launches);
+    note(device, launch::append_entries(p.format.head_dim)?.0, launch::tokens_grid(p), p, ptrs);
     match &device.0.kind {
         // SAFETY: forwarded contract.
         #[cfg(feature = "sim")]
@@ -143,5 +172,42 @@ pub unsafe fn append_tokens(device: &Device, p: &AppendParams, ptrs: &AppendPtrs
         // SAFETY: forwarded contract.
         #[cfg(feature = "cuda")]
         Kind::Cuda { stream, kernels, .. } => unsafe { kernels.append_tokens(stream.cu_stream(), p, ptrs) },
+    }
+}
+
+/// Enqueues the batched append of a serving step for one layer: `append_batch_flush`
+/// (grid `rotkv_kernels::append::batch_flush_grid`) then `append_batch_tokens` (grid
+/// `rotkv_kernels::append::batch_tokens_grid`). Two launches whatever the step holds:
+/// which slots take how many tokens, and so which window rows are flushed and where
+/// every token goes, is read on the device from the step batch at `ptrs.meta`.
+///
+/// # Errors
+/// [`Error::Shape`] for a pool or side-store base that is not 16-byte aligned;
+/// [`Error::Unsupported`] for a head_dim without kernels (nothing is enqueued).
+///
+/// # Safety
+/// As `rotkv_kernels::append::append_batch_flush` and `append_batch_tokens` ask for `bp`:
+/// `ptrs.meta` a step batch of `batch_meta_len(bp.max_rows, bp.max_seqs)` u32 whose
+/// starts are the slots' lengths on the device; K and V valid for `bp.max_rows` rows at
+/// their strides; `bp.max_seqs` block tables of `bp.table_stride` entries, protected
+/// lists of `bp.protected_stride`, side stores, lengths; the layer's calibration buffers
+/// and pool; `ptrs.errors` 0 or [`BATCH_ERRORS`] u32; all live allocations of `device`.
+/// Block-table entries at or past the pool, and rows the step batch does not describe
+/// consistently, are skipped and counted in the error words, never read or written out
+/// of bounds; every other entry a slot's new length needs must be a block of the pool
+/// that no other slot uses.
+pub unsafe fn append_batch(device: &Device, bp: &AppendBatchParams, ptrs: &BatchPtrs) -> Result<()> {
+    aligned16("pool", ptrs.pool)?;
+    aligned16("side stores", ptrs.sides)?;
+    let (tok, flush) = launch::append_batch_entries(bp.append.format.head_dim)?;
+    note(device, flush, rotkv_kernels::append::batch_flush_grid(bp), bp, ptrs);
+    note(device, tok, rotkv_kernels::append::batch_tokens_grid(bp), bp, ptrs);
+    match &device.0.kind {
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "sim")]
+        Kind::Sim => unsafe { crate::sim::append_batch_raw(bp, ptrs) },
+        // SAFETY: forwarded contract.
+        #[cfg(feature = "cuda")]
+        Kind::Cuda { stream, kernels, .. } => unsafe { kernels.append_batch(stream.cu_stream(), bp, ptrs) },
     }
 }

@@ -1,0 +1,405 @@
+//! A whole serving step on the device (`rotkv::device`), on the emulated device: the
+//! batched append against per-sequence appends (bit for bit), one plan shared by every
+//! layer, the step's launch list fixed across steps, and what the host and the device
+//! refuse.
+
+use rotkv::device::{BatchErrors, DecodePlan, Device, DeviceBuffer, DeviceLayer, LayerSize, PlanShape, StepBatch};
+use rotkv::paged::LayerShape;
+use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, SeqId, f16};
+
+fn rows(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect()
+}
+
+/// A small random generator for the schedules (xorshift).
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// Small pages and window so that a few dozen tokens cross page flushes.
+fn small(config: CacheConfig) -> CacheConfig {
+    CacheConfig { page_size: 16, window: 16, sinks: 2, ..config }
+}
+
+/// The batched append writes the same bytes as one append per sequence: pool, side
+/// stores (sinks, window ring, protected copies) and lengths, over random steps with
+/// arrivals, chunks that cross page flushes and several pages at once, single-token
+/// steps, idle sequences and finishes; head_dim 64, 128 and 256; k2v2, k4v2 and k4v4;
+/// f32 and f16 inputs at a padded row stride.
+#[test]
+fn batched_append_equals_per_sequence_appends() {
+    let cases = [
+        (CacheConfig { protected: 2, ..small(CacheConfig::k2v2(64)) }, false, 11),
+        (small(CacheConfig::k4v2(128)), true, 12),
+        (small(CacheConfig::k4v4(256)), false, 13),
+    ];
+    for (config, half, seed) in cases {
+        let d = config.head_dim;
+        let (hkv, slots, max_rows, max_tokens) = (2, 4, 48, 160);
+        let dev = Device::sim();
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: 2 * hkv };
+        let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
+        let calib = LayerCalibration::identity(hkv, d);
+        let mut batched = DeviceLayer::new(&dev, config, shape, calib.clone(), size).unwrap();
+        let mut single = DeviceLayer::new(&dev, config, shape, calib, size).unwrap();
+        let mut batch = StepBatch::new(&dev, slots, max_rows).unwrap();
+        let stride = hkv * d + 8;
+        let mut rng = Rng(seed);
+        let mut ids: Vec<Option<(SeqId, SeqId)>> = vec![None; slots];
+        for step in 0..14u64 {
+            // Finishes and arrivals.
+            for id in ids.iter_mut() {
+                if let Some((a, b)) = *id
+                    && (batched.len(a).unwrap() + max_rows > max_tokens || rng.below(8) == 0)
+                {
+                    batched.free_sequence(a).unwrap();
+                    single.free_sequence(b).unwrap();
+                    *id = None;
+                }
+            }
+            while ids.iter().any(Option::is_none) && rng.below(2) == 0 {
+                let (a, b) = (batched.add_sequence().unwrap(), single.add_sequence().unwrap());
+                assert_eq!(a.slot(), b.slot());
+                if config.protected > 0 {
+                    batched.protect(a, &[5, 30]).unwrap();
+                    single.protect(b, &[5, 30]).unwrap();
+                }
+                ids[a.slot()] = Some((a, b));
+            }
+            // This step's tokens: a prompt chunk, one token, or none, within max_rows.
+            let mut steps = Vec::new();
+            let mut left = max_rows;
+            for (a, b) in ids.iter().flatten().copied() {
+                let n = match rng.below(4) {
+                    0 => 0,
+                    1 => 1 + rng.below(left.min(40)),
+                    _ => 1,
+                }
+                .min(left);
+                left -= n;
+                let len = batched.len(a).unwrap();
+                // Both layers take the same blocks, in the same order.
+                batched.reserve(a, len + n).unwrap();
+                single.reserve(b, len + n).unwrap();
+                steps.push((a, b, n));
+            }
+            let kh = rows(max_rows * stride, 100 + step);
+            let vh = rows(max_rows * stride, 200 + step);
+            batch.set(&batched, &steps.iter().map(|&(a, _, n)| (a, n)).collect::<Vec<_>>()).unwrap();
+            if half {
+                let k = dev.upload(&kh.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()).unwrap();
+                let v = dev.upload(&vh.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()).unwrap();
+                let before = dev.counters();
+                batched.append_batch(&batch, &k, stride, &v, stride).unwrap();
+                let after = dev.counters();
+                assert_eq!(after.launches - before.launches, 2);
+                assert_eq!(after.uploads + after.allocations, before.uploads + before.allocations);
+                for &(a, b, n) in &steps {
+                    let r = batch.first_row(a.slot()).unwrap_or(0);
+                    let (ks, vs) = (k.slice(r * stride..).unwrap(), v.slice(r * stride..).unwrap());
+                    single.append(b, n, &ks, &vs, stride).unwrap();
+                }
+            } else {
+                let (k, v) = (dev.upload(&kh).unwrap(), dev.upload(&vh).unwrap());
+                let before = dev.counters();
+                batched.append_batch(&batch, &k, stride, &v, stride).unwrap();
+                let after = dev.counters();
+                assert_eq!(after.launches - before.launches, 2);
+                assert_eq!(after.uploads + after.allocations, before.uploads + before.allocations);
+                for &(a, b, n) in &steps {
+                    let r = batch.first_row(a.slot()).unwrap_or(0);
+                    let (ks, vs) = (k.slice(r * stride..).unwrap(), v.slice(r * stride..).unwrap());
+                    single.append(b, n, &ks, &vs, stride).unwrap();
+                }
+            }
+            for &(a, b, _) in &steps {
+                assert_eq!(batched.len(a).unwrap(), single.len(b).unwrap());
+            }
+            assert_eq!(batched.read_cache().unwrap(), single.read_cache().unwrap(), "{config:?} step {step}");
+        }
+        assert_eq!(batch.errors().unwrap(), BatchErrors::default());
+        // The lengths the kernels keep on the device drive decode: both layers decode alike.
+        let lens: Vec<usize> = (0..slots).map(|s| batched.slot_len(s).unwrap_or(0)).collect();
+        assert!(lens.iter().any(|&l| l > 40), "the schedule grew a sequence past a few pages: {lens:?}");
+    }
+}
+
+/// A model of several layers runs a step as one fixed launch list: the batched append
+/// and the decode of every layer through one shared plan. Steps 2..N enqueue exactly
+/// the launch list of step 1 (kernels, grids, parameters, addresses) across arrivals,
+/// finishes, page flushes and sequences that take no token, with no allocation,
+/// download or synchronization (the only upload is the step batch and the step's own
+/// K/V/Q, which a stack writes into the same buffers), and every layer's output equals
+/// the CPU backend's `KvCache` fed the same tokens.
+#[test]
+fn whole_model_step_is_one_fixed_launch_list() {
+    let (d, hkv, hq, layers, slots, max_rows, max_tokens) = (64, 1, 3, 3, 3, 48, 200);
+    let config = small(CacheConfig::k2v2(d));
+    let dev = Device::sim();
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+    let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
+    let mut model: Vec<DeviceLayer> = (0..layers)
+        .map(|_| DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap())
+        .collect();
+    let cs = CacheShape { layers, num_kv_heads: hkv, num_q_heads: hq, max_seqs: slots, max_tokens, num_blocks: None };
+    let mut host = KvCache::new(config, cs, Backend::Cpu).unwrap();
+    let plan_shape = PlanShape {
+        max_seqs: slots,
+        max_q_len: 1,
+        max_context: max_tokens,
+        sm_count: None,
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
+    let mut plan = DecodePlan::new(&model[0], plan_shape).unwrap();
+    let mut batch = StepBatch::new(&dev, slots, max_rows).unwrap();
+    let row = hkv * d;
+    let qrow = hq * d;
+    // The step's buffers, allocated once: K/V rows of every layer, queries, outputs.
+    let mut k: Vec<DeviceBuffer<f32>> = (0..layers).map(|_| dev.alloc(max_rows * row).unwrap()).collect();
+    let mut v: Vec<DeviceBuffer<f32>> = (0..layers).map(|_| dev.alloc(max_rows * row).unwrap()).collect();
+    let mut q: Vec<DeviceBuffer<f32>> = (0..layers).map(|_| dev.alloc(slots * qrow).unwrap()).collect();
+    let mut out: Vec<DeviceBuffer<f32>> = (0..layers).map(|_| dev.alloc(slots * qrow).unwrap()).collect();
+    dev.record_launches(true);
+    let mut first: Option<Vec<rotkv::device::LaunchRecord>> = None;
+    let mut ids: Vec<Option<(Vec<SeqId>, SeqId)>> = vec![None; slots];
+    // Arrivals (step, prompt tokens) and finishes (step, slot): the slots are reused.
+    let arrivals = [(0usize, 30usize), (0, 3), (2, 40), (6, 9), (10, 1)];
+    let finishes = [(5usize, 1usize), (9, 0)];
+    for step in 0..12usize {
+        for &(_, slot) in finishes.iter().filter(|f| f.0 == step) {
+            let (dids, hid) = ids[slot].take().expect("a live slot");
+            for (l, id) in model.iter_mut().zip(dids) {
+                l.free_sequence(id).unwrap();
+            }
+            host.free_sequence(hid).unwrap();
+        }
+        // Arrivals reserve their whole life (prompt + 16 generated) on admission.
+        let mut prompts = vec![0usize; slots];
+        for &(_, prompt) in arrivals.iter().filter(|a| a.0 == step) {
+            let dids: Vec<SeqId> = model.iter_mut().map(|l| l.add_sequence().unwrap()).collect();
+            let hid = host.add_sequence().unwrap();
+            let slot = dids[0].slot();
+            assert!(dids.iter().all(|x| x.slot() == slot) && hid.slot() == slot);
+            for (l, id) in model.iter_mut().zip(&dids) {
+                l.reserve(*id, prompt + 16).unwrap();
+            }
+            prompts[slot] = prompt;
+            ids[slot] = Some((dids, hid));
+        }
+        // Who takes tokens: new prompts all at once, others one token, slot 2 idles on
+        // odd steps.
+        let mut steps: Vec<(usize, usize)> = Vec::new();
+        for (slot, e) in ids.iter().enumerate() {
+            if e.is_some() {
+                let n = if prompts[slot] > 0 {
+                    prompts[slot]
+                } else if slot == 2 && step % 2 == 1 {
+                    0
+                } else {
+                    1
+                };
+                steps.push((slot, n));
+            }
+        }
+        let dids0: Vec<(SeqId, usize)> = steps.iter().map(|&(s, n)| (ids[s].as_ref().unwrap().0[0], n)).collect();
+        batch.set(&model[0], &dids0).unwrap();
+        // The step's inputs (a stack writes its projections into the same buffers).
+        let total: usize = steps.iter().map(|s| s.1).sum();
+        let mut want = Vec::new();
+        for l in 0..layers {
+            let seed = (step * 10 + l) as u64;
+            let (kh, vh) = (rows(max_rows * row, seed), rows(max_rows * row, seed + 500));
+            let qh = rows(slots * qrow, seed + 900);
+            dev.write(&mut k[l], 0, &kh).unwrap();
+            dev.write(&mut v[l], 0, &vh).unwrap();
+            dev.write(&mut q[l], 0, &qh).unwrap();
+            // The CPU backend, fed the same rows.
+            let mut r = 0;
+            for &(slot, n) in &steps {
+                let hid = ids[slot].as_ref().unwrap().1;
+                host.append(l, hid, n, &kh[r * row..(r + n) * row], &vh[r * row..(r + n) * row]).unwrap();
+                r += n;
+            }
+            assert_eq!(r, total);
+            let mut w = vec![0f32; slots * qrow];
+            for slot in 0..slots {
+                if let Some((_, hid)) = &ids[slot] {
+                    let out = &mut w[slot * qrow..(slot + 1) * qrow];
+                    host.decode(l, &[*hid], &qh[slot * qrow..(slot + 1) * qrow], out).unwrap();
+                }
+            }
+            want.push(w);
+        }
+        // The step: append and decode, every layer; nothing else is enqueued.
+        let before = dev.counters();
+        for l in 0..layers {
+            model[l].append_batch(&batch, &k[l], row, &v[l], row).unwrap();
+            plan.run(&model[l], 1, &q[l], &mut out[l]).unwrap();
+        }
+        let c = dev.counters();
+        assert_eq!(c.launches - before.launches, 4 * layers, "step {step}");
+        assert_eq!(
+            (c.allocations, c.uploads, c.downloads, c.synchronizations),
+            (before.allocations, before.uploads, before.downloads, before.synchronizations),
+            "step {step}"
+        );
+        let list = dev.take_launches();
+        let step_list = list[list.len() - 4 * layers..].to_vec();
+        match &first {
+            None => first = Some(step_list),
+            Some(f) => assert_eq!(f, &step_list, "step {step} enqueued another launch list"),
+        }
+        for l in 0..layers {
+            let mut got = vec![0f32; slots * qrow];
+            dev.read(&out[l], &mut got).unwrap();
+            for slot in 0..slots {
+                let (g, w) = (&got[slot * qrow..(slot + 1) * qrow], &want[l][slot * qrow..(slot + 1) * qrow]);
+                if ids[slot].is_none() {
+                    assert!(g.iter().all(|&x| x == 0.0), "a free slot's rows are zero");
+                } else {
+                    let e = rel_err(g, w);
+                    assert!(e < 3e-3, "step {step} layer {l} slot {slot}: {e}");
+                }
+            }
+        }
+    }
+    assert_eq!(batch.errors().unwrap(), BatchErrors::default());
+    let _ = &mut q;
+}
+
+/// What the host can see is an error before anything is enqueued, and changes nothing:
+/// a batch from before the last step, a sequence without reserved blocks, K/V shorter
+/// than the batch's rows, a buffer or batch of another device, a slot named twice or
+/// past the batch, too many rows, a plan for a layer of another format.
+#[test]
+fn step_refusals_enqueue_nothing() {
+    let (d, hkv) = (64, 1);
+    let config = small(CacheConfig::k2v2(d));
+    let dev = Device::sim();
+    let other = Device::sim();
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: 2 };
+    let size = LayerSize { max_seqs: 2, max_tokens: 100, num_blocks: None };
+    let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+    let a = layer.add_sequence().unwrap();
+    let mut batch = StepBatch::new(&dev, 2, 8).unwrap();
+    let k = dev.upload(&rows(8 * d, 1)).unwrap();
+    let v = dev.upload(&rows(8 * d, 2)).unwrap();
+    // Batch construction.
+    assert!(matches!(batch.set_slots(&[(0, 0, 5), (0, 0, 1)]), Err(Error::Shape(_))));
+    assert!(matches!(batch.set_slots(&[(2, 0, 1)]), Err(Error::Shape(_))));
+    assert!(matches!(batch.set_slots(&[(0, 0, 5), (1, 0, 4)]), Err(Error::Capacity(_))));
+    assert!(matches!(StepBatch::new(&dev, 0, 8), Err(Error::Shape(_))));
+    assert!(matches!(StepBatch::new(&dev, 2, 70_000), Err(Error::Capacity(_))));
+    assert_eq!(batch.rows(), 0, "a refused set changes nothing");
+    batch.set(&layer, &[(a, 5)]).unwrap();
+    // Five tokens need no block (2 sinks and a 16-token window hold them).
+    let before = dev.counters();
+    let short = dev.upload(&rows(7 * d, 3)).unwrap();
+    assert!(matches!(layer.append_batch(&batch, &short, d, &v, d), Err(Error::Shape(_))));
+    assert!(matches!(layer.append_batch(&batch, &k, d - 1, &v, d), Err(Error::Shape(_))));
+    let k_other = other.upload(&rows(8 * d, 4)).unwrap();
+    assert!(matches!(layer.append_batch(&batch, &k_other, d, &v, d), Err(Error::Device(_))));
+    let foreign = StepBatch::new(&other, 2, 8).unwrap();
+    assert!(matches!(layer.append_batch(&foreign, &k, d, &v, d), Err(Error::Device(_))));
+    assert_eq!(dev.counters().launches, before.launches);
+    layer.append_batch(&batch, &k, d, &v, d).unwrap();
+    assert_eq!(layer.len(a).unwrap(), 5);
+    // The same batch again: its start (0) is no longer the sequence's length.
+    let cache = layer.read_cache().unwrap();
+    let before = dev.counters();
+    assert!(matches!(layer.append_batch(&batch, &k, d, &v, d), Err(Error::Shape(_))));
+    assert!(matches!(layer.advance(&batch), Err(Error::Shape(_))));
+    assert_eq!(dev.counters().launches, before.launches);
+    assert_eq!(layer.read_cache().unwrap(), cache);
+    // Up to 29 tokens no page is needed; 37 tokens need the first (the quantized length
+    // is 16 once a sequence holds 2 + 16 + 16 tokens): refused until it is reserved.
+    for _ in 0..3 {
+        batch.set(&layer, &[(a, 8)]).unwrap();
+        layer.append_batch(&batch, &k, d, &v, d).unwrap();
+    }
+    assert_eq!(layer.len(a).unwrap(), 29);
+    batch.set(&layer, &[(a, 8)]).unwrap();
+    let before = dev.counters();
+    assert!(matches!(layer.append_batch(&batch, &k, d, &v, d), Err(Error::Capacity(_))));
+    assert_eq!(dev.counters().launches, before.launches);
+    assert_eq!(layer.len(a).unwrap(), 29);
+    layer.reserve(a, 37).unwrap();
+    assert!(layer.reserved(a).unwrap() >= 37);
+    layer.append_batch(&batch, &k, d, &v, d).unwrap();
+    assert_eq!(layer.len(a).unwrap(), 37);
+    // A freed slot named by a batch set earlier.
+    batch.set(&layer, &[(a, 1)]).unwrap();
+    layer.free_sequence(a).unwrap();
+    assert!(matches!(layer.append_batch(&batch, &k, d, &v, d), Err(Error::UnknownSequence(0))));
+    // Reserving past max_tokens or the pool.
+    let b = layer.add_sequence().unwrap();
+    assert!(matches!(layer.reserve(b, 101), Err(Error::Capacity(_))));
+    // A plan is shared by layers of the same format and heads, refused for others.
+    let plan_shape =
+        PlanShape { max_seqs: 2, max_q_len: 1, max_context: 100, sm_count: None, blocks_per_sm: None, sm_scale: None };
+    let plan = DecodePlan::new(&layer, plan_shape).unwrap();
+    let twin = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+    let k4 =
+        DeviceLayer::new(&dev, small(CacheConfig::k4v2(d)), shape, LayerCalibration::identity(hkv, d), size).unwrap();
+    let fewer =
+        DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), LayerSize { max_seqs: 1, ..size })
+            .unwrap();
+    let q = dev.alloc::<f32>(2 * 2 * d).unwrap();
+    let mut out = dev.alloc::<f32>(2 * 2 * d).unwrap();
+    let mut plan = plan;
+    plan.run(&twin, 1, &q, &mut out).unwrap();
+    assert!(matches!(plan.run(&k4, 1, &q, &mut out), Err(Error::Shape(_))));
+    assert!(matches!(plan.run(&fewer, 1, &q, &mut out), Err(Error::Capacity(_))));
+    assert!(matches!(plan.run(&layer, 2, &q, &mut out), Err(Error::Shape(_))));
+    let far = other.alloc::<f32>(2 * 2 * d).unwrap();
+    assert!(matches!(plan.run(&layer, 1, &far, &mut out), Err(Error::Device(_))));
+    // Larger buffers than the step needs are fine.
+    let big = dev.alloc::<f32>(3 * 2 * d).unwrap();
+    let mut big_out = dev.alloc::<f32>(3 * 2 * d).unwrap();
+    plan.run(&layer, 1, &big, &mut big_out).unwrap();
+    // Zero-token appends check their buffers like any other.
+    assert!(matches!(layer.append(b, 0, &k_other, &v, d), Err(Error::Device(_))));
+    assert!(matches!(layer.append(b, 0, &k, &v, d - 1), Err(Error::Shape(_))));
+    assert_eq!(layer.append(b, 0, &k, &v, d).unwrap(), 0);
+}
+
+/// Sub-slices of device buffers are checked: inside the buffer, or [`Error::Shape`].
+#[test]
+fn device_buffer_slices_are_checked() {
+    let dev = Device::sim();
+    let mut b = dev.upload(&[1u32, 2, 3, 4, 5]).unwrap();
+    let s = b.slice(1..4).unwrap();
+    assert_eq!((s.len(), s.addr()), (3, b.addr() + 4));
+    assert_eq!(s.slice(2..).unwrap().len(), 1);
+    assert!(s.slice(2..5).is_err());
+    assert_eq!(b.slice(..=4).unwrap().len(), 5);
+    let (hi, lo) = (3, 2);
+    assert!(matches!(b.slice(hi..lo), Err(Error::Shape(_))));
+    assert!(matches!(b.slice(..6), Err(Error::Shape(_))));
+    assert!(matches!(b.slice(..=usize::MAX), Err(Error::Shape(_))));
+    let mut m = b.slice_mut(4..).unwrap();
+    assert_eq!(m.len(), 1);
+    assert_eq!(m.slice_mut(1..).unwrap().len(), 0);
+    assert!(m.slice_mut(0..2).is_err());
+}
