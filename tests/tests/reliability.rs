@@ -342,7 +342,7 @@ fn a_300_kb_sentencepiece_token_is_one_pass_of_setup() {
     // up (no token has the length of both halves), where each hashed its prefix before
     // (about 45 GB hashed, 20 s).
     let long: String = (0..300_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
-    let (tok, tokens) = letter_sentencepiece(&[long.clone()]);
+    let (tok, tokens) = letter_sentencepiece(std::slice::from_ref(&long));
     let (short, _) = letter_sentencepiece(&[]);
     assert_eq!(tok.merge_count(), short.merge_count());
     assert_eq!(tok.setup_bytes(), short.setup_bytes(), "the long token cost setup work");
