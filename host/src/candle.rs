@@ -100,7 +100,8 @@ impl Elem for bf16 {}
 /// Appends `k` and `v` (`[tokens, num_kv_heads, head_dim]`, f32, f16 or bf16, the same
 /// dtype, CPU storage) to `seq` in `layer`: [`KvCache::append`] over the tensors'
 /// elements. Contiguous tensors are read in place; others are copied first (see the
-/// module documentation).
+/// module documentation), after every check that reads no element (layer, sequence,
+/// capacity), so that a refused append copies nothing.
 ///
 /// # Errors
 ///
@@ -115,6 +116,9 @@ pub fn append(cache: &mut KvCache, layer: usize, seq: SeqId, k: &Tensor, v: &Ten
     check_location("k", k)?;
     check_location("v", v)?;
     let (tokens, dtype) = check_kv(k, v, hkv, d)?;
+    // Everything that needs no element is checked before a strided tensor is copied: a
+    // broadcast over a few bytes of storage can stand for gigabytes of rows.
+    check_room(cache, layer, seq, tokens)?;
     match dtype {
         DType::F32 => append_as::<f32>(cache, layer, seq, tokens, k, v),
         DType::F16 => append_as::<f16>(cache, layer, seq, tokens, k, v),
@@ -169,6 +173,12 @@ pub fn decode_tokens(cache: &KvCache, layer: usize, seqs: &[SeqId], q_len: usize
             seqs.len().saturating_mul(q_len)
         )));
     }
+    // Checked before `q` is copied and the output allocated (as [`KvCache::decode_tokens`]
+    // checks it): a broadcast `q` of a huge `q_len` stands for gigabytes of rows.
+    if !(1..=crate::paged::MAX_Q_LEN).contains(&q_len) {
+        let max = crate::paged::MAX_Q_LEN;
+        return Err(Error::Value(format!("q_len {q_len}: 1 to {max} query tokens per sequence")));
+    }
     let dtype = elem_dtype("q", q)?;
     let mut out = vec![0f32; rows * hq * d];
     match dtype {
@@ -202,6 +212,35 @@ fn check_kv(k: &Tensor, v: &Tensor, hkv: usize, d: usize) -> Result<(usize, DTyp
         )));
     }
     Ok((tokens, dtype))
+}
+
+/// The checks of [`KvCache::append`] that read no element (layer, sequence, `max_tokens`,
+/// free blocks), made before [`with_elems`] copies a strided tensor, so that an append
+/// that cannot succeed copies nothing. [`KvCache::append`] makes them again.
+fn check_room(cache: &KvCache, layer: usize, seq: SeqId, tokens: usize) -> Result<()> {
+    let len = cache.len(layer, seq)?;
+    let new_len = len.saturating_add(tokens);
+    let max = cache.shape().max_tokens;
+    if new_len > max {
+        return Err(Error::Capacity(format!(
+            "sequence {seq} would hold {new_len} tokens in layer {layer}; max_tokens is {max}"
+        )));
+    }
+    // A sequence's block table holds the pages of its longest layer (tables only grow).
+    let format = cache.config().format()?;
+    let pages = |n: usize| u32::try_from(n).map_or(usize::MAX, |n| format.pages_for(n) as usize);
+    let mut held = 0;
+    for l in 0..cache.shape().layers {
+        held = held.max(pages(cache.len(l, seq)?));
+    }
+    let need = pages(new_len).saturating_sub(held);
+    if need > cache.free_blocks() {
+        return Err(Error::Capacity(format!(
+            "sequence {seq} needs {need} more blocks, {} are free",
+            cache.free_blocks()
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses tensors whose storage is not on the CPU.

@@ -117,6 +117,41 @@ fn calibration_with_a_missing_layer_is_an_error() {
     assert!(e.to_string().contains("layer7.extra"), "{e}");
 }
 
+#[test]
+fn calibration_tensor_names_must_be_canonical_and_in_range() {
+    let cal = Calibration {
+        layers: vec![LayerCalibration::identity(1, 64); 2],
+        kv_heads: 1,
+        head_dim: 64,
+        metadata: Default::default(),
+    };
+    let bytes = cal.to_safetensors().unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let with = |extra: &str| {
+        let mut all: Vec<_> =
+            st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
+        // Ones: valid as a key_mean and as a key_std.
+        let ones: Vec<u8> = (0..64).flat_map(|_| 1f32.to_le_bytes()).collect();
+        all.push((extra.to_string(), safetensors::Dtype::F32, vec![1, 64], ones));
+        Calibration::from_safetensors(&calibration_file(all))
+    };
+    // A layer number whose successor does not fit (wrapped to 0 layers in release, a
+    // panic in debug), numbers past u64 and leading zeros (a second spelling of layer 1
+    // that was silently never read): each names the tensor.
+    let max = format!("layer{}.key_mean", usize::MAX);
+    for name in [max.as_str(), "layer99999999999999999999999.key_mean", "layer001.key_mean", "layer01.key_perm"] {
+        match with(name) {
+            Err(e @ Error::Calibration(_)) => assert!(e.to_string().contains(name), "{name}: {e}"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    // A layer far past the others is a gap, not a loop over it.
+    let e = with("layer1000000000000.key_mean").unwrap_err();
+    assert!(e.to_string().contains("layer 2 is missing"), "{e}");
+    // The canonical names still load.
+    assert_eq!(with("layer1.key_std").unwrap().layers.len(), 2);
+}
+
 // ---- finding 3: resource limits of hostile files --------------------------------------
 
 #[test]
@@ -134,6 +169,58 @@ fn gguf_metadata_arrays_are_bounded_by_the_file_and_a_budget() {
     file[at..at + 4].copy_from_slice(&10u32.to_le_bytes()); // element type u64
     let e = Gguf::parse(file).unwrap_err();
     assert!(e.to_string().contains("larger than the rest of the file"), "{e}");
+}
+
+/// A GGUF v3 file of `keys` one-byte metadata entries (`k<i>` = u8) and `tensors` F32
+/// tensor entries of one dimension (no data: the parser refuses the counts first).
+fn gguf_of_many_entries(keys: usize, tensors: usize) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors as u64).to_le_bytes());
+    b.extend((keys as u64).to_le_bytes());
+    for i in 0..keys {
+        let name = format!("k{i}");
+        b.extend((name.len() as u64).to_le_bytes());
+        b.extend(name.as_bytes());
+        b.extend(0u32.to_le_bytes()); // u8
+        b.push(1);
+    }
+    for i in 0..tensors {
+        let name = format!("t{i}");
+        b.extend((name.len() as u64).to_le_bytes());
+        b.extend(name.as_bytes());
+        b.extend(1u32.to_le_bytes()); // one dimension
+        b.extend(1u64.to_le_bytes());
+        b.extend(0u32.to_le_bytes()); // F32
+        b.extend(0u64.to_le_bytes());
+    }
+    b.resize(b.len().next_multiple_of(32) + 32, 0);
+    b
+}
+
+#[test]
+fn gguf_key_and_tensor_counts_are_bounded_before_allocation() {
+    use rotkv::model::gguf::{MAX_METADATA_ELEMENTS, MAX_METADATA_KEYS, MAX_TENSORS};
+    // Within the bounds a file of many small entries parses.
+    let g = Gguf::parse(gguf_of_many_entries(1000, 1000)).unwrap();
+    assert_eq!((g.metadata.len(), g.tensors.len()), (1000, 1000));
+    // Past them: 100k keys (1.8 MB of file, about 10 MB of maps) or 100k tensor entries
+    // are refused by their declared counts, before a map is built.
+    let e = Gguf::parse(gguf_of_many_entries(100_000, 0)).unwrap_err();
+    assert!(e.to_string().contains(&format!("100000 metadata keys; at most {MAX_METADATA_KEYS}")), "{e}");
+    let e = Gguf::parse(gguf_of_many_entries(0, 100_000)).unwrap_err();
+    assert!(e.to_string().contains(&format!("100000 tensors; at most {MAX_TENSORS}")), "{e}");
+    let e = Gguf::parse_metadata(gguf_of_many_entries(MAX_METADATA_KEYS + 1, 0)).unwrap_err();
+    assert!(e.to_string().contains("metadata keys"), "{e}");
+    // Keys count against the element budget with the arrays: an array that fits the
+    // budget alone does not fit it beside 10 more keys.
+    let fits = gguf_bytes(&[("junk", Meta::Bools(MAX_METADATA_ELEMENTS as u64 - 1))], &[]);
+    assert!(Gguf::parse_metadata(fits).is_ok());
+    let mut meta = vec![("junk", Meta::Bools(MAX_METADATA_ELEMENTS as u64 - 5))];
+    let names: Vec<String> = (0..10).map(|i| format!("key{i}")).collect();
+    meta.extend(names.iter().map(|n| (n.as_str(), Meta::U32(1))));
+    let e = Gguf::parse_metadata(gguf_bytes(&meta, &[])).unwrap_err();
+    assert!(e.to_string().contains("elements in all"), "{e}");
 }
 
 #[test]
@@ -229,6 +316,104 @@ fn bpe_of_a_64_kb_word_is_fast_and_merges_as_before() {
     let secs = started.elapsed().as_secs_f64();
     assert_eq!(tok.decode(&ids).unwrap(), long);
     assert!(secs < 5.0, "a 64 KB word took {secs:.1} s to encode");
+}
+
+// ---- tokenizer setup and text prefixes ------------------------------------------------
+
+/// A SentencePiece tokenizer of `▁`, the letters, their `▁` pairs, a few letter pairs
+/// and the newline's byte token, scores in id order.
+fn letter_sentencepiece(extra: &[String]) -> (rotkv::model::tokenizer::Tokenizer, Vec<String>) {
+    let letters: Vec<String> = ('a'..='z').map(String::from).collect();
+    let mut tokens: Vec<String> = vec!["<0x0A>".into(), "▁".into(), ".".into()];
+    tokens.extend(letters.iter().cloned());
+    tokens.extend(letters.iter().map(|l| format!("▁{l}")));
+    tokens.extend(["th", "he", "in", "er", "an", "the", "▁the"].map(String::from));
+    tokens.extend(extra.iter().cloned());
+    let scores: Vec<f64> = (0..tokens.len()).map(|i| -(i as f64)).collect();
+    let types: Vec<i64> = (0..tokens.len()).map(|i| if i == 0 { 6 } else { 1 }).collect();
+    let tok =
+        rotkv::model::tokenizer::Tokenizer::sentencepiece(tokens.clone(), &scores, &types, true, [None; 3]).unwrap();
+    (tok, tokens)
+}
+
+#[test]
+fn a_300_kb_sentencepiece_token_is_one_pass_of_setup() {
+    // One token of 300,000 letters beside short ones: its 299,999 splits are not looked
+    // up (no token has the length of both halves), where each hashed its prefix before
+    // (about 45 GB hashed, 20 s).
+    let long: String = (0..300_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    let (tok, tokens) = letter_sentencepiece(std::slice::from_ref(&long));
+    let (short, _) = letter_sentencepiece(&[]);
+    assert_eq!(tok.merge_count(), short.merge_count());
+    assert_eq!(tok.setup_bytes(), short.setup_bytes(), "the long token cost setup work");
+    assert!(short.setup_bytes() < 1000, "{}", short.setup_bytes());
+    assert_eq!(tok.vocab_size(), tokens.len());
+    // The long token is still a token of the vocabulary (decoded whole).
+    let id = tokens.len() as u32 - 1;
+    assert_eq!(tok.decode(&[id]).unwrap(), long);
+}
+
+/// `lines` lines of random words (some with trailing spaces, CRLF ends, blank lines).
+fn random_text(lines: usize, seed: u64) -> String {
+    let mut r = Rng::new(seed);
+    let mut s = String::new();
+    for _ in 0..lines {
+        for w in 0..1 + r.below(12) {
+            if w > 0 {
+                s.push(' ');
+            }
+            let word: String = (0..1 + r.below(9)).map(|_| (b'a' + r.below(26) as u8) as char).collect();
+            s.push_str(&word);
+        }
+        match r.below(8) {
+            0 => s.push_str("  \n"),
+            1 => s.push_str("\r\n"),
+            2 => s.push_str(".\n\n"),
+            _ => s.push('\n'),
+        }
+    }
+    s
+}
+
+#[test]
+fn text_prefixes_tokenize_as_the_whole_text_and_read_only_what_they_need() {
+    let dir = std::env::temp_dir().join(format!("rotkv-text-prefix-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("text.txt");
+    std::fs::write(&path, random_text(4000, 5)).unwrap();
+    let (bpe, _, _) = letter_tokenizer();
+    let (sp, _) = letter_sentencepiece(&[]);
+    for tok in [&bpe, &sp] {
+        let all = tok.encode(&rotkv::model::read_text(&path).unwrap()).unwrap();
+        for n in [0, 1, 2, 3, 100, 1000, 7777, all.len() - 1] {
+            let p = rotkv::model::text_tokens(tok, &path, n).unwrap();
+            assert_eq!(p.ids, all[..n], "{:?}, {n} tokens", tok.kind);
+            assert!(!p.whole || n + 1 >= all.len() / 2, "{n} tokens read the whole file");
+        }
+        // More than the text holds: all of it.
+        let p = rotkv::model::text_tokens(tok, &path, all.len() + 5).unwrap();
+        assert_eq!((p.ids.len(), p.whole), (all.len(), true));
+    }
+    // An 8 MB text, 2 tokens asked: a few KB read (the whole text took 2.5 GB and 11 s
+    // through the CLI).
+    let big = dir.join("big.txt");
+    let text = random_text(4000, 6);
+    std::fs::write(&big, text.repeat(8 << 20 >> 17)).unwrap();
+    let p = rotkv::model::text_tokens(&bpe, &big, 2).unwrap();
+    assert_eq!(p.ids.len(), 2);
+    assert!(!p.whole && p.bytes <= 8 * 2 + 4096, "{} bytes read for 2 tokens", p.bytes);
+    let p = rotkv::model::text_tokens(&sp, &big, 20_000).unwrap();
+    assert_eq!(p.ids, sp.encode(&text.replace("\r\n", "\n")).unwrap()[..20_000]);
+    assert!(p.bytes <= 4 * (8 * 20_000 + 4096), "{} bytes read for 20000 tokens", p.bytes);
+    // A file that is not UTF-8 past the prefix still gives its first tokens.
+    let mut bytes = b"hello world\nand more\n".to_vec();
+    bytes.extend([0xff; 10_000]);
+    let bad = dir.join("bad.txt");
+    std::fs::write(&bad, &bytes).unwrap();
+    assert_eq!(rotkv::model::text_tokens(&bpe, &bad, 1).unwrap().ids, bpe.encode("hello").unwrap()[..1]);
+    let e = rotkv::model::text_tokens(&bpe, &bad, 100).unwrap_err();
+    assert!(e.to_string().contains("not UTF-8"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

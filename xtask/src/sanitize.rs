@@ -31,7 +31,7 @@
 //!   ASan (feature `rotkv-kernels/sim-asan`). Under Miri the emulator runs each GPU
 //!   thread as an OS thread instead (Miri cannot switch stacks).
 
-use crate::{Step, cargo, nightly, root, tally};
+use crate::{Step, cargo, nightly, offline_or, root, tally};
 use std::path::Path;
 use std::time::Instant;
 
@@ -140,17 +140,25 @@ pub fn cargo_fuzz(seconds: u64) -> Result<(), Step> {
     if !runs(&["cargo", "fuzz", "--version"]) {
         let mut c = cargo();
         c.args(["install", "--locked", "cargo-fuzz"]);
-        status(c).map_err(|e| Step::Skipped(format!("cargo-fuzz cannot be installed: {e}")))?;
+        status(c).map_err(|e| offline_or("index.crates.io", format!("cargo-fuzz cannot be installed: {e}")))?;
         if !runs(&["cargo", "fuzz", "--version"]) {
             return Err(Step::Skipped("cargo-fuzz was installed but `cargo +nightly fuzz` does not run".into()));
         }
     }
-    // Every target of fuzz/Cargo.toml (the ones listed below), for the host triple.
-    status(nightly(&["cargo", "fuzz", "build", "--target", FUZZ_TRIPLE]))?;
+    // Every target of fuzz/Cargo.toml (the ones listed below), for the host triple, into
+    // `$CARGO_TARGET_DIR` when it is set (made absolute, so that cargo-fuzz's cargo and
+    // this lookup agree), else `fuzz/target`.
+    let env = std::env::var_os("CARGO_TARGET_DIR");
+    let out_dir = fuzz_target_dir(&root(), env.as_deref());
+    let mut build = nightly(&["cargo", "fuzz", "build", "--target", FUZZ_TRIPLE]);
+    if env.is_some_and(|v| !v.is_empty()) {
+        build.env("CARGO_TARGET_DIR", &out_dir);
+    }
+    status(build)?;
     let fuzz_dir = root().join("fuzz");
-    let mut crashed = Vec::new();
+    let mut outcomes = Vec::new();
     for target in CARGO_FUZZ_TARGETS {
-        let scratch = fuzz_dir.join("target/corpus").join(target);
+        let scratch = out_dir.join("corpus").join(target);
         let artifacts = fuzz_dir.join("artifacts").join(target);
         for dir in [&scratch, &artifacts] {
             let _ = std::fs::remove_dir_all(dir);
@@ -159,7 +167,11 @@ pub fn cargo_fuzz(seconds: u64) -> Result<(), Step> {
         copy_files(&fuzz_dir.join("corpus").join(target), &scratch)?;
         // The binary `cargo fuzz build` just made, run directly (as `cargo fuzz run`
         // would, without a second cargo invocation per target).
-        let binary = fuzz_dir.join("target").join(FUZZ_TRIPLE).join("release").join(target);
+        let binary = fuzz_binary(&out_dir, target);
+        if !binary.is_file() {
+            outcomes.push((*target, Fuzzed::Broken(format!("`cargo fuzz build` made no {}", binary.display()))));
+            continue;
+        }
         let mut c = std::process::Command::new(&binary);
         c.arg(&scratch).args([
             format!("-max_total_time={seconds}"),
@@ -167,18 +179,86 @@ pub fn cargo_fuzz(seconds: u64) -> Result<(), Step> {
             "-print_final_stats=1".into(),
             format!("-artifact_prefix={}/", artifacts.display()),
         ]);
-        if let Err(e) = status(c) {
-            let inputs: Vec<String> = std::fs::read_dir(&artifacts)
-                .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path().display().to_string()).collect())
-                .unwrap_or_default();
-            println!("cargo-fuzz {target} failed ({e}); input(s): {}", inputs.join(", "));
-            crashed.push(format!("{target}: {}", inputs.join(", ")));
-        }
+        let outcome = match status(c) {
+            Ok(()) => Fuzzed::Passed,
+            Err(e) => {
+                let inputs: Vec<String> = std::fs::read_dir(&artifacts)
+                    .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path().display().to_string()).collect())
+                    .unwrap_or_default();
+                println!("cargo-fuzz {target} failed ({e}); input(s): {}", inputs.join(", "));
+                if inputs.is_empty() { Fuzzed::Broken(e.to_string()) } else { Fuzzed::Crashed(inputs) }
+            }
+        };
+        outcomes.push((*target, outcome));
     }
-    if crashed.is_empty() {
-        Ok(())
-    } else {
-        Err(Step::Failed(format!("cargo-fuzz found crashes: {}", crashed.join("; "))))
+    fuzz_verdict(&outcomes)
+}
+
+/// Where `cargo fuzz build` puts its target directory: `$CARGO_TARGET_DIR` (`env`,
+/// relative to the workspace root) when set, else `fuzz/target`.
+fn fuzz_target_dir(root: &Path, env: Option<&std::ffi::OsStr>) -> std::path::PathBuf {
+    match env.filter(|v| !v.is_empty()) {
+        Some(t) => root.join(t),
+        None => root.join("fuzz").join("target"),
+    }
+}
+
+/// The binary of fuzz target `target` in `cargo fuzz build`'s target directory.
+fn fuzz_binary(target_dir: &Path, target: &str) -> std::path::PathBuf {
+    target_dir.join(FUZZ_TRIPLE).join("release").join(target)
+}
+
+/// How one cargo-fuzz target's run ended.
+#[derive(Debug)]
+enum Fuzzed {
+    Passed,
+    /// libFuzzer wrote these inputs: a crash, a leak or a timeout.
+    Crashed(Vec<String>),
+    /// The target did not run or ended without an input (no binary, cannot start, killed).
+    Broken(String),
+}
+
+/// The cargo-fuzz step's verdict: crashes only where inputs were written, other failures
+/// by their cause, never an empty list reported as crashes.
+fn fuzz_verdict(outcomes: &[(&str, Fuzzed)]) -> Result<(), Step> {
+    let mut problems = Vec::new();
+    let crashes: Vec<String> = outcomes
+        .iter()
+        .filter_map(|(t, o)| match o {
+            Fuzzed::Crashed(inputs) if !inputs.is_empty() => Some(format!("{t}: {}", inputs.join(", "))),
+            _ => None,
+        })
+        .collect();
+    if !crashes.is_empty() {
+        problems.push(format!("cargo-fuzz found crashes: {}", crashes.join("; ")));
+    }
+    let broken: Vec<String> = outcomes
+        .iter()
+        .filter_map(|(t, o)| match o {
+            Fuzzed::Broken(why) => Some(format!("{t}: {why}")),
+            Fuzzed::Crashed(inputs) if inputs.is_empty() => Some(format!("{t}: failed without an input")),
+            _ => None,
+        })
+        .collect();
+    if !broken.is_empty() {
+        problems.push(format!("cargo-fuzz targets did not run to the end: {}", broken.join("; ")));
+    }
+    if problems.is_empty() { Ok(()) } else { Err(Step::Failed(problems.join(". "))) }
+}
+
+/// The nightly components of `ci`'s parallel lanes (rust-src for the PTX build and
+/// Miri's sysroot, miri itself), installed one at a time before the lanes start: two
+/// rustup installs at once conflict. Errors are left to the steps, which check again.
+pub fn install_nightly_components() {
+    let have = |c: &str| {
+        nightly(&["rustup", "component", "list", "--installed"])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with(c)))
+    };
+    for component in ["rust-src", "miri"] {
+        if let Err(e) = nightly_component(component, || have(component)) {
+            println!("{e}");
+        }
     }
 }
 
@@ -204,7 +284,7 @@ fn nightly_component(component: &str, present: impl Fn() -> bool) -> Result<(), 
     if present() {
         Ok(())
     } else {
-        Err(Step::Skipped(format!("the nightly {component} component cannot be installed here")))
+        Err(offline_or("static.rust-lang.org", format!("the nightly {component} component cannot be installed here")))
     }
 }
 
@@ -220,7 +300,7 @@ fn miri(run: &mut dyn FnMut(std::process::Command) -> Result<(), Step>) -> Resul
     let flags = "-Zmiri-tree-borrows -Zmiri-ignore-leaks";
     let mut setup = nightly(&["cargo", "miri", "setup"]);
     setup.env("MIRIFLAGS", flags);
-    run(setup).map_err(|e| Step::Skipped(format!("cargo miri setup: {e}")))?;
+    run(setup).map_err(|e| offline_or("index.crates.io", format!("cargo miri setup: {e}")))?;
     for (package, tests) in [("rotkv-kernels", MIRI_KERNEL_TESTS), ("rotkv", MIRI_HOST_TESTS)] {
         let mut c = nightly(&["cargo", "miri", "test", "-p", package, "--features", "sim", "--lib", "--"]);
         c.args(tests).env("MIRIFLAGS", flags);
@@ -286,7 +366,42 @@ fn asan() -> Result<(), Step> {
         // coroutines fake stacks that were never released (the conformance suite grew to
         // 23 GB and was killed; without it, 0.9 GB at most).
         .env("ASAN_OPTIONS", "allocator_may_return_null=1:detect_stack_use_after_return=0")
-        .env("CARGO_TARGET_DIR", root().join("target/asan"))
+        .env("CARGO_TARGET_DIR", crate::target_dir().join("asan"))
         .env("PROPTEST_CASES", ASAN_PROPTEST_CASES);
     status(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn fuzz_binaries_are_looked_up_under_cargo_target_dir() {
+        let root = Path::new("/work/repo");
+        let at = |env: Option<&str>| fuzz_binary(&fuzz_target_dir(root, env.map(OsStr::new)), "gguf");
+        let triple = FUZZ_TRIPLE;
+        assert_eq!(at(None), Path::new(&format!("/work/repo/fuzz/target/{triple}/release/gguf")));
+        assert_eq!(at(Some("")), at(None), "an empty CARGO_TARGET_DIR is unset");
+        assert_eq!(at(Some("/tmp/ct")), Path::new(&format!("/tmp/ct/{triple}/release/gguf")));
+        assert_eq!(at(Some("build/t")), Path::new(&format!("/work/repo/build/t/{triple}/release/gguf")));
+        // The workspace's own target directory follows the same rule.
+        assert_eq!(crate::target_dir_in(root, Some(OsStr::new("/tmp/ct"))), Path::new("/tmp/ct"));
+        assert_eq!(crate::target_dir_in(root, None), Path::new("/work/repo/target"));
+    }
+
+    #[test]
+    fn an_empty_crash_list_is_never_reported_as_crashes() {
+        assert!(fuzz_verdict(&[("gguf", Fuzzed::Passed), ("pool", Fuzzed::Passed)]).is_ok());
+        assert!(fuzz_verdict(&[]).is_ok());
+        // Binaries that could not start (the CARGO_TARGET_DIR case): failed, by cause.
+        let broken = [("gguf", Fuzzed::Broken("cannot start".into())), ("calibration", Fuzzed::Crashed(Vec::new()))];
+        let Err(Step::Failed(why)) = fuzz_verdict(&broken) else { panic!("not a failure") };
+        assert!(!why.contains("crashes"), "{why}");
+        assert!(why.contains("gguf: cannot start") && why.contains("calibration: failed without an input"), "{why}");
+        // A real crash names its input.
+        let crashed = [("gguf", Fuzzed::Passed), ("pool", Fuzzed::Crashed(vec!["artifacts/pool/crash-1".into()]))];
+        let Err(Step::Failed(why)) = fuzz_verdict(&crashed) else { panic!("not a failure") };
+        assert_eq!(why, "cargo-fuzz found crashes: pool: artifacts/pool/crash-1");
+    }
 }

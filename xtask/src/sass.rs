@@ -1041,7 +1041,7 @@ impl EntryReport {
 }
 
 fn assemble(ptxas: &Path, nvdisasm: &Path, arch: &Arch) -> Result<(Vec<Usage>, Vec<Function>), Step> {
-    let dir = root().join("target/sass");
+    let dir = crate::target_dir().join("sass");
     std::fs::create_dir_all(&dir).map_err(|e| Step::Failed(format!("{}: {e}", dir.display())))?;
     let cubin = dir.join(format!("rotkv_{}.cubin", arch.name));
     let out = Command::new(ptxas)

@@ -451,10 +451,6 @@ fn decode_throughput(out: &mut Out, l0: &eval::LayerTile) -> Result<(), CliError
     Ok(())
 }
 
-fn read_text(path: &std::path::Path) -> Result<String, CliError> {
-    Ok(model::read_text(path)?)
-}
-
 /// A path's file name, for tables and metadata.
 fn file_name(p: &std::path::Path) -> String {
     p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
@@ -469,12 +465,13 @@ fn model_and_tokens(
 ) -> Result<(model::llama::Llama, Vec<u32>), CliError> {
     let (llama, tok) = load_model(model_path)?;
     let mut ids = tok.bos_prefix();
-    let body = tok.encode(&read_text(text)?)?;
+    // Only the prefix of the text that holds the tokens asked for is read and tokenized.
+    let body = model::text_tokens(&tok, text, tokens.saturating_sub(ids.len()))?.ids;
     if ids.len() + body.len() < tokens {
         let why = format!("{} has {} tokens, {tokens} asked", text.display(), ids.len() + body.len());
         return Err(CliError::Lib(rotkv::Error::Shape(why)));
     }
-    ids.extend_from_slice(&body[..tokens.saturating_sub(ids.len())]);
+    ids.extend_from_slice(&body);
     ids.truncate(tokens);
     Ok((llama, ids))
 }
@@ -528,7 +525,8 @@ fn ppl(
     }
     // Each window: BOS (when the model asks for one), then the next ctx - 1 text tokens.
     let per = ctx - bos.len();
-    let body = tok.encode(&read_text(text)?)?;
+    // Only the prefix of the text that the windows use is read and tokenized.
+    let body = model::text_tokens(&tok, text, per * windows)?.ids;
     if body.len() < per * windows {
         let why = format!("{} has {} tokens, {windows} windows of {per} asked", text.display(), body.len());
         return Err(CliError::Lib(rotkv::Error::Shape(why)));

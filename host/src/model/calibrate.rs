@@ -237,13 +237,26 @@ impl Calibration {
         const NAMES: [&str; 6] = ["key_mean", "key_perm", "value_perm", "key_std", "key_rotation", "value_rotation"];
         let mut n_layers = 0usize;
         for name in st.names() {
+            // `L` in its one decimal spelling (`layer001` is not `layer1`: a tensor the
+            // loader would never read), and small enough to count layers up to it.
             let parsed = name
                 .strip_prefix("layer")
                 .and_then(|r| r.split_once('.'))
-                .filter(|(l, t)| NAMES.contains(t) && !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|(l, _)| l.parse::<usize>().ok());
-            let l = parsed.ok_or_else(|| bad(format!("tensor {name} is not layer<L>.<{}>", NAMES.join("|"))))?;
-            n_layers = n_layers.max(l + 1);
+                .filter(|(l, t)| {
+                    NAMES.contains(t)
+                        && !l.is_empty()
+                        && l.bytes().all(|b| b.is_ascii_digit())
+                        && (*l == "0" || !l.starts_with('0'))
+                })
+                .and_then(|(l, _)| l.parse::<usize>().ok())
+                .and_then(|l| l.checked_add(1));
+            let end = parsed.ok_or_else(|| {
+                bad(format!(
+                    "tensor {name} is not layer<L>.<{}> (L a layer number without leading zeros)",
+                    NAMES.join("|")
+                ))
+            })?;
+            n_layers = n_layers.max(end);
         }
         if let Some(l) = (0..n_layers).find(|l| st.tensor(&format!("layer{l}.key_mean")).is_err()) {
             return Err(bad(format!(

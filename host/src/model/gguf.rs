@@ -147,6 +147,16 @@ pub fn type_name(kind: u32) -> &'static str {
 /// stays within 128 MiB plus its strings.
 pub const MAX_METADATA_ELEMENTS: usize = 1 << 22;
 
+/// Most top-level metadata keys a file may declare: 64 Ki (files hold about 20 to 60).
+/// Each key costs about 100 bytes in memory (its string, its [`Value`], its map slot),
+/// whatever its few bytes in the file, so the count is checked before the map is built.
+/// Every key also takes one element of [`MAX_METADATA_ELEMENTS`].
+pub const MAX_METADATA_KEYS: usize = 1 << 16;
+
+/// Most tensor entries a file may declare: 64 Ki (the largest models hold a few
+/// thousand). Each costs about 150 bytes in memory, checked as [`MAX_METADATA_KEYS`].
+pub const MAX_TENSORS: usize = 1 << 16;
+
 struct Cursor<'a> {
     b: &'a [u8],
     at: usize,
@@ -189,6 +199,18 @@ impl Cursor<'_> {
         }
         Ok(n as usize)
     }
+    /// Takes `n` elements of the metadata budget ([`MAX_METADATA_ELEMENTS`]: array
+    /// elements and top-level keys).
+    fn charge(&mut self, n: usize) -> Result<()> {
+        if n > self.elements_left {
+            return Err(Error::Input(format!(
+                "GGUF metadata holds more than {MAX_METADATA_ELEMENTS} elements in all (keys and array elements; \
+                 {n} more asked)"
+            )));
+        }
+        self.elements_left -= n;
+        Ok(())
+    }
     fn string(&mut self) -> Result<String> {
         let n = self.count("string length")?;
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Error::Input("GGUF string is not UTF-8".into()))
@@ -221,12 +243,7 @@ impl Cursor<'_> {
                     )));
                 }
                 let n = n as usize;
-                if n > self.elements_left {
-                    return Err(Error::Input(format!(
-                        "GGUF metadata arrays hold more than {MAX_METADATA_ELEMENTS} elements in all (an array of {n})"
-                    )));
-                }
-                self.elements_left -= n;
+                self.charge(n)?;
                 let mut items = Vec::with_capacity(n.min(1 << 20));
                 for _ in 0..n {
                     items.push(self.value(inner, depth + 1)?);
@@ -259,6 +276,20 @@ impl Gguf {
         }
         let n_tensors = c.count("tensor")?;
         let n_kv = c.count("metadata")?;
+        // Checked before anything is read or allocated: a file of millions of tiny
+        // entries would take about 100 times its size in memory.
+        if n_tensors > MAX_TENSORS {
+            return Err(Error::Input(format!(
+                "GGUF file declares {n_tensors} tensors; at most {MAX_TENSORS} are read"
+            )));
+        }
+        if n_kv > MAX_METADATA_KEYS {
+            return Err(Error::Input(format!(
+                "GGUF file declares {n_kv} metadata keys; at most {MAX_METADATA_KEYS} are read"
+            )));
+        }
+        // Every key is one element of the budget, as each array element is.
+        c.charge(n_kv)?;
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
             let key = c.string()?;

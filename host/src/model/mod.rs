@@ -66,6 +66,58 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
     Ok(s.replace("\r\n", "\n").replace('\r', "\n"))
 }
 
+/// The first tokens of a text file ([`text_tokens`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TextPrefix {
+    /// The first `n` text tokens (no BOS), or every token of a shorter text.
+    pub ids: Vec<u32>,
+    /// Bytes of the file read and tokenized to find them.
+    pub bytes: usize,
+    /// Whether the whole file was read (then `ids` are all its tokens, if fewer than `n`).
+    pub whole: bool,
+}
+
+/// The first `n` text tokens of a UTF-8 text file, read as [`read_text`] reads it, from
+/// a prefix of the file: `8 n + 4096` bytes first, doubled until the prefix holds `n`
+/// tokens or the file ends, so the work and memory follow `n`, not the file's size. A
+/// prefix ends at a line start between two non-space bytes (`x\nY`), where no
+/// pre-tokenizer's piece spans the cut, so its tokens are the whole text's (for
+/// SentencePiece too unless the vocabulary merges a newline with its neighbours); a file
+/// without such a line start is read whole. Only the prefix must be UTF-8.
+pub fn text_tokens(tok: &Tokenizer, path: &std::path::Path, n: usize) -> Result<TextPrefix> {
+    use std::io::Read;
+    let err = |e: String| Error::Input(format!("reading {}: {e}", path.display()));
+    let mut file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    let mut raw = Vec::new();
+    let mut want = n.saturating_mul(8).saturating_add(4096);
+    let mut tried = 0;
+    loop {
+        let more = want.saturating_sub(raw.len()) as u64;
+        let got = (&mut file).take(more).read_to_end(&mut raw).map_err(|e| err(e.to_string()))?;
+        let whole = (got as u64) < more;
+        let cut = if whole { Some(raw.len()) } else { last_line_start(&raw) };
+        if let Some(cut) = cut.filter(|&c| c > tried) {
+            tried = cut;
+            let text =
+                std::str::from_utf8(&raw[..cut]).map_err(|e| err(format!("not UTF-8 at byte {}", e.valid_up_to())))?;
+            let mut ids = tok.encode(&text.replace("\r\n", "\n").replace('\r', "\n"))?;
+            if ids.len() >= n || whole {
+                ids.truncate(n);
+                return Ok(TextPrefix { ids, bytes: cut, whole });
+            }
+        }
+        want = want.saturating_mul(2);
+    }
+}
+
+/// The last position `p` of `raw` with `raw[p - 1] == b'\n'` between two bytes that are
+/// not ASCII whitespace.
+fn last_line_start(raw: &[u8]) -> Option<usize> {
+    (2..raw.len())
+        .rev()
+        .find(|&p| raw[p - 1] == b'\n' && !raw[p - 2].is_ascii_whitespace() && !raw[p].is_ascii_whitespace())
+}
+
 /// A KV-cache method of the perplexity harness.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvMethod {

@@ -134,6 +134,17 @@ pub enum Kind {
     SentencePiece(bool),
 }
 
+/// The most bytes of token text a SentencePiece vocabulary of `vocab_bytes` bytes may
+/// cost to derive its merges ([`Tokenizer::setup_bytes`]): 8 per vocabulary byte plus 64
+/// MiB, so setup is linear in the vocabulary's size. It bounds both the hashing and the
+/// merges' text kept until the BPE model is built; the merge entries themselves number
+/// at most one per character of the vocabulary. Real vocabularies stay far below it
+/// (a 256k-token vocabulary of tokens up to 100 bytes looks up a few MB); a vocabulary
+/// past it is refused with [`Error::Input`].
+pub const fn sentencepiece_merge_budget(vocab_bytes: usize) -> usize {
+    vocab_bytes.saturating_mul(8).saturating_add(64 << 20)
+}
+
 /// GGUF token types (`tokenizer.ggml.token_type`).
 const TYPE_CONTROL: i64 = 3;
 const TYPE_USER_DEFINED: i64 = 4;
@@ -143,6 +154,8 @@ const TYPE_USER_DEFINED: i64 = 4;
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     vocab: usize,
+    merges: usize,
+    setup_bytes: usize,
     /// What kind of tokenizer it is.
     pub kind: Kind,
     /// The beginning-of-sequence token, if the file names one.
@@ -254,6 +267,7 @@ impl Tokenizer {
             })
             .collect::<Result<Vec<_>>>()?;
         let unk_text = unk.and_then(|u| tokens.get(u as usize).cloned());
+        let (merge_count, setup_bytes) = (merges.len(), merges.iter().map(|(a, b)| a.len() + b.len()).sum());
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.into_iter().enumerate().map(|(i, t)| (t, i as u32)).collect();
         let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(pre == Pre::Llama3);
@@ -264,7 +278,17 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre.wrapper()?));
         inner.with_decoder(Some(ByteLevel::default()));
-        Ok(Self { inner, vocab: vocab_len, kind: Kind::ByteLevel(pre), bos, eos, unk, add_bos: pre.adds_bos() })
+        Ok(Self {
+            inner,
+            vocab: vocab_len,
+            merges: merge_count,
+            setup_bytes,
+            kind: Kind::ByteLevel(pre),
+            bos,
+            eos,
+            unk,
+            add_bos: pre.adds_bos(),
+        })
     }
 
     /// A SentencePiece BPE tokenizer from its tokens, their scores and types (`<0xNN>`
@@ -283,13 +307,39 @@ impl Tokenizer {
         }
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        // Merges: every split of a normal token into two tokens of the vocabulary.
+        // Merges: every split of a normal token into two tokens of the vocabulary. A split
+        // is looked up only where both halves have the byte length of some token (a set
+        // of at most `longest + 1` flags), so a very long token costs one pass over its
+        // characters, not a hash of every prefix. Each looked-up split costs the token's
+        // bytes (hashing both halves, and the merge's text if kept), charged against
+        // [`sentencepiece_merge_budget`]: a vocabulary of nested tokens (`a`, `aa`, `aaa`,
+        // ...: cubic in its length) is refused instead of taking gigabytes.
+        let vocab_bytes: usize = tokens.iter().map(String::len).sum();
+        let budget = sentencepiece_merge_budget(vocab_bytes);
+        let longest = tokens.iter().map(String::len).max().unwrap_or(0);
+        let mut is_len = vec![false; longest + 1];
+        for t in &tokens {
+            is_len[t.len()] = true;
+        }
+        let mut work = 0usize;
         let mut found: Vec<(f64, u32, u32, String, String)> = Vec::new();
         for (i, t) in tokens.iter().enumerate() {
             if types.get(i).is_some_and(|&ty| ty != 1) {
                 continue;
             }
             for (at, _) in t.char_indices().skip(1) {
+                if !(is_len[at] && is_len[t.len() - at]) {
+                    continue;
+                }
+                work += t.len();
+                if work > budget {
+                    return Err(Error::Input(format!(
+                        "SentencePiece vocabulary of {} tokens ({vocab_bytes} bytes): its merges need more than \
+                         {budget} bytes of token text (8 per vocabulary byte plus 64 MiB), past the setup bound \
+                         (nested tokens such as a, aa, aaa, ... grow it with the cube of their length)",
+                        tokens.len()
+                    )));
+                }
                 let (a, b) = t.split_at(at);
                 if let (Some(&ia), Some(_)) = (vocab.get(a), vocab.get(b)) {
                     found.push((scores[i], i as u32, ia, a.to_string(), b.to_string()));
@@ -297,6 +347,7 @@ impl Tokenizer {
             }
         }
         found.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+        let merge_count = found.len();
         let merges = found.into_iter().map(|(_, _, _, a, b)| (a, b)).collect();
         let unk_text = unk.and_then(|u| tokens.get(u as usize).cloned());
         let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
@@ -322,7 +373,17 @@ impl Tokenizer {
         }
         inner.with_decoder(Some(DecoderSequence::new(decoders)));
         let vocab = tokens.len();
-        Ok(Self { inner, vocab, kind: Kind::SentencePiece(space_prefix), bos, eos, unk, add_bos: true })
+        Ok(Self {
+            inner,
+            vocab,
+            merges: merge_count,
+            setup_bytes: work,
+            kind: Kind::SentencePiece(space_prefix),
+            bos,
+            eos,
+            unk,
+            add_bos: true,
+        })
     }
 
     /// Control tokens become special tokens, never matched in text (plain-text
@@ -365,6 +426,19 @@ impl Tokenizer {
     /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.vocab
+    }
+
+    /// Number of merge rules of the BPE model (given for byte-level BPE, derived from
+    /// the vocabulary for SentencePiece).
+    pub fn merge_count(&self) -> usize {
+        self.merges
+    }
+
+    /// Bytes of token text the setup went through to find the merges: the merges' own
+    /// bytes for byte-level BPE; for SentencePiece, each split looked up charges its
+    /// token's bytes, at most [`sentencepiece_merge_budget`] of the vocabulary's bytes.
+    pub fn setup_bytes(&self) -> usize {
+        self.setup_bytes
     }
 
     /// Token ids of `text` (no BOS added).
