@@ -337,6 +337,9 @@ pub struct DecodePtrs {
     pub l: u64,
     /// Partial outputs, f32 `[seq][q_len][q_head][split][head_dim]`.
     pub o: u64,
+    /// The step batch (u32, with [`DecodeParams::batch_rows`] `> 0`), or 0 for a uniform
+    /// batch.
+    pub meta: u64,
 }
 
 /// Device addresses of `decode_merge`'s buffers, in its entry point's order.
@@ -354,6 +357,9 @@ pub struct MergePtrs {
     pub value_rot: u64,
     /// Output, f32 or f16 (`FLAG_OUTPUT_F16`) `[seq x q_len][q_head][head_dim]`.
     pub out: u64,
+    /// The step batch whose first `num_seqs` entries are the rows' slots (a row without
+    /// one is written as zeros), or 0.
+    pub meta: u64,
 }
 
 /// Device addresses of `append_tokens`'s buffers, in its entry point's order.

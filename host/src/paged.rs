@@ -522,8 +522,11 @@ pub fn append<T: KvElement>(
     Ok(new_len)
 }
 
-/// Most query tokens per sequence of one decode call ([`DecodeOptions::q_len`]).
-pub const MAX_Q_LEN: usize = 64;
+/// Most query tokens per sequence of one decode call ([`DecodeOptions::q_len`]): a chunk
+/// of a prompt (chunked prefill from the packed cache) as well as a few speculative
+/// rows. A GPU grid also bounds a launch's query rows (sequences x rows, and splits x
+/// row tiles, at most 65,535 each).
+pub const MAX_Q_LEN: usize = 4096;
 
 /// Options of a decode call. The default is one query token per sequence, the softmax
 /// scale `1 / sqrt(head_dim)` and splits chosen by the backend.
@@ -739,6 +742,8 @@ pub fn decode<T: KvElement>(
         max_len: max_len as u32,
         q_len: q_len as u32,
         attn_window,
+        batch_rows: 0,
+        batch_seqs: 0,
     };
     if seqs.is_empty() {
         return Ok(());

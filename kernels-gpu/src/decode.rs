@@ -239,6 +239,11 @@ fn pick(w: &[u32; 4], k: usize) -> u32 {
 /// `Hq / Hkv <= MAX_GROUP`. Grid `(Hkv, S, N * q_len)`, 32 threads, [`decode_shared_bytes`] of
 /// dynamic shared memory for `MAX_GROUP` heads.
 ///
+/// With a step batch (`p.batch_rows > 0`, `meta` its
+/// [`crate::params::batch_meta_len`] u32), sequence `s` decodes its rows of the step
+/// ([`DecodeParams::seq_rows`]); blocks of query tokens past them leave at once. `meta`
+/// is unused (may be null) otherwise.
+///
 /// # Parameters
 /// Outputs per `[seq][q_len][q_head][split]`: `part_m` the max logit (`-inf` for an empty
 /// split), `part_l` the sum of `exp(logit - m)`, `part_o` (`[.. ][D]`) the sum of
@@ -274,11 +279,19 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     part_m: *mut f32,
     part_l: *mut f32,
     part_o: *mut f32,
+    meta: *const u32,
 ) {
     let [kvh, seq, z] = ctx.block_idx();
+    // SAFETY: the step batch (contract).
+    let (pb, q_base, row_base) = unsafe { p.seq_rows(meta, seq) };
+    let p = &pb;
     // Grid z enumerates (query token, split): one query token of the sequence per block.
     let nsplit = p.num_splits.max(1);
     let (split, qi) = (z % nsplit, z / nsplit);
+    // A query token past the sequence's rows (a step batch gives each its own count).
+    if qi >= p.q_len {
+        return;
+    }
     let lane = ctx.lane();
     let fmt = p.format;
     let hq = p.num_q_heads as usize;
@@ -297,10 +310,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
         if h >= g {
             continue;
         }
-        let row = seq as usize * p.q_seq_stride as usize
-            + qi as usize * p.q_token_stride as usize
-            + (kvh as usize * g + h) * D
-            + lane as usize * V;
+        let row = q_base + qi as usize * p.q_token_stride as usize + (kvh as usize * g + h) * D + lane as usize * V;
         let ks = unsafe { key_scale.add(kvh as usize * D + lane as usize * V) };
         let mut x: [f32; V] =
             core::array::from_fn(|v| unsafe { load_elem(q, p.q_dtype, row + v) * *ks.add(v) } * p.sm_scale);
@@ -414,8 +424,8 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
     }
     for h in 0..MAX_GROUP {
         if h < g {
-            let row = ((seq as usize * p.q_len as usize + qi as usize) * hq + kvh as usize * g + h) * nsplit as usize
-                + split as usize;
+            let row =
+                ((row_base as usize + qi as usize) * hq + kvh as usize * g + h) * nsplit as usize + split as usize;
             if lane == 0 {
                 unsafe {
                     *part_m.add(row) = m[h];
@@ -480,6 +490,7 @@ mod entry {
                 part_m: *mut f32,
                 part_l: *mut f32,
                 part_o: *mut f32,
+                meta: *const u32,
             ) {
                 // SAFETY: forwarded contract of `decode_split`.
                 unsafe {
@@ -498,6 +509,7 @@ mod entry {
                         part_m,
                         part_l,
                         part_o,
+                        meta,
                     )
                 }
             }

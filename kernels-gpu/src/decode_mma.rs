@@ -871,6 +871,11 @@ fn ring_chunks<
 /// the sum of `exp(logit - m) * v'` in stored value order: the input of `decode_merge`
 /// (run with `num_seqs * q_len` sequences).
 ///
+/// With a step batch (`p.batch_rows > 0`, `meta` its [`crate::params::batch_meta_len`]
+/// u32), sequence `s` decodes its rows of the step ([`DecodeParams::seq_rows`]): its
+/// count of new tokens (at most `p.q_len`), queries and partials at its first input row;
+/// row tiles past its rows leave at once. `meta` is unused (may be null) otherwise.
+///
 /// # Thread mapping
 /// Setup: warp `w` scales (key scales) and rotates query rows `w, w + 4, w + 8, w + 12`
 /// of the tile (lane `i` owns channels `[i * V, (i + 1) * V)`, as `decode_split`), then the block writes the
@@ -909,18 +914,27 @@ pub unsafe fn decode_mma<
     part_m: *mut f32,
     part_l: *mut f32,
     part_o: *mut f32,
+    meta: *const u32,
 ) {
-    let fmt = p.format;
     let tid = ctx.thread_idx();
     let (warp, lane) = (tid / WARP, tid % WARP);
     let (g, t) = (lane / 4, lane % 4);
     let [kvh, seq, z] = ctx.block_idx();
+    // SAFETY: the step batch (contract).
+    let (pb, q_base, row_base) = unsafe { p.seq_rows(meta, seq) };
+    let p = &pb;
+    let fmt = p.format;
     let nsplit = p.num_splits.max(1);
     let (split, rt) = (z % nsplit, z / nsplit);
     let hq = p.num_q_heads;
     let gqa = (hq / p.num_kv_heads.max(1)).max(1);
     let rows_total = gqa * p.q_len;
     let r0 = rt * ROWS;
+    // A row tile past the sequence's rows (a step batch gives each sequence its own
+    // count) has nothing to do: the whole block leaves before its first barrier.
+    if r0 >= rows_total {
+        return;
+    }
     let gsize = D as u32 / NG as u32;
     // SAFETY (every raw access below): inside the sizes of the `# Safety` contract.
     let len = p.clamp_len(unsafe { *seq_lens.add(seq as usize) });
@@ -952,10 +966,7 @@ pub unsafe fn decode_mma<
         let row = r0 + r;
         let valid = row < rows_total;
         let (i, h) = (row / gqa, row % gqa);
-        let src = seq as usize * p.q_seq_stride as usize
-            + i as usize * p.q_token_stride as usize
-            + ((kvh * gqa + h) as usize) * D
-            + lane as usize * V;
+        let src = q_base + i as usize * p.q_token_stride as usize + ((kvh * gqa + h) as usize) * D + lane as usize * V;
         let scale = p.sm_scale * LOG2E;
         let ks = unsafe { key_scale.add(kvh as usize * D + lane as usize * V) };
         let mut x: [f32; V] = core::array::from_fn(|v| {
@@ -1355,7 +1366,7 @@ pub unsafe fn decode_mma<
                     }
                 }
                 let (i, h) = (row / gqa, row % gqa);
-                let out_row = ((seq * p.q_len + i) * hq + kvh * gqa + h) as usize * nsplit as usize + split as usize;
+                let out_row = ((row_base + i) * hq + kvh * gqa + h) as usize * nsplit as usize + split as usize;
                 let ch = pass * mc + c;
                 unsafe { *part_o.add(out_row * D + ch) = acc };
                 if ch == 0 {
@@ -1426,12 +1437,13 @@ mod entry {
                 part_m: *mut f32,
                 part_l: *mut f32,
                 part_o: *mut f32,
+                meta: *const u32,
             ) {
                 // SAFETY: forwarded contract of `decode_mma`.
                 unsafe {
                     decode_mma::<_, $d, $v, $kb, $vb, $ng, $nks, $nvt>(
                         &Nvptx, &p, q, pool, block_tables, seq_lens, sides, protected, key_scale, key_perm, key_rot,
-                        part_m, part_l, part_o,
+                        part_m, part_l, part_o, meta,
                     )
                 }
             }

@@ -5,7 +5,9 @@
 use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp};
 use crate::math::{exp_neg, f32_to_f16};
-use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_BF16, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams};
+use crate::params::{
+    BATCH_NO_SLOT, FLAG_DENSE_VALUES, FLAG_OUTPUT_BF16, FLAG_OUTPUT_F16, FLAG_ROTATE_VALUES, MergeParams,
+};
 
 /// Merges the partials of one `(query head, sequence)` and writes its attention output
 /// in the original value channels.
@@ -17,7 +19,9 @@ use crate::params::{FLAG_DENSE_VALUES, FLAG_OUTPUT_BF16, FLAG_OUTPUT_F16, FLAG_R
 /// `p.num_kv_heads * D * D` when `p.flags` has `FLAG_DENSE_VALUES` (else unused), `out`
 /// for writes at `s * p.out_row_stride + h * D + c` (`s < S`, `h < H`, `c < D`; 4 or 2
 /// bytes each) not aliased by the inputs; `D == p.head_dim`, `V * 32 == D`. The grid must be
-/// `(H, S, 1)` with 32 threads per block.
+/// `(H, S, 1)` with 32 threads per block. `meta` null, or a step batch whose first `S`
+/// entries are the rows' slots: a row whose slot is `BATCH_NO_SLOT` is written as zeros
+/// without reading its partials.
 ///
 /// # Parameters
 /// - `m`, `l`: per `[seq][q_head][split]`, the split's max logit (`-inf` when empty) and
@@ -48,10 +52,16 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     vperm_inv: *const u16,
     value_rot: *const f32,
     out: *mut u8,
+    meta: *const u32,
 ) {
     let [qh, seq, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
-    let (hq, splits) = (p.num_q_heads as usize, p.num_splits as usize);
+    let hq = p.num_q_heads as usize;
+    // A step batch's row that carries no token gets zeros (its partials were not
+    // written this step).
+    // SAFETY: with a step batch, `meta` holds a slot per row (contract).
+    let unused = !meta.is_null() && unsafe { *meta.add(seq as usize) } == BATCH_NO_SLOT;
+    let splits = if unused { 0 } else { p.num_splits as usize };
     let row = seq as usize * hq + qh as usize;
     let base = row * splits;
     // SAFETY (all reads below): indices stay inside the sizes of the `# Safety` contract.
@@ -151,9 +161,10 @@ mod entry {
                 vperm_inv: *const u16,
                 value_rot: *const f32,
                 out: *mut u8,
+                meta: *const u32,
             ) {
                 // SAFETY: forwarded contract of `decode_merge`.
-                unsafe { decode_merge::<_, $d, $v>(&Nvptx, &p, m, l, o, vperm_inv, value_rot, out) }
+                unsafe { decode_merge::<_, $d, $v>(&Nvptx, &p, m, l, o, vperm_inv, value_rot, out, meta) }
             }
         };
     }

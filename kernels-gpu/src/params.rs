@@ -192,6 +192,15 @@ pub struct DecodeParams {
     /// i)`; positions below every row's start (row 0's) are never read, nor are the
     /// block-table entries of pages wholly below it.
     pub attn_window: u32,
+    /// 0 for a uniform batch (every sequence `q_len` rows, sequence `s`'s rows at `s *
+    /// q_seq_stride`); else a step batch of this many rows (the `meta` array of
+    /// [`AppendBatchParams`] over `batch_seqs` slots): sequence `s`'s rows are its new
+    /// tokens of the step, its count of them (`q_len` at most) starting at input row
+    /// `first_row` (queries at `row * q_token_stride`, partials at row `first_row + i`).
+    pub batch_rows: u32,
+    /// Slots of the step batch (with `batch_rows > 0`); a sequence at or past it has no
+    /// rows.
+    pub batch_seqs: u32,
 }
 
 /// Parameters of the log-sum-exp merge of split partials.
@@ -218,6 +227,32 @@ pub struct MergeParams {
 }
 
 impl DecodeParams {
+    /// Sequence `seq`'s rows: the parameters to decode them with (`q_len` its rows), the
+    /// element offset of its first query row, and the index of its first partials (and
+    /// output) row. A uniform batch: `q_len` rows at `seq * q_seq_stride`, rows `seq *
+    /// q_len ..`. A step batch (`batch_rows > 0`): the slot's count this step (at most
+    /// `q_len`; 0 past `batch_seqs`) from input row `first_row` on.
+    ///
+    /// # Safety
+    /// With `batch_rows > 0`, `meta` valid for [`batch_meta_len`]`(batch_rows,
+    /// batch_seqs)` u32; unused otherwise.
+    #[inline(always)]
+    pub unsafe fn seq_rows(&self, meta: *const u32, seq: u32) -> (DecodeParams, usize, u32) {
+        if self.batch_rows == 0 {
+            return (*self, seq as usize * self.q_seq_stride as usize, seq * self.q_len);
+        }
+        let mut p = *self;
+        if seq >= self.batch_seqs {
+            p.q_len = 0;
+            return (p, 0, 0);
+        }
+        let (r, s) = (self.batch_rows as usize, self.batch_seqs as usize);
+        // SAFETY: seq < batch_seqs: inside the counts and first rows (contract).
+        let (count, first) = unsafe { (*meta.add(r + s + seq as usize), *meta.add(r + 2 * s + seq as usize)) };
+        // A first row past the batch (an inconsistent batch) gets no rows.
+        p.q_len = if first < self.batch_rows { count.min(self.q_len).min(self.batch_rows - first) } else { 0 };
+        (p, first as usize * self.q_token_stride as usize, first)
+    }
     /// A block-table entry as the decode kernels use it: clamped below `num_blocks`.
     #[inline(always)]
     pub const fn block(&self, entry: u32) -> u32 {

@@ -539,6 +539,8 @@ fn split_partials_merge_to_the_unsplit_result() {
             max_len: u32::MAX,
             q_len: 1,
             attn_window: 0,
+            batch_rows: 0,
+            batch_seqs: 0,
         };
         let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
         for splits in 1..=70u32 {
@@ -1145,6 +1147,8 @@ fn row_partials_mask_causally_and_merge_to_the_unsplit_result() {
         max_len: u32::MAX,
         q_len: q_len as u32,
         attn_window: 0,
+        batch_rows: 0,
+        batch_seqs: 0,
     };
     let one = reference::decode_partials(&params(1), &st.calib, st.pool.bytes(), &[st.seq()], &q);
     assert_eq!(one.len(), q_len * 6);
@@ -1451,6 +1455,8 @@ fn window_splits_cover_the_visible_positions_only() {
         max_len: u32::MAX,
         q_len,
         attn_window,
+        batch_rows: 0,
+        batch_seqs: 0,
     };
     // A million tokens, 4 rows, a 4096-key window: 4099 visible positions in 16 splits.
     let (len, q_len, window) = (1_000_000u32, 4u32, 4096u32);

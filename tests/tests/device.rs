@@ -921,6 +921,8 @@ fn raw_entry_points_refuse_misaligned_pool_and_side_stores() {
         max_len: 1,
         q_len: 1,
         attn_window: 0,
+        batch_rows: 0,
+        batch_seqs: 0,
     };
     let ap = AppendParams {
         format: fmt,
@@ -950,6 +952,7 @@ fn raw_entry_points_refuse_misaligned_pool_and_side_stores() {
             m: 16,
             l: 16,
             o: 16,
+            meta: 0,
         };
         let fptrs = FlushPtrs { block_table: 16, side, pool };
         let aptrs = AppendPtrs {

@@ -106,6 +106,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             max_len: u32::MAX,
             q_len: q_len as u32,
             attn_window: 0,
+            batch_rows: 0,
+            batch_seqs: 0,
         };
         let seqs: Vec<SeqRef<'_>> = (0..2)
             .map(|si| SeqRef { block_table: &tables[si], side: &sides[si], len: lens[si], protected: &protected[si] })

@@ -327,8 +327,9 @@ impl Kernels {
             (&mut x.m as *mut u64).cast(),
             (&mut x.l as *mut u64).cast(),
             (&mut x.o as *mut u64).cast(),
+            (&mut x.meta as *mut u64).cast(),
         ];
-        // SAFETY: the entry point's parameters in order (params by value, then 12
+        // SAFETY: the entry point's parameters in order (params by value, then 13
         // pointers); forwarded contract for the buffers.
         unsafe { self.launch(name, stream, shape.grid, shape.block, shape.shared, &mut args) }
     }
@@ -354,6 +355,7 @@ impl Kernels {
             (&mut x.vperm_inv as *mut u64).cast(),
             (&mut x.value_rot as *mut u64).cast(),
             (&mut x.out as *mut u64).cast(),
+            (&mut x.meta as *mut u64).cast(),
         ];
         // SAFETY: `decode_merge`'s parameters in order; forwarded contract.
         unsafe { self.launch(name, stream, [p.num_q_heads, p.num_seqs, 1], BLOCK, 0, &mut args) }

@@ -95,6 +95,7 @@ pub fn decode_merge_sim<O: crate::OutputElement>(
         vperm_inv: addr(vperm_inv.as_ptr()),
         value_rot: addr(rot),
         out: addr(out.as_mut_ptr()),
+        meta: 0,
     };
     // SAFETY: sizes checked above; `out` is borrowed mutably for the launch.
     unsafe { merge_raw(&p, &ptrs) }
@@ -135,6 +136,7 @@ pub unsafe fn merge_raw(p: &MergeParams, ptrs: &MergePtrs) -> Result<()> {
                         ptr(ptrs.vperm_inv),
                         ptr(ptrs.value_rot),
                         ptr(ptrs.out),
+                        ptr(ptrs.meta),
                     )
                 }
             })
@@ -191,6 +193,7 @@ fn decode_split_launch(
         m: addr(m.as_mut_ptr()),
         l: addr(l.as_mut_ptr()),
         o: addr(o.as_mut_ptr()),
+        meta: 0,
     };
     // SAFETY: the paged layer and `DecodeInputs::new` validated pool, tables, lengths,
     // side stores and queries; the outputs have the partials' sizes.
@@ -231,6 +234,7 @@ pub unsafe fn decode_raw(p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
                         ptr(ptrs.m),
                         ptr(ptrs.l),
                         ptr(ptrs.o),
+                        ptr(ptrs.meta),
                     )
                 }
             })

@@ -79,7 +79,7 @@ enum Command {
         /// the -pre methods with -c or -a.
         #[arg(long)]
         pre_calib: Option<PathBuf>,
-        /// Tokens per decode step (1 to 64): each step appends this many tokens and decodes
+        /// Tokens per decode step (1 to 4096): each step appends this many tokens and decodes
         /// them with one multi-token decode (causal rows), as speculative decoding verifies
         /// a draft; 1 is token by token. Unquantized methods give the same perplexity up to
         /// f32 rounding; with quantized pages a step's earlier rows also read the page its

@@ -1715,6 +1715,8 @@ impl DecodePlan {
             max_len: layer.size.max_tokens as u32,
             q_len: q_len as u32,
             attn_window,
+            batch_rows: 0,
+            batch_seqs: 0,
         }
     }
 
@@ -1788,21 +1790,7 @@ impl DecodePlan {
         q: (u64, usize, usize),
         out: (u64, usize, usize),
     ) -> Result<()> {
-        if layer.device.0.id != self.device {
-            return Err(Error::Device("the plan was made on another device handle".into()));
-        }
-        if layer.fmt != self.fmt || layer.shape != self.layer_shape {
-            return Err(Error::Shape(format!(
-                "the plan was made for a layer of another format or heads ({:?}, {:?}; this layer: {:?}, {:?})",
-                self.fmt, self.layer_shape, layer.fmt, layer.shape
-            )));
-        }
-        if self.shape.max_seqs > layer.size.max_seqs || self.shape.max_context > layer.size.max_tokens {
-            return Err(Error::Capacity(format!(
-                "the plan decodes {} slots of up to {} tokens; this layer has {} slots of {}",
-                self.shape.max_seqs, self.shape.max_context, layer.size.max_seqs, layer.size.max_tokens
-            )));
-        }
+        self.check_layer(layer)?;
         if !(1..=self.shape.max_q_len).contains(&q_len) {
             return Err(Error::Shape(format!("q_len {q_len}: the plan takes 1 to {}", self.shape.max_q_len)));
         }
@@ -1825,6 +1813,41 @@ impl DecodePlan {
                 )));
             }
         }
+        self.check_live(layer)?;
+        for (slot, s) in layer.seqs.iter().enumerate() {
+            if let Some(s) = s
+                && s.len > 0
+                && s.len < q_len
+            {
+                return Err(Error::Shape(format!("sequence {slot} holds {} tokens, fewer than q_len {q_len}", s.len)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The layer is one the plan runs: the same device, format and heads, enough slots
+    /// and tokens per sequence.
+    fn check_layer(&self, layer: &DeviceLayer) -> Result<()> {
+        if layer.device.0.id != self.device {
+            return Err(Error::Device("the plan was made on another device handle".into()));
+        }
+        if layer.fmt != self.fmt || layer.shape != self.layer_shape {
+            return Err(Error::Shape(format!(
+                "the plan was made for a layer of another format or heads ({:?}, {:?}; this layer: {:?}, {:?})",
+                self.fmt, self.layer_shape, layer.fmt, layer.shape
+            )));
+        }
+        if self.shape.max_seqs > layer.size.max_seqs || self.shape.max_context > layer.size.max_tokens {
+            return Err(Error::Capacity(format!(
+                "the plan decodes {} slots of up to {} tokens; this layer has {} slots of {}",
+                self.shape.max_seqs, self.shape.max_context, layer.size.max_seqs, layer.size.max_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every live sequence with tokens lies in the plan's slots and context.
+    fn check_live(&self, layer: &DeviceLayer) -> Result<()> {
         for (slot, s) in layer.seqs.iter().enumerate() {
             let Some(s) = s else { continue };
             if s.len == 0 {
@@ -1841,9 +1864,6 @@ impl DecodePlan {
                     "sequence {slot} holds {} tokens; the plan's max_context is {}",
                     s.len, self.shape.max_context
                 )));
-            }
-            if s.len < q_len {
-                return Err(Error::Shape(format!("sequence {slot} holds {} tokens, fewer than q_len {q_len}", s.len)));
             }
         }
         Ok(())
@@ -1867,15 +1887,148 @@ impl DecodePlan {
     ) -> Result<()> {
         let (q, out) = (q.device_slice(), out.device_slice_mut());
         self.check_run(layer, q_len, (q.device, q.len(), q_row_stride), (out.device, out.len(), out_row_stride))?;
-        let dev = &layer.device;
         let p = DecodeParams {
             q_seq_stride: (q_len * q_row_stride) as u32,
             q_token_stride: q_row_stride as u32,
             q_dtype: Q::DTYPE,
             ..Self::params(layer, self.shape.max_seqs, self.num_splits, self.sm_scale, q_len, self.attn_window)
         };
+        // SAFETY: all buffers belong to this device and have the kernels' sizes: the
+        // layer's were allocated for `max_seqs >= p.num_seqs` slots, block tables of
+        // `block_table_stride` entries that hold valid blocks for every live length
+        // (free slots have length 0 and are never read), partials for the plan's most
+        // query tokens, q and out checked above.
+        unsafe { self.enqueue::<O>(layer, &p, p.num_seqs * p.q_len, q.addr(), out.addr(), out_row_stride, 0) }
+    }
+
+    /// Decodes the new tokens of a serving step, every sequence's own number of them:
+    /// the rows of `batch` ([`StepBatch::set`], already appended to `layer` with
+    /// [`DeviceLayer::append_batch`]), `q` and `out` having one row per input row of the
+    /// batch (`batch.max_rows()` rows of `num_q_heads * head_dim` elements, `q_row_stride`
+    /// and `out_row_stride` apart; f32, f16 or bf16). Row `r` of `out` is the attention
+    /// output of the token of input row `r` (its query row `r` of `q`), over the
+    /// sequence's cache up to that token, causal within the step; rows that carry no
+    /// token are written as zeros. The same two launches every step, whatever the batch
+    /// holds: one-token decode steps, a chunk of a long prompt (chunked prefill: the
+    /// chunk's rows attend to every earlier token from the packed pages, the sinks and
+    /// the f16 window, and causally to each other), speculative verification rows and
+    /// idle sequences, mixed in one step, as long as no sequence has more rows than the
+    /// plan's `max_q_len`. Rows read the cache as it holds them after the step's append
+    /// (see [`DecodePlan::run`] on multi-token steps).
+    ///
+    /// # Errors
+    /// Before anything is enqueued: as [`DecodePlan::run`] for the plan, the layer and the
+    /// buffers; [`Error::Device`] for a batch of another device; [`Error::Shape`] for a
+    /// slot at or past the plan's `max_seqs`, more rows for a sequence than `max_q_len`,
+    /// more batch rows than the plan's workspace holds (`max_seqs * max_q_len`), or a
+    /// batch not yet appended to this layer (a slot whose length is not its start plus
+    /// its count).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_batch<Q: KvElement, O: OutputElement>(
+        &mut self,
+        layer: &DeviceLayer,
+        batch: &StepBatch,
+        q: &impl AsDeviceSlice<Elem = Q>,
+        q_row_stride: usize,
+        out: &mut impl AsDeviceSliceMut<Elem = O>,
+        out_row_stride: usize,
+    ) -> Result<()> {
+        let (q, out) = (q.device_slice(), out.device_slice_mut());
+        self.check_layer(layer)?;
+        let dev = &layer.device;
+        if batch.device.0.id != dev.0.id {
+            return Err(Error::Device("the step batch belongs to another device handle".into()));
+        }
+        let workspace_rows = self.shape.max_seqs * self.shape.max_q_len;
+        if batch.max_rows > workspace_rows {
+            return Err(Error::Shape(format!(
+                "a step batch of {} rows; the plan's workspace holds {workspace_rows} (max_seqs x max_q_len)",
+                batch.max_rows
+            )));
+        }
+        for (slot, start, count) in batch.entries() {
+            if slot >= self.shape.max_seqs {
+                return Err(Error::Shape(format!(
+                    "slot {slot} of the batch: the plan decodes 0 .. {}",
+                    self.shape.max_seqs
+                )));
+            }
+            if count > self.shape.max_q_len {
+                return Err(Error::Shape(format!(
+                    "slot {slot} has {count} rows this step; the plan takes at most {} per sequence",
+                    self.shape.max_q_len
+                )));
+            }
+            let len = layer.seqs[slot].as_ref().map_or(0, |s| s.len);
+            if len != start + count {
+                return Err(Error::Shape(format!(
+                    "slot {slot} holds {len} tokens, not the {} of the batch's append: append the batch to this layer \
+                     first (DeviceLayer::append_batch)",
+                    start + count
+                )));
+            }
+        }
+        self.check_live(layer)?;
+        let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
+        dev.check_view(q.device, "q")?;
+        dev.check_view(out.device, "out")?;
+        for (what, len, stride) in [("q", q.len(), q_row_stride), ("out", out.len(), out_row_stride)] {
+            if stride < hq * d || stride > u32::MAX as usize {
+                return Err(Error::Shape(format!("{what} row stride {stride}: at least {hq} heads x {d}, within u32")));
+            }
+            let need = (batch.max_rows - 1) * stride + hq * d;
+            if len < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {len} elements; the batch's {} rows at row stride {stride} need {need}",
+                    batch.max_rows
+                )));
+            }
+        }
+        let p = DecodeParams {
+            q_seq_stride: 0,
+            q_token_stride: q_row_stride as u32,
+            q_dtype: Q::DTYPE,
+            batch_rows: batch.max_rows as u32,
+            batch_seqs: batch.max_seqs as u32,
+            ..Self::params(
+                layer,
+                self.shape.max_seqs,
+                self.num_splits,
+                self.sm_scale,
+                self.shape.max_q_len,
+                self.attn_window,
+            )
+        };
+        // SAFETY: as in `run_strided`, with the step batch's rows: every slot with rows
+        // holds a live sequence of at least its count (its length is its start plus its
+        // count), at most `max_q_len` rows each, the batch's rows within the partials
+        // (`max_rows <= max_seqs * max_q_len`) and within q and out (checked above); the
+        // batch's meta is its own buffer of this device.
+        unsafe {
+            self.enqueue::<O>(layer, &p, batch.max_rows as u32, q.addr(), out.addr(), out_row_stride, batch.meta.addr())
+        }
+    }
+
+    /// The decode and merge launches of `p` (`rows` output rows), `meta` the step batch
+    /// or 0.
+    ///
+    /// # Safety
+    /// The kernels' contracts for `p` over the layer's and the plan's buffers, `q` and
+    /// `out`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue<O: OutputElement>(
+        &self,
+        layer: &DeviceLayer,
+        p: &DecodeParams,
+        rows: u32,
+        q: u64,
+        out: u64,
+        out_row_stride: usize,
+        meta: u64,
+    ) -> Result<()> {
+        let dev = &layer.device;
         let mp = MergeParams {
-            num_seqs: p.num_seqs * p.q_len,
+            num_seqs: rows,
             num_q_heads: p.num_q_heads,
             num_kv_heads: p.num_kv_heads,
             head_dim: p.format.head_dim,
@@ -1883,17 +2036,13 @@ impl DecodePlan {
             flags: (p.flags & !crate::OUTPUT_FLAGS) | O::FLAG,
             out_row_stride: out_row_stride as u32,
         };
-        // SAFETY: all buffers belong to this device and have the kernels' sizes: the
-        // layer's were allocated for `max_seqs >= p.num_seqs` slots, block tables of
-        // `block_table_stride` entries that hold valid blocks for every live length
-        // (free slots have length 0 and are never read), partials for the plan's most
-        // query tokens, q and out checked above.
+        // SAFETY: forwarded contract.
         unsafe {
             raw::decode(
                 dev,
-                &p,
+                p,
                 &DecodePtrs {
-                    q: q.addr(),
+                    q,
                     pool: layer.pool.addr(),
                     tables: layer.tables.addr(),
                     lens: layer.lens.addr(),
@@ -1905,6 +2054,7 @@ impl DecodePlan {
                     m: self.m.addr(),
                     l: self.l.addr(),
                     o: self.o.addr(),
+                    meta,
                 },
             )?;
             raw::merge(
@@ -1916,7 +2066,8 @@ impl DecodePlan {
                     o: self.o.addr(),
                     vperm_inv: layer.vperm_inv.addr(),
                     value_rot: layer.value_rot.addr(),
-                    out: out.addr(),
+                    out,
+                    meta,
                 },
             )
         }
