@@ -177,7 +177,7 @@ pub fn decode_tokens(cache: &KvCache, layer: usize, seqs: &[SeqId], q_len: usize
     // checks it): a broadcast `q` of a huge `q_len` stands for gigabytes of rows.
     if !(1..=crate::paged::MAX_Q_LEN).contains(&q_len) {
         let max = crate::paged::MAX_Q_LEN;
-        return Err(Error::Value(format!("q_len {q_len}: 1 to {max} query tokens per sequence")));
+        return Err(Error::Shape(format!("q_len {q_len}: 1 to {max} query tokens per sequence")));
     }
     let dtype = elem_dtype("q", q)?;
     let mut out = vec![0f32; rows * hq * d];
@@ -588,7 +588,7 @@ pub fn device_decode(plan: &mut DecodePlan, layer: &DeviceLayer, q_len: usize, q
     let rows = check_dims("q", q, hq, d, "num_q_heads")?;
     let slots = plan.shape().max_seqs;
     if !(1..=plan.shape().max_q_len).contains(&q_len) {
-        return Err(Error::Value(format!("q_len {q_len}: the plan takes 1 to {}", plan.shape().max_q_len)));
+        return Err(Error::Shape(format!("q_len {q_len}: the plan takes 1 to {}", plan.shape().max_q_len)));
     }
     if rows != slots * q_len {
         return Err(Error::Shape(format!(

@@ -120,6 +120,11 @@ pub fn blocks_for(config: &CacheConfig, len: usize) -> Result<usize> {
 
 fn num_blocks(fmt: &Format, shape: &LayerShape, pool: &[u8]) -> Result<usize> {
     let pool_len = pool.len();
+    // An empty pool (no blocks: every sequence fits its sinks and window) has no start
+    // to align (an empty slice's pointer is dangling).
+    if pool_len == 0 {
+        return Ok(0);
+    }
     if !(pool.as_ptr() as usize).is_multiple_of(POOL_ALIGN) {
         return Err(Error::Shape(format!("the pool must start on a {POOL_ALIGN}-byte boundary (see PoolBuffer)")));
     }
@@ -656,7 +661,7 @@ pub fn decode<T: KvElement>(
     let blocks = num_blocks(&fmt, shape, pool)?;
     let q_len = options.q_len;
     if !(1..=MAX_Q_LEN).contains(&q_len) {
-        return Err(Error::Value(format!("q_len {q_len}: 1 to {MAX_Q_LEN} query tokens per sequence")));
+        return Err(Error::Shape(format!("q_len {q_len}: 1 to {MAX_Q_LEN} query tokens per sequence")));
     }
     let attn_window = options.attn_window()?;
     let mut used = BlockSet::new(blocks);

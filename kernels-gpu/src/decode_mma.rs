@@ -855,9 +855,9 @@ fn ring_chunks<
 /// As `decode_split` (crate::decode), with the query rows of [`DecodeParams`]
 /// (`p.q_dtype`; `p.q_seq_stride` between sequences, `p.q_token_stride` between query
 /// tokens, heads `D` apart) and the partials `[seq][q_len][q_head][split]`;
-/// unlike there, block-table entries are not clamped: each used entry (those of pages
-/// holding a position at or past [`DecodeParams::visible_start`]) must be a block of the
-/// pool (below `p.num_blocks`);
+/// as there, each block-table entry read (those of pages holding a position at or past
+/// [`DecodeParams::visible_start`]) is clamped below `p.num_blocks`
+/// ([`DecodeParams::block`]: a wrong entry reads a wrong page, never outside the pool);
 /// additionally `D == p.format.head_dim == 32 * V == 16 * NKS == 8 * NVT`, key and value
 /// bits `KB`, `VB`, `NG == D / p.format.group_size` groups with
 /// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
@@ -1191,7 +1191,9 @@ pub unsafe fn decode_mma<
     // Scales and zeros (FORMAT.md): key scales, key zeros, value scales, value zeros, NG
     // groups each, one f16 array of the page's slots apiece.
     let tile_base = |rel: u32| -> (*const u8, usize) {
-        let blk = unsafe { *table.add((rel >> page_shift) as usize) };
+        // Clamped below the pool's blocks (`DecodeParams::block`): a stale or corrupt
+        // entry reads a wrong page of the pool, never memory outside it.
+        let blk = p.block(unsafe { *table.add((rel >> page_shift) as usize) });
         (unsafe { pool_h.add(blk as usize * head_stride) }, (rel & (fmt.page_size - 1)) as usize)
     };
     // The whole tile, for the ring's copies.

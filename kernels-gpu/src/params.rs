@@ -175,10 +175,9 @@ pub struct DecodeParams {
     pub q_token_stride: u32,
     /// Element type of the queries (`DTYPE_*`).
     pub q_dtype: u32,
-    /// Blocks in the pool: `decode_split` reads a block-table entry at or past it as
-    /// the last block (never out of bounds). `decode_mma` does not clamp (the `min` and
-    /// its register cost a spill at head_dim 128): its callers keep every entry below
-    /// it, as the typed API does by building the tables itself.
+    /// Blocks in the pool: both decode kernels read a block-table entry at or past it as
+    /// the last block ([`DecodeParams::block`]), never out of bounds (one `min` per tile
+    /// in `decode_mma`: no spill, up to 2 registers).
     pub num_blocks: u32,
     /// Longest sequence: a length read on the device is clamped to it, and
     /// `block_table_stride` covers its pages.

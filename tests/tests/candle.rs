@@ -525,8 +525,8 @@ fn device_path_bad_inputs_are_errors_and_enqueue_nothing() {
         ("rows for the plan's one slot", q.narrow(0, 0, 2).unwrap(), 1, is_shape),
         ("no rows", zeros(&[0, HQ, D], DType::F32), 1, is_shape),
         ("channels strided", qt, 1, is_shape),
-        ("q_len 0", q.narrow(0, 0, 0).unwrap(), 0, |e| matches!(e, Error::Value(_))),
-        ("q_len past the plan", q.narrow(0, 0, 3).unwrap(), 3, |e| matches!(e, Error::Value(_))),
+        ("q_len 0", q.narrow(0, 0, 0).unwrap(), 0, |e| matches!(e, Error::Shape(_))),
+        ("q_len past the plan", q.narrow(0, 0, 3).unwrap(), 3, |e| matches!(e, Error::Shape(_))),
     ];
     for (what, q, q_len, kind) in bad_queries {
         let before = dev.counters();

@@ -283,7 +283,7 @@ fn chunked_decode_matches_token_by_token() {
     }
     let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 0, pre_calibration: None };
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
-    let opts = PplOptions { chunk: 65, ..opts };
+    let opts = PplOptions { chunk: rotkv::paged::MAX_Q_LEN + 1, ..opts };
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
 }
 

@@ -604,3 +604,28 @@ fn gguf_duplicate_names_are_refused() {
     let e = Gguf::parse(gguf_bytes(&meta, &tensors)).unwrap_err();
     assert!(e.to_string().contains("llama.block_count appears twice"), "{e}");
 }
+
+/// An empty page pool is a pool of no blocks (every sequence in its sinks and window),
+/// not a misaligned one: appends and decodes that need no block work on every backend,
+/// and one that needs a block says so.
+#[test]
+fn an_empty_paged_pool_holds_no_blocks() {
+    let config = CacheConfig { window: 16, page_size: 16, ..CacheConfig::k2v2(64) };
+    let calib = LayerCalibration::identity(1, 64);
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: 1 };
+    let (k, v, q) = (rows(Data::Normal, 10, 64, 1), rows(Data::Normal, 10, 64, 2), rows(Data::Normal, 1, 64, 3));
+    for backend in backends() {
+        let mut side = vec![f16::ZERO; paged::side_elems(&config, &shape).unwrap()];
+        let n = paged::append(backend, &config, &calib, &shape, &mut [], &[], &mut side, &[], 0, 10, &k, &v).unwrap();
+        assert_eq!(n, 10);
+        let seq = SeqRef { block_table: &[], side: &side, len: 10, protected: &[] };
+        let mut out = vec![0f32; 64];
+        paged::decode(backend, &config, &calib, &shape, &[], &[seq], &q, &mut out, DecodeOptions::default()).unwrap();
+        assert!(out.iter().all(|x| x.is_finite()) && out.iter().any(|&x| x != 0.0), "{backend:?}");
+        // 40 tokens need a block: refused for the table, not for the pool's alignment.
+        let (k, v) = (rows(Data::Normal, 40, 64, 4), rows(Data::Normal, 40, 64, 5));
+        let e =
+            paged::append(backend, &config, &calib, &shape, &mut [], &[], &mut side, &[], 0, 40, &k, &v).unwrap_err();
+        assert!(!e.to_string().contains("boundary"), "{backend:?}: {e}");
+    }
+}

@@ -627,3 +627,102 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
         }
     }
 }
+
+/// The tensor-core decode kernel clamps block-table entries below the pool's blocks, as
+/// the CUDA-core kernel does: a stale or corrupt entry (`u32::MAX`, raw entry points)
+/// reads the last block of the pool, never memory outside it. Through `raw::decode` on
+/// the emulator (whose loads are host loads: an unclamped entry would read gigabytes
+/// past the pool): a table `[1, u32::MAX]` gives exactly the partials of `[1, 1]`.
+#[test]
+fn decode_mma_clamps_block_table_entries() {
+    use rotkv::device::raw::{self, DTYPE_F32, DecodeParams, DecodePtrs};
+    let config = small(CacheConfig::k2v2(64));
+    let fmt = config.format().unwrap();
+    assert!(rotkv::launch::mma_instantiated(&fmt), "the tensor-core kernel runs this format");
+    let (d, hq, len, blocks) = (64, 4, 60, 2);
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: hq };
+    let calib = LayerCalibration::identity(1, d);
+    let mut pool = rotkv::paged::PoolBuffer::new(rotkv::paged::pool_bytes(&config, &shape, blocks).unwrap());
+    let mut side = vec![f16::ZERO; rotkv::paged::side_elems(&config, &shape).unwrap()];
+    let (k, v) = (rows(len * d, 1), rows(len * d, 2));
+    rotkv::paged::append(
+        Backend::Cpu,
+        &config,
+        &calib,
+        &shape,
+        pool.bytes_mut(),
+        &[0, 1],
+        &mut side,
+        &[],
+        0,
+        len,
+        &k,
+        &v,
+    )
+    .unwrap();
+    assert_eq!(fmt.pages_for(len as u32), 2);
+    let dev = Device::sim();
+    let up = |x: &[u8]| dev.upload(x).unwrap();
+    let pool_d = up(pool.bytes());
+    let side_d = dev.upload(&side.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()).unwrap();
+    let q = dev.upload(&rows(hq * d, 3)).unwrap();
+    let lens = dev.upload(&[len as u32]).unwrap();
+    let protected = dev.upload(&[u32::MAX]).unwrap();
+    let key_scale = dev.upload(&calib.key_scale).unwrap();
+    let key_perm = dev.upload(&calib.key_perm).unwrap();
+    let p = DecodeParams {
+        format: fmt,
+        num_seqs: 1,
+        num_q_heads: hq as u32,
+        num_kv_heads: 1,
+        num_splits: 2,
+        block_table_stride: 2,
+        flags: config.flags() | calib.flags(),
+        sm_scale: 0.125,
+        q_seq_stride: (hq * d) as u32,
+        q_token_stride: (hq * d) as u32,
+        q_dtype: DTYPE_F32,
+        num_blocks: blocks as u32,
+        max_len: len as u32,
+        q_len: 1,
+        attn_window: 0,
+        batch_rows: 0,
+        batch_seqs: 0,
+    };
+    let partials = |table: [u32; 2]| -> Vec<f32> {
+        let tables = dev.upload(&table).unwrap();
+        let (m, l, o) = (
+            dev.alloc::<f32>(hq * 2).unwrap(),
+            dev.alloc::<f32>(hq * 2).unwrap(),
+            dev.alloc::<f32>(hq * 2 * d).unwrap(),
+        );
+        let ptrs = DecodePtrs {
+            q: q.addr(),
+            pool: pool_d.addr(),
+            tables: tables.addr(),
+            lens: lens.addr(),
+            sides: side_d.addr(),
+            protected: protected.addr(),
+            key_scale: key_scale.addr(),
+            key_perm: key_perm.addr(),
+            key_rot: key_scale.addr(),
+            m: m.addr(),
+            l: l.addr(),
+            o: o.addr(),
+            meta: 0,
+        };
+        // SAFETY: every buffer is a live allocation of `dev` of the kernel's sizes for
+        // `p` (one sequence of 60 tokens, 2 splits, 4 query heads); the table entries
+        // past the pool are what the test is about (the kernel clamps them).
+        unsafe { raw::decode(&dev, &p, &ptrs).unwrap() };
+        let mut all = vec![0f32; hq * 2 * (d + 2)];
+        dev.read(&m, &mut all[..hq * 2]).unwrap();
+        dev.read(&l, &mut all[hq * 2..hq * 4]).unwrap();
+        dev.read(&o, &mut all[hq * 4..]).unwrap();
+        all
+    };
+    let clamped = partials([1, u32::MAX]);
+    assert!(clamped.iter().all(|x| x.is_finite()));
+    assert_eq!(clamped, partials([1, 1]));
+    assert_ne!(clamped, partials([0, 1]), "the clamped page is the last block, not the right one");
+}

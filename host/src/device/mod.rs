@@ -1640,7 +1640,7 @@ impl DecodePlan {
             )));
         }
         if !(1..=MAX_Q_LEN).contains(&shape.max_q_len) {
-            return Err(Error::Value(format!("max_q_len {}: 1 to {MAX_Q_LEN}", shape.max_q_len)));
+            return Err(Error::Shape(format!("max_q_len {}: 1 to {MAX_Q_LEN}", shape.max_q_len)));
         }
         if shape.max_context == 0 || shape.max_context > layer.size.max_tokens {
             return Err(Error::Capacity(format!(

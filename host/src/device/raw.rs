@@ -71,11 +71,11 @@ fn aligned16(what: &str, addr: u64) -> Result<()> {
 /// `rotkv_kernels::decode_mma::decode_mma`) asks for `p`: queries for `p.num_seqs`
 /// sequences of `p.q_len` rows, block tables of `p.block_table_stride >=
 /// pages_for(p.max_len)` entries, every entry a block of the pool of `p.num_blocks`
-/// blocks (the kernels clamp each length `lens[s]` to `p.max_len`, and `decode_split`
-/// also each table entry; `decode_mma`, the kernel the planning picks for head_dim 64
-/// and 128 and for head_dim 256 with groups of 128, trusts the entries: a wrong one reads
-/// outside the pool), side stores and protected lists per sequence,
-/// partials for `p.num_seqs * p.q_len * p.num_q_heads * p.num_splits` rows; the pool and
+/// blocks for right results (both kernels clamp each length `lens[s]` to `p.max_len`
+/// and each table entry below `p.num_blocks`: a wrong entry reads a wrong page of the
+/// pool, never memory outside it), side stores and protected lists per sequence,
+/// partials for `p.num_seqs * p.q_len * p.num_q_heads * p.num_splits` rows (with a step
+/// batch, `ptrs.meta`: its rows); the pool and
 /// side stores 16-byte aligned; none of it written by other work while this runs.
 pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
     aligned16("pool", ptrs.pool)?;
