@@ -629,3 +629,22 @@ fn an_empty_paged_pool_holds_no_blocks() {
         assert!(!e.to_string().contains("boundary"), "{backend:?}: {e}");
     }
 }
+
+/// A zero-token append checks its inputs like any other (the device layer's: buffers of
+/// another device, strides, in `tests/tests/step.rs`): rows for tokens it does not
+/// append are a shape error, and nothing changes.
+#[test]
+fn zero_token_appends_check_their_inputs() {
+    let config = CacheConfig::k2v2(64);
+    let shape =
+        CacheShape { layers: 1, num_kv_heads: 2, num_q_heads: 2, max_seqs: 1, max_tokens: 64, num_blocks: None };
+    for backend in backends() {
+        let mut cache = KvCache::new(config, shape, backend).unwrap();
+        let s = cache.add_sequence().unwrap();
+        let row = vec![0.5f32; 2 * 64];
+        assert!(matches!(cache.append(0, s, 0, &row, &[]), Err(Error::Shape(_))), "{backend:?}");
+        assert!(matches!(cache.append(0, s, 0, &[], &row), Err(Error::Shape(_))), "{backend:?}");
+        cache.append::<f32>(0, s, 0, &[], &[]).unwrap();
+        assert_eq!(cache.len(0, s), Ok(0));
+    }
+}

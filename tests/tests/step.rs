@@ -1,4 +1,5 @@
-//! A whole serving step on the device (`rotkv::device`), on the emulated device: the
+//! A whole serving step on the device (`rotkv::device`), on the emulated device (and on
+//! GPU 0 with `ROTKV_TEST_DEVICE=cuda`, as the GPU bundle runs it): the
 //! batched append against per-sequence appends (bit for bit), one plan shared by every
 //! layer, the step's launch list fixed across steps, and what the host and the device
 //! refuse.
@@ -17,6 +18,16 @@ fn rows(n: usize, seed: u64) -> Vec<f32> {
             ((s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
         })
         .collect()
+}
+
+/// The device these tests run on: the emulated device, or with `ROTKV_TEST_DEVICE=cuda`
+/// (the GPU bundle's second run of this binary) a new stream on GPU 0.
+fn test_device() -> Device {
+    if std::env::var("ROTKV_TEST_DEVICE").as_deref() == Ok("cuda") {
+        let ctx = rotkv::cuda::cudarc::driver::CudaContext::new(0).expect("ROTKV_TEST_DEVICE=cuda needs GPU 0");
+        return Device::cuda(ctx.new_stream().expect("a stream")).expect("the device API on GPU 0");
+    }
+    Device::sim()
 }
 
 /// A small random generator for the schedules (xorshift).
@@ -56,7 +67,7 @@ fn batched_append_equals_per_sequence_appends() {
     for (config, half, seed) in cases {
         let d = config.head_dim;
         let (hkv, slots, max_rows, max_tokens) = (2, 4, 48, 160);
-        let dev = Device::sim();
+        let dev = test_device();
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: 2 * hkv };
         let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
         let calib = LayerCalibration::identity(hkv, d);
@@ -155,7 +166,7 @@ fn batched_append_equals_per_sequence_appends() {
 fn whole_model_step_is_one_fixed_launch_list() {
     let (d, hkv, hq, layers, slots, max_rows, max_tokens) = (64, 1, 3, 3, 3, 48, 200);
     let config = small(CacheConfig::k2v2(d));
-    let dev = Device::sim();
+    let dev = test_device();
     let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
     let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
     let mut model: Vec<DeviceLayer> = (0..layers)
@@ -296,7 +307,7 @@ fn whole_model_step_is_one_fixed_launch_list() {
 fn step_refusals_enqueue_nothing() {
     let (d, hkv) = (64, 1);
     let config = small(CacheConfig::k2v2(d));
-    let dev = Device::sim();
+    let dev = test_device();
     let other = Device::sim();
     let shape = LayerShape { num_kv_heads: hkv, num_q_heads: 2 };
     let size = LayerSize { max_seqs: 2, max_tokens: 100, num_blocks: None };
@@ -421,7 +432,7 @@ fn step_decode_mixes_prefill_chunks_single_tokens_and_idle_sequences() {
     for config in configs {
         let d = config.head_dim;
         let (hkv, hq, slots, max_q_len, max_rows, max_tokens) = (2, 6, 3, 20, 40, 160);
-        let dev = Device::sim();
+        let dev = test_device();
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
         let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
         let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
@@ -588,7 +599,7 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
         let n = 300;
         let chunk = 48;
         let want = run(n, chunk);
-        let dev = Device::sim();
+        let dev = test_device();
         let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
         let size = LayerSize { max_seqs: 1, max_tokens: n, num_blocks: None };
         let mut dl = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
@@ -661,7 +672,7 @@ fn decode_mma_clamps_block_table_entries() {
     )
     .unwrap();
     assert_eq!(fmt.pages_for(len as u32), 2);
-    let dev = Device::sim();
+    let dev = test_device();
     let up = |x: &[u8]| dev.upload(x).unwrap();
     let pool_d = up(pool.bytes());
     let side_d = dev.upload(&side.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()).unwrap();

@@ -1439,17 +1439,20 @@ for bin in bin/*; do
     [ "$rc" -eq 0 ] || status=1
     printf '%-24s %8s %8s %6s\n' "$name" "$passed" "$failed" "$rc" >> "$summary"
 done
-# The device API (tests/tests/device.rs) once more, on the GPU instead of the emulator.
-if [ -x bin/device ] && nvidia-smi -L > /dev/null 2>&1; then
-    ROTKV_TEST_DEVICE=cuda bin/device --test-threads=1 --nocapture > logs/device_on_gpu.log 2>&1
-    rc=$?
-    passed=$(grep -o '[0-9]* passed' logs/device_on_gpu.log | awk '{s += $1} END {print s + 0}')
-    failed=$(grep -o '[0-9]* failed' logs/device_on_gpu.log | awk '{s += $1} END {print s + 0}')
-    [ "$rc" -eq 0 ] || status=1
-    printf '%-24s %8s %8s %6s\n' "device (on the GPU)" "$passed" "$failed" "$rc" >> "$summary"
-else
-    echo "SKIPPED: the device API on the GPU (no bin/device or no nvidia-smi)" >> "$summary"
-fi
+# The device API (tests/tests/device.rs) and the serving step (tests/tests/step.rs) once
+# more, on the GPU instead of the emulator.
+for t in device step; do
+    if [ -x "bin/$t" ] && nvidia-smi -L > /dev/null 2>&1; then
+        ROTKV_TEST_DEVICE=cuda "bin/$t" --test-threads=1 --nocapture > "logs/${t}_on_gpu.log" 2>&1
+        rc=$?
+        passed=$(grep -o '[0-9]* passed' "logs/${t}_on_gpu.log" | awk '{s += $1} END {print s + 0}')
+        failed=$(grep -o '[0-9]* failed' "logs/${t}_on_gpu.log" | awk '{s += $1} END {print s + 0}')
+        [ "$rc" -eq 0 ] || status=1
+        printf '%-24s %8s %8s %6s\n' "$t (on the GPU)" "$passed" "$failed" "$rc" >> "$summary"
+    else
+        echo "SKIPPED: $t on the GPU (no bin/$t or no nvidia-smi)" >> "$summary"
+    fi
+done
 grep -h "SKIPPED" logs/*.log | sort | uniq -c || true
 cat "$summary"
 # What the bundle was built without (`cargo xtask gpu-bundle` wrote why).

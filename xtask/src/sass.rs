@@ -98,6 +98,12 @@ pub struct Gpu {
     /// arXiv:2402.13499, measure the unloaded global-memory latency in the hundreds of
     /// cycles; queueing at full bandwidth raises it).
     pub dram_latency_s: f64,
+    /// `mma.sync.m16n8k16` (f16 inputs, f32 accumulators: 4096 FLOPs) per SM per clock at
+    /// the dense FP16 tensor peak: 1 on H100/H200 SXM (989.4 TFLOPS dense FP16/BF16 with
+    /// FP32 accumulation, NVIDIA H100 and H200 datasheets, = 132 SMs x 1.83 GHz x 4096).
+    /// An optimistic assumption for `mma.sync`: Hopper reaches that peak with `wgmma`, so
+    /// the tensor bound below is a lower bound on time.
+    pub hmma_per_clk: f64,
 }
 
 pub const H200: Gpu = Gpu {
@@ -109,6 +115,7 @@ pub const H200: Gpu = Gpu {
     peak_bw: 4.8e12,
     achievable: 0.90,
     dram_latency_s: 700e-9,
+    hmma_per_clk: 1.0,
 };
 pub const H100: Gpu = Gpu { name: "H100", peak_bw: 3.35e12, ..H200 };
 
@@ -441,6 +448,9 @@ pub struct Case {
 pub struct Gate {
     pub families: Vec<Family>,
     pub cases: Vec<Case>,
+    /// Compute-bound prefill cases (`[[prefill]]`): the fields of a case, the floor in %
+    /// of the tensor-core peak.
+    pub prefills: Vec<Case>,
 }
 
 impl Gate {
@@ -459,7 +469,7 @@ pub fn spill_budgets() -> Result<impl Fn(&str) -> u64, Step> {
 }
 
 pub fn parse_gate(text: &str) -> Result<Gate, String> {
-    let mut gate = Gate { families: Vec::new(), cases: Vec::new() };
+    let mut gate = Gate { families: Vec::new(), cases: Vec::new(), prefills: Vec::new() };
     for t in parse_toml(text)? {
         let name = t.name.clone();
         let mut r = Reader::new(t);
@@ -497,7 +507,7 @@ pub fn parse_gate(text: &str) -> Result<Gate, String> {
                 r.finish()?;
                 gate.families.push(f);
             }
-            "case" => {
+            "case" | "prefill" => {
                 let gpu_name = r.opt_str("gpu")?.unwrap_or_else(|| "H200".into());
                 let gpu = gpu_named(&gpu_name).ok_or_else(|| r.err("gpu", "\"H200\" or \"H100\""))?;
                 let c = Case {
@@ -520,9 +530,9 @@ pub fn parse_gate(text: &str) -> Result<Gate, String> {
                     enforce: r.opt_bool("enforce")?.unwrap_or(true),
                 };
                 r.finish()?;
-                gate.cases.push(c);
+                if name == "case" { gate.cases.push(c) } else { gate.prefills.push(c) }
             }
-            other => return Err(format!("{}: unknown table [[{other}]] (family or case)", r.what)),
+            other => return Err(format!("{}: unknown table [[{other}]] (family, case or prefill)", r.what)),
         }
     }
     Ok(gate)
@@ -882,6 +892,8 @@ pub struct HotLoop {
     /// Warp-instructions per token: each block's instructions divided by the tokens per
     /// iteration of the innermost loop holding it.
     pub per_token: f64,
+    /// Tensor-core instructions (HMMA) per token, counted the same way.
+    pub hmma_per_token: f64,
 }
 
 /// Paths of the loops of the nest rooted at `root`: "1" for the root, "1.k" for its k-th
@@ -917,15 +929,17 @@ pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop
     };
     let inner = innermost_loop(loops, f.blocks.len());
     let paths = loop_paths(f, loops, root);
-    let mut per_token = 0.0;
+    let (mut per_token, mut hmma_per_token) = (0.0, 0.0);
     for &b in &loops[root].body {
         let j = inner[b].unwrap_or(root);
         let t = tokens.of(&paths[&j], loops[j].depth - loops[root].depth);
         if t > 0.0 {
-            per_token += block_mix(&f.blocks[b]).total as f64 / t;
+            let mix = block_mix(&f.blocks[b]);
+            per_token += mix.total as f64 / t;
+            hmma_per_token += mix.hmma as f64 / t;
         }
     }
-    Some(HotLoop { root, paths, instrs: size(&loops[root]), per_token })
+    Some(HotLoop { root, paths, instrs: size(&loops[root]), per_token, hmma_per_token })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -994,6 +1008,71 @@ pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) ->
         issue_s: warp_instrs / (g.sms * g.schedulers * g.clock_hz),
         latency_s,
         warps_per_sm,
+    }
+}
+
+/// The model of a prefill case: `q_len` query tokens of each of `batch` sequences
+/// (a chunk of a prompt) over `context` cached tokens, on `decode_mma`, whose 16-row
+/// tiles (`ceil(gqa x q_len / 16)` per KV head) each stream the whole context through
+/// the hot loop. Charged: the hot loop's instructions (issue bound) and its HMMAs (tensor
+/// bound at [`Gpu::hmma_per_clk`]) for every tile, and the cache's bytes read once from
+/// DRAM. Not charged, and stated: the tiles' re-reads from L2 (`l2_bytes`), per-tile setup
+/// and the causal edge (every row is charged the whole context).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillModel {
+    /// Useful FLOPs: `4 x rows x context x head_dim` (q.k and p.v, 2 FLOPs a multiply-add).
+    pub flops: f64,
+    pub warp_instrs: f64,
+    pub hmma: f64,
+    pub dram_bytes: f64,
+    pub l2_bytes: f64,
+    pub issue_s: f64,
+    pub tensor_s: f64,
+    pub dram_s: f64,
+    /// The dense tensor peak's time for `flops`.
+    pub peak_s: f64,
+}
+
+impl PrefillModel {
+    pub fn step_s(&self) -> f64 {
+        self.issue_s.max(self.tensor_s).max(self.dram_s)
+    }
+    pub fn bound(&self) -> &'static str {
+        let t = self.step_s();
+        if t == self.issue_s {
+            "issue"
+        } else if t == self.tensor_s {
+            "tensor"
+        } else {
+            "bandwidth"
+        }
+    }
+    /// Modeled % of the dense FP16 tensor peak.
+    pub fn pct(&self) -> f64 {
+        100.0 * self.peak_s / self.step_s()
+    }
+}
+
+pub fn prefill_model(case: &Case, per_token: f64, hmma_per_token: f64) -> PrefillModel {
+    let g = &case.gpu;
+    let rows_per_kv_head = case.gqa * case.q_len;
+    let tiles = rows_per_kv_head.div_ceil(16) as f64;
+    let token_heads = (case.batch * case.kv_heads * case.context) as f64;
+    let flops = 4.0 * (case.batch * case.kv_heads * rows_per_kv_head * case.context * case.head_dim) as f64;
+    let hmma = hmma_per_token * token_heads * tiles;
+    let warp_instrs = per_token * token_heads * tiles;
+    let dram_bytes = token_heads * case.bytes_per_token_head;
+    let hmma_rate = g.sms * g.hmma_per_clk * g.clock_hz;
+    PrefillModel {
+        flops,
+        warp_instrs,
+        hmma,
+        dram_bytes,
+        l2_bytes: dram_bytes * (tiles - 1.0),
+        issue_s: warp_instrs / (g.sms * g.schedulers * g.clock_hz),
+        tensor_s: hmma / hmma_rate,
+        dram_s: dram_bytes / (g.peak_bw * g.achievable),
+        peak_s: flops / (hmma_rate * 4096.0),
     }
 }
 
@@ -1311,6 +1390,61 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             }
         }
     }
+    if !gate.prefills.is_empty() {
+        println!();
+        println!(
+            "Modeled prefill chunk from the packed cache (compute-bound): modeled (static SASS proxy), not measured; \
+             L2 re-reads, per-tile setup and the causal edge not charged."
+        );
+        println!();
+        println!(
+            "| case | GPU | entry | row tiles per KV head | TFLOP | HMMA per token-head per tile | issue us | tensor us | DRAM us | L2 re-reads | bound | modeled % of dense FP16 tensor peak | floor | enforced |"
+        );
+        println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|");
+    }
+    for c in &gate.prefills {
+        let row = reports
+            .iter()
+            .find(|r| r.usage.kernel == c.entry && r.usage.arch == c.gpu.arch.name)
+            .ok_or_else(|| Step::Failed(format!("{GATE_FILE}: prefill {:?}: {} is no entry point", c.name, c.entry)))?;
+        let fam = decode(row).ok_or_else(|| {
+            Step::Failed(format!("{GATE_FILE}: prefill {:?}: {} matches no decode family", c.name, c.entry))
+        })?;
+        let h = hot_loop(&row.func, &row.loops, &fam.tokens)
+            .ok_or_else(|| Step::Failed(format!("{}: no loop in the SASS CFG", c.entry)))?;
+        let m = prefill_model(c, h.per_token, h.hmma_per_token);
+        println!(
+            "| {} | {} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} | {:.0} | {:.1} GB | {} | {:.1}% | {:.0}% | {} |",
+            c.name,
+            c.gpu.name,
+            c.entry,
+            (c.gqa * c.q_len).div_ceil(16),
+            m.flops / 1e12,
+            h.hmma_per_token,
+            m.issue_s * 1e6,
+            m.tensor_s * 1e6,
+            m.dram_s * 1e6,
+            m.l2_bytes / 1e9,
+            m.bound(),
+            m.pct(),
+            c.floor_pct,
+            if c.enforce { "yes" } else { "no" }
+        );
+        if m.pct() < c.floor_pct {
+            let what = format!(
+                "prefill {:?}: modeled {:.1}% of the tensor-core peak, below the floor of {:.0}%",
+                c.name,
+                m.pct(),
+                c.floor_pct
+            );
+            if c.enforce {
+                notes.push(format!("FAILED: {what}"));
+                failures.push(what);
+            } else {
+                notes.push(format!("not enforced (enforce = false in {GATE_FILE}): {what}"));
+            }
+        }
+    }
     if !notes.is_empty() {
         println!();
         for n in notes {
@@ -1524,6 +1658,28 @@ floor_pct = 80
     }
 
     #[test]
+    fn prefill_model_arithmetic() {
+        let (c, _) = case();
+        // One sequence, 8 KV heads x GQA 4 x 4096 rows over 32K: 1024 tiles per KV head.
+        let p = Case { batch: 1, q_len: 4096, gqa: 4, ..c };
+        let m = prefill_model(&p, 17.0, 2.0);
+        assert_eq!(m.flops, 4.0 * 8.0 * 4.0 * 4096.0 * 32768.0 * 128.0);
+        let token_tiles = 8.0 * 32768.0 * 1024.0;
+        assert_eq!((m.warp_instrs, m.hmma), (17.0 * token_tiles, 2.0 * token_tiles));
+        // 2 HMMA per token-head and tile are exactly the useful work (16 rows x 128
+        // channels, q.k and p.v): the tensor bound is the peak's time.
+        assert!((m.tensor_s / m.peak_s - 1.0).abs() < 1e-12);
+        // 17 instructions over 4 schedulers against 2 HMMA at one per clock: issue-bound
+        // at 8 / 17 of the peak.
+        assert_eq!(m.bound(), "issue");
+        assert!((m.pct() - 100.0 * 8.0 / 17.0).abs() < 1e-9, "{}", m.pct());
+        assert_eq!(m.l2_bytes, 1023.0 * 8.0 * 32768.0 * 72.0);
+        let g = parse_gate("[[prefill]]\nname = \"p\"\nentry = \"e\"\nhead_dim = 64\nbatch = 1\nkv_heads = 1\ngqa = 1\nq_len = 64\ncontext = 64\nbytes_per_token_head = 40\nfloor_pct = 10")
+            .expect("parses");
+        assert_eq!((g.prefills.len(), g.cases.len(), g.prefills[0].q_len), (1, 0, 64));
+    }
+
+    #[test]
     fn gate_file_subset_of_toml() {
         let (c, fam) = case();
         assert_eq!((c.gpu.name, c.q_len, c.enforce, c.context), ("H200", 1, true, 32768));
@@ -1568,7 +1724,8 @@ floor_pct = 80
         for e in &entries {
             assert!(gate.family(e).is_some(), "{e} matches no family of the gate file");
         }
-        for c in &gate.cases {
+        assert!(!gate.prefills.is_empty(), "the gate has a compute-bound prefill case");
+        for c in gate.cases.iter().chain(&gate.prefills) {
             assert!(entries.contains(&c.entry.as_str()), "case {} names {}, not an entry point", c.name, c.entry);
             assert!(gate.family(&c.entry).is_some_and(|f| f.decode), "case {}: {} is no decode entry", c.name, c.entry);
         }
