@@ -407,9 +407,10 @@ unsafe fn slot_append(bp: &AppendBatchParams, meta: *const u32, slot: u32) -> (b
 /// lengths before the step.
 ///
 /// # Parameters
-/// A slot with no new tokens, or whose step is inconsistent (see [`slot_append`]; the
-/// tokens kernel counts it), flushes nothing. Table entries at or past the pool's blocks
-/// are skipped and counted in `errors[BATCH_ERROR_BLOCK]`.
+/// A slot with no new tokens, or whose step is inconsistent (its slot past `max_seqs`,
+/// its length past `u32::MAX / 2` or its pages past the table; the tokens kernel counts
+/// it), flushes nothing. Table entries at or past the pool's blocks are skipped and
+/// counted in `errors[BATCH_ERROR_BLOCK]`.
 ///
 /// # Thread mapping
 /// One warp per block, looping over its rows; each row as [`append_flush`]'s block.
@@ -460,7 +461,7 @@ pub unsafe fn append_batch_flush<C: Ctx, const D: usize, const V: usize>(
 /// # Parameters
 /// An input row whose slot is [`BATCH_NO_SLOT`] is skipped. A row whose slot is past
 /// `bp.max_seqs`, that lies outside its slot's rows, or whose slot's step is
-/// inconsistent ([`slot_append`]) is skipped and counted in
+/// inconsistent (a length or pages past the limits) is skipped and counted in
 /// `errors[BATCH_ERROR_BATCH]` (one per KV head); table entries at or past the pool's
 /// blocks in `errors[BATCH_ERROR_BLOCK]`. Nothing is read or written outside the
 /// buffers the contract names.

@@ -10,7 +10,7 @@
 use crate::ctx::Ctx;
 use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, SIDE_PAGE};
-use crate::math::{exp_neg, f16_to_f32};
+use crate::math::{exp_neg, f16_to_f32, softmax_weight};
 use crate::params::{DecodeParams, FLAG_DENSE_KEYS, FLAG_ROTATE_KEYS, load_elem};
 
 /// Largest GQA group (query heads per KV head) the kernel holds in registers.
@@ -389,7 +389,7 @@ pub unsafe fn decode_split<C: Ctx, const D: usize, const V: usize, const KB: u32
             }
             let mn = m[h].max(mx);
             let c = exp_neg(m[h] - mn);
-            s[h] = exp_neg(s[h] - mn);
+            s[h] = softmax_weight(s[h], mn);
             let mut sum = s[h];
             let mut mask = 1;
             while mask < 32 {

@@ -1357,14 +1357,19 @@ pub unsafe fn decode_mma<
                     m = m.max(unsafe { *mm.add(w * ROWS as usize + r) });
                 }
                 let (mut l, mut acc) = (0f32, 0f32);
-                if m != f32::NEG_INFINITY {
-                    for w in 0..WARPS as usize {
-                        let mw = unsafe { *mm.add(w * ROWS as usize + r) };
-                        if mw != f32::NEG_INFINITY {
-                            let cw = exp2_neg(mw - m);
-                            l += cw * unsafe { *ml.add(w * ROWS as usize + r) };
-                            acc += cw * unsafe { *mo.add((w * ROWS as usize + r) * mc + c) };
-                        }
+                for w in 0..WARPS as usize {
+                    let mw = unsafe { *mm.add(w * ROWS as usize + r) };
+                    let (lw, ow) =
+                        unsafe { (*ml.add(w * ROWS as usize + r), *mo.add((w * ROWS as usize + r) * mc + c)) };
+                    if m != f32::NEG_INFINITY && mw != f32::NEG_INFINITY {
+                        let cw = exp2_neg(mw - m);
+                        l += cw * lw;
+                        acc += cw * ow;
+                    } else if mw == f32::NEG_INFINITY {
+                        // An empty warp range adds its zeros; one whose scores were all
+                        // NaN (a non-finite query) adds its NaN, so the row stays NaN.
+                        l += lw;
+                        acc += ow;
                     }
                 }
                 let (i, h) = (row / gqa, row % gqa);

@@ -19,8 +19,10 @@ pub fn exp_neg(x: f32) -> f32 {
     if x <= -87.0 { 0.0 } else { y }
 }
 
-/// `2^x` for `x <= 0` (0 for `-inf`): `ex2.approx.ftz.f32` on the device (about 2 ulp),
-/// [`exp_neg`] elsewhere.
+/// `2^x` for `x <= 0` (0 for `-inf`, NaN for NaN): `ex2.approx.ftz.f32` on the device
+/// (about 2 ulp), [`exp_neg`] elsewhere with the instruction's special values (PTX ISA,
+/// `ex2`: `ex2(NaN) = NaN`, `ex2(-Inf) = +0`), so that a NaN score propagates on the
+/// emulator as on a GPU.
 #[inline(always)]
 pub fn exp2_neg(x: f32) -> f32 {
     #[cfg(target_arch = "nvptx64")]
@@ -34,8 +36,17 @@ pub fn exp2_neg(x: f32) -> f32 {
     }
     #[cfg(not(target_arch = "nvptx64"))]
     {
-        exp_neg(x * core::f32::consts::LN_2)
+        if x.is_nan() { x } else { exp_neg(x * core::f32::consts::LN_2) }
     }
+}
+
+/// The softmax weight `exp(s - m)` of a score `s` against the running max `m`, with
+/// non-finite inputs kept visible: a NaN or `+Inf` score (a non-finite query or key)
+/// gives NaN, which then reaches the row's sum and output; `-Inf` (a masked position)
+/// gives 0, also when `m` is `-Inf` (an empty range).
+#[inline(always)]
+pub fn softmax_weight(s: f32, m: f32) -> f32 {
+    if s.is_nan() || s == f32::INFINITY { f32::NAN } else { exp_neg(s - m) }
 }
 
 /// `a * b + c`: one `fma.rn.f32` on the device (Rust does not contract `a * b + c`);
@@ -187,6 +198,26 @@ pub fn f32_to_f16(x: f32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The emulator's `ex2.approx.ftz.f32` keeps the instruction's special values (PTX
+    /// ISA: `ex2(NaN) = NaN`, `ex2(-Inf) = +0`, `ex2(+-0) = 1`), and the softmax weight
+    /// keeps a non-finite score visible while a masked one weighs nothing.
+    #[test]
+    fn special_values_of_the_exponentials() {
+        assert!(exp2_neg(f32::NAN).is_nan());
+        assert_eq!(exp2_neg(f32::NEG_INFINITY).to_bits(), 0);
+        assert_eq!(exp2_neg(0.0), 1.0);
+        assert_eq!(exp2_neg(-0.0), 1.0);
+        assert!((exp2_neg(-1.0) - 0.5).abs() < 1e-7);
+        // Below the f32 range the result flushes to +0, as `.ftz` does.
+        assert_eq!(exp2_neg(-200.0).to_bits(), 0);
+        assert!(softmax_weight(f32::NAN, 1.0).is_nan());
+        assert!(softmax_weight(f32::INFINITY, 1.0).is_nan());
+        assert!(softmax_weight(f32::INFINITY, f32::INFINITY).is_nan());
+        assert_eq!(softmax_weight(f32::NEG_INFINITY, 0.0), 0.0);
+        assert_eq!(softmax_weight(f32::NEG_INFINITY, f32::NEG_INFINITY), 0.0);
+        assert!((softmax_weight(1.0, 2.0) - (-1.0f32).exp()).abs() < 1e-7);
+    }
 
     #[test]
     fn f16_rounding_is_to_nearest_even() {

@@ -66,8 +66,13 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     let base = row * splits;
     // SAFETY (all reads below): indices stay inside the sizes of the `# Safety` contract.
     let mut max = f32::NEG_INFINITY;
+    // A split that saw a non-finite query, key or value has a NaN sum (its max may still
+    // be -inf when every score was NaN): the row is NaN, never a finite wrong row.
+    let mut bad = false;
     for i in 0..splits {
-        max = max.max(unsafe { *m.add(base + i) });
+        let (mi, li) = unsafe { (*m.add(base + i), *l.add(base + i)) };
+        max = max.max(mi);
+        bad |= mi.is_nan() || li.is_nan();
     }
     let mut acc = [0f32; V];
     let mut sum = 0.0;
@@ -85,7 +90,13 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
             }
         }
     }
-    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    let inv = if bad {
+        f32::NAN
+    } else if sum > 0.0 {
+        1.0 / sum
+    } else {
+        0.0
+    };
     acc.iter_mut().for_each(|a| *a *= inv);
     // Inverse permutation: rotated channel c comes from stored channel vperm_inv[c].
     // (max(1): no division can trap; the host validated both counts.)

@@ -737,3 +737,105 @@ fn decode_mma_clamps_block_table_entries() {
     assert_eq!(clamped, partials([1, 1]));
     assert_ne!(clamped, partials([0, 1]), "the clamped page is the last block, not the right one");
 }
+
+/// One rule for non-finite input. What the host sees (the CPU backends' `KvCache`) it
+/// refuses with `Error::Value`; on the device, where the host cannot see the data, a NaN,
+/// `+Inf` or `-Inf` in a query, a key or a value makes every output row that can see it
+/// NaN, never a finite wrong row, and leaves the other rows as they were: a key or value
+/// of KV head 0 of sequence A (in a quantized page or in the f16 window) reaches the
+/// query heads of that KV head in sequence A; a query reaches its own row.
+#[test]
+fn non_finite_inputs_make_the_rows_that_see_them_nan() {
+    // The tensor-core kernel, and the CUDA-core one (groups of 32).
+    for config in [small(CacheConfig::k2v2(64)), CacheConfig { group_size: 32, ..small(CacheConfig::k2v2(64)) }] {
+        non_finite_rule(config);
+    }
+}
+
+fn non_finite_rule(config: CacheConfig) {
+    let (d, hkv, hq, n) = (64, 2, 4, 40);
+    let (row, qrow) = (hkv * d, hq * d);
+    // Host-visible input is refused.
+    for backend in [Backend::Reference, Backend::Cpu] {
+        let cs =
+            CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs: 1, max_tokens: 64, num_blocks: None };
+        let mut c = KvCache::new(config, cs, backend).unwrap();
+        let s = c.add_sequence().unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut k = rows(row, 1);
+            k[3] = bad;
+            assert!(matches!(c.append(0, s, 1, &k, &rows(row, 2)), Err(Error::Value(_))), "{backend:?} {bad}");
+            assert!(matches!(c.append(0, s, 1, &rows(row, 2), &k), Err(Error::Value(_))), "{backend:?} {bad}");
+        }
+        c.append(0, s, 1, &rows(row, 1), &rows(row, 2)).unwrap();
+        let mut q = rows(qrow, 3);
+        q[70] = f32::NAN;
+        assert!(matches!(c.decode(0, &[s], &q, &mut vec![0.0; qrow]), Err(Error::Value(_))), "{backend:?}");
+    }
+    // The device: (what, position or query head, bad value).
+    #[derive(Clone, Copy, Debug)]
+    enum At {
+        Key(usize),
+        Value(usize),
+        Query(usize),
+    }
+    let dev = test_device();
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        // Position 5 is in a quantized page once the sequences hold 41 tokens, 35 in the
+        // f16 window.
+        for at in [At::Key(5), At::Key(35), At::Value(5), At::Value(35), At::Query(1)] {
+            let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+            let size = LayerSize { max_seqs: 2, max_tokens: 64, num_blocks: None };
+            let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+            let (a, b) = (layer.add_sequence().unwrap(), layer.add_sequence().unwrap());
+            layer.reserve(a, 64).unwrap();
+            layer.reserve(b, 64).unwrap();
+            let mut batch = StepBatch::new(&dev, 2, 2 * n).unwrap();
+            let (mut k, mut v) = (rows(2 * n * row, 11), rows(2 * n * row, 12));
+            // Sequence A's rows are 0 .. n; KV head 0 is the first `d` of each row.
+            match at {
+                At::Key(p) => k[p * row + 7] = bad,
+                At::Value(p) => v[p * row + 7] = bad,
+                At::Query(_) => {}
+            }
+            batch.set(&layer, &[(a, n), (b, n)]).unwrap();
+            layer.append_batch(&batch, &dev.upload(&k).unwrap(), row, &dev.upload(&v).unwrap(), row).unwrap();
+            batch.set(&layer, &[(a, 1), (b, 1)]).unwrap();
+            let (k1, v1) = (dev.upload(&rows(2 * n * row, 13)).unwrap(), dev.upload(&rows(2 * n * row, 14)).unwrap());
+            layer.append_batch(&batch, &k1, row, &v1, row).unwrap();
+            let mut q = rows(2 * qrow, 15);
+            if let At::Query(h) = at {
+                q[h * d + 9] = bad;
+            }
+            let ps = PlanShape {
+                max_seqs: 2,
+                max_q_len: 1,
+                max_context: 64,
+                sm_count: None,
+                blocks_per_sm: None,
+                sm_scale: None,
+            };
+            let mut plan = DecodePlan::new(&layer, ps).unwrap();
+            let mut out = dev.alloc::<f32>(2 * qrow).unwrap();
+            plan.run(&layer, 1, &dev.upload(&q).unwrap(), &mut out).unwrap();
+            let mut got = vec![0f32; 2 * qrow];
+            dev.read(&out, &mut got).unwrap();
+            for (r, head) in got.chunks(d).enumerate() {
+                let (seq, h) = (r / hq, r % hq);
+                let sees = seq == 0
+                    && match at {
+                        At::Key(_) | At::Value(_) => h / (hq / hkv) == 0,
+                        At::Query(qh) => h == qh,
+                    };
+                if sees {
+                    assert!(
+                        head.iter().any(|x| x.is_nan()),
+                        "{config:?} {bad} at {at:?}: seq {seq} head {h} is not NaN"
+                    );
+                } else {
+                    assert!(head.iter().all(|x| x.is_finite()), "{config:?} {bad} at {at:?}: seq {seq} head {h}");
+                }
+            }
+        }
+    }
+}

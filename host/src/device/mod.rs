@@ -19,8 +19,17 @@
 //!   stride (K in a fused QKV row, V contiguous: no copy).
 //! - [`DecodePlan`]: a decode launch fixed for a batch shape (sequence slots, most query
 //!   tokens, longest context, multiprocessors): grid, split count and partials workspace
-//!   are chosen once; [`DecodePlan::run`] reads the current lengths on the device and
-//!   launches the same grid every step, with no allocation, copy or synchronization.
+//!   are chosen once, and one plan serves every layer of the same format and heads;
+//!   [`DecodePlan::run`] (every slot the same number of rows) and
+//!   [`DecodePlan::run_batch`] (each sequence its rows of a step) read the current
+//!   lengths on the device and launch the same grid every step, with no allocation,
+//!   copy or synchronization.
+//! - [`StepBatch`]: the new tokens of one serving step (which slot each input row belongs
+//!   to, each slot's start and count), set once per step and read on the device by
+//!   [`DeviceLayer::append_batch`] (every sequence's tokens in two launches, blocks
+//!   reserved ahead with [`DeviceLayer::reserve`]) and [`DecodePlan::run_batch`] of every
+//!   layer: a whole step is a fixed launch list (decode tokens, prompt chunks and idle
+//!   sequences alike), which a CUDA graph can capture.
 //! - [`raw`]: the same operations on raw device addresses, `unsafe`, for stacks that
 //!   own their buffers.
 //!
@@ -28,28 +37,36 @@
 //!
 //! A sequence of a layer lives in slot `SeqId::slot` (the lowest free slot when it is
 //! added; its id also carries the slot's generation, so a freed id is refused). A plan
-//! for `max_seqs` sequences decodes slots `0 .. max_seqs` every step: queries and outputs are `[max_seqs][q_len][num_q_heads][head_dim]`, row block
-//! `s` belonging to slot `s`; a free slot has length 0 on the device and its output rows
-//! are zero. A changing batch is sequences added and freed between steps.
+//! for `max_seqs` sequences decodes slots `0 .. max_seqs` every step: for
+//! [`DecodePlan::run`], queries and outputs are `[max_seqs][q_len][num_q_heads][head_dim]`,
+//! row block `s` belonging to slot `s`, a free slot's rows zero; for
+//! [`DecodePlan::run_batch`], one row per input row of the step batch. A changing batch
+//! is sequences added and freed between steps. The layers of a model add and free their
+//! sequences in the same order, so a request has the same slot in each.
 //!
 //! # What is checked where
 //!
 //! Everything the host knows is checked before anything is enqueued, with an [`Error`]:
 //! shapes, buffer sizes, capacities (pool blocks, sequence slots, tokens per sequence,
-//! the plan's slots and context against every live sequence), sequence ids, strides.
-//! What only the device holds (the values of K, V and queries) is not checked: a
-//! non-finite or out-of-f16-range input gives non-finite or saturated rows of that
-//! token or query, never an access outside the buffers (every address comes from the
-//! host's checked block tables and lengths).
+//! the plan's slots and context against every live sequence), sequence ids, strides,
+//! the step batch against each layer's lengths. What only the device holds (the values of
+//! K, V and queries) is not checked: a NaN or infinity there makes every output row that
+//! can see it NaN (never a finite wrong row), and what the device alone could get wrong
+//! (a block-table entry past the pool, a step batch that contradicts itself, through the
+//! raw entry points) is clamped or skipped and counted ([`StepBatch::errors`]), never an
+//! access outside the buffers.
 //!
 //! # Copies
 //!
-//! A decode step ([`DecodePlan::run`]) launches two kernels and nothing else. An append
-//! launches `append_flush` (when a page of the window fills) and `append_tokens`; the
-//! kernels find every token's place from the block table and protected list already on
-//! the device and store the new length there, so the only upload is the block-table
-//! entry of a page the sequence takes (4 bytes, once per `page_size` tokens), on the
-//! same stream, with no synchronization.
+//! A step ([`DeviceLayer::append_batch`] and [`DecodePlan::run_batch`] per layer)
+//! launches four kernels per layer and nothing else; its only upload, before it, is the
+//! step batch ([`StepBatch::set`], one for all layers). The per-sequence
+//! [`DeviceLayer::append`] launches `append_flush` (when a page of the window fills) and
+//! `append_tokens`; the kernels find every token's place from the block table and
+//! protected list already on the device and store the new length there, so its only
+//! upload is the block-table entry of a page the sequence takes (4 bytes, once per
+//! `page_size` tokens, none for reserved pages), on the same stream, with no
+//! synchronization.
 
 pub mod raw;
 
