@@ -16,8 +16,8 @@ use crate::fwht::{dense_warp, fwht_warp, permute_warp};
 use crate::layout::{Format, SIDE_PAGE, clip_range, div};
 use crate::math::{f16_to_f32, f32_to_f16, f64_to_f16};
 use crate::params::{
-    AppendBatchParams, AppendParams, BATCH_ERROR_BATCH, BATCH_ERROR_BLOCK, BATCH_NO_SLOT, FLAG_DENSE_KEYS,
-    FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES, load_elem,
+    AppendBatchParams, AppendParams, BATCH_ERROR_BATCH, BATCH_ERROR_BLOCK, BATCH_ERROR_NONFINITE, BATCH_NO_SLOT,
+    FLAG_DENSE_KEYS, FLAG_DENSE_VALUES, FLAG_ROTATE_KEYS, FLAG_ROTATE_VALUES, load_elem,
 };
 
 /// Where a token's f16 rows and codes go: resolved on the device from the sequence's
@@ -211,6 +211,20 @@ unsafe fn append_row<C: Ctx, const D: usize, const V: usize>(
                     (load_elem(k, p.input_dtype, k_src + c) - *key_mean.add(at)) / *key_scale.add(at)
                 }
             };
+        }
+        if !errors.is_null() {
+            // A non-finite input row is stored as it comes (its rows decode to NaN); the
+            // step's counters say how many there were: an OR over the warp, one atomic.
+            let mut nf = x.iter().fold(0u32, |a, &xc| a | !xc.is_finite() as u32);
+            let mut mask = 1;
+            while mask < 32 {
+                nf |= ctx.shfl_xor(f32::from_bits(nf), mask).to_bits();
+                mask *= 2;
+            }
+            if nf != 0 && lane == 0 {
+                // SAFETY: the counters (contract).
+                unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_NONFINITE), 1) };
+            }
         }
         let (dense, hadamard, rot) = if value {
             (FLAG_DENSE_VALUES, FLAG_ROTATE_VALUES, value_rot)

@@ -130,7 +130,7 @@ pub const fn batch_meta_len(max_rows: u32, max_seqs: u32) -> usize {
 /// Device-side error counters of the batched append (a `u32` array of [`BATCH_ERRORS`]
 /// entries the caller reads after the step): what the host could not see and the
 /// kernels skipped instead of reading or writing out of bounds.
-pub const BATCH_ERRORS: usize = 2;
+pub const BATCH_ERRORS: usize = 3;
 /// Error counter: (token, KV head) rows not stored because the step batch was
 /// inconsistent (a row's slot past `max_seqs`, a row outside its slot's rows, a length
 /// past `u32` or past the slot's block table).
@@ -138,6 +138,10 @@ pub const BATCH_ERROR_BATCH: usize = 0;
 /// Error counter: (token or flushed row, KV head, K|V) rows not stored because their
 /// block-table entry is at or past the pool's blocks.
 pub const BATCH_ERROR_BLOCK: usize = 1;
+/// Not an error of the batch: (token, KV head, K|V) input rows with a NaN or infinity
+/// (stored as they come: the rows that attend to them decode to NaN), counted so that a
+/// stack can find a bad step without reading K/V on the host.
+pub const BATCH_ERROR_NONFINITE: usize = 2;
 
 /// Parameters of the split-K decode of `q_len` query tokens per sequence.
 ///

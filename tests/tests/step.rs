@@ -800,6 +800,10 @@ fn non_finite_rule(config: CacheConfig) {
             }
             batch.set(&layer, &[(a, n), (b, n)]).unwrap();
             layer.append_batch(&batch, &dev.upload(&k).unwrap(), row, &dev.upload(&v).unwrap(), row).unwrap();
+            // The step's counters name the one bad K or V row (token, head).
+            let e = batch.errors().unwrap();
+            let want = if matches!(at, At::Query(_)) { 0 } else { 1 };
+            assert_eq!((e.batch_rows, e.bad_blocks, e.non_finite_rows), (0, 0, want), "{bad} at {at:?}");
             batch.set(&layer, &[(a, 1), (b, 1)]).unwrap();
             let (k1, v1) = (dev.upload(&rows(2 * n * row, 13)).unwrap(), dev.upload(&rows(2 * n * row, 14)).unwrap());
             layer.append_batch(&batch, &k1, row, &v1, row).unwrap();

@@ -1449,9 +1449,9 @@ impl std::fmt::Debug for StepBatch {
     }
 }
 
-/// What the batched append skipped on the device ([`StepBatch::errors`]): nothing it
-/// skipped was read or written out of bounds, and both are zero for any batch the host
-/// API set and checked.
+/// What the batched append met on the device ([`StepBatch::errors`]): what it skipped
+/// (nothing was read or written out of bounds; both zero for any batch the host API set
+/// and checked) and the non-finite input rows it stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchErrors {
     /// (token, KV head) rows the step batch did not describe consistently (a slot past
@@ -1459,6 +1459,10 @@ pub struct BatchErrors {
     pub batch_rows: u32,
     /// K or V rows whose block-table entry is at or past the pool's blocks.
     pub bad_blocks: u32,
+    /// K or V input rows (token, KV head) with a NaN or infinity: stored as they came, so
+    /// the rows that attend to them decode to NaN; counted so that a stack can find a bad
+    /// step without reading its K/V on the host (a warp OR and one atomic per such row).
+    pub non_finite_rows: u32,
 }
 
 impl StepBatch {
@@ -1574,6 +1578,7 @@ impl StepBatch {
         Ok(BatchErrors {
             batch_rows: e[rotkv_kernels::params::BATCH_ERROR_BATCH],
             bad_blocks: e[rotkv_kernels::params::BATCH_ERROR_BLOCK],
+            non_finite_rows: e[rotkv_kernels::params::BATCH_ERROR_NONFINITE],
         })
     }
 

@@ -23,8 +23,8 @@ use crate::launch;
 pub use crate::launch::{AppendPtrs, BatchPtrs, DecodePtrs, FlushPtrs, MergePtrs};
 pub use rotkv_kernels::layout::Format;
 pub use rotkv_kernels::params::{
-    AppendBatchParams, AppendParams, BATCH_ERROR_BATCH, BATCH_ERROR_BLOCK, BATCH_ERRORS, BATCH_NO_SLOT, DTYPE_BF16,
-    DTYPE_F16, DTYPE_F32, DecodeParams, MergeParams, batch_meta_len,
+    AppendBatchParams, AppendParams, BATCH_ERROR_BATCH, BATCH_ERROR_BLOCK, BATCH_ERROR_NONFINITE, BATCH_ERRORS,
+    BATCH_NO_SLOT, DTYPE_BF16, DTYPE_F16, DTYPE_F32, DecodeParams, MergeParams, batch_meta_len,
 };
 
 /// The 32-bit words of a parameter block or the addresses of an address set, for the
