@@ -843,3 +843,195 @@ fn non_finite_rule(config: CacheConfig) {
         }
     }
 }
+
+/// On a GPU: a whole step of four layers (the batched append and the step decode of
+/// each) is captured once in a CUDA graph and replayed while sequences grow, cross page
+/// flushes, take prompt chunks or idle: each replay (after `StepBatch::set` and the
+/// step's inputs, written before it, and `DeviceLayer::advance` for the host's
+/// bookkeeping) gives bit for bit the outputs of the same step launched directly on a
+/// twin model. SKIPPED on the emulated device (no graphs there).
+#[test]
+fn a_whole_step_replays_as_a_cuda_graph() {
+    let dev = test_device();
+    let Some(stream) = dev.stream().cloned() else {
+        eprintln!("SKIPPED: CUDA graph capture of a step (the emulated device has no graphs; ROTKV_TEST_DEVICE=cuda)");
+        return;
+    };
+    let (layers, d, hkv, hq, slots, max_rows, max_tokens) = (4, 128, 2, 8, 3, 40, 256);
+    let config = small(CacheConfig::k2v2(d));
+    let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+    let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
+    let make = || -> Vec<DeviceLayer> {
+        (0..layers)
+            .map(|_| DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap())
+            .collect()
+    };
+    let (mut graphed, mut direct) = (make(), make());
+    let ps = PlanShape {
+        max_seqs: slots,
+        max_q_len: 20,
+        max_context: max_tokens,
+        sm_count: None,
+        blocks_per_sm: None,
+        sm_scale: None,
+    };
+    let (mut plan_g, mut plan_d) =
+        (DecodePlan::new(&graphed[0], ps).unwrap(), DecodePlan::new(&direct[0], ps).unwrap());
+    let (mut batch_g, mut batch_d) =
+        (StepBatch::new(&dev, slots, max_rows).unwrap(), StepBatch::new(&dev, slots, max_rows).unwrap());
+    let (row, qrow) = (hkv * d, hq * d);
+    let alloc = |n| (0..layers).map(|_| dev.alloc::<f32>(n).unwrap()).collect::<Vec<_>>();
+    let (mut k, mut v, mut q) = (alloc(max_rows * row), alloc(max_rows * row), alloc(max_rows * qrow));
+    let (mut out_g, mut out_d) = (alloc(max_rows * qrow), alloc(max_rows * qrow));
+    let ids: Vec<(Vec<SeqId>, Vec<SeqId>)> = (0..slots)
+        .map(|_| {
+            let g: Vec<SeqId> = graphed.iter_mut().map(|l| l.add_sequence().unwrap()).collect();
+            let dd: Vec<SeqId> = direct.iter_mut().map(|l| l.add_sequence().unwrap()).collect();
+            for ((lg, ld), (&a, &b)) in graphed.iter_mut().zip(direct.iter_mut()).zip(g.iter().zip(&dd)) {
+                lg.reserve(a, max_tokens).unwrap();
+                ld.reserve(b, max_tokens).unwrap();
+            }
+            (g, dd)
+        })
+        .collect();
+    // Tokens per slot per step: prompt chunks, single tokens, idling.
+    let schedule: [[usize; 3]; 6] = [[20, 5, 0], [1, 15, 20], [1, 1, 1], [16, 0, 1], [1, 1, 18], [1, 20, 1]];
+    let mut graph = None;
+    for (step, counts) in schedule.iter().enumerate() {
+        let steps_g: Vec<(SeqId, usize)> = (0..slots).map(|s| (ids[s].0[0], counts[s])).collect();
+        let steps_d: Vec<(SeqId, usize)> = (0..slots).map(|s| (ids[s].1[0], counts[s])).collect();
+        batch_g.set(&graphed[0], &steps_g).unwrap();
+        batch_d.set(&direct[0], &steps_d).unwrap();
+        for l in 0..layers {
+            let seed = (100 * step + l) as u64;
+            dev.write(&mut k[l], 0, &rows(max_rows * row, seed)).unwrap();
+            dev.write(&mut v[l], 0, &rows(max_rows * row, seed + 1)).unwrap();
+            dev.write(&mut q[l], 0, &rows(max_rows * qrow, seed + 2)).unwrap();
+        }
+        // The twin, launched directly.
+        for l in 0..layers {
+            direct[l].append_batch(&batch_d, &k[l], row, &v[l], row).unwrap();
+            plan_d.run_batch(&direct[l], &batch_d, &q[l], qrow, &mut out_d[l], qrow).unwrap();
+        }
+        // The graphed model: captured on the first step, replayed after.
+        match &graph {
+            None => {
+                stream
+                    .begin_capture(
+                        rotkv::cuda::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                    )
+                    .unwrap();
+                for l in 0..layers {
+                    graphed[l].append_batch(&batch_g, &k[l], row, &v[l], row).unwrap();
+                    plan_g.run_batch(&graphed[l], &batch_g, &q[l], qrow, &mut out_g[l], qrow).unwrap();
+                }
+                let g = stream.end_capture(rotkv::cuda::cudarc::driver::sys::CUgraphInstantiate_flags(0)).unwrap();
+                let g = g.expect("a captured graph");
+                g.launch().unwrap();
+                graph = Some(g);
+            }
+            Some(g) => {
+                g.launch().unwrap();
+                for l in graphed.iter_mut() {
+                    l.advance(&batch_g).unwrap();
+                }
+            }
+        }
+        dev.synchronize().unwrap();
+        for l in 0..layers {
+            let (mut a, mut b) = (vec![0f32; max_rows * qrow], vec![0f32; max_rows * qrow]);
+            dev.read(&out_g[l], &mut a).unwrap();
+            dev.read(&out_d[l], &mut b).unwrap();
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "step {step} layer {l}");
+        }
+        for (s, (g, dd)) in ids.iter().enumerate() {
+            assert_eq!(graphed[0].len(g[0]).unwrap(), direct[0].len(dd[0]).unwrap(), "slot {s}");
+        }
+    }
+    assert_eq!(batch_g.errors().unwrap(), BatchErrors::default());
+}
+
+/// What only the device can see in a batched append through the raw entry point is
+/// skipped and counted, never read or written out of bounds: input rows naming a slot
+/// past the batch's, or lying outside their slot's rows, count in `batch_rows` (one per
+/// KV head); tokens whose page's block-table entry is past the pool count in
+/// `bad_blocks` (their K and V rows), and the pool stays untouched.
+#[test]
+fn raw_batched_append_counts_what_only_the_device_sees() {
+    use rotkv::device::raw::{self, AppendBatchParams, AppendParams, BatchPtrs, DTYPE_F32, batch_meta_len};
+    let config = small(CacheConfig::k2v2(64));
+    let fmt = config.format().unwrap();
+    let (d, seqs, rows_n, stride) = (64usize, 2usize, 44usize, 4usize);
+    let calib = LayerCalibration::identity(1, d);
+    let dev = Device::sim();
+    let pool = dev.alloc::<u8>(2 * fmt.page_bytes() as usize).unwrap();
+    let sides = dev.alloc::<u16>(seqs * fmt.side_elems(1)).unwrap();
+    let lens = dev.alloc::<u32>(seqs).unwrap();
+    let protected = dev.upload(&[u32::MAX; 2]).unwrap();
+    // Slot 0's first page points past the pool's two blocks.
+    let tables = dev.upload(&[u32::MAX, 1, 0, 0, 0, 0, 0, 0]).unwrap();
+    let (km, ks) = (dev.upload(&calib.key_mean).unwrap(), dev.upload(&calib.key_scale).unwrap());
+    let (kp, vp) = (dev.upload(&calib.key_perm).unwrap(), dev.upload(&calib.value_perm).unwrap());
+    let errors = dev.alloc::<u32>(raw::BATCH_ERRORS).unwrap();
+    let (k, v) = (dev.upload(&rows(rows_n * d, 1)).unwrap(), dev.upload(&rows(rows_n * d, 2)).unwrap());
+    // Rows 0..40: slot 0 (40 tokens from 0: positions 2..18 go to page 0); rows 40, 41:
+    // slot 5, past the batch; row 42: slot 1, which has no tokens this step; row 43: unused.
+    let mut meta = vec![0u32; batch_meta_len(rows_n as u32, seqs as u32)];
+    meta[40] = 5;
+    meta[41] = 5;
+    meta[42] = 1;
+    meta[43] = raw::BATCH_NO_SLOT;
+    let (r, s) = (rows_n, seqs);
+    meta[r + s] = 40; // slot 0's count
+    let meta = dev.upload(&meta).unwrap();
+    let bp = AppendBatchParams {
+        append: AppendParams {
+            format: fmt,
+            num_kv_heads: 1,
+            start: 0,
+            count: 0,
+            new_len: 0,
+            num_blocks: 2,
+            flags: config.flags() | calib.flags(),
+            token_stride: d as u32,
+            v_token_stride: d as u32,
+            head_stride: d as u32,
+            input_dtype: DTYPE_F32,
+        },
+        max_seqs: seqs as u32,
+        max_rows: rows_n as u32,
+        table_stride: stride as u32,
+        protected_stride: 1,
+    };
+    let ptrs = BatchPtrs {
+        meta: meta.addr(),
+        k: k.addr(),
+        v: v.addr(),
+        key_mean: km.addr(),
+        key_scale: ks.addr(),
+        key_perm: kp.addr(),
+        value_perm: vp.addr(),
+        key_rot: km.addr(),
+        value_rot: km.addr(),
+        tables: tables.addr(),
+        protected: protected.addr(),
+        pool: pool.addr(),
+        sides: sides.addr(),
+        lens: lens.addr(),
+        errors: errors.addr(),
+    };
+    // SAFETY: every buffer is a live allocation of `dev` of the sizes the kernels ask
+    // for `bp` (2 slots, 44 rows, tables of 4 entries); the inconsistent rows and the
+    // table entry past the pool are what the test is about.
+    unsafe { raw::append_batch(&dev, &bp, &ptrs).unwrap() };
+    let mut e = [0u32; raw::BATCH_ERRORS];
+    dev.read(&errors, &mut e).unwrap();
+    assert_eq!(fmt.quantized_len(40), 16);
+    assert_eq!(e, [3, 2 * 16, 0], "(batch rows, bad-block K/V rows, non-finite rows)");
+    let mut p = vec![1u8; pool.len()];
+    dev.read(&pool, &mut p).unwrap();
+    assert!(p.iter().all(|&b| b == 0), "nothing was written into the pool");
+    let mut l = [9u32; 2];
+    dev.read(&lens, &mut l).unwrap();
+    assert_eq!(l, [40, 0]);
+}
