@@ -648,3 +648,31 @@ fn zero_token_appends_check_their_inputs() {
         assert_eq!(cache.len(0, s), Ok(0));
     }
 }
+
+/// Sizes from input never wrap or abort on the device API: a layer whose pool bytes
+/// overflow `usize` (k4v4 head_dim 256, pages of 256, 63,081 KV heads, 4,199,642,129
+/// blocks: 2^64 + 561,152 bytes) is `Error::Capacity`, not a layer with a 561,152-byte pool;
+/// an allocation the machine cannot hold (1 PiB; a layer of 300 sequences of 2^30 tokens,
+/// or of u32::MAX blocks: past the 128 TiB of a 47-bit address space, so refused whatever
+/// the kernel's overcommit policy) is `Error::Capacity`, not an abort.
+#[test]
+fn device_sizes_are_checked_and_allocations_fallible() {
+    use rotkv::device::{Device, DeviceLayer, LayerSize};
+    let dev = Device::sim();
+    let config = CacheConfig { page_size: 256, ..CacheConfig::k4v4(256) };
+    let heads = 63_081;
+    let shape = LayerShape { num_kv_heads: heads, num_q_heads: heads };
+    let size = LayerSize { max_seqs: 1, max_tokens: 1024, num_blocks: Some(4_199_642_129) };
+    let r = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(heads, 256), size);
+    assert!(matches!(r, Err(Error::Capacity(_))), "{:?}", r.map(|_| ()));
+    assert!(matches!(dev.alloc::<u8>(1 << 50), Err(Error::Capacity(_))));
+    let shape = LayerShape { num_kv_heads: 8, num_q_heads: 32 };
+    let calib = LayerCalibration::identity(8, 128);
+    for size in [
+        LayerSize { max_seqs: 300, max_tokens: 1 << 30, num_blocks: None },
+        LayerSize { max_seqs: 1, max_tokens: 1024, num_blocks: Some(u32::MAX as usize) },
+    ] {
+        let r = DeviceLayer::new(&dev, CacheConfig::k2v2(128), shape, calib.clone(), size);
+        assert!(matches!(r, Err(Error::Capacity(_))), "{size:?}: {:?}", r.map(|_| ()));
+    }
+}
