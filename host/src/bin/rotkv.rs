@@ -82,8 +82,10 @@ enum Command {
         /// Tokens per decode step (1 to 4096): each step appends this many tokens and decodes
         /// them with one multi-token decode (causal rows), as speculative decoding verifies
         /// a draft; 1 is token by token. Unquantized methods give the same perplexity up to
-        /// f32 rounding; with quantized pages a step's earlier rows also read the page its
-        /// later tokens pushed out of the window, which moves the perplexity a little.
+        /// f32 rounding; with quantized pages a step's earlier rows also read the pages its
+        /// later tokens pushed out of the window: a little for chunks up to a page (64
+        /// tokens with the presets), much for chunks longer than the window, whose early
+        /// rows see their own chunk quantized (README, "On a GPU").
         #[arg(long, default_value_t = 1)]
         chunk: usize,
         /// Print one JSON object instead of a table.

@@ -1936,7 +1936,9 @@ impl DecodePlan {
     /// the f16 window, and causally to each other), speculative verification rows and
     /// idle sequences, mixed in one step, as long as no sequence has more rows than the
     /// plan's `max_q_len`. Rows read the cache as it holds them after the step's append
-    /// (see [`DecodePlan::run`] on multi-token steps).
+    /// (see [`DecodePlan::run`] on multi-token steps): keep prompt chunks at or under a
+    /// page, since a chunk longer than the window has its own early tokens quantized
+    /// before its rows attend to them (measured in the README, "On a GPU").
     ///
     /// # Errors
     /// Before anything is enqueued: as [`DecodePlan::run`] for the plan, the layer and the
