@@ -217,6 +217,20 @@ mod tests {
         assert_eq!(softmax_weight(f32::NEG_INFINITY, 0.0), 0.0);
         assert_eq!(softmax_weight(f32::NEG_INFINITY, f32::NEG_INFINITY), 0.0);
         assert!((softmax_weight(1.0, 2.0) - (-1.0f32).exp()).abs() < 1e-7);
+        // `max.f32` / `min.f32` (PTX ISA: NaN only when both inputs are NaN) are Rust's
+        // `f32::max` / `min`, which the kernels use on both targets.
+        assert_eq!(f32::NAN.max(1.0), 1.0);
+        assert_eq!(1.0f32.min(f32::NAN), 1.0);
+        assert!(f32::NAN.max(f32::NAN).is_nan());
+        // `cvt.rn.f16.f32` of infinities and NaN: infinities, and a NaN (the kernels'
+        // software rounding gives what the instruction gives, up to the NaN payload).
+        assert_eq!(f32_to_f16(f32::INFINITY), 0x7c00);
+        assert_eq!(f32_to_f16(f32::NEG_INFINITY), 0xfc00);
+        assert_eq!(f32_to_f16(1e6), 0x7c00, "overflow rounds to infinity");
+        let n = f32_to_f16(f32::NAN);
+        assert!(n & 0x7c00 == 0x7c00 && n & 0x3ff != 0, "{n:#x}");
+        assert!(f16_to_f32(n).is_nan() && h2f(n).is_nan());
+        assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
     }
 
     #[test]
