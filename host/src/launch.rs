@@ -301,6 +301,8 @@ impl DecodeInputs {
             num_splits: p.num_splits,
             flags: p.flags,
             out_row_stride: p.num_q_heads * p.format.head_dim,
+            batch_seqs: 0,
+            q_len: p.q_len,
         };
         (mp, [p.num_q_heads, rows, 1])
     }

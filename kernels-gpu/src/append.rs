@@ -98,8 +98,10 @@ pub unsafe fn destination(p: &AppendParams, pos: u32, block_table: *const u32, p
 /// shuffles and `D * V` multiply-adds per lane), gathers the permutation with
 /// indexed shuffles and rounds to f16; then it stores its channels of the side row, or
 /// quantizes them with the group's lanes (`quantize_lanes`: the group's min and max by
-/// shuffles, f16 scale and zero, packed codes). Keys first, then values. Lane 0 of block
-/// `(0, 0)` writes the length.
+/// shuffles, f16 scale and zero, packed codes). Values first, then keys: a token with a
+/// non-finite key or value is stored with a NaN key and a finite value (its non-finite
+/// value channels as 0), so that only the rows that can see it decode to NaN. Lane 0 of
+/// block `(0, 0)` writes the length.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn append_tokens<C: Ctx, const D: usize, const V: usize>(
@@ -192,11 +194,17 @@ unsafe fn append_row<C: Ctx, const D: usize, const V: usize>(
         // SAFETY: the counters (contract).
         unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_BLOCK), 2) };
     }
-    // Keys, then values. (A range, not a loop over `[false, true]`: an array iterator
+    // Values, then keys. (A range, not a loop over `[false, true]`: an array iterator
     // whose loop is not unrolled lives in local memory on the device, and a closure
     // called twice is not inlined.)
+    // A token whose key or value has a NaN or infinity is stored with a NaN key and a
+    // finite value (its non-finite value channels as 0): every row that can see it scores
+    // NaN and decodes to NaN, while a row that cannot (masked by causality or a sliding
+    // window, whose score is -inf whatever the key) multiplies a finite value by 0 and
+    // stays finite. Values first, so the key knows.
+    let mut poison = false;
     for half in 0..2 {
-        let value = half == 1;
+        let value = half == 0;
         // SAFETY (raw accesses): inside the sizes of the `# Safety` contract.
         // (A constant-bound loop, not `array::from_fn`: the body has two callers, and the
         // closure of a from_fn is not always inlined into both: a call with the array on
@@ -212,19 +220,27 @@ unsafe fn append_row<C: Ctx, const D: usize, const V: usize>(
                 }
             };
         }
-        if !errors.is_null() {
-            // A non-finite input row is stored as it comes (its rows decode to NaN); the
-            // step's counters say how many there were: an OR over the warp, one atomic.
-            let mut nf = x.iter().fold(0u32, |a, &xc| a | !xc.is_finite() as u32);
-            let mut mask = 1;
-            while mask < 32 {
-                nf |= ctx.shfl_xor(f32::from_bits(nf), mask).to_bits();
-                mask *= 2;
+        // Whether the row has a non-finite channel: an OR over the warp.
+        let mut nf = x.iter().fold(0u32, |a, &xc| a | !xc.is_finite() as u32);
+        let mut mask = 1;
+        while mask < 32 {
+            nf |= ctx.shfl_xor(f32::from_bits(nf), mask).to_bits();
+            mask *= 2;
+        }
+        if nf != 0 && lane == 0 && !errors.is_null() {
+            // The step's counters say how many such rows there were (one atomic each).
+            // SAFETY: the counters (contract).
+            unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_NONFINITE), 1) };
+        }
+        if value {
+            poison = nf != 0;
+            for xc in x.iter_mut() {
+                if !xc.is_finite() {
+                    *xc = 0.0;
+                }
             }
-            if nf != 0 && lane == 0 {
-                // SAFETY: the counters (contract).
-                unsafe { ctx.atomic_add_u32(errors.add(BATCH_ERROR_NONFINITE), 1) };
-            }
+        } else if nf != 0 || poison {
+            x = [f32::NAN; V];
         }
         let (dense, hadamard, rot) = if value {
             (FLAG_DENSE_VALUES, FLAG_ROTATE_VALUES, value_rot)
@@ -402,7 +418,11 @@ unsafe fn slot_append(bp: &AppendBatchParams, meta: *const u32, slot: u32) -> (b
     p.start = start;
     p.count = count;
     p.new_len = start.wrapping_add(count);
-    let ok = start <= u32::MAX / 2 && count <= u32::MAX / 2 - start && p.format.pages_for(p.new_len) <= bp.table_stride;
+    let ok = start <= u32::MAX / 2
+        && count <= u32::MAX / 2 - start
+        && p.format.pages_for(p.new_len) <= bp.table_stride
+        && first <= bp.max_rows
+        && count <= bp.max_rows - first;
     (ok, p, first)
 }
 

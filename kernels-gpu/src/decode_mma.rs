@@ -1365,9 +1365,9 @@ pub unsafe fn decode_mma<
                         let cw = exp2_neg(mw - m);
                         l += cw * lw;
                         acc += cw * ow;
-                    } else if mw == f32::NEG_INFINITY {
-                        // An empty warp range adds its zeros; one whose scores were all
-                        // NaN (a non-finite query) adds its NaN, so the row stays NaN.
+                    } else if mw == f32::NEG_INFINITY && lw.is_nan() {
+                        // A warp whose scores were all NaN (a non-finite query) keeps
+                        // its NaN, so the row stays NaN; an empty range adds nothing.
                         l += lw;
                         acc += ow;
                     }

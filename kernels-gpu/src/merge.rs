@@ -57,10 +57,11 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
     let [qh, seq, _] = ctx.block_idx();
     let lane = ctx.lane() as usize;
     let hq = p.num_q_heads as usize;
-    // A step batch's row that carries no token gets zeros (its partials were not
-    // written this step).
-    // SAFETY: with a step batch, `meta` holds a slot per row (contract).
-    let unused = !meta.is_null() && unsafe { *meta.add(seq as usize) } == BATCH_NO_SLOT;
+    // A step batch's row that no decode block wrote this step (no token, or a slot the
+    // decode launch gave no rows) gets zeros.
+    // SAFETY: with a step batch, `meta` holds its `num_seqs` rows' slots and the per-slot
+    // arrays of `batch_seqs` slots (contract).
+    let unused = !meta.is_null() && unsafe { !batch_row_decoded(p, meta, seq) };
     let splits = if unused { 0 } else { p.num_splits as usize };
     let row = seq as usize * hq + qh as usize;
     let base = row * splits;
@@ -129,6 +130,26 @@ pub unsafe fn decode_merge<C: Ctx, const D: usize, const V: usize>(
             unsafe { *out.cast::<f32>().add(at + v) = xv };
         }
     }
+}
+
+/// Whether row `r` of a step batch was decoded this step: its slot is one of the batch's,
+/// has at most `p.q_len` rows, and `r` lies inside them (what `DecodeParams::seq_rows`
+/// gives the decode kernels).
+///
+/// # Safety
+/// `meta` a step batch of `p.num_seqs` rows over `p.batch_seqs` slots.
+#[inline(always)]
+unsafe fn batch_row_decoded(p: &MergeParams, meta: *const u32, r: u32) -> bool {
+    let (rows, seqs) = (p.num_seqs as usize, p.batch_seqs as usize);
+    // SAFETY: r < num_seqs rows; the slot is checked below `batch_seqs` before the
+    // per-slot arrays are read (contract).
+    let slot = unsafe { *meta.add(r as usize) };
+    if slot == BATCH_NO_SLOT || slot as usize >= seqs {
+        return false;
+    }
+    let (count, first) =
+        unsafe { (*meta.add(rows + seqs + slot as usize), *meta.add(rows + 2 * seqs + slot as usize)) };
+    count <= p.q_len && first <= r && r - first < count
 }
 
 /// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN).

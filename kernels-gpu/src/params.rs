@@ -132,8 +132,10 @@ pub const fn batch_meta_len(max_rows: u32, max_seqs: u32) -> usize {
 /// kernels skipped instead of reading or writing out of bounds.
 pub const BATCH_ERRORS: usize = 3;
 /// Error counter: (token, KV head) rows not stored because the step batch was
-/// inconsistent (a row's slot past `max_seqs`, a row outside its slot's rows, a length
-/// past `u32` or past the slot's block table).
+/// inconsistent (a row's slot past `max_seqs`, a row outside its slot's rows, a slot's
+/// rows past the batch's, a length past `u32::MAX / 2` or past the slot's block table).
+/// The contract that each slot's rows `first .. first + count` name that slot is the
+/// caller's: a row there naming another slot is stored (or counted) as that slot's.
 pub const BATCH_ERROR_BATCH: usize = 0;
 /// Error counter: (token or flushed row, KV head, K|V) rows not stored because their
 /// block-table entry is at or past the pool's blocks.
@@ -180,8 +182,9 @@ pub struct DecodeParams {
     /// Element type of the queries (`DTYPE_*`).
     pub q_dtype: u32,
     /// Blocks in the pool: both decode kernels read a block-table entry at or past it as
-    /// the last block ([`DecodeParams::block`]), never out of bounds (one `min` per tile
-    /// in `decode_mma`: no spill, up to 2 registers).
+    /// the last block ([`DecodeParams::block`]), never out of a pool of at least one
+    /// block (one `min` per tile in `decode_mma`: no spill, up to 2 registers); with 0
+    /// blocks no length may reach a quantized page (the host's checks ensure it).
     pub num_blocks: u32,
     /// Longest sequence: a length read on the device is clamped to it, and
     /// `block_table_stride` covers its pages.
@@ -227,6 +230,14 @@ pub struct MergeParams {
     /// Elements between consecutive output rows (a row is one query token of one
     /// sequence: `num_q_heads` heads, `head_dim` apart); `num_q_heads * head_dim` dense.
     pub out_row_stride: u32,
+    /// With a step batch (`meta` not null; `num_seqs` its rows): its slots, and the most
+    /// rows a slot may have (the decode launch's `q_len`). A row is merged only when its
+    /// slot is below `batch_seqs`, has at most `q_len` rows and the row lies inside them;
+    /// any other row is written as zeros (its partials were not written this step).
+    /// Unused without a step batch.
+    pub batch_seqs: u32,
+    /// See `batch_seqs`.
+    pub q_len: u32,
 }
 
 impl DecodeParams {
@@ -252,8 +263,11 @@ impl DecodeParams {
         let (r, s) = (self.batch_rows as usize, self.batch_seqs as usize);
         // SAFETY: seq < batch_seqs: inside the counts and first rows (contract).
         let (count, first) = unsafe { (*meta.add(r + s + seq as usize), *meta.add(r + 2 * s + seq as usize)) };
-        // A first row past the batch (an inconsistent batch) gets no rows.
-        p.q_len = if first < self.batch_rows { count.min(self.q_len).min(self.batch_rows - first) } else { 0 };
+        // A slot with more rows than the launch's tiles cover, or rows past the batch (an
+        // inconsistent batch), gets none: cutting them would give its rows the causal
+        // limits of other tokens. The merge writes zeros for them (`MergeParams::q_len`).
+        p.q_len =
+            if count <= self.q_len && first <= self.batch_rows && count <= self.batch_rows - first { count } else { 0 };
         (p, first as usize * self.q_token_stride as usize, first)
     }
     /// A block-table entry as the decode kernels use it: clamped below `num_blocks`.

@@ -142,6 +142,8 @@ fn sim_decode_split_and_merge_match_the_reference() {
             num_splits: splits,
             flags: config.flags() | calib.flags(),
             out_row_stride: (hq * d) as u32,
+            batch_seqs: 0,
+            q_len: 1,
         };
         let mut out = vec![0f32; 2 * q_len * hq * d];
         rotkv::sim::decode_merge_sim(&mp, &m, &l, &o, &inv, calib.value_rotation.as_deref(), &mut out).unwrap();

@@ -73,6 +73,8 @@ fn sim_decode_merge_matches_the_reference() {
             head_dim: d as u32,
             num_splits: splits as u32,
             out_row_stride: (hq * d) as u32,
+            batch_seqs: 0,
+            q_len: 1,
             flags: match back {
                 Back::None => 0,
                 Back::Hadamard => FLAG_ROTATE_VALUES,
@@ -115,6 +117,8 @@ fn sim_decode_merge_writes_f16_when_asked() {
         head_dim: 128,
         num_splits: 4,
         out_row_stride: 3 * 128,
+        batch_seqs: 0,
+        q_len: 1,
         flags: FLAG_ROTATE_VALUES,
     };
     let mut wide = vec![0f32; 3 * 128];
@@ -136,6 +140,8 @@ fn sim_decode_merge_rejects_bad_sizes() {
         num_splits: 2,
         flags: 0,
         out_row_stride: 2 * 64,
+        batch_seqs: 0,
+        q_len: 1,
     };
     let mut out = vec![0f32; 128];
     let inv: Vec<u16> = (0..64).collect();

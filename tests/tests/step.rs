@@ -518,8 +518,12 @@ fn step_decode_mixes_prefill_chunks_single_tokens_and_idle_sequences() {
         batch.set(&layer, &[(a, 1)]).unwrap();
         let before = dev.counters();
         assert!(matches!(plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow), Err(Error::Shape(_))));
+        // The replay check takes a batch before or after its append, not one the launch
+        // would decode wrongly.
+        plan.check_batch(&layer, &batch).unwrap();
         batch.set_slots(&[(0, layer.len(a).unwrap(), max_q_len + 1)]).unwrap();
         assert!(matches!(plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow), Err(Error::Shape(_))));
+        assert!(matches!(plan.check_batch(&layer, &batch), Err(Error::Shape(_))));
         assert_eq!(dev.counters().launches, before.launches);
     }
 }
@@ -931,10 +935,11 @@ fn a_whole_step_replays_as_a_cuda_graph() {
                 graph = Some(g);
             }
             Some(g) => {
-                g.launch().unwrap();
                 for l in graphed.iter_mut() {
+                    plan_g.check_batch(l, &batch_g).unwrap();
                     l.advance(&batch_g).unwrap();
                 }
+                g.launch().unwrap();
             }
         }
         dev.synchronize().unwrap();
@@ -1034,4 +1039,215 @@ fn raw_batched_append_counts_what_only_the_device_sees() {
     let mut l = [9u32; 2];
     dev.read(&lens, &mut l).unwrap();
     assert_eq!(l, [40, 0]);
+}
+
+/// The other half of the non-finite rule: a row that cannot see a bad token stays
+/// finite, also where a kernel loads the token and masks it (a 16-token tile that
+/// straddles a causal limit or a sliding window's start: the tensor-core kernel
+/// multiplies masked tokens' values by a zero weight, so a NaN value stored as it came
+/// would leak). A bad key or value is stored as a NaN key and a finite value. Checked on
+/// both decode kernels: a 4-row step whose last token is bad (rows 0-2 finite, row 3
+/// NaN), and a sliding window that starts two tokens after a bad one.
+#[test]
+fn non_finite_inputs_stay_out_of_rows_that_cannot_see_them() {
+    for config in [small(CacheConfig::k2v2(64)), CacheConfig { group_size: 32, ..small(CacheConfig::k2v2(64)) }] {
+        let (d, hkv, hq) = (64, 2, 4);
+        let (row, qrow) = (hkv * d, hq * d);
+        let dev = test_device();
+        for bad_value in [false, true] {
+            let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+            let size = LayerSize { max_seqs: 1, max_tokens: 64, num_blocks: None };
+            let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+            let a = layer.add_sequence().unwrap();
+            layer.reserve(a, 64).unwrap();
+            let mut batch = StepBatch::new(&dev, 1, 40).unwrap();
+            batch.set(&layer, &[(a, 40)]).unwrap();
+            let (mut k, mut v) = (rows(40 * row, 21), rows(40 * row, 22));
+            // Position 18: before the window below, in the f16 rows.
+            if bad_value {
+                v[18 * row + 3] = f32::NAN
+            } else {
+                k[18 * row + 3] = f32::NAN
+            }
+            layer.append_batch(&batch, &dev.upload(&k).unwrap(), row, &dev.upload(&v).unwrap(), row).unwrap();
+            // A step of 4 rows (positions 40..44) whose last token (43) is bad.
+            let (mut k4, mut v4) = (rows(40 * row, 23), rows(40 * row, 24));
+            if bad_value {
+                v4[3 * row + 5] = f32::INFINITY
+            } else {
+                k4[3 * row + 5] = f32::INFINITY
+            }
+            batch.set(&layer, &[(a, 4)]).unwrap();
+            layer.append_batch(&batch, &dev.upload(&k4).unwrap(), row, &dev.upload(&v4).unwrap(), row).unwrap();
+            let q = dev.upload(&rows(40 * qrow, 25)).unwrap();
+            let mut out = dev.alloc::<f32>(40 * qrow).unwrap();
+            // A sliding window of 20 keys: position 43's rows see 24 ..= 43, not 18; the
+            // earlier rows see neither bad token except row 3 its own.
+            let ps = PlanShape {
+                max_seqs: 1,
+                max_q_len: 40,
+                max_context: 64,
+                sm_count: None,
+                blocks_per_sm: None,
+                sm_scale: None,
+            };
+            let mut plan = DecodePlan::new_windowed(&layer, ps, Some(19)).unwrap();
+            plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow).unwrap();
+            let mut all = vec![0f32; 40 * qrow];
+            dev.read(&out, &mut all).unwrap();
+            for r in 0..4 {
+                for h in 0..hq {
+                    let head = &all[(r * hq + h) * d..(r * hq + h + 1) * d];
+                    if r == 3 && h < hq / hkv {
+                        assert!(head.iter().any(|x| x.is_nan()), "{config:?} value {bad_value}: row {r} head {h}");
+                    } else {
+                        assert!(head.iter().all(|x| x.is_finite()), "{config:?} value {bad_value}: row {r} head {h}");
+                    }
+                }
+            }
+            // Without the window, every row sees position 18: head 0's group is NaN.
+            let mut plan = DecodePlan::new(&layer, ps).unwrap();
+            plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow).unwrap();
+            dev.read(&out, &mut all).unwrap();
+            for r in 0..4 {
+                for h in 0..hq {
+                    let head = &all[(r * hq + h) * d..(r * hq + h + 1) * d];
+                    assert_eq!(
+                        head.iter().any(|x| x.is_nan()),
+                        h < hq / hkv,
+                        "{config:?} value {bad_value}: row {r} head {h}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A step batch whose slot has more rows than the decode launch covers (reachable on
+/// a graph replay, where the host's plan check does not run) gets no rows at all, never
+/// rows with another token's causal limit, and the merge writes those rows as zeros, not
+/// last step's partials. Through `raw::decode` and `raw::merge` on the emulator.
+#[test]
+fn step_rows_past_the_launch_are_zeros_not_stale() {
+    use rotkv::device::raw::{self, DTYPE_F32, DecodeParams, DecodePtrs, MergeParams, MergePtrs};
+    let config = small(CacheConfig::k2v2(64));
+    let fmt = config.format().unwrap();
+    let (d, hq, len) = (64, 4, 60);
+    let shape = LayerShape { num_kv_heads: 1, num_q_heads: hq };
+    let calib = LayerCalibration::identity(1, d);
+    let mut pool = rotkv::paged::PoolBuffer::new(rotkv::paged::pool_bytes(&config, &shape, 2).unwrap());
+    let mut side = vec![f16::ZERO; rotkv::paged::side_elems(&config, &shape).unwrap()];
+    let (k, v) = (rows(len * d, 1), rows(len * d, 2));
+    rotkv::paged::append(
+        Backend::Cpu,
+        &config,
+        &calib,
+        &shape,
+        pool.bytes_mut(),
+        &[0, 1],
+        &mut side,
+        &[],
+        0,
+        len,
+        &k,
+        &v,
+    )
+    .unwrap();
+    let dev = Device::sim();
+    let pool_d = dev.upload(pool.bytes()).unwrap();
+    let side_d = dev.upload(&side.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()).unwrap();
+    let q = dev.upload(&rows(4 * hq * d, 3)).unwrap();
+    let lens = dev.upload(&[len as u32]).unwrap();
+    let tables = dev.upload(&[0u32, 1]).unwrap();
+    let protected = dev.upload(&[u32::MAX]).unwrap();
+    let (ks, kp, inv) = (
+        dev.upload(&calib.key_scale).unwrap(),
+        dev.upload(&calib.key_perm).unwrap(),
+        dev.upload(&calib.value_perm_inverse(d)).unwrap(),
+    );
+    let (splits, rows_n) = (2u32, 4u32);
+    let (m, l, o) = (
+        dev.alloc::<f32>(4 * hq * 2).unwrap(),
+        dev.alloc::<f32>(4 * hq * 2).unwrap(),
+        dev.alloc::<f32>(4 * hq * 2 * d).unwrap(),
+    );
+    let run = |count: u32| -> Vec<f32> {
+        // Rows 0 .. count are the slot's (its last `count` tokens), the rest unused.
+        let mut meta = vec![raw::BATCH_NO_SLOT; 4];
+        meta[..count as usize].fill(0);
+        meta.extend([len as u32 - count, count, 0]);
+        let meta = dev.upload(&meta).unwrap();
+        let p = DecodeParams {
+            format: fmt,
+            num_seqs: 1,
+            num_q_heads: hq as u32,
+            num_kv_heads: 1,
+            num_splits: splits,
+            block_table_stride: 2,
+            flags: config.flags() | calib.flags(),
+            sm_scale: 0.125,
+            q_seq_stride: 0,
+            q_token_stride: (hq * d) as u32,
+            q_dtype: DTYPE_F32,
+            num_blocks: 2,
+            max_len: len as u32,
+            q_len: 2,
+            attn_window: 0,
+            batch_rows: rows_n,
+            batch_seqs: 1,
+        };
+        let mp = MergeParams {
+            num_seqs: rows_n,
+            num_q_heads: hq as u32,
+            num_kv_heads: 1,
+            head_dim: d as u32,
+            num_splits: splits,
+            flags: config.flags() & rotkv_kernels::params::FLAG_ROTATE_VALUES,
+            out_row_stride: (hq * d) as u32,
+            batch_seqs: 1,
+            q_len: 2,
+        };
+        let out = dev.upload(&vec![9.0f32; 4 * hq * d]).unwrap();
+        let ptrs = DecodePtrs {
+            q: q.addr(),
+            pool: pool_d.addr(),
+            tables: tables.addr(),
+            lens: lens.addr(),
+            sides: side_d.addr(),
+            protected: protected.addr(),
+            key_scale: ks.addr(),
+            key_perm: kp.addr(),
+            key_rot: ks.addr(),
+            m: m.addr(),
+            l: l.addr(),
+            o: o.addr(),
+            meta: meta.addr(),
+        };
+        let mptrs = MergePtrs {
+            m: m.addr(),
+            l: l.addr(),
+            o: o.addr(),
+            vperm_inv: inv.addr(),
+            value_rot: ks.addr(),
+            out: out.addr(),
+            meta: meta.addr(),
+        };
+        // SAFETY: every buffer is a live allocation of `dev` of the kernels' sizes for a
+        // step batch of 4 rows over 1 slot, 2 splits, 4 query heads.
+        unsafe {
+            raw::decode(&dev, &p, &ptrs).unwrap();
+            raw::merge(&dev, &mp, &mptrs).unwrap();
+        }
+        let mut got = vec![0f32; 4 * hq * d];
+        dev.read(&out, &mut got).unwrap();
+        got
+    };
+    let two = run(2);
+    let row = hq * d;
+    assert!(two[..2 * row].iter().all(|x| x.is_finite() && *x != 9.0) && two[..2 * row].iter().any(|&x| x != 0.0));
+    assert!(two[2 * row..].iter().all(|&x| x == 0.0), "rows without a token are zeros");
+    // Three rows for a launch of two: none decoded, all written as zeros (the partials
+    // still hold the two rows of the run above).
+    let three = run(3);
+    assert!(three.iter().all(|&x| x == 0.0), "rows past the launch are zeros, not stale");
 }

@@ -1365,9 +1365,16 @@ impl DeviceLayer {
 
     /// The host's side of [`DeviceLayer::append_batch`] without enqueuing anything: the
     /// check, then every slot's length advanced by its count. For a step replayed from a
-    /// captured CUDA graph (the graph ran the kernels; the layer's bookkeeping, which the
-    /// next step's checks read, must follow). Errors as [`DeviceLayer::append_batch`]'s
-    /// for the batch itself.
+    /// captured CUDA graph (the graph runs the kernels; the layer's bookkeeping, which the
+    /// next step's checks read, must follow): per replay, [`StepBatch::set`], then
+    /// [`DecodePlan::check_batch`] and `advance` on every layer, then the graph's launch.
+    /// Errors as [`DeviceLayer::append_batch`]'s for the batch itself.
+    ///
+    /// Capturing: the `append_batch` and [`DecodePlan::run_batch`] calls made while a
+    /// stream captures run their checks and advance the host's lengths as for a launch,
+    /// though the kernels run only when the graph is launched: launch the captured graph
+    /// once for the batch it was captured with (or capture with a batch of no tokens)
+    /// before any `advance`.
     pub fn advance(&mut self, batch: &StepBatch) -> Result<()> {
         self.check_batch(batch)?;
         self.commit_batch(batch);
@@ -1958,41 +1965,8 @@ impl DecodePlan {
         out_row_stride: usize,
     ) -> Result<()> {
         let (q, out) = (q.device_slice(), out.device_slice_mut());
-        self.check_layer(layer)?;
+        self.check_steps(layer, batch, true)?;
         let dev = &layer.device;
-        if batch.device.0.id != dev.0.id {
-            return Err(Error::Device("the step batch belongs to another device handle".into()));
-        }
-        let workspace_rows = self.shape.max_seqs * self.shape.max_q_len;
-        if batch.max_rows > workspace_rows {
-            return Err(Error::Shape(format!(
-                "a step batch of {} rows; the plan's workspace holds {workspace_rows} (max_seqs x max_q_len)",
-                batch.max_rows
-            )));
-        }
-        for (slot, start, count) in batch.entries() {
-            if slot >= self.shape.max_seqs {
-                return Err(Error::Shape(format!(
-                    "slot {slot} of the batch: the plan decodes 0 .. {}",
-                    self.shape.max_seqs
-                )));
-            }
-            if count > self.shape.max_q_len {
-                return Err(Error::Shape(format!(
-                    "slot {slot} has {count} rows this step; the plan takes at most {} per sequence",
-                    self.shape.max_q_len
-                )));
-            }
-            let len = layer.seqs[slot].as_ref().map_or(0, |s| s.len);
-            if len != start + count {
-                return Err(Error::Shape(format!(
-                    "slot {slot} holds {len} tokens, not the {} of the batch's append: append the batch to this layer \
-                     first (DeviceLayer::append_batch)",
-                    start + count
-                )));
-            }
-        }
-        self.check_live(layer)?;
         let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
         dev.check_view(q.device, "q")?;
         dev.check_view(out.device, "out")?;
@@ -2033,6 +2007,57 @@ impl DecodePlan {
         }
     }
 
+    /// Every check of [`DecodePlan::run_batch`] that concerns the plan, the layer and the
+    /// batch (not the query and output buffers), nothing enqueued: what a stack runs
+    /// before replaying a captured step, whose launches skip the host (with
+    /// [`DeviceLayer::advance`] for the append's side). A batch that fails it must not be
+    /// replayed: the kernels would leave a slot with more rows than `max_q_len` undecoded
+    /// (its rows written as zeros), never read out of bounds.
+    /// The layer's lengths may be the batch's starts (before the step's
+    /// [`DeviceLayer::advance`]) or its starts plus counts (after it).
+    pub fn check_batch(&self, layer: &DeviceLayer, batch: &StepBatch) -> Result<()> {
+        self.check_steps(layer, batch, false)
+    }
+
+    /// [`DecodePlan::check_batch`]; `appended`: the layer must hold the batch's tokens
+    /// already (what a launch reads).
+    fn check_steps(&self, layer: &DeviceLayer, batch: &StepBatch, appended: bool) -> Result<()> {
+        self.check_layer(layer)?;
+        if batch.device.0.id != layer.device.0.id {
+            return Err(Error::Device("the step batch belongs to another device handle".into()));
+        }
+        let workspace_rows = self.shape.max_seqs * self.shape.max_q_len;
+        if batch.max_rows > workspace_rows {
+            return Err(Error::Shape(format!(
+                "a step batch of {} rows; the plan's workspace holds {workspace_rows} (max_seqs x max_q_len)",
+                batch.max_rows
+            )));
+        }
+        for (slot, start, count) in batch.entries() {
+            if slot >= self.shape.max_seqs {
+                return Err(Error::Shape(format!(
+                    "slot {slot} of the batch: the plan decodes 0 .. {}",
+                    self.shape.max_seqs
+                )));
+            }
+            if count > self.shape.max_q_len {
+                return Err(Error::Shape(format!(
+                    "slot {slot} has {count} rows this step; the plan takes at most {} per sequence",
+                    self.shape.max_q_len
+                )));
+            }
+            let len = layer.seqs[slot].as_ref().map_or(0, |s| s.len);
+            if len != start + count && (appended || len != start) {
+                return Err(Error::Shape(format!(
+                    "slot {slot} holds {len} tokens, not the {} of the batch's append: append the batch to this layer \
+                     first (DeviceLayer::append_batch)",
+                    start + count
+                )));
+            }
+        }
+        self.check_live(layer)
+    }
+
     /// The decode and merge launches of `p` (`rows` output rows), `meta` the step batch
     /// or 0.
     ///
@@ -2059,6 +2084,8 @@ impl DecodePlan {
             num_splits: p.num_splits,
             flags: (p.flags & !crate::OUTPUT_FLAGS) | O::FLAG,
             out_row_stride: out_row_stride as u32,
+            batch_seqs: p.batch_seqs,
+            q_len: p.q_len,
         };
         // SAFETY: forwarded contract.
         unsafe {

@@ -72,10 +72,13 @@ fn aligned16(what: &str, addr: u64) -> Result<()> {
 /// sequences of `p.q_len` rows, block tables of `p.block_table_stride >=
 /// pages_for(p.max_len)` entries, every entry a block of the pool of `p.num_blocks`
 /// blocks for right results (both kernels clamp each length `lens[s]` to `p.max_len`
-/// and each table entry below `p.num_blocks`: a wrong entry reads a wrong page of the
-/// pool, never memory outside it), side stores and protected lists per sequence,
+/// and each table entry below `p.num_blocks`: a wrong entry reads a wrong page of a pool
+/// of at least one block, never memory outside it; with `p.num_blocks == 0` no length
+/// may reach a quantized page), side stores and protected lists per sequence,
 /// partials for `p.num_seqs * p.q_len * p.num_q_heads * p.num_splits` rows (with a step
-/// batch, `ptrs.meta`: its rows); the pool and
+/// batch, `p.batch_rows > 0`: `ptrs.meta` its `batch_meta_len(p.batch_rows,
+/// p.batch_seqs)` u32 and partials for `p.batch_rows * p.num_q_heads * p.num_splits`
+/// rows; else `ptrs.meta` unused); the pool and
 /// side stores 16-byte aligned; none of it written by other work while this runs.
 pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Result<()> {
     aligned16("pool", ptrs.pool)?;
@@ -99,7 +102,9 @@ pub unsafe fn decode(device: &Device, p: &DecodeParams, ptrs: &DecodePtrs) -> Re
 /// decode's sequences times query tokens) of `p.num_q_heads` heads and `p.num_splits`
 /// splits, inverse value permutations `[kv_head][head_dim]`, learned value rotations
 /// when `p.flags` has `FLAG_DENSE_VALUES`, an output of `p.num_seqs * p.num_q_heads *
-/// p.head_dim` f32 (or f16 with `FLAG_OUTPUT_F16`); all live allocations of `device`.
+/// p.head_dim` f32 (or f16 with `FLAG_OUTPUT_F16`); `ptrs.meta` 0, or a step batch of
+/// `p.num_seqs` rows over `p.batch_seqs` slots (rows its decode did not write are
+/// written as zeros); all live allocations of `device`.
 pub unsafe fn merge(device: &Device, p: &MergeParams, ptrs: &MergePtrs) -> Result<()> {
     note(device, launch::merge_entry(p.head_dim)?, [p.num_q_heads, p.num_seqs, 1], p, ptrs);
     match &device.0.kind {
