@@ -73,6 +73,20 @@ pub fn rows(data: Data, rows: usize, d: usize, seed: u64) -> Vec<f32> {
     out
 }
 
+/// `n` values uniform in `[-2, 2)` from an xorshift generator seeded with `seed`: the
+/// K/V/query rows of the device tests.
+pub fn uniform(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect()
+}
+
 /// `||a - b|| / ||b||` in f64.
 /// FNV-1a (64-bit) of token ids as little-endian u32 bytes (the tokenizer tests compare
 /// whole texts' ids with `tests/scripts/gguf_tokenizer_reference.py` by it).

@@ -4,17 +4,7 @@
 use rotkv::paged::{self, LayerShape};
 use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, SeqId};
 
-fn rows(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
-        })
-        .collect()
-}
+use rotkv_tests::uniform as rows;
 
 /// An append of more tokens than a GPU grid's y dimension (65,535) is cut into launches
 /// that each fit; the bytes equal the CPU backend's. Slow on the emulator (65,605
@@ -880,9 +870,9 @@ fn append_strided_checks_each_input_and_changes_nothing_on_error() {
         (t.layer.len(t.did(s)).unwrap(), t.layer.free_blocks(), t.layer.read_cache().unwrap());
     let cases: [(&str, usize, usize, &str); 4] = [
         ("v too short for its stride", 3 * row, 2 * row, "v has"),
-        ("v stride below a row", 3 * row, row - 1, "v: token stride"),
-        ("v stride past u32", 3 * row, u32::MAX as usize + 1, "v: token stride"),
-        ("k stride below a row", row - D, row, "k: token stride"),
+        ("v stride below a row", 3 * row, row - 1, "v: row stride"),
+        ("v stride past u32", 3 * row, u32::MAX as usize + 1, "v: row stride"),
+        ("k stride below a row", row - D, row, "k: row stride"),
     ];
     let before = dev.counters();
     for (what, ks, vs, msg) in cases {

@@ -8,17 +8,7 @@ use rotkv::device::{BatchErrors, DecodePlan, Device, DeviceBuffer, DeviceLayer, 
 use rotkv::paged::LayerShape;
 use rotkv::{Backend, CacheConfig, CacheShape, Error, KvCache, LayerCalibration, SeqId, f16};
 
-fn rows(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
-        })
-        .collect()
-}
+use rotkv_tests::uniform as rows;
 
 /// The device these tests run on: the emulated device, or with `ROTKV_TEST_DEVICE=cuda`
 /// (the GPU bundle's second run of this binary) a new stream on GPU 0.

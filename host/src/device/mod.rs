@@ -1107,13 +1107,7 @@ impl DeviceLayer {
         // The buffers are checked whatever the count: a zero-token append with a buffer
         // of another device or a bad stride is the same mistake as a longer one.
         for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
-            self.device.check_view(b.device, what)?;
-            if stride < hkv * d || stride > u32::MAX as usize {
-                return Err(Error::Shape(format!(
-                    "{what}: token stride {stride} (at least {hkv} heads x {d}, at most {})",
-                    u32::MAX
-                )));
-            }
+            self.check_kv_input(what, b.device, b.len(), stride, 0)?;
         }
         if tokens == 0 {
             return Ok(len);
@@ -1125,14 +1119,7 @@ impl DeviceLayer {
             )));
         };
         for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
-            // (tokens - 1) * stride fits: tokens <= max_tokens < 2^31, stride < 2^32.
-            let need = (tokens - 1) as u64 * stride as u64 + (hkv * d) as u64;
-            if (b.len() as u64) < need {
-                return Err(Error::Shape(format!(
-                    "{what} has {} elements; {tokens} tokens at stride {stride} need {need}",
-                    b.len()
-                )));
-            }
+            self.check_kv_input(what, b.device, b.len(), stride, tokens)?;
         }
         let have = s.table.len();
         let pages = self.fmt.pages_for(new_len as u32) as usize;
@@ -1292,22 +1279,7 @@ impl DeviceLayer {
         self.check_batch(batch)?;
         let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
         for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
-            self.device.check_view(b.device, what)?;
-            if stride < hkv * d || stride > u32::MAX as usize {
-                return Err(Error::Shape(format!(
-                    "{what}: row stride {stride} (at least {hkv} heads x {d}, at most {})",
-                    u32::MAX
-                )));
-            }
-            // max_rows <= 65,535 and stride < 2^32: no overflow in u64.
-            let need = (batch.max_rows - 1) as u64 * stride as u64 + (hkv * d) as u64;
-            if (b.len() as u64) < need {
-                return Err(Error::Shape(format!(
-                    "{what} has {} elements; the batch's {} rows at stride {stride} need {need}",
-                    b.len(),
-                    batch.max_rows
-                )));
-            }
+            self.check_kv_input(what, b.device, b.len(), stride, batch.max_rows)?;
         }
         let np = self.fmt.protected as usize;
         let bp = rotkv_kernels::params::AppendBatchParams {
@@ -1378,6 +1350,31 @@ impl DeviceLayer {
     pub fn advance(&mut self, batch: &StepBatch) -> Result<()> {
         self.check_batch(batch)?;
         self.commit_batch(batch);
+        Ok(())
+    }
+
+    /// A K or V input of `len` elements on device handle `device`: this device, a row
+    /// stride of at least a row and at most `u32::MAX`, and (for `rows > 0`) `rows` rows
+    /// at that stride ([`Error::Device`], [`Error::Shape`] naming `what`).
+    fn check_kv_input(&self, what: &str, device: u64, len: usize, stride: usize, rows: usize) -> Result<()> {
+        let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
+        self.device.check_view(device, what)?;
+        if stride < hkv * d || stride > u32::MAX as usize {
+            return Err(Error::Shape(format!(
+                "{what}: row stride {stride} (at least {hkv} heads x {d}, at most {})",
+                u32::MAX
+            )));
+        }
+        if rows > 0 {
+            // rows < 2^31 (max_tokens or a step batch's rows) and stride < 2^32: no
+            // overflow in u64.
+            let need = (rows - 1) as u64 * stride as u64 + (hkv * d) as u64;
+            if (len as u64) < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {len} elements; {rows} rows at stride {stride} need {need}"
+                )));
+            }
+        }
         Ok(())
     }
 
