@@ -633,6 +633,55 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
     }
 }
 
+/// One sequence of 60 tokens (k2v2 head_dim 64, pages of 16: two pages, in blocks 0 and
+/// 1 of a two-block pool; one KV head, 4 query heads) appended on the CPU backend and
+/// uploaded to `dev` with what a raw decode reads: the raw entry points' fixture.
+struct RawSeq {
+    config: CacheConfig,
+    fmt: rotkv_kernels::layout::Format,
+    calib: LayerCalibration,
+    pool: DeviceBuffer<u8>,
+    side: DeviceBuffer<u16>,
+    lens: DeviceBuffer<u32>,
+    protected: DeviceBuffer<u32>,
+    key_scale: DeviceBuffer<f32>,
+    key_perm: DeviceBuffer<u16>,
+    /// `q_rows` query rows.
+    q: DeviceBuffer<f32>,
+}
+
+impl RawSeq {
+    const D: usize = 64;
+    const HQ: usize = 4;
+    const LEN: usize = 60;
+
+    fn new(dev: &Device, q_rows: usize) -> Self {
+        let (d, len) = (Self::D, Self::LEN);
+        let config = small(CacheConfig::k2v2(d));
+        let fmt = config.format().unwrap();
+        let shape = LayerShape { num_kv_heads: 1, num_q_heads: Self::HQ };
+        let calib = LayerCalibration::identity(1, d);
+        let mut pool = rotkv::paged::PoolBuffer::new(rotkv::paged::pool_bytes(&config, &shape, 2).unwrap());
+        let mut side = vec![f16::ZERO; rotkv::paged::side_elems(&config, &shape).unwrap()];
+        let (k, v) = (rows(len * d, 1), rows(len * d, 2));
+        let (p, s) = (pool.bytes_mut(), &mut side);
+        rotkv::paged::append(Backend::Cpu, &config, &calib, &shape, p, &[0, 1], s, &[], 0, len, &k, &v).unwrap();
+        assert_eq!(fmt.pages_for(len as u32), 2);
+        Self {
+            config,
+            fmt,
+            pool: dev.upload(pool.bytes()).unwrap(),
+            side: dev.upload(&side.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()).unwrap(),
+            lens: dev.upload(&[len as u32]).unwrap(),
+            protected: dev.upload(&[u32::MAX]).unwrap(),
+            key_scale: dev.upload(&calib.key_scale).unwrap(),
+            key_perm: dev.upload(&calib.key_perm).unwrap(),
+            q: dev.upload(&rows(q_rows * Self::HQ * d, 3)).unwrap(),
+            calib,
+        }
+    }
+}
+
 /// The tensor-core decode kernel clamps block-table entries below the pool's blocks, as
 /// the CUDA-core kernel does: a stale or corrupt entry (`u32::MAX`, raw entry points)
 /// reads the last block of the pool, never memory outside it. Through `raw::decode` on
@@ -641,40 +690,12 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
 #[test]
 fn decode_mma_clamps_block_table_entries() {
     use rotkv::device::raw::{self, DTYPE_F32, DecodeParams, DecodePtrs};
-    let config = small(CacheConfig::k2v2(64));
-    let fmt = config.format().unwrap();
-    assert!(rotkv::launch::mma_instantiated(&fmt), "the tensor-core kernel runs this format");
-    let (d, hq, len, blocks) = (64, 4, 60, 2);
-    let shape = LayerShape { num_kv_heads: 1, num_q_heads: hq };
-    let calib = LayerCalibration::identity(1, d);
-    let mut pool = rotkv::paged::PoolBuffer::new(rotkv::paged::pool_bytes(&config, &shape, blocks).unwrap());
-    let mut side = vec![f16::ZERO; rotkv::paged::side_elems(&config, &shape).unwrap()];
-    let (k, v) = (rows(len * d, 1), rows(len * d, 2));
-    rotkv::paged::append(
-        Backend::Cpu,
-        &config,
-        &calib,
-        &shape,
-        pool.bytes_mut(),
-        &[0, 1],
-        &mut side,
-        &[],
-        0,
-        len,
-        &k,
-        &v,
-    )
-    .unwrap();
-    assert_eq!(fmt.pages_for(len as u32), 2);
     let dev = test_device();
-    let up = |x: &[u8]| dev.upload(x).unwrap();
-    let pool_d = up(pool.bytes());
-    let side_d = dev.upload(&side.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()).unwrap();
-    let q = dev.upload(&rows(hq * d, 3)).unwrap();
-    let lens = dev.upload(&[len as u32]).unwrap();
-    let protected = dev.upload(&[u32::MAX]).unwrap();
-    let key_scale = dev.upload(&calib.key_scale).unwrap();
-    let key_perm = dev.upload(&calib.key_perm).unwrap();
+    let f = RawSeq::new(&dev, 1);
+    let (config, fmt, calib, hq, d, len, blocks) = (f.config, f.fmt, &f.calib, RawSeq::HQ, RawSeq::D, RawSeq::LEN, 2);
+    assert!(rotkv::launch::mma_instantiated(&fmt), "the tensor-core kernel runs this format");
+    let (q, lens, protected) = (&f.q, &f.lens, &f.protected);
+    let (key_scale, key_perm, pool_d, side_d) = (&f.key_scale, &f.key_perm, &f.pool, &f.side);
     let p = DecodeParams {
         format: fmt,
         num_seqs: 1,
@@ -1120,41 +1141,12 @@ fn non_finite_inputs_stay_out_of_rows_that_cannot_see_them() {
 #[test]
 fn step_rows_past_the_launch_are_zeros_not_stale() {
     use rotkv::device::raw::{self, DTYPE_F32, DecodeParams, DecodePtrs, MergeParams, MergePtrs};
-    let config = small(CacheConfig::k2v2(64));
-    let fmt = config.format().unwrap();
-    let (d, hq, len) = (64, 4, 60);
-    let shape = LayerShape { num_kv_heads: 1, num_q_heads: hq };
-    let calib = LayerCalibration::identity(1, d);
-    let mut pool = rotkv::paged::PoolBuffer::new(rotkv::paged::pool_bytes(&config, &shape, 2).unwrap());
-    let mut side = vec![f16::ZERO; rotkv::paged::side_elems(&config, &shape).unwrap()];
-    let (k, v) = (rows(len * d, 1), rows(len * d, 2));
-    rotkv::paged::append(
-        Backend::Cpu,
-        &config,
-        &calib,
-        &shape,
-        pool.bytes_mut(),
-        &[0, 1],
-        &mut side,
-        &[],
-        0,
-        len,
-        &k,
-        &v,
-    )
-    .unwrap();
     let dev = Device::sim();
-    let pool_d = dev.upload(pool.bytes()).unwrap();
-    let side_d = dev.upload(&side.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()).unwrap();
-    let q = dev.upload(&rows(4 * hq * d, 3)).unwrap();
-    let lens = dev.upload(&[len as u32]).unwrap();
+    let f = RawSeq::new(&dev, 4);
+    let (config, fmt, calib, hq, d, len) = (f.config, f.fmt, &f.calib, RawSeq::HQ, RawSeq::D, RawSeq::LEN);
+    let (q, lens, protected, pool_d, side_d) = (&f.q, &f.lens, &f.protected, &f.pool, &f.side);
     let tables = dev.upload(&[0u32, 1]).unwrap();
-    let protected = dev.upload(&[u32::MAX]).unwrap();
-    let (ks, kp, inv) = (
-        dev.upload(&calib.key_scale).unwrap(),
-        dev.upload(&calib.key_perm).unwrap(),
-        dev.upload(&calib.value_perm_inverse(d)).unwrap(),
-    );
+    let (ks, kp, inv) = (&f.key_scale, &f.key_perm, dev.upload(&calib.value_perm_inverse(d)).unwrap());
     let (splits, rows_n) = (2u32, 4u32);
     let (m, l, o) = (
         dev.alloc::<f32>(4 * hq * 2).unwrap(),

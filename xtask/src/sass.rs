@@ -1375,20 +1375,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             c.floor_pct,
             if c.enforce { "yes" } else { "no" }
         );
-        if m.pct() < c.floor_pct {
-            let what = format!(
-                "case {:?}: modeled {:.1}% of achievable bandwidth, below the floor of {:.0}%",
-                c.name,
-                m.pct(),
-                c.floor_pct
-            );
-            if c.enforce {
-                notes.push(format!("FAILED: {what}"));
-                failures.push(what);
-            } else {
-                notes.push(format!("not enforced (enforce = false in {GATE_FILE}): {what}"));
-            }
-        }
+        check_floor(&format!("case {:?}", c.name), "achievable bandwidth", m.pct(), c, &mut notes, &mut failures);
     }
     if !gate.prefills.is_empty() {
         println!();
@@ -1430,20 +1417,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             c.floor_pct,
             if c.enforce { "yes" } else { "no" }
         );
-        if m.pct() < c.floor_pct {
-            let what = format!(
-                "prefill {:?}: modeled {:.1}% of the tensor-core peak, below the floor of {:.0}%",
-                c.name,
-                m.pct(),
-                c.floor_pct
-            );
-            if c.enforce {
-                notes.push(format!("FAILED: {what}"));
-                failures.push(what);
-            } else {
-                notes.push(format!("not enforced (enforce = false in {GATE_FILE}): {what}"));
-            }
-        }
+        check_floor(&format!("prefill {:?}", c.name), "the tensor-core peak", m.pct(), c, &mut notes, &mut failures);
     }
     if !notes.is_empty() {
         println!();
@@ -1455,6 +1429,20 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
         return Err(Step::Failed(format!("static performance gate (modeled): {}", failures.join("; "))));
     }
     Ok(())
+}
+
+/// A case's modeled `pct` (% of `of`) against its floor: below it, a note, and a failure
+/// when the case is enforced.
+fn check_floor(name: &str, of: &str, pct: f64, c: &Case, notes: &mut Vec<String>, failures: &mut Vec<String>) {
+    if pct < c.floor_pct {
+        let what = format!("{name}: modeled {pct:.1}% of {of}, below the floor of {:.0}%", c.floor_pct);
+        if c.enforce {
+            notes.push(format!("FAILED: {what}"));
+            failures.push(what);
+        } else {
+            notes.push(format!("not enforced (enforce = false in {GATE_FILE}): {what}"));
+        }
+    }
 }
 
 /// Sorts loop paths numerically ("1.10" after "1.9").
