@@ -19,7 +19,7 @@
 //! - `candle` (feature `candle`): append and decode over candle `Tensor`s with CPU
 //!   storage, through a [`KvCache`].
 //!
-//! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
+//! The byte format is specified in `docs/src/format.md`. Every call validates its inputs and
 //! returns an [`Error`] that says what was wrong; a failed call changes nothing.
 //!
 //! # Example

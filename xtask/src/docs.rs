@@ -112,7 +112,10 @@ fn load(root: &Path, name: &str) -> Result<Recorded, String> {
     let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let field = |k: &str| -> Result<String, String> {
-        v.get(k).and_then(|x| x.as_str()).map(str::to_string).ok_or_else(|| format!("{}: no string `{k}`", path.display()))
+        v.get(k)
+            .and_then(|x| x.as_str())
+            .map(str::to_string)
+            .ok_or_else(|| format!("{}: no string `{k}`", path.display()))
     };
     let strings = |x: &serde_json::Value| -> Option<Vec<String>> {
         x.as_array()?.iter().map(|s| s.as_str().map(str::to_string)).collect()
