@@ -73,8 +73,41 @@ pub fn book() -> Result<(), Step> {
     let mut c = Command::new(mdbook);
     c.arg("build").arg(root.join("docs")).arg("--dest-dir").arg(target_dir().join("book"));
     crate::sanitize::status(c)?;
-    println!("book: {}", target_dir().join("book").join("index.html").display());
+    let out = target_dir().join("book");
+    let problems = check_html(&out).map_err(Step::Failed)?;
+    if !problems.is_empty() {
+        return Err(Step::Failed(format!("the built book: {}", problems.join("; "))));
+    }
+    println!("book: {} (every internal link and anchor of its HTML resolves)", out.join("index.html").display());
     Ok(())
+}
+
+/// One line per `href` of the built book's pages that names a missing file or an `id` its
+/// page lacks (links with a scheme are not followed: no network).
+fn check_html(book: &Path) -> Result<Vec<String>, String> {
+    let mut problems = Vec::new();
+    let pages: Vec<PathBuf> = std::fs::read_dir(book)
+        .map_err(|e| format!("{}: {e}", book.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "html"))
+        .collect();
+    let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()));
+    for page in &pages {
+        let html = read(page)?;
+        for href in html.split("href=\"").skip(1).filter_map(|s| s.split('"').next()) {
+            if href.contains(':') || href.is_empty() {
+                continue;
+            }
+            let (path, anchor) = href.split_once('#').unwrap_or((href, ""));
+            let dest = if path.is_empty() { page.clone() } else { normalize(&book.join(path)) };
+            if !dest.exists() {
+                problems.push(format!("{}: href `{href}`: no such file", page.display()));
+            } else if !anchor.is_empty() && !read(&dest)?.contains(&format!("id=\"{anchor}\"")) {
+                problems.push(format!("{}: href `{href}`: no id `{anchor}`", page.display()));
+            }
+        }
+    }
+    Ok(problems)
 }
 
 /// The mdBook binary: installed once into the cache folder.
