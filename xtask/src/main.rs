@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
-//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), `fetch`, the
+//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the book
+//!   (`docs`: generated tables, links, mdBook), `fetch`, the
 //!   whole test suite (every cargo call with [`ci_features`]: every feature but
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
