@@ -748,9 +748,12 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
 /// iteration waits for its chunk's copies (and the warp's lanes for each other's), starts
 /// the copy of the chunk `R - 1` ahead into the stage the previous iteration read, then
 /// reads its own stage into registers and computes as [`fast_chunks`]: `R - 1` chunks'
-/// bytes are in flight while one is computed, without the registers a prefetch needs. `tile_at` places a tile
-/// in the pool, `slane` is the lane's scale offset ([`LaneOff::s`]), `ring` the warp's
-/// ring as a byte offset into shared memory.
+/// bytes are in flight while one is computed, without the registers a prefetch needs.
+/// `entry` reads the block-table entry of a tile's page and `tile_at` places the tile in
+/// the pool from it; each chunk's entries are read one iteration before its copies are
+/// issued (profiled on an H200, a table read right before the copies it addresses left
+/// the warp waiting on it every chunk). `slane` is the lane's scale offset
+/// ([`LaneOff::s`]), `ring` the warp's ring as a byte offset into shared memory.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn ring_chunks<
@@ -765,7 +768,7 @@ fn ring_chunks<
     const R: u32,
 >(
     (ctx, aq, qsp, unscale_q): (&C, *const u32, &[[f32; NG]; 2], f32),
-    (tile_at, slane, ring): (&impl Fn(u32) -> TilePtr, usize, u32),
+    (entry, tile_at, slane, ring): (&impl Fn(u32) -> u32, &impl Fn(u32, u32) -> TilePtr, usize, u32),
     f0: u32,
     nchunks: u32,
     st: &mut Soft,
@@ -788,29 +791,33 @@ fn ring_chunks<
     let stage_off = |slot: u32, u: usize| ring + (slot * U as u32 + u as u32) * tb;
     let sh = ctx.shared();
     let stage = |slot: u32, u: usize| unsafe { sh.add(stage_off(slot, u) as usize) };
-    // Chunk k of this warp into stage `slot`; past the warp's last chunk an empty group,
-    // so that every iteration retires exactly one.
-    let issue = |k: u32, slot: u32| {
+    // The block-table entries of chunk k's tiles (none past the warp's last chunk).
+    let rel = |k: u32, u: usize| (f0 + U as u32 * (w + k * WARPS) + u as u32) * TILE;
+    let entries = |k: u32| -> [u32; U] { if k < mine { core::array::from_fn(|u| entry(rel(k, u))) } else { [0; U] } };
+    // Chunk k of this warp into stage `slot`, from its entries; past the warp's last
+    // chunk an empty group, so that every iteration retires exactly one.
+    let issue = |k: u32, slot: u32, e: [u32; U]| {
         if k < mine {
-            let c = w + k * WARPS;
             for u in 0..U {
-                let rel = (f0 + U as u32 * c + u as u32) * TILE;
                 // SAFETY: a tile of the split's quantized range; the stage is this warp's
                 // and was last read before the `sync_warp` that precedes this call.
-                unsafe { copy_tile::<C, D, KB, VB, NG>(ctx, tile_at(rel), stage_off(slot, u)) };
+                unsafe { copy_tile::<C, D, KB, VB, NG>(ctx, tile_at(rel(k, u), e[u]), stage_off(slot, u)) };
             }
         }
         ctx.cp_async_commit();
     };
     for k in 0..R - 1 {
-        issue(k, k);
+        issue(k, k, entries(k));
     }
+    let mut ahead = entries(R - 1);
     let mut slot = 0u32;
     let mut k = 0u32;
     while k < mine {
         ctx.cp_async_wait(R - 2);
         ctx.sync_warp();
-        issue(k + R - 1, if slot == 0 { R - 1 } else { slot - 1 });
+        issue(k + R - 1, if slot == 0 { R - 1 } else { slot - 1 }, ahead);
+        // The next iteration's entries now: their latency hides behind this chunk.
+        ahead = entries(k + R);
         // The keys' half of the chunk, its scores, then the values' half (read from the
         // stage only now: fewer registers live across the scores).
         let mut cur = [Raw::<NG>::default(); U];
@@ -1196,9 +1203,13 @@ pub unsafe fn decode_mma<
         let blk = p.block(unsafe { *table.add((rel >> page_shift) as usize) });
         (unsafe { pool_h.add(blk as usize * head_stride) }, (rel & (fmt.page_size - 1)) as usize)
     };
-    // The whole tile, for the ring's copies.
-    let tile_at = |rel: u32| -> TilePtr {
-        let (pb, slot0) = tile_base(rel);
+    // The whole tile, for the ring's copies: its page's raw block-table entry read
+    // apart (`ring_chunks` reads it an iteration early), then placed.
+    let tile_entry = |rel: u32| -> u32 { unsafe { *table.add((rel >> page_shift) as usize) } };
+    let tile_at = |rel: u32, entry: u32| -> TilePtr {
+        // Clamped as in `tile_base`.
+        let pb = unsafe { pool_h.add(p.block(entry) as usize * head_stride) };
+        let slot0 = (rel & (fmt.page_size - 1)) as usize;
         unsafe {
             TilePtr {
                 k: pb.add(slot0 * kcb),
@@ -1245,7 +1256,7 @@ pub unsafe fn decode_mma<
         // The warp's ring, a byte offset into the area (idle from the fragments' barrier in
         // section 2 to the first merge pass's barrier in section 6).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
-        let src = (&tile_at, lo.s, ring);
+        let src = (&tile_entry, &tile_at, lo.s, ring);
         if stages == RING && ut == 2 {
             ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
         } else if stages == RING && ut == 1 {
