@@ -23,7 +23,7 @@
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
 //!   `nvptx64-nvidia-cuda` target (installing `rust-src` if missing) and writes
 //!   `host/ptx/rotkv.ptx` (sm_80); `--check` fails when the committed file differs.
-//! - `gpu-bundle [--no-candle-cuda]`: builds the test binaries (release, stripped), the
+//! - `gpu-bundle [--no-candle-cuda] [--compare REV]`: builds the test binaries (release, stripped), the
 //!   GPU benchmark (`gpu_decode`) and the serving example, and gathers them with the
 //!   bundled data, the static model's figures (`sass.txt`) and `run.sh` into
 //!   `target/gpu-bundle` (under 64 MiB) for a machine that has a GPU but no Rust:
@@ -39,6 +39,8 @@
 //!   PyTorch's nvidia wheels). Where the toolkit cannot be had it prints `SKIPPED:
 //!   candle-cuda (<why>)` and writes the bundle without it; `--no-candle-cuda` leaves it
 //!   out (its cold build compiles candle-kernels with nvcc, the longest part).
+//!   `--compare REV` adds `REV`'s committed PTX, which the benchmark measures beside this
+//!   build's device code in the same run.
 //! - `candle-cuda`: compile-checks the feature `candle-cuda` (candle's CUDA tensors on the
 //!   device path), which CI leaves out ([`NOT_IN_CI`]): assembles a CUDA 13.2 toolkit
 //!   from pinned PyPI wheels ([`CUDA_WHEELS`]) in `<cache>/cuda-13.2` once, then runs
@@ -106,11 +108,27 @@ fn main() -> ExitCode {
             _ => Err(Step::Failed("usage: cargo xtask sass [--dump <entry point>]".into())),
         }
         .map_err(|e| e.to_string()),
-        Some("gpu-bundle") => match args.get(1).map(String::as_str) {
-            None => gpu_bundle(true),
-            Some("--no-candle-cuda") => gpu_bundle(false),
-            _ => Err("usage: cargo xtask gpu-bundle [--no-candle-cuda]".into()),
-        },
+        Some("gpu-bundle") => {
+            let mut candle = true;
+            let mut compare = None;
+            let mut rest = args[1..].iter();
+            let mut bad = false;
+            while let Some(a) = rest.next() {
+                match (a.as_str(), rest.as_slice().first()) {
+                    ("--no-candle-cuda", _) => candle = false,
+                    ("--compare", Some(rev)) => {
+                        compare = Some(rev.clone());
+                        rest.next();
+                    }
+                    _ => bad = true,
+                }
+            }
+            if bad {
+                Err("usage: cargo xtask gpu-bundle [--no-candle-cuda] [--compare <git revision>]".into())
+            } else {
+                gpu_bundle(candle, compare.as_deref())
+            }
+        }
         Some("candle-cuda") => candle_cuda().map_err(|e| e.to_string()),
         Some("ptx-checks") => {
             let (mut failed, mut skipped, mut clock) = (Vec::new(), Vec::new(), Clock::new());
@@ -129,7 +147,7 @@ fn main() -> ExitCode {
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
+                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] [--compare REV] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
             );
             return ExitCode::from(2);
         }
@@ -904,7 +922,12 @@ fn build_ptx() -> Result<String, Step> {
 /// head_dim-64 case launches 8 warps per SM anyway). The one-tile head_dim-64 entry points
 /// (4-bit values) get 3 blocks (12 warps, at most 168 registers), which their `cp.async`
 /// ring fits without spilling. At head_dim 128 ptxas' own choice is 2 blocks (up to 255
-/// registers), with no local memory.
+/// registers), with no local memory. Tried on an H200: 3 blocks at head_dim 128 group 128
+/// (12 warps, 168 registers, a few spilled setup values) raised the issue rate of the
+/// batch-8 32K decode from 0.36 to 0.41 instructions per scheduler per cycle but not its
+/// time (117.9 against 119.5 us, same run), and made short or small-batch steps slower
+/// (batch 1 x 32K: 58.5 against 48.4 us; batch 8 x 1K: 36.5 against 32.5 us): the
+/// stream is not short of warps (docs/src/experiments.md).
 const TUNING: &[(&str, u32, u32)] = &[
     ("rotkv_decode_mma_d64_k2v4_", 128, 3),
     ("rotkv_decode_mma_d64_k4v4_", 128, 3),
@@ -1397,7 +1420,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   2. the benchmark (gpu_decode): the gated decode cases first, then cliffs (protected
 #      positions, window 0, group 32, two row tiles), shapes, append and a prefill chunk;
 #      cold L2, graph replays, the same-size copy, and the modeled figure of
-#      `cargo xtask sass` (sass.txt) beside each measured one;
+#      `cargo xtask sass` (sass.txt) beside each measured one; with a compare-*.ptx in
+#      the bundle (`gpu-bundle --compare REV`), every case again on that revision's
+#      device code;
 #   3. correctness on the GPU: the serving step and device API tests on the CUDA device
 #      (ROTKV_TEST_DEVICE=cuda), the conformance suite on the cuda backend alone
 #      (ROTKV_TEST_BACKENDS=cuda), the cuda tests;
@@ -1405,9 +1430,10 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   5. compute-sanitizer memcheck, racecheck and synccheck on one small device test
 #      (SKIPPED where the machine has no compute-sanitizer);
 #   6. the remaining test binaries (the CPU and emulator tests CI runs anyway);
-#   7. only when named in --stages: `profile`, Nsight Compute (ncu) sections of the decode
-#      kernels (a 32K and a 1K case), the batched append and a prefill chunk
-#      (logs/ncu_*.txt).
+#   7. only when named in --stages: `profile`, Nsight Compute (ncu) sections and stall
+#      reasons of the decode kernels (a 32K and a 1K case), the merge, the batched append
+#      and a prefill chunk (logs/ncu_*.log), and the 32K decode per SASS instruction
+#      (logs/ncu_source_32k.csv).
 # --stages takes a comma-separated list of selftest, bench, gpu-tests, serving,
 # sanitizer, rest, profile (default: all but profile).
 # Output: per-stage logs in logs/, then the summary (stage, passed, failed, status,
@@ -1475,7 +1501,12 @@ fi
 bench_s=$(( deadline - $(date +%s) - 150 ))
 [ "$bench_s" -le 150 ] || bench_s=150
 [ "$bench_s" -ge 30 ] || bench_s=30
-want bench && gpu_stage gpu_decode $(( bench_s + 120 )) ./gpu_decode --seconds "$bench_s" --modeled sass.txt
+compare=$(cd "$here" && ls compare-*.ptx 2>/dev/null | head -1)
+if [ -n "$compare" ]; then
+    cp "$here/$compare" . && compare="--compare $compare"
+fi
+# shellcheck disable=SC2086
+want bench && gpu_stage gpu_decode $(( bench_s + 120 )) ./gpu_decode --seconds "$bench_s" --modeled sass.txt $compare
 # 3. Correctness on the GPU.
 export ROTKV_TEST_DEVICE=cuda ROTKV_DEVICE=cuda
 if want gpu-tests; then
@@ -1537,9 +1568,13 @@ if want profile && [ "$gpu" = yes ] && command -v ncu > /dev/null; then
     sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis"
     # shellcheck disable=SC2086
     {
-        stage ncu_decode_32k 120 ncu --clock-control none $sections -k regex:rotkv_decode -c 2 ./gpu_decode --only "mma d128 k2v2 gqa4 b8 32K q1"
-        stage ncu_decode_1k 120 ncu --clock-control none $sections -k regex:rotkv_decode -c 2 ./gpu_decode --only "b8 1K"
-        stage ncu_append 120 ncu --clock-control none $sections -k regex:rotkv_append_batch -c 2 ./gpu_decode --only "8 seqs x 2048"
+        stalls='--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum'
+        stage ncu_decode_32k 120 ncu --clock-control none $sections --section SourceCounters $stalls -k regex:rotkv_decode -c 2 ./gpu_decode --only "mma d128 k2v2 gqa4 b8 32K q1"
+        # Per SASS instruction (stall samples, shared wavefronts): where the time goes.
+        stage ncu_source_32k 120 sh -c 'ncu --clock-control none --section SourceCounters --section WarpStateStats -k regex:rotkv_decode_mma -c 1 --page source --print-source sass --csv ./gpu_decode --only "mma d128 k2v2 gqa4 b8 32K q1" > logs/ncu_source_32k.csv'
+        stage ncu_merge_stalls 120 ncu --clock-control none $stalls -k regex:rotkv_decode_merge -c 1 ./gpu_decode --only "mma d128 k2v2 gqa4 b8 32K q1"
+        stage ncu_decode_1k 120 ncu --clock-control none $sections $stalls -k regex:rotkv_decode -c 2 ./gpu_decode --only "b8 1K"
+        stage ncu_append 120 ncu --clock-control none $sections $stalls -k regex:rotkv_append_batch -c 2 ./gpu_decode --only "8 seqs x 2048"
         stage ncu_prefill 120 ncu --clock-control none $sections -k regex:rotkv_decode_mma -c 1 ./gpu_decode --only "4K chunk"
     }
 elif want profile; then
@@ -1571,7 +1606,7 @@ fn test_executables(stdout: &[u8]) -> Result<Vec<(String, PathBuf)>, String> {
     Ok(found)
 }
 
-fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
+fn gpu_bundle(with_candle_cuda: bool, compare: Option<&str>) -> Result<(), String> {
     let target = root().join("target/gpu-build");
     let mut c = cargo();
     c.args(["test", "--release", "--no-run", "-p", "rotkv-tests", "--message-format=json-render-diagnostics"])
@@ -1671,6 +1706,19 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
         std::fs::write(bundle.join("SKIPPED.txt"), &skipped).map_err(|e| e.to_string())?;
     }
     std::fs::write(bundle.join("run.sh"), RUN_SH).map_err(|e| e.to_string())?;
+    // The device code of another revision, which the benchmark measures beside this one.
+    if let Some(rev) = compare {
+        let out = Command::new("git")
+            .args(["show", &format!("{rev}:{PTX_FILE}")])
+            .current_dir(root())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!("git show {rev}:{PTX_FILE}: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        let name: String = rev.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+        std::fs::write(bundle.join(format!("compare-{name}.ptx")), &out.stdout).map_err(|e| e.to_string())?;
+    }
     // The static model's figures, printed by the benchmark beside the measured ones.
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let out = Command::new(exe).arg("sass").output().map_err(|e| e.to_string())?;

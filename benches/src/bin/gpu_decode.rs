@@ -20,7 +20,9 @@
 //! order of value: the gated decode cases first) and lists those left out;
 //! `--modeled FILE` reads `cargo xtask sass` output and prints its modeled step time
 //! beside each case of the same name; `--only A,B` runs the cases whose names contain A
-//! or B (for a profiler run). Prints `SKIPPED` without a CUDA device, and the table
+//! or B (for a profiler run); `--compare FILE` runs every case a second time on the
+//! device code of FILE (a `cargo xtask ptx` output of another revision with this
+//! build's entry points: the same lend measures both, side by side). Prints `SKIPPED` without a CUDA device, and the table
 //! last.
 
 use std::sync::Arc;
@@ -357,6 +359,13 @@ fn main() -> std::process::ExitCode {
     let budget = arg("--seconds").and_then(|s| s.parse::<f64>().ok()).unwrap_or(f64::INFINITY);
     let modeled = arg("--modeled").map(|p| modeled(&p)).unwrap_or_default();
     let only = arg("--only");
+    let compare = match arg("--compare").map(|p| std::fs::read_to_string(&p).map(|t| (p, t))).transpose() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("gpu_decode: --compare: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     if !Backend::Cuda.available() {
         println!("SKIPPED: gpu_decode (no CUDA driver or device on this machine)");
         return std::process::ExitCode::SUCCESS;
@@ -366,9 +375,16 @@ fn main() -> std::process::ExitCode {
         .map_err(|e| rotkv::Error::Backend(format!("{e:?}")))
         .and_then(|stream| {
             let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES).map_err(backend("alloc"))?;
-            Ok((Device::cuda(stream.clone())?, Timer { stream, flush }))
+            let mut devices = vec![(String::new(), Device::cuda(stream.clone())?)];
+            if let Some((path, text)) = &compare {
+                let stem = std::path::Path::new(path).file_stem().map_or(path.clone(), |s| s.to_string_lossy().into());
+                // SAFETY: the caller names a `cargo xtask ptx` output with this build's
+                // entry points (the option's contract).
+                devices.push((format!(" [{stem}]"), unsafe { Device::cuda_with_ptx(stream.clone(), text)? }));
+            }
+            Ok((devices, Timer { stream, flush }))
         });
-    let (dev, mut timer) = match setup {
+    let (devices, mut timer) = match setup {
         Ok(d) => d,
         Err(e) => {
             println!("gpu_decode: {e}");
@@ -387,22 +403,25 @@ fn main() -> std::process::ExitCode {
             left.push(c.name);
             continue;
         }
-        let t0 = std::time::Instant::now();
-        let result = run_case(&dev, &mut timer, &c).and_then(|(s, bytes, flop)| {
-            let a = dev.alloc::<u8>(bytes.max(1))?;
-            let mut b = dev.alloc::<u8>(bytes.max(1))?;
-            dev.copy(&a, &mut b)?;
-            let copy = timer.median(SAMPLES, || dev.copy(&a, &mut b))?;
-            Ok(Row { name: c.name.clone(), us: s * 1e6, bytes, flop, copy_us: copy * 1e6 })
-        });
-        match result {
-            Ok(r) => {
-                println!("{}: {:.1} us ({:.1} s)", c.name, r.us, t0.elapsed().as_secs_f64());
-                table.push(r);
-            }
-            Err(e) => {
-                println!("{}: error: {e}", c.name);
-                failed = true;
+        for (label, dev) in &devices {
+            let t0 = std::time::Instant::now();
+            let name = format!("{}{label}", c.name);
+            let result = run_case(dev, &mut timer, &c).and_then(|(s, bytes, flop)| {
+                let a = dev.alloc::<u8>(bytes.max(1))?;
+                let mut b = dev.alloc::<u8>(bytes.max(1))?;
+                dev.copy(&a, &mut b)?;
+                let copy = timer.median(SAMPLES, || dev.copy(&a, &mut b))?;
+                Ok(Row { name: name.clone(), us: s * 1e6, bytes, flop, copy_us: copy * 1e6 })
+            });
+            match result {
+                Ok(r) => {
+                    println!("{name}: {:.1} us ({:.1} s)", r.us, t0.elapsed().as_secs_f64());
+                    table.push(r);
+                }
+                Err(e) => {
+                    println!("{name}: error: {e}");
+                    failed = true;
+                }
             }
         }
     }
@@ -412,7 +431,7 @@ fn main() -> std::process::ExitCode {
     println!();
     println!(
         "Measured on {} (cold L2, medians of {SAMPLES}); modeled = cargo xtask sass (static SASS proxy).",
-        dev.name()
+        devices[0].1.name()
     );
     println!("| case | us | MB | GB/s | copy GB/s | of copy | modeled us | measured / modeled | TFLOP/s |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");

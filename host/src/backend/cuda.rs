@@ -234,7 +234,12 @@ pub struct Kernels {
 impl Kernels {
     /// Loads the embedded PTX into `ctx`.
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).map_err(err("loading the PTX"))?;
+        Self::load_ptx(ctx, PTX)
+    }
+
+    /// [`Kernels::load`] with other device code (see [`crate::device::Device::cuda_with_ptx`]).
+    pub fn load_ptx(ctx: &Arc<CudaContext>, ptx: &str) -> Result<Self> {
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(err("loading the PTX"))?;
         Ok(Self { module, functions: Default::default() })
     }
 

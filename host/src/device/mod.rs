@@ -180,8 +180,24 @@ impl Device {
     /// into that context (once per `Device`; make one per context and share it).
     #[cfg(feature = "cuda")]
     pub fn cuda(stream: Arc<cudarc::driver::CudaStream>) -> Result<Self> {
+        // SAFETY: the built-in PTX is this build's device code.
+        unsafe { Self::cuda_with_ptx(stream, crate::cuda::PTX) }
+    }
+
+    /// [`Device::cuda`] with other device code than the built-in [`crate::cuda::PTX`]:
+    /// for side-by-side benchmarks of kernel revisions in one process (`gpu_decode
+    /// --ptx`). The PTX must come from `cargo xtask ptx` of a revision with this build's
+    /// entry points and parameter blocks; anything else is undefined behaviour on the
+    /// device, which is why the built-in code is what [`Device::cuda`] loads.
+    ///
+    /// # Safety
+    /// `ptx` declares this build's entry points with this build's parameter lists and
+    /// honours their contracts (the PTX of `cargo xtask ptx` at a revision whose
+    /// `rotkv_kernels::params` and kernel signatures equal this build's).
+    #[cfg(feature = "cuda")]
+    pub unsafe fn cuda_with_ptx(stream: Arc<cudarc::driver::CudaStream>, ptx: &str) -> Result<Self> {
         let ctx = stream.context();
-        let kernels = crate::cuda::Kernels::load(ctx)?;
+        let kernels = crate::cuda::Kernels::load_ptx(ctx, ptx)?;
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| Error::Backend(format!("cuda: multiprocessor count: {e:?}")))?
