@@ -110,9 +110,10 @@ enum Elems<'a> {
 }
 
 fn elems<'a, T: numpy::Element + Copy>(a: &'a PyReadonlyArrayDyn<'_, T>) -> Cow<'a, [T]> {
+    // (`as_slice` also accepts Fortran order, whose memory order is not C order.)
     match a.as_slice() {
-        Ok(s) => Cow::Borrowed(s),
-        Err(_) => Cow::Owned(a.as_array().iter().copied().collect()),
+        Ok(s) if a.is_c_contiguous() => Cow::Borrowed(s),
+        _ => Cow::Owned(a.as_array().iter().copied().collect()),
     }
 }
 
@@ -632,7 +633,9 @@ impl Cache {
         backend: &str,
     ) -> PyResult<Self> {
         let config = config.to_rust().or_py(py)?;
-        let backend = rotkv_lib::Backend::parse(backend).or_py(py)?;
+        // An unknown name is a bad argument (a ValueError), not a missing backend.
+        let backend = rotkv_lib::Backend::parse(backend)
+            .map_err(|e| to_py(py, rotkv_lib::Error::Unsupported(format!("backend: {e}"))))?;
         let shape = rotkv_lib::CacheShape { layers, num_kv_heads, num_q_heads, max_seqs, max_tokens, num_blocks };
         let cache = py.detach(|| rotkv_lib::KvCache::new(config, shape, backend)).or_py(py)?;
         Ok(Self { inner: Mutex::new(cache), config, shape })
