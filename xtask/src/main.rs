@@ -9,6 +9,10 @@
 //!   (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
+//! - `python`: the Python package `python/` (PyO3, outside the workspace): a venv in the
+//!   cache folder with pinned maturin, numpy, pytest and ml_dtypes from PyPI, its cargo
+//!   fmt and clippy, the golden results of the Rust API, `pip install ./python`, pytest
+//!   (see `xtask/src/python.rs`); SKIPPED where PyPI cannot be reached. Part of `ci`.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
 //!   in `target/criterion`: decode (k2v2 and k4v2, exact and integer key paths, f16
 //!   baseline, memcpy), append against memcpy, FWHT against FFHT, with ratios. `--run`
@@ -75,6 +79,7 @@
 //!   CI's two cores the two lanes overlap), Miri's output printed after the gate. ptxas
 //!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
+mod python;
 mod sanitize;
 mod sass;
 
@@ -113,10 +118,11 @@ fn main() -> ExitCode {
             _ => Err("usage: cargo xtask fuzz [--seconds N] (per target)".into()),
         },
         Some("fetch") => fetch().map_err(|e| e.to_string()),
+        Some("python") => python::python().map(drop).map_err(|e| e.to_string()),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | python | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -285,6 +291,15 @@ fn ci() -> Result<(), String> {
         failed.push("cpu avx2");
     }
     clock.lap("cpu avx2");
+    // The Python package (python/, outside the workspace): its fmt, clippy and pytest.
+    println!("\n==> python package: cargo xtask python");
+    match python::python() {
+        Ok(more) => counts = (counts.0 + more.0, counts.1 + more.1, counts.2 + more.2),
+        Err(e) => {
+            tally("python", Err(e), &mut failed, &mut skipped);
+        }
+    }
+    clock.lap("python package");
     ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
     // Fuzzing and AddressSanitizer (xtask/src/sanitize.rs).
     let sanitizers = sanitize::steps(false, false, &mut failed, &mut skipped);
