@@ -383,3 +383,22 @@ def test_configs_and_presets():
         c.validate()
     assert issubclass(rotkv.RotkvValueError, ValueError) and issubclass(rotkv.RotkvMemoryError, MemoryError)
     assert rotkv.RotkvError.__module__ == "rotkv"
+
+
+def test_type_stubs_name_every_public_item():
+    import ast
+    import pathlib
+
+    stub = ast.parse((PYTHON_DIR / "rotkv.pyi").read_text())
+    top = {n.name for n in stub.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    top |= {n.target.id for n in stub.body if isinstance(n, ast.AnnAssign)}
+    public = {n for n in dir(rotkv) if not n.startswith("_")} | {"__version__"}
+    assert top == public - {"rotkv"}, top ^ public
+    for cls in (n for n in stub.body if isinstance(n, ast.ClassDef)):
+        names = {m.name for m in cls.body if isinstance(m, ast.FunctionDef)}
+        names |= {m.target.id for m in cls.body if isinstance(m, ast.AnnAssign)}
+        have = {n for n in dir(getattr(rotkv, cls.name)) if not n.startswith("__") and n not in dir(Exception)}
+        assert have <= names, (cls.name, have - names)
+    # The installed package carries the stubs and the PEP 561 marker.
+    installed = pathlib.Path(rotkv.__file__).parent
+    assert (installed / "py.typed").exists() and (installed / "__init__.pyi").exists()
