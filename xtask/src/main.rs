@@ -13,6 +13,11 @@
 //!   cache folder with pinned maturin, numpy, pytest and ml_dtypes from PyPI, its cargo
 //!   fmt and clippy, the golden results of the Rust API, `pip install ./python`, pytest
 //!   (see `xtask/src/python.rs`); SKIPPED where PyPI cannot be reached. Part of `ci`.
+//! - `header [--check]`: writes `include/rotkv.h` from `capi/` with cbindgen (pinned,
+//!   installed from crates.io into the cache folder once); `--check` fails when the
+//!   committed header is stale. `capi`: compiles `capi/tests/smoke.c` with the system `cc`
+//!   against `librotkv_capi.a` and runs it (the sim device). Both part of `ci` (see
+//!   `xtask/src/capi.rs`).
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
 //!   in `target/criterion`: decode (k2v2 and k4v2, exact and integer key paths, f16
 //!   baseline, memcpy), append against memcpy, FWHT against FFHT, with ratios. `--run`
@@ -79,6 +84,7 @@
 //!   CI's two cores the two lanes overlap), Miri's output printed after the gate. ptxas
 //!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
+mod capi;
 mod python;
 mod sanitize;
 mod sass;
@@ -119,10 +125,12 @@ fn main() -> ExitCode {
         },
         Some("fetch") => fetch().map_err(|e| e.to_string()),
         Some("python") => python::python().map(drop).map_err(|e| e.to_string()),
+        Some("header") => capi::header(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
+        Some("capi") => capi::smoke(None).map_err(|e| e.to_string()),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | python | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | python | header [--check] | capi | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
             );
             return ExitCode::from(2);
         }
@@ -300,6 +308,13 @@ fn ci() -> Result<(), String> {
         }
     }
     clock.lap("python package");
+    // The C API: the committed header fresh (cbindgen), the C program on the sim device.
+    println!("\n==> C header freshness: cargo xtask header --check");
+    tally("header", capi::header(true), &mut failed, &mut skipped);
+    clock.lap("C header");
+    println!("\n==> C API smoke test: cargo xtask capi");
+    tally("capi", capi::smoke(Some(&features)), &mut failed, &mut skipped);
+    clock.lap("C API (cc)");
     ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
     // Fuzzing and AddressSanitizer (xtask/src/sanitize.rs).
     let sanitizers = sanitize::steps(false, false, &mut failed, &mut skipped);
