@@ -192,3 +192,79 @@ class KvCache:
     def _time_decode(self, layer: int, seqs: Sequence[SeqId], q: Any, iters: int) -> list[float]:
         """Seconds of each of `iters` decodes called from inside Rust (for the overhead
         measurement of examples/overhead.py)."""
+
+class Device:
+    """A device of the device API. Only the emulated GPU is exposed (`Device.sim()`: the
+    CUDA kernels run on the CPU by rotkv's SIMT emulator; device addresses are host
+    addresses, so numpy arrays serve as device memory). CUDA devices are not exposed."""
+
+    @staticmethod
+    def sim() -> Device: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def launches(self) -> int:
+        """Kernel launches enqueued so far."""
+
+class DeviceLayer:
+    """One layer's cache in device memory. Inputs are numpy arrays read in place when
+    C-contiguous (copied otherwise); the kernels run without the GIL."""
+
+    def __init__(
+        self,
+        device: Device,
+        config: CacheConfig,
+        num_kv_heads: int,
+        num_q_heads: int,
+        max_seqs: int,
+        max_tokens: int,
+        calibration: Optional[Calibration] = None,
+        num_blocks: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def free_blocks(self) -> int: ...
+    def add_sequence(self) -> SeqId: ...
+    def free_sequence(self, seq: SeqId) -> None: ...
+    def len(self, seq: SeqId) -> int: ...
+    def reserve(self, seq: SeqId, len: int) -> int:
+        """Takes the blocks `seq` needs to hold `len` tokens (before append_batch)."""
+    def protect(self, seq: SeqId, positions: Sequence[int]) -> None: ...
+    def append(self, seq: SeqId, k: Any, v: Any) -> int:
+        """Appends [tokens, num_kv_heads, head_dim] (one dtype); returns the new length."""
+    def append_batch(self, batch: StepBatch, k: Any, v: Any) -> None:
+        """The step's rows from k and v [batch.max_rows, num_kv_heads, head_dim]."""
+    def read_cache(self) -> tuple[bytes, npt.NDArray[np.uint16]]:
+        """The pool and the side stores (f16 bit patterns) as stored."""
+
+class StepBatch:
+    """The rows of one serving step: which sequences take how many new tokens."""
+
+    def __init__(self, device: Device, max_seqs: int, max_rows: int) -> None: ...
+    def set(self, layer: DeviceLayer, steps: Sequence[tuple[SeqId, int]]) -> None:
+        """Rows in the order of `steps`; set again before every step."""
+    @property
+    def rows(self) -> int: ...
+    @property
+    def max_rows(self) -> int: ...
+
+class DecodePlan:
+    """A decode launch fixed for a batch shape (split count and workspace made once)."""
+
+    def __init__(
+        self,
+        layer: DeviceLayer,
+        max_seqs: int,
+        max_q_len: int,
+        max_context: int,
+        sm_scale: Optional[float] = None,
+        window_left: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def num_splits(self) -> int: ...
+    def run(self, layer: DeviceLayer, q: Any, out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
+        """Slots 0 .. max_seqs, q [max_seqs, q_len, num_q_heads, head_dim]."""
+    def run_batch(
+        self, layer: DeviceLayer, batch: StepBatch, q: Any, out: Optional[npt.NDArray[np.float32]] = None
+    ) -> npt.NDArray[np.float32]:
+        """The step's rows (after layer.append_batch): q [batch.max_rows, num_q_heads,
+        head_dim]; unused rows of the result are zeros."""

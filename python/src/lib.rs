@@ -9,6 +9,11 @@
 //! changes anything; a failed call raises a `rotkv.RotkvError` (a `ValueError` or
 //! `MemoryError` subclass where that fits) carrying the Rust library's message, and the
 //! cache is unchanged. Appends and decodes run with the GIL released.
+//!
+//! The device API on the emulated GPU (`Device`, `DeviceLayer`, `StepBatch`,
+//! `DecodePlan`) is in [`device`].
+
+mod device;
 
 use std::borrow::Cow;
 use std::sync::{Mutex, MutexGuard};
@@ -884,6 +889,10 @@ fn rotkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Seq>()?;
     m.add_class::<Calibration>()?;
     m.add_class::<Cache>()?;
+    m.add_class::<device::PyDevice>()?;
+    m.add_class::<device::PyLayer>()?;
+    m.add_class::<device::PyStepBatch>()?;
+    m.add_class::<device::PyPlan>()?;
     m.add_function(wrap_pyfunction!(configs, m)?)?;
     m.add("FORMAT_VERSION", rotkv_lib::FORMAT_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
