@@ -160,7 +160,7 @@ fn append_cputime(c: &mut Criterion<cputime::CpuTime>) {
 /// f16 input only, a 16384-token prefill at head_dim 128: 67 MB of input, past the L3 of
 /// the machines measured, so that its memcpy runs from DRAM (the 4096-token input, 16.8
 /// MB, and its copy are about a 32 MiB L3, and its memcpy's speed moves with what other
-/// processes hold there; README "Append against the input's size").
+/// processes hold there; docs/src/cpu.md, "Append against the input's size").
 fn bench_append<M: Measurement>(c: &mut Criterion<M>, name: &str) {
     let mut group = c.benchmark_group(name);
     group.sample_size(10);

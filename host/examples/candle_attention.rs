@@ -52,7 +52,7 @@ pub const DEVICE_BOUND: f64 = 3e-3;
 /// a per-group quantizer: a group of 64 spans about 4.8 standard deviations, so 4 bits
 /// (15 steps) leave an rms error of about 4.8 / 15 / sqrt(12) = 0.09 of the signal per
 /// element, and averaging over tokens shrinks signal and error alike. Real models' K/V
-/// do better (README, "Quality on a real model").
+/// do better (`docs/src/accuracy.md`).
 pub const K4V4_BOUND: f64 = 0.11;
 /// k2v2 vs exact f32 attention (relative L2 of the layer output; measured 0.395: 2 bits
 /// are 3 steps over 0.8 of the key range, the most recent 128 tokens and 4 sinks in f16).

@@ -60,7 +60,7 @@ impl CacheConfig {
     /// 128 channels, 64-token pages, 4 sinks, a 128-token window, and the key quantizer
     /// spanning 0.8 of each group's range (`key_clip`: on SmolLM2 it took k2v2's
     /// perplexity change from +34.8% to +10.2% uncalibrated, and to +4.1% with
-    /// calibrated key centering; see the README's quality table). Values keep the whole
+    /// calibrated key centering; see the quality table in `docs/src/accuracy.md`). Values keep the whole
     /// range (clipping them measured slightly worse).
     pub fn k2v2(head_dim: usize) -> Self {
         Self {

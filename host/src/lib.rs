@@ -1,26 +1,39 @@
 //! rotkv: a 2-bit KV cache with Hadamard rotations, and decode attention that reads the
-//! packed cache directly.
+//! packed cache directly. A token costs 72 bytes per KV head at head_dim 128 (k2v2)
+//! instead of 512 in bf16.
 //!
-//! - [`CacheConfig`]: head_dim, key/value bits, group size, page size, sinks, window,
-//!   rotations; presets [`CacheConfig::k2v2`], [`CacheConfig::k4v2`],
-//!   [`CacheConfig::k4v4`].
-//! - [`KvCache`]: the paged cache a serving stack holds (append, decode, free).
-//! - [`paged`]: the same two operations over caller-owned pools and block tables.
-//!   Decode takes an optional sliding window ([`paged::DecodeOptions::window_left`],
+//! # Where to start
+//!
+//! - **A serving stack on the CPU, or a first try:** [`KvCache`] with a preset
+//!   ([`CacheConfig::k2v2`], [`CacheConfig::k4v2`], [`CacheConfig::k4v4`]): add a
+//!   sequence, append keys and values, decode queries, free it (example below). Calibration
+//!   ([`LayerCalibration`], [`KvCache::set_calibration`]) buys most of the accuracy.
+//! - **A stack that owns its memory:** [`paged`]: the same append and decode over
+//!   caller-owned page pools, block tables and side stores ([`paged::PoolBuffer`] gives an
+//!   aligned pool); decode takes a sliding window ([`paged::DecodeOptions::window_left`],
 //!   FlashInfer's convention; [`KvCache::set_window_left`] per layer).
-//! - [`backend`]: host memory, the backends behind the paged API:
-//!   [`reference`](mod@reference) (the scalar f64 oracle), [`cpu`] (the fast CPU
-//!   backend), `sim` (feature `sim`: the device kernels on the SIMT emulator), `cuda`
-//!   (feature `cuda`: the PTX through cudarc; over host buffers a test path);
-//! - `device` (features `sim`, `cuda`): device memory, the GPU API: a layer's cache on
-//!   the device, append and decode through a fixed decode plan (`device::DecodePlan`) on
-//!   the caller's stream, raw entry points; [`launch`]: the launch planning both device
-//!   backends share.
-//! - `candle` (feature `candle`): append and decode over candle `Tensor`s with CPU
-//!   storage, through a [`KvCache`].
+//! - **On a GPU:** `device` (features `cuda` for a GPU, `sim` for the emulated one with the
+//!   same types): a layer's cache in device memory (`device::DeviceLayer`), a fixed decode
+//!   plan (`device::DecodePlan`) and a whole serving step as one launch list
+//!   (`device::StepBatch`) on the caller's stream, ready for CUDA-graph capture; raw entry
+//!   points below it. **Nothing of it has run on a GPU yet** (tested on the emulator).
+//! - **candle:** `candle` (feature `candle`): append and decode over candle `Tensor`s,
+//!   through a [`KvCache`] (CPU storage) or, with `sim` or `cuda`, on the device path
+//!   without copies.
+//! - **Measuring a model:** `model` (feature `model`): GGUF models on the CPU through the
+//!   cache, perplexity, calibration; the `rotkv` program (feature `cli`) drives it.
 //!
-//! The byte format is specified in `FORMAT.md`. Every call validates its inputs and
-//! returns an [`Error`] that says what was wrong; a failed call changes nothing.
+//! Underneath: [`backend`] holds the host-memory backends behind the paged API,
+//! [`reference`](mod@reference) (the scalar f64 oracle), [`cpu`] (the fast CPU backend),
+//! `sim` (the device kernels on the SIMT emulator) and `cuda` (the PTX through cudarc;
+//! over host buffers a test path); [`launch`] is the launch planning the device backends
+//! share. Every call validates its inputs and returns an [`Error`] that says what was
+//! wrong; a failed call changes nothing.
+//!
+//! The book in the repository's `docs/` (`cargo xtask docs --serve`) has the details: the
+//! byte format (`docs/src/format.md`), accuracy and the recommended recipes
+//! (`docs/src/accuracy.md`), the device API (`docs/src/device-api.md`), the CPU backend's
+//! benchmarks (`docs/src/cpu.md`) and the GPU kernels (`docs/src/gpu.md`).
 //!
 //! # Example
 //!

@@ -41,7 +41,7 @@
 //!
 //! Head_dim 256 holds 128 f32 output accumulators per lane (32 n-tiles): one 16-token tile
 //! per chunk, the ring sized to the 48 KiB default, and a few spilled loop invariants
-//! (SASS.md: the only decode entry points with local memory, within a budget the static
+//! (docs/src/sass.md: the only decode entry points with local memory, within a budget the static
 //! gate enforces).
 //!
 //! Only what the hot loop needs is a runtime value; head_dim, code widths, groups per head
@@ -678,7 +678,7 @@ impl StageLoads {
 /// order).
 ///
 /// # Safety
-/// `src` addresses a whole tile of the pool (16-byte aligned, as FORMAT.md's page layout
+/// `src` addresses a whole tile of the pool (16-byte aligned, as docs/src/format.md's page layout
 /// makes every tile's sections); `dst` (a byte offset into the block's dynamic shared
 /// memory) is 16-byte aligned, with [`tile_bytes`] of shared memory that no one touches
 /// until the copy's group is retired.
@@ -862,7 +862,7 @@ fn ring_chunks<
 /// bits `KB`, `VB`, `NG == D / p.format.group_size` groups with
 /// `group_size >= 128 / min(KB, VB)`, the sequences' lengths `>= p.q_len`, the page size
 /// a power of two `>= 16`, the pool, side stores and every head-page section 16-byte
-/// aligned (FORMAT.md). Grid `(Hkv, S, N * ceil(G * q_len / 16))` with `G` the GQA group,
+/// aligned (docs/src/format.md). Grid `(Hkv, S, N * ceil(G * q_len / 16))` with `G` the GQA group,
 /// [`THREADS`] threads, [`mma_shared_bytes`]`(D, KB, VB, NG)` of dynamic shared memory.
 ///
 /// # Parameters
@@ -1188,7 +1188,7 @@ pub unsafe fn decode_mma<
         s: 8 * t as usize,
     };
     // The tile starting at quantized position `rel`: its block's head-page and slot.
-    // Scales and zeros (FORMAT.md): key scales, key zeros, value scales, value zeros, NG
+    // Scales and zeros (docs/src/format.md): key scales, key zeros, value scales, value zeros, NG
     // groups each, one f16 array of the page's slots apiece.
     let tile_base = |rel: u32| -> (*const u8, usize) {
         // Clamped below the pool's blocks (`DecodeParams::block`): a stale or corrupt

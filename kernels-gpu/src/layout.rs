@@ -1,4 +1,4 @@
-//! Byte layout of the cache (format v1, see `FORMAT.md`).
+//! Byte layout of the cache (format v1, see `docs/src/format.md`).
 //!
 //! All sizes are in bytes unless a name says `elems` or `tokens`. These functions do no
 //! validation: the host checks a [`Format`] once (see `rotkv::CacheConfig`) before any

@@ -7,8 +7,8 @@
 //! "ptx-kernel"` entry points). Nothing here validates user input: every check and every
 //! `Result` lives in the host crate `rotkv`.
 //!
-//! The byte format is specified in `FORMAT.md` at the repository root; the functions in
-//! [`layout`] are the single source of truth for every offset in it.
+//! The byte format is specified in `docs/src/format.md` (the book's format chapter); the
+//! functions in [`layout`] are the single source of truth for every offset in it.
 #![no_std]
 #![cfg_attr(
     target_arch = "nvptx64",
@@ -42,7 +42,7 @@ fn panic(_: &core::panic::PanicInfo) -> ! {
     loop {}
 }
 
-/// Version of the cache byte format described in `FORMAT.md`.
+/// Version of the cache byte format described in `docs/src/format.md`.
 pub const FORMAT_VERSION: u32 = 1;
 
 /// Supported head dimensions.
@@ -63,8 +63,8 @@ pub const GROUP_PARAM_BYTES: u32 = 4;
 /// Calls `$m!` with the list of every instantiated `(head_dim, key_bits, value_bits,
 /// group_size)` configuration.
 ///
-/// This one list drives host dispatch, the conformance tests, the README's
-/// supported-configs table and (with the device kernels) the PTX entry points.
+/// This one list drives host dispatch, the conformance tests, the supported-configs
+/// table (`docs/src/format.md`, README) and (with the device kernels) the PTX entry points.
 #[macro_export]
 macro_rules! for_each_config {
     ($m:ident) => {

@@ -275,10 +275,15 @@ pub fn learned_calibration(hkv: usize, d: usize, seed: u64) -> LayerCalibration 
 /// The backends this build has that can run here; prints `SKIPPED: <backend> (...)` for
 /// each one that cannot (the cuda backend without a driver or a device), so a GPU test
 /// never passes silently.
+///
+/// `ROTKV_TEST_BACKENDS` (a comma-separated list of backend names, e.g. `cuda`) keeps
+/// only those: the GPU bundle runs the conformance suite on the GPU alone that way.
 pub fn backends() -> Vec<Backend> {
+    let only = std::env::var("ROTKV_TEST_BACKENDS").ok();
     Backend::all()
         .iter()
         .copied()
+        .filter(|b| only.as_deref().is_none_or(|o| o.split(',').any(|n| n.trim() == b.name())))
         .filter(|b| {
             let ok = b.available();
             if !ok {

@@ -33,7 +33,7 @@ const DECODE_TOL_DENSE: f64 = 1.5e-4;
 /// backends) feeds the tensor cores f16: the rotated query (relative rounding 2^-12, so a
 /// logit moves by up to about `2^-12 * |q| |k|`) and the softmax weights times the value
 /// scales (2^-12 each, averaging out over tokens). The largest error observed over this
-/// suite is printed by `decode_case` (`--nocapture`); see README "GPU decode".
+/// suite is printed by `decode_case` (`--nocapture`); see docs/src/gpu.md.
 const DECODE_TOL_MMA: f64 = 3e-3;
 
 /// The tolerance of a decode on `backend` against the f64 reference.
@@ -657,7 +657,7 @@ fn quantizer_definitions() {
         let c5 = (packed[5 * bits as usize / 8] >> ((5 * bits) % 8)) & ((1 << bits) - 1) as u8;
         assert_eq!(c5, codes[5]);
     }
-    // The worked example of FORMAT.md.
+    // The worked example of docs/src/format.md.
     let row: Vec<f64> = (0..32).map(|c| [0.0, 1.0, 2.0, 3.0][c % 4] * 0.5 - 0.25).collect();
     let g = reference::quantize_group(&row, 2);
     assert_eq!((g.scale.to_f64(), g.zero.to_f64()), (0.5, -0.25));

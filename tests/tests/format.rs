@@ -1,4 +1,4 @@
-//! FORMAT.md's worked byte example, checked byte for byte on every backend.
+//! docs/src/format.md's worked byte example, checked byte for byte on every backend.
 
 use rotkv::paged::LayerShape;
 use rotkv::{CacheConfig, Rotation};

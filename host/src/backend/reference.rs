@@ -3,7 +3,7 @@
 //! Obviously correct before fast: no unsafe, no threads, no lookup tables, one token at
 //! a time, every number in f64 except the values the format stores (f16 rows, f16
 //! scales and zeros, packed codes). It reads and writes the same bytes as every other
-//! backend (layout in `FORMAT.md`, offsets from [`rotkv_kernels::layout::Format`]).
+//! backend (layout in `docs/src/format.md`, offsets from [`rotkv_kernels::layout::Format`]).
 //!
 //! The functions here trust their arguments: shapes, block tables and values are
 //! checked once by [`crate::paged`] before any backend runs.

@@ -85,7 +85,7 @@ enum Command {
         /// f32 rounding; with quantized pages a step's earlier rows also read the pages its
         /// later tokens pushed out of the window: a little for chunks up to a page (64
         /// tokens with the presets), much for chunks longer than the window, whose early
-        /// rows see their own chunk quantized (README, "On a GPU").
+        /// rows see their own chunk quantized (docs/src/device-api.md).
         #[arg(long, default_value_t = 1)]
         chunk: usize,
         /// Print one JSON object instead of a table.

@@ -1005,7 +1005,7 @@ impl DeviceLayer {
     }
 
     /// The layer's cache as stored, copied to the host: the page pool's bytes (blocks in
-    /// pool order, as `FORMAT.md` lays them out) and every slot's f16 side store (sinks,
+    /// pool order, as `docs/src/format.md` lays them out) and every slot's f16 side store (sinks,
     /// window ring, protected rows; `max_seqs` slots in slot order). Two downloads and a
     /// wait for the device: for inspection and tests, not for a serving step.
     pub fn read_cache(&self) -> Result<(Vec<u8>, Vec<half::f16>)> {
@@ -1942,7 +1942,7 @@ impl DecodePlan {
     /// plan's `max_q_len`. Rows read the cache as it holds them after the step's append
     /// (see [`DecodePlan::run`] on multi-token steps): keep prompt chunks at or under a
     /// page, since a chunk longer than the window has its own early tokens quantized
-    /// before its rows attend to them (measured in the README, "On a GPU").
+    /// before its rows attend to them (measured in `docs/src/device-api.md`).
     ///
     /// # Errors
     /// Before anything is enqueued: as [`DecodePlan::run`] for the plan, the layer and the

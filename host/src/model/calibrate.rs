@@ -96,8 +96,8 @@ pub enum Smooth {
 }
 
 /// The largest-to-mean channel standard deviation ratio from which [`Smooth::Auto`]
-/// smooths a KV head. Chosen on the two real models measured (README "Both models side
-/// by side"): SmolLM2-135M's 90 heads span 1.45 to 2.91 (smoothing costs it perplexity),
+/// smooths a KV head. Chosen on the two real models measured (the book's accuracy
+/// chapter, `docs/src/accuracy.md`): SmolLM2-135M's 90 heads span 1.45 to 2.91 (smoothing costs it perplexity),
 /// Gemma 3 270M's 18 span 3.1 to 18.4 (smoothing at alpha 0.5 takes k2v2-c from +45.7% to
 /// +3.96%). Two models are thin evidence for the exact value.
 pub const AUTO_SMOOTH_RATIO: f64 = 3.0;
