@@ -89,7 +89,7 @@ fn shape_err(py: Python<'_>, msg: String) -> PyErr {
     to_py(py, rotkv_lib::Error::Shape(msg))
 }
 
-/// Whether `t` is one of rotkv's exception classes (for `?` on a `rotkv_lib::Result`).
+/// `rotkv_lib::Result` to `PyResult`, the error as its Python exception ([`to_py`]).
 trait OrPy<T> {
     fn or_py(self, py: Python<'_>) -> PyResult<T>;
 }
