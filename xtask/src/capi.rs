@@ -1,7 +1,7 @@
 //! The C API's steps: `cargo xtask header [--check]` (include/rotkv.h from capi/ by a
 //! pinned cbindgen, installed from crates.io into the cache folder once) and `cargo xtask
 //! capi` (capi/tests/smoke.c compiled with the system `cc` against the staticlib, run on
-//! the emulated device). Both are steps of `ci`.
+//! the emulated device; the header also checked as C++). Both are steps of `ci`.
 
 use super::{Step, cache_dir, offline_or, root, target_dir};
 use std::path::PathBuf;
@@ -90,6 +90,16 @@ pub fn smoke(features: Option<&str>) -> Result<(), Step> {
     }
     if !super::run("capi: smoke test", Command::new(&exe)).map_err(Step::Failed)? {
         return Err(Step::Failed("capi/tests/smoke.c failed".into()));
+    }
+    // The header is also C++ (`extern "C"`, no C-only syntax).
+    if Command::new("c++").arg("--version").output().is_err() {
+        println!("SKIPPED: capi: the header as C++ (no `c++` here)");
+        return Ok(());
+    }
+    let mut cxx = Command::new("c++");
+    cxx.current_dir(root()).args(["-std=c++17", "-Wall", "-Werror", "-fsyntax-only", "-x", "c++", HEADER]);
+    if !super::run("capi: the header as C++", cxx).map_err(Step::Failed)? {
+        return Err(Step::Failed(format!("{HEADER} does not compile as C++")));
     }
     Ok(())
 }
