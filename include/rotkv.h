@@ -178,6 +178,69 @@ typedef struct {
   uint32_t input_dtype;
 } RotkvAppendParams;
 
+// Parameters of the batched append (`append_batch_flush`, `append_batch_tokens`): the
+// new tokens of every sequence of a serving step, one layer, in one launch each.
+//
+// The step's rows are described by a `u32` array in device memory (the step batch,
+// [`batch_meta_len`] entries): `[0, max_rows)` the slot of each input row
+// ([`BATCH_NO_SLOT`] for an unused row); then per slot its length before the step
+// (`start`), its new tokens (`count`) and the input row of its first new token
+// (`first_row`), `max_seqs` entries each. Slot `s`'s tokens are input rows `first_row
+// .. first_row + count`, positions `start .. start + count`.
+//
+// Layout (`#[repr(C)]`, taken by value by the PTX entry points): an [`AppendParams`]
+// (its `start`, `count` and `new_len` unused: they come from the step batch), then four
+// `u32`, no padding.
+typedef struct {
+  // Format, heads, pool blocks, flags, input strides and dtype of the layer's append.
+  RotkvAppendParams append;
+  // Sequence slots of the layer the step batch may name (`s < max_seqs`).
+  uint32_t max_seqs;
+  // Input rows of the step (grid y of `append_batch_tokens`).
+  uint32_t max_rows;
+  // Block-table entries per slot (a slot's table is `tables + s * table_stride`); a
+  // sequence that would need more pages is skipped and counted as an error.
+  uint32_t table_stride;
+  // Entries of a slot's protected list (`protected + s * protected_stride`).
+  uint32_t protected_stride;
+} RotkvAppendBatchParams;
+
+// Device addresses of the batched append's buffers (`rotkv::launch::BatchPtrs`).
+typedef struct {
+  // The step batch, u32 `[max_rows + 3 * max_seqs]`: each input row's slot
+  // (`UINT32_MAX`: none), then per slot its length before the step, its new tokens and
+  // the input row of its first new token (`max_seqs` entries each).
+  uint64_t meta;
+  // Keys, `[row][kv_head][head_dim]` of `input_dtype`, `token_stride` apart.
+  uint64_t k;
+  // Values, as `k` but `v_token_stride` apart.
+  uint64_t v;
+  // Key mean, f32 `[kv_head][head_dim]`.
+  uint64_t key_mean;
+  // Key scales, f32 `[kv_head][head_dim]`.
+  uint64_t key_scale;
+  // Key permutations, u16 `[kv_head][head_dim]`.
+  uint64_t key_perm;
+  // Value permutations, u16 `[kv_head][head_dim]`.
+  uint64_t value_perm;
+  // Learned key rotations (read only with `FLAG_DENSE_KEYS`).
+  uint64_t key_rot;
+  // Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+  uint64_t value_rot;
+  // Block tables, u32 `[max_seqs][table_stride]`.
+  uint64_t tables;
+  // Protected lists, u32 `[max_seqs][protected_stride]`.
+  uint64_t protected_;
+  // The page pool (16-byte aligned).
+  uint64_t pool;
+  // Side stores, f16 `[max_seqs][side_elems]` (16-byte aligned).
+  uint64_t sides;
+  // Sequence lengths, u32 `[max_seqs]` (the slots with new tokens get their new length).
+  uint64_t lens;
+  // Error counters, u32 `[3]` (batch, block, non-finite), or 0.
+  uint64_t errors;
+} RotkvBatchPtrs;
+
 // Device addresses of `append_flush`'s buffers (`rotkv::launch::FlushPtrs`).
 typedef struct {
   // The sequence's block-table row, u32.
@@ -460,6 +523,16 @@ RotkvStatus rotkv_layer_sizes(const RotkvConfig *config,
 // # Safety
 // `format` is valid for a read (a format of [`rotkv_config_format`]).
 uint32_t rotkv_pages_for(const RotkvFormat *format, uint32_t len);
+
+// Enqueues the batched append of a serving step (`append_batch_flush` then
+// `append_batch_tokens`): every slot's new rows as the step batch at `ptrs.meta` says.
+//
+// # Safety
+// `dev`, `p` and `ptrs` are valid for reads; every address is a live allocation of `dev`
+// as `rotkv::device::raw::append_batch` asks.
+RotkvStatus rotkv_append_batch(const RotkvDevice *dev,
+                               const RotkvAppendBatchParams *p,
+                               const RotkvBatchPtrs *ptrs);
 
 // Enqueues `append_flush` for the append `p` (the window rows whose page fills; nothing
 // when none does). Run it before the same append's [`rotkv_append_tokens`].

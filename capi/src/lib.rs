@@ -1,6 +1,7 @@
 //! The C API of rotkv (header `include/rotkv.h`, generated from this file by cbindgen:
 //! `cargo xtask header`): a device handle, device buffers, configuration helpers, and the
-//! raw entry points of `rotkv::device::raw` (append flush, append tokens, decode, merge)
+//! raw entry points of `rotkv::device::raw` (append flush, append tokens, the batched
+//! append of a serving step, decode, merge)
 //! on device addresses, with the `#[repr(C)]` parameter blocks of the kernels.
 //!
 //! Every function returns a [`RotkvStatus`] (or a handle that is null on failure); the
@@ -15,7 +16,7 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use rotkv::device::raw::{self, AppendParams, DecodeParams, Format, MergeParams};
+use rotkv::device::raw::{self, AppendBatchParams, AppendParams, DecodeParams, Format, MergeParams};
 use rotkv::device::{Device, DeviceBuffer};
 use rotkv::paged::LayerShape;
 use rotkv::{CacheConfig, Error, Rotation};
@@ -551,6 +552,81 @@ pub struct RotkvMergePtrs {
     pub out: u64,
     /// A step batch, or 0.
     pub meta: u64,
+}
+
+/// Device addresses of the batched append's buffers (`rotkv::launch::BatchPtrs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RotkvBatchPtrs {
+    /// The step batch, u32 `[max_rows + 3 * max_seqs]`: each input row's slot
+    /// (`UINT32_MAX`: none), then per slot its length before the step, its new tokens and
+    /// the input row of its first new token (`max_seqs` entries each).
+    pub meta: u64,
+    /// Keys, `[row][kv_head][head_dim]` of `input_dtype`, `token_stride` apart.
+    pub k: u64,
+    /// Values, as `k` but `v_token_stride` apart.
+    pub v: u64,
+    /// Key mean, f32 `[kv_head][head_dim]`.
+    pub key_mean: u64,
+    /// Key scales, f32 `[kv_head][head_dim]`.
+    pub key_scale: u64,
+    /// Key permutations, u16 `[kv_head][head_dim]`.
+    pub key_perm: u64,
+    /// Value permutations, u16 `[kv_head][head_dim]`.
+    pub value_perm: u64,
+    /// Learned key rotations (read only with `FLAG_DENSE_KEYS`).
+    pub key_rot: u64,
+    /// Learned value rotations (read only with `FLAG_DENSE_VALUES`).
+    pub value_rot: u64,
+    /// Block tables, u32 `[max_seqs][table_stride]`.
+    pub tables: u64,
+    /// Protected lists, u32 `[max_seqs][protected_stride]`.
+    pub protected_: u64,
+    /// The page pool (16-byte aligned).
+    pub pool: u64,
+    /// Side stores, f16 `[max_seqs][side_elems]` (16-byte aligned).
+    pub sides: u64,
+    /// Sequence lengths, u32 `[max_seqs]` (the slots with new tokens get their new length).
+    pub lens: u64,
+    /// Error counters, u32 `[3]` (batch, block, non-finite), or 0.
+    pub errors: u64,
+}
+
+/// Enqueues the batched append of a serving step (`append_batch_flush` then
+/// `append_batch_tokens`): every slot's new rows as the step batch at `ptrs.meta` says.
+///
+/// # Safety
+/// `dev`, `p` and `ptrs` are valid for reads; every address is a live allocation of `dev`
+/// as `rotkv::device::raw::append_batch` asks.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rotkv_append_batch(
+    dev: *const RotkvDevice,
+    p: *const AppendBatchParams,
+    ptrs: *const RotkvBatchPtrs,
+) -> RotkvStatus {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (dev, p, a) = unsafe { (arg(dev, "dev")?, arg(p, "p")?, arg(ptrs, "ptrs")?) };
+        let ptrs = raw::BatchPtrs {
+            meta: a.meta,
+            k: a.k,
+            v: a.v,
+            key_mean: a.key_mean,
+            key_scale: a.key_scale,
+            key_perm: a.key_perm,
+            value_perm: a.value_perm,
+            key_rot: a.key_rot,
+            value_rot: a.value_rot,
+            tables: a.tables,
+            protected: a.protected_,
+            pool: a.pool,
+            sides: a.sides,
+            lens: a.lens,
+            errors: a.errors,
+        };
+        // SAFETY: forwarded contract.
+        unsafe { raw::append_batch(&dev.0, p, &ptrs) }
+    })
 }
 
 /// Enqueues `append_flush` for the append `p` (the window rows whose page fills; nothing

@@ -12,6 +12,10 @@
  * - sequence 1 holds one token (an f16 sink): its output is its value row, within the f16
  *   storage of the rotated row (2e-3).
  *
+ * The same tokens appended to a second layer in one batched append (a serving step:
+ * both sequences' rows in one launch pair) must store the same bytes as the
+ * per-sequence appends: pool, side stores and lengths equal.
+ *
  * Then bad inputs: an unsupported head_dim and a misaligned pool are refused with a
  * status and a message. Built and run by `cargo xtask capi` (cc, librotkv_capi.a).
  */
@@ -138,6 +142,86 @@ int main(void) {
     if (lens_back[0] != LEN0 || lens_back[1] != LEN1) {
         fprintf(stderr, "device lengths %u %u, expected %u %u\n", lens_back[0], lens_back[1], LEN0, LEN1);
         return 1;
+    }
+
+    /* The same appends as one step batch into a second layer: the same bytes. */
+    {
+        enum { ROWS = LEN0 + LEN1, SEQS = 2 };
+        RotkvBuffer *pool_b = zeros(dev, pool_bytes);
+        RotkvBuffer *sides_b = zeros(dev, 2 * side_elems * 2);
+        RotkvBuffer *lens_b = zeros(dev, 2 * sizeof(uint32_t));
+        static float kb[ROWS * HKV * D], vb[ROWS * HKV * D];
+        memcpy(kb, k, LEN0 * HKV * D * sizeof(float));
+        memcpy(kb + LEN0 * HKV * D, k, LEN1 * HKV * D * sizeof(float));
+        memcpy(vb, v0, LEN0 * HKV * D * sizeof(float));
+        memcpy(vb + LEN0 * HKV * D, v1, LEN1 * HKV * D * sizeof(float));
+        /* Each row's slot; then per slot its start, its count, its first row. */
+        uint32_t meta[ROWS + 3 * SEQS];
+        for (int r = 0; r < ROWS; r++) meta[r] = r < LEN0 ? 0 : 1;
+        meta[ROWS + 0] = 0, meta[ROWS + 1] = 0;
+        meta[ROWS + SEQS + 0] = LEN0, meta[ROWS + SEQS + 1] = LEN1;
+        meta[ROWS + 2 * SEQS + 0] = 0, meta[ROWS + 2 * SEQS + 1] = LEN0;
+        RotkvBuffer *kb_d = upload(dev, kb, sizeof kb), *vb_d = upload(dev, vb, sizeof vb);
+        RotkvBuffer *meta_d = upload(dev, meta, sizeof meta), *errors_d = zeros(dev, 3 * sizeof(uint32_t));
+        RotkvAppendBatchParams bp = {
+            .append = {
+                .format = format,
+                .num_kv_heads = HKV,
+                .start = 0,
+                .count = 0,
+                .new_len = 0,
+                .num_blocks = 2 * BLOCKS_PER_SEQ,
+                .flags = flags,
+                .token_stride = HKV * D,
+                .v_token_stride = HKV * D,
+                .head_stride = D,
+                .input_dtype = ROTKV_DTYPE_F32,
+            },
+            .max_seqs = SEQS,
+            .max_rows = ROWS,
+            .table_stride = BLOCKS_PER_SEQ,
+            .protected_stride = 1,
+        };
+        RotkvBatchPtrs b = {
+            .meta = rotkv_buffer_addr(meta_d),
+            .k = rotkv_buffer_addr(kb_d),
+            .v = rotkv_buffer_addr(vb_d),
+            .key_mean = rotkv_buffer_addr(mean_d),
+            .key_scale = rotkv_buffer_addr(scale_d),
+            .key_perm = rotkv_buffer_addr(perm_d),
+            .value_perm = rotkv_buffer_addr(perm_d),
+            .key_rot = rotkv_buffer_addr(scale_d),
+            .value_rot = rotkv_buffer_addr(scale_d),
+            .tables = rotkv_buffer_addr(tables_d),
+            .protected_ = rotkv_buffer_addr(protected_d),
+            .pool = rotkv_buffer_addr(pool_b),
+            .sides = rotkv_buffer_addr(sides_b),
+            .lens = rotkv_buffer_addr(lens_b),
+            .errors = rotkv_buffer_addr(errors_d),
+        };
+        CHECK(rotkv_append_batch(dev, &bp, &b));
+        unsigned char *pa = malloc(pool_bytes), *pb = malloc(pool_bytes);
+        unsigned char *sa = malloc(2 * side_elems * 2), *sb = malloc(2 * side_elems * 2);
+        uint32_t lb[2], errs[3];
+        CHECK(rotkv_download(dev, pool, 0, pa, pool_bytes));
+        CHECK(rotkv_download(dev, pool_b, 0, pb, pool_bytes));
+        CHECK(rotkv_download(dev, sides, 0, sa, 2 * side_elems * 2));
+        CHECK(rotkv_download(dev, sides_b, 0, sb, 2 * side_elems * 2));
+        CHECK(rotkv_download(dev, lens_b, 0, lb, sizeof lb));
+        CHECK(rotkv_download(dev, errors_d, 0, errs, sizeof errs));
+        size_t nonzero = 0;
+        for (size_t i = 0; i < pool_bytes; i++) nonzero += pa[i] != 0;
+        if (nonzero < pool_bytes / 8) {
+            fprintf(stderr, "the pool holds almost nothing (%zu nonzero bytes): no quantized page\n", nonzero);
+            return 1;
+        }
+        int same = memcmp(pa, pb, pool_bytes) == 0 && memcmp(sa, sb, 2 * side_elems * 2) == 0;
+        printf("batched append: pool and side stores %s the per-sequence appends', lengths %u %u, errors %u %u %u\n",
+               same ? "equal" : "DIFFER FROM", lb[0], lb[1], errs[0], errs[1], errs[2]);
+        if (!same || lb[0] != LEN0 || lb[1] != LEN1 || errs[0] || errs[1] || errs[2]) return 1;
+        free(pa), free(pb), free(sa), free(sb);
+        RotkvBuffer *tmp[] = {pool_b, sides_b, lens_b, kb_d, vb_d, meta_d, errors_d};
+        for (size_t i = 0; i < sizeof tmp / sizeof tmp[0]; i++) rotkv_buffer_free(tmp[i]);
     }
 
     /* Decode both sequences (2 splits) and merge. */
