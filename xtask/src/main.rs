@@ -5,11 +5,21 @@
 //!   whole test suite (every cargo call with [`ci_features`]: every feature but
 //!   `candle-cuda` and `sim-asan`), the slow real-model tests (ignored by default: SmolLM2
 //!   and Gemma 3 perplexity), the GPU-presence
-//!   test, PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
+//!   test, the Python package (`python`), the C header's freshness and the C smoke test
+//!   (`header --check`, `capi`), PTX freshness, ptxas, the static SASS gate (`sass`) with Miri running
 //!   alongside those three (`ptx-checks`), cargo-fuzz and AddressSanitizer
 //!   (`xtask/src/sanitize.rs`). Every step runs; the
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
+//! - `python`: the Python package `python/` (PyO3, outside the workspace): a venv in the
+//!   cache folder with pinned maturin, numpy, pytest and ml_dtypes from PyPI, its cargo
+//!   fmt and clippy, the golden results of the Rust API, `pip install ./python`, pytest
+//!   (see `xtask/src/python.rs`); SKIPPED where PyPI cannot be reached. Part of `ci`.
+//! - `header [--check]`: writes `include/rotkv.h` from `capi/` with cbindgen (pinned,
+//!   installed from crates.io into the cache folder once); `--check` fails when the
+//!   committed header is stale. `capi`: compiles `capi/tests/smoke.c` with the system `cc`
+//!   against `librotkv_capi.a` and runs it (the sim device). Both part of `ci` (see
+//!   `xtask/src/capi.rs`).
 //! - `docs [--tables | --check | --serve]`: the book under `docs/` (see `xtask/src/docs.rs`):
 //!   checks that every generated results table matches its recorded run
 //!   (`docs/results/*.json`) and that every link of the book, README and CHANGELOG
@@ -88,7 +98,9 @@
 //!   CI's two cores the two lanes overlap), Miri's output printed after the gate. ptxas
 //!   and the gate also assemble sm_80 and sm_90 at the same time (one ptxas per core).
 
+mod capi;
 mod docs;
+mod python;
 mod sanitize;
 mod sass;
 
@@ -143,11 +155,14 @@ fn main() -> ExitCode {
             _ => Err("usage: cargo xtask fuzz [--seconds N] (per target)".into()),
         },
         Some("fetch") => fetch().map_err(|e| e.to_string()),
+        Some("python") => python::python().map(drop).map_err(|e| e.to_string()),
+        Some("header") => capi::header(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
+        Some("capi") => capi::smoke(None).map_err(|e| e.to_string()),
         Some("docs") => docs::docs(args.get(1).map(String::as_str)),
         Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] [--compare REV] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
+                "usage: cargo xtask <ci | python | header [--check] | capi | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] [--compare REV] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
             );
             return ExitCode::from(2);
         }
@@ -321,6 +336,22 @@ fn ci() -> Result<(), String> {
         failed.push("cpu avx2");
     }
     clock.lap("cpu avx2");
+    // The Python package (python/, outside the workspace): its fmt, clippy and pytest.
+    println!("\n==> python package: cargo xtask python");
+    match python::python() {
+        Ok(more) => counts = (counts.0 + more.0, counts.1 + more.1, counts.2 + more.2),
+        Err(e) => {
+            tally("python", Err(e), &mut failed, &mut skipped);
+        }
+    }
+    clock.lap("python package");
+    // The C API: the committed header fresh (cbindgen), the C program on the sim device.
+    println!("\n==> C header freshness: cargo xtask header --check");
+    tally("header", capi::header(true), &mut failed, &mut skipped);
+    clock.lap("C header");
+    println!("\n==> C API smoke test: cargo xtask capi");
+    tally("capi", capi::smoke(Some(&features)), &mut failed, &mut skipped);
+    clock.lap("C API (cc)");
     ptx_checks_with_miri(&mut failed, &mut skipped, &mut clock);
     // Fuzzing and AddressSanitizer (xtask/src/sanitize.rs).
     let sanitizers = sanitize::steps(false, false, &mut failed, &mut skipped);

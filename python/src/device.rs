@@ -1,0 +1,376 @@
+//! The device API (`rotkv::device`) on the emulated GPU (`Device.sim()`): a layer's cache
+//! in device memory, appends and decodes through a fixed decode plan, the batched append
+//! and step decode of a serving step. On the emulator device addresses are host
+//! addresses, so numpy arrays are the device buffers: C-contiguous inputs are read in
+//! place and `out` is written in place (other layouts of an input are copied first; `out`
+//! must be C-contiguous). The kernels run with the GIL released.
+//!
+//! CUDA devices are not exposed here (no GPU in CI to test them on).
+
+use std::sync::Mutex;
+
+use numpy::{PyArrayDyn, PyArrayMethods};
+use pyo3::prelude::*;
+
+use rotkv_lib::device::{self as dv, DeviceSlice, DeviceSliceMut};
+use rotkv_lib::paged::LayerShape;
+
+use crate::{Calibration, Config, Elems, OrPy, Seq, input, output, shape_err, to_py};
+
+fn lock<'a, T>(py: Python<'_>, m: &'a Mutex<T>) -> PyResult<std::sync::MutexGuard<'a, T>> {
+    m.lock().map_err(|_| to_py(py, rotkv_lib::Error::Backend("an earlier call on this object panicked".into())))
+}
+
+/// A device: the emulated GPU (`Device.sim()`), whose kernels are the CUDA kernels run
+/// on the CPU by rotkv's SIMT emulator (slow: for tests and for checking a stack's use of
+/// the device API without a GPU).
+#[pyclass(name = "Device", module = "rotkv", frozen)]
+pub struct PyDevice(pub(crate) dv::Device);
+
+#[pymethods]
+impl PyDevice {
+    /// The emulated GPU.
+    #[staticmethod]
+    fn sim() -> Self {
+        PyDevice(dv::Device::sim())
+    }
+    /// "sim".
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    /// Kernel launches enqueued on this device so far.
+    #[getter]
+    fn launches(&self) -> u64 {
+        self.0.counters().launches as u64
+    }
+    fn __repr__(&self) -> String {
+        format!("Device({})", self.0.name())
+    }
+}
+
+/// A read-only device view of an input (its elements in C order: the array itself when
+/// C-contiguous, else the copy `elems` holds).
+///
+/// # Safety
+/// The returned view borrows `e`'s memory: use it only while `e` lives and nothing writes
+/// it (the caller holds numpy's read borrow of the array).
+unsafe fn view<'a, T>(dev: &dv::Device, e: &'a [T]) -> rotkv_lib::Result<DeviceSlice<'a, T>> {
+    // SAFETY: on the emulator a device address is a host address; `e` is a live, initialized
+    // slice for `'a` that nothing writes meanwhile (the contract).
+    unsafe { DeviceSlice::from_raw(dev, e.as_ptr().expose_provenance() as u64, e.len()) }
+}
+
+macro_rules! with_view {
+    ($dev:expr, $elems:expr, |$v:ident| $body:expr) => {
+        match $elems {
+            // SAFETY: the views live only inside this call, while the arrays are held.
+            Elems::F32(x) => {
+                let $v = unsafe { view($dev, &x[..]) }?;
+                $body
+            }
+            Elems::F16(x) => {
+                let $v = unsafe { view($dev, &x[..]) }?;
+                $body
+            }
+            Elems::Bf16(x) => {
+                let $v = unsafe { view($dev, &x[..]) }?;
+                $body
+            }
+        }
+    };
+}
+
+/// One layer's cache in device memory (`rotkv::device::DeviceLayer`).
+#[pyclass(name = "DeviceLayer", module = "rotkv", frozen)]
+pub struct PyLayer {
+    inner: Mutex<dv::DeviceLayer>,
+    device: dv::Device,
+    num_kv_heads: usize,
+    num_q_heads: usize,
+    head_dim: usize,
+}
+
+impl PyLayer {
+    fn kv_rows<'py>(&self, py: Python<'py>, what: &str, a: &Bound<'py, PyAny>) -> PyResult<crate::Held<'py>> {
+        let held = input(py, what, a, 3)?;
+        let want = [held.shape()[0], self.num_kv_heads, self.head_dim];
+        if held.shape() != want {
+            return Err(shape_err(py, format!("{what} has shape {:?}, expected {want:?}", held.shape())));
+        }
+        Ok(held)
+    }
+}
+
+#[pymethods]
+impl PyLayer {
+    /// `DeviceLayer(device, config, num_kv_heads, num_q_heads, max_seqs, max_tokens,
+    /// calibration=None, num_blocks=None)`.
+    #[new]
+    #[pyo3(signature = (device, config, num_kv_heads, num_q_heads, max_seqs, max_tokens, calibration = None, num_blocks = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        device: &PyDevice,
+        config: &Config,
+        num_kv_heads: usize,
+        num_q_heads: usize,
+        max_seqs: usize,
+        max_tokens: usize,
+        calibration: Option<&Calibration>,
+        num_blocks: Option<usize>,
+    ) -> PyResult<Self> {
+        let config = config.to_rust().or_py(py)?;
+        let shape = LayerShape { num_kv_heads, num_q_heads };
+        if num_kv_heads == 0 || config.head_dim == 0 {
+            return Err(shape_err(py, "num_kv_heads must be positive".into()));
+        }
+        let calib = match calibration {
+            Some(c) => c.inner.clone(),
+            None => rotkv_lib::LayerCalibration::identity(num_kv_heads, config.head_dim),
+        };
+        let size = dv::LayerSize { max_seqs, max_tokens, num_blocks };
+        let dev = device.0.clone();
+        let layer = py.detach(|| dv::DeviceLayer::new(&dev, config, shape, calib, size)).or_py(py)?;
+        Ok(Self { inner: Mutex::new(layer), device: dev, num_kv_heads, num_q_heads, head_dim: config.head_dim })
+    }
+    /// Starts a new sequence in the lowest free slot.
+    fn add_sequence(&self, py: Python<'_>) -> PyResult<Seq> {
+        lock(py, &self.inner)?.add_sequence().or_py(py).map(Seq)
+    }
+    /// Frees a sequence and its blocks.
+    fn free_sequence(&self, py: Python<'_>, seq: Seq) -> PyResult<()> {
+        lock(py, &self.inner)?.free_sequence(seq.0).or_py(py)
+    }
+    /// Tokens of `seq`.
+    fn len(&self, py: Python<'_>, seq: Seq) -> PyResult<usize> {
+        lock(py, &self.inner)?.len(seq.0).or_py(py)
+    }
+    /// Blocks not held by any sequence.
+    #[getter]
+    fn free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.free_blocks())
+    }
+    /// Takes blocks so that `seq` can hold `len` tokens (before a batched append).
+    fn reserve(&self, py: Python<'_>, seq: Seq, len: usize) -> PyResult<usize> {
+        lock(py, &self.inner)?.reserve(seq.0, len).or_py(py)
+    }
+    /// Protects positions of `seq` (as `KvCache.protect`).
+    fn protect(&self, py: Python<'_>, seq: Seq, positions: Vec<u32>) -> PyResult<()> {
+        lock(py, &self.inner)?.protect(seq.0, &positions).or_py(py)
+    }
+    /// Appends tokens to `seq`: `k`, `v` `[tokens, num_kv_heads, head_dim]`, one dtype.
+    fn append(&self, py: Python<'_>, seq: Seq, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let (kh, vh) = (self.kv_rows(py, "k", k)?, self.kv_rows(py, "v", v)?);
+        if kh.shape()[0] != vh.shape()[0] {
+            return Err(shape_err(py, format!("k has {} tokens, v {}", kh.shape()[0], vh.shape()[0])));
+        }
+        let tokens = kh.shape()[0];
+        let (ke, ve) = (kh.elems(), vh.elems());
+        let (kd, vd) = (kh.dtype(), vh.dtype());
+        let dev = &self.device;
+        let row = self.num_kv_heads * self.head_dim;
+        py.detach(|| -> rotkv_lib::Result<usize> {
+            let mut layer = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            match (&ke, &ve) {
+                // SAFETY (all arms): the views borrow the held arrays for this call only.
+                (Elems::F32(k), Elems::F32(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    layer.append_strided(seq.0, tokens, &k, row, &v, row)
+                }
+                (Elems::F16(k), Elems::F16(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    layer.append_strided(seq.0, tokens, &k, row, &v, row)
+                }
+                (Elems::Bf16(k), Elems::Bf16(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    layer.append_strided(seq.0, tokens, &k, row, &v, row)
+                }
+                _ => Err(rotkv_lib::Error::Shape(format!("k is {kd} but v is {vd}"))),
+            }
+        })
+        .or_py(py)
+    }
+    /// The batched append of a serving step: the rows `batch` describes, from `k` and `v`
+    /// `[batch.max_rows, num_kv_heads, head_dim]`; every slot's length moves on by its
+    /// count (reserve the blocks first).
+    fn append_batch(
+        &self,
+        py: Python<'_>,
+        batch: &PyStepBatch,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (kh, vh) = (self.kv_rows(py, "k", k)?, self.kv_rows(py, "v", v)?);
+        let (ke, ve) = (kh.elems(), vh.elems());
+        let (kd, vd) = (kh.dtype(), vh.dtype());
+        let dev = &self.device;
+        let row = self.num_kv_heads * self.head_dim;
+        py.detach(|| -> rotkv_lib::Result<()> {
+            let mut layer = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            let batch = batch.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            match (&ke, &ve) {
+                // SAFETY (all arms): the views borrow the held arrays for this call only.
+                (Elems::F32(k), Elems::F32(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    layer.append_batch(&batch, &k, row, &v, row)
+                }
+                (Elems::F16(k), Elems::F16(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    layer.append_batch(&batch, &k, row, &v, row)
+                }
+                (Elems::Bf16(k), Elems::Bf16(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    layer.append_batch(&batch, &k, row, &v, row)
+                }
+                _ => Err(rotkv_lib::Error::Shape(format!("k is {kd} but v is {vd}"))),
+            }
+        })
+        .or_py(py)
+    }
+    /// The pool (bytes) and side stores (uint16 bit patterns of f16) as stored.
+    fn read_cache<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, pyo3::types::PyBytes>, Bound<'py, PyAny>)> {
+        let (pool, sides) = lock(py, &self.inner)?.read_cache().or_py(py)?;
+        let sides: Vec<u16> = sides.iter().map(|x| x.to_bits()).collect();
+        Ok((pyo3::types::PyBytes::new(py, &pool), numpy::PyArray1::from_vec(py, sides).into_any()))
+    }
+}
+
+/// The rows of one serving step (`rotkv::device::StepBatch`): which slots take how many
+/// new tokens.
+#[pyclass(name = "StepBatch", module = "rotkv", frozen)]
+pub struct PyStepBatch {
+    inner: Mutex<dv::StepBatch>,
+}
+
+#[pymethods]
+impl PyStepBatch {
+    /// `StepBatch(device, max_seqs, max_rows)`.
+    #[new]
+    fn new(py: Python<'_>, device: &PyDevice, max_seqs: usize, max_rows: usize) -> PyResult<Self> {
+        Ok(Self { inner: Mutex::new(dv::StepBatch::new(&device.0, max_seqs, max_rows).or_py(py)?) })
+    }
+    /// Sets the step: `steps` is a list of `(seq, tokens)`; rows are laid out in that
+    /// order (uploaded now).
+    fn set(&self, py: Python<'_>, layer: &PyLayer, steps: Vec<(Seq, usize)>) -> PyResult<()> {
+        let steps: Vec<_> = steps.into_iter().map(|(s, n)| (s.0, n)).collect();
+        let layer = lock(py, &layer.inner)?;
+        lock(py, &self.inner)?.set(&layer, &steps).or_py(py)
+    }
+    /// Rows this step uses.
+    #[getter]
+    fn rows(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.rows())
+    }
+    #[getter]
+    fn max_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.max_rows())
+    }
+}
+
+/// A fixed decode launch for a batch shape (`rotkv::device::DecodePlan`).
+#[pyclass(name = "DecodePlan", module = "rotkv", frozen)]
+pub struct PyPlan {
+    inner: Mutex<dv::DecodePlan>,
+    max_seqs: usize,
+}
+
+#[pymethods]
+impl PyPlan {
+    /// `DecodePlan(layer, max_seqs, max_q_len, max_context, sm_scale=None,
+    /// window_left=None)`.
+    #[new]
+    #[pyo3(signature = (layer, max_seqs, max_q_len, max_context, sm_scale = None, window_left = None))]
+    fn new(
+        py: Python<'_>,
+        layer: &PyLayer,
+        max_seqs: usize,
+        max_q_len: usize,
+        max_context: usize,
+        sm_scale: Option<f32>,
+        window_left: Option<usize>,
+    ) -> PyResult<Self> {
+        let shape = dv::PlanShape { max_seqs, max_q_len, max_context, sm_count: None, blocks_per_sm: None, sm_scale };
+        let l = lock(py, &layer.inner)?;
+        let plan = dv::DecodePlan::new_windowed(&l, shape, window_left).or_py(py)?;
+        Ok(Self { inner: Mutex::new(plan), max_seqs })
+    }
+    /// The split-K count chosen.
+    #[getter]
+    fn num_splits(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(lock(py, &self.inner)?.num_splits())
+    }
+    /// Decodes slots `0 .. max_seqs` of `layer`, `q_len` rows each: `q` is `[max_seqs,
+    /// q_len, num_q_heads, head_dim]`; returns (or writes into `out`) float32 of that
+    /// shape. An empty slot's rows are zeros.
+    #[pyo3(signature = (layer, q, out = None))]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &PyLayer,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let held = input(py, "q", q, 4)?;
+        let s = held.shape().to_vec();
+        let want = [self.max_seqs, s[1], layer.num_q_heads, layer.head_dim];
+        if s != want {
+            return Err(shape_err(
+                py,
+                format!("q has shape {s:?}, expected {want:?} ([max_seqs, q_len, q_heads, head_dim])"),
+            ));
+        }
+        let out = output(py, out, &s)?;
+        let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
+        let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
+        let q = held.elems();
+        let dev = &layer.device;
+        py.detach(|| -> rotkv_lib::Result<()> {
+            let mut plan = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            let l = layer.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            // SAFETY: `o` is the held, writeable, C-contiguous output for this call only.
+            let mut ov: DeviceSliceMut<'_, f32> =
+                unsafe { DeviceSliceMut::from_raw(dev, o.as_mut_ptr().expose_provenance() as u64, o.len()) }?;
+            with_view!(dev, &q, |qv| plan.run(&l, s[1], &qv, &mut ov))
+        })
+        .or_py(py)?;
+        drop(w);
+        Ok(out)
+    }
+    /// The step decode: the rows of `batch` (appended with `layer.append_batch` first),
+    /// `q` `[batch.max_rows, num_q_heads, head_dim]`; returns (or writes into `out`)
+    /// float32 of that shape (rows the step does not use are zeros).
+    #[pyo3(signature = (layer, batch, q, out = None))]
+    fn run_batch<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &PyLayer,
+        batch: &PyStepBatch,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let held = input(py, "q", q, 3)?;
+        let s = held.shape().to_vec();
+        let row = layer.num_q_heads * layer.head_dim;
+        if s[1..] != [layer.num_q_heads, layer.head_dim] {
+            return Err(shape_err(py, format!("q has shape {s:?}, expected [max_rows, q_heads, head_dim]")));
+        }
+        let out = output(py, out, &s)?;
+        let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
+        let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
+        let q = held.elems();
+        let dev = &layer.device;
+        py.detach(|| -> rotkv_lib::Result<()> {
+            let mut plan = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            let l = layer.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            let b = batch.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            // SAFETY: `o` is the held, writeable, C-contiguous output for this call only.
+            let mut ov: DeviceSliceMut<'_, f32> =
+                unsafe { DeviceSliceMut::from_raw(dev, o.as_mut_ptr().expose_provenance() as u64, o.len()) }?;
+            with_view!(dev, &q, |qv| plan.run_batch(&l, &b, &qv, row, &mut ov, row))
+        })
+        .or_py(py)?;
+        drop(w);
+        Ok(out)
+    }
+}

@@ -1,0 +1,113 @@
+"""The device API on the emulated GPU (rotkv.Device.sim()): numpy arrays as device
+memory, against the CPU cache (KvCache) on the same tokens."""
+
+import numpy as np
+import pytest
+
+import rotkv
+
+
+def config():
+    return rotkv.CacheConfig("k2v2", 64, page_size=16, window=16, sinks=2)
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+HKV, HQ, D = 2, 4, 64
+
+
+def test_append_and_plan_run_match_the_cpu_cache():
+    rng = np.random.default_rng(20)
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=2, max_tokens=128)
+    cpu = rotkv.KvCache(config(), 1, HKV, HQ, 2, 128)
+    lens, ids = [50, 7], []
+    for n in lens:
+        k = rng.standard_normal((n, HKV, D)).astype(np.float16)
+        v = rng.standard_normal((n, HKV, D)).astype(np.float16)
+        s, c = layer.add_sequence(), cpu.add_sequence()
+        assert layer.append(s, k[:30], v[:30]) == min(n, 30)
+        if n > 30:
+            layer.append(s, k[30:], v[30:])
+        cpu.append(0, c, k, v)
+        ids.append(c)
+        assert layer.len(s) == n
+    plan = rotkv.DecodePlan(layer, max_seqs=2, max_q_len=1, max_context=128)
+    assert plan.num_splits >= 1
+    q = rng.standard_normal((2, 1, HQ, D)).astype(np.float32)
+    launches = dev.launches
+    out = np.zeros((2, 1, HQ, D), np.float32)
+    got = plan.run(layer, q, out=out)
+    assert got is out and dev.launches > launches
+    want = cpu.decode(0, ids, q[:, 0])
+    # The emulated kernels against the CPU backend on the same codes (f32 accumulation
+    # in another order, the tensor-core kernel's f16 operands): 2e-3.
+    assert rel(out[:, 0], want) < 2e-3, rel(out[:, 0], want)
+    # A non-contiguous query is copied: the same result.
+    q2 = np.asfortranarray(q)
+    assert np.array_equal(plan.run(layer, q2), out)
+
+
+def test_step_batch_prefill_and_decode_match_decode_tokens():
+    rng = np.random.default_rng(21)
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=2, max_tokens=128)
+    cpu = rotkv.KvCache(config(), 1, HKV, HQ, 2, 128)
+    a, b = layer.add_sequence(), layer.add_sequence()
+    ca, cb = cpu.add_sequence(), cpu.add_sequence()
+    max_rows = 24
+    batch = rotkv.StepBatch(dev, max_seqs=2, max_rows=max_rows)
+    plan = rotkv.DecodePlan(layer, max_seqs=2, max_q_len=16, max_context=128)
+    # Step 1: a takes 16 prompt tokens, b 8; step 2: one token each.
+    for step in ([(a, ca, 16), (b, cb, 8)], [(a, ca, 1), (b, cb, 1)]):
+        rows = sum(n for _, _, n in step)
+        k = np.zeros((max_rows, HKV, D), np.float32)
+        v = np.zeros((max_rows, HKV, D), np.float32)
+        q = np.zeros((max_rows, HQ, D), np.float32)
+        k[:rows] = rng.standard_normal((rows, HKV, D))
+        v[:rows] = rng.standard_normal((rows, HKV, D))
+        q[:rows] = rng.standard_normal((rows, HQ, D))
+        for s, _, n in step:
+            layer.reserve(s, layer.len(s) + n)
+        batch.set(layer, [(s, n) for s, _, n in step])
+        assert batch.rows == rows
+        layer.append_batch(batch, k, v)
+        out = plan.run_batch(layer, batch, q)
+        at = 0
+        for s, c, n in step:
+            cpu.append(0, c, k[at:at + n], v[at:at + n])
+            want = cpu.decode_tokens(0, [c], q[at:at + n][None])[0]
+            assert rel(out[at:at + n], want) < 2e-3, rel(out[at:at + n], want)
+            at += n
+        assert not out[rows:].any()
+    assert (layer.len(a), layer.len(b)) == (17, 9)
+
+
+def test_bad_device_inputs_raise_and_change_nothing():
+    rng = np.random.default_rng(22)
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=1, max_tokens=64)
+    s = layer.add_sequence()
+    k = rng.standard_normal((20, HKV, D)).astype(np.float32)
+    layer.append(s, k, k)
+    before = layer.read_cache()
+    plan = rotkv.DecodePlan(layer, max_seqs=1, max_q_len=1, max_context=64)
+    cases = [
+        lambda: layer.append(s, k[:, :1], k[:, :1]),  # heads
+        lambda: layer.append(s, k, k.astype(np.float16)),  # mixed dtypes
+        lambda: layer.append(s, k.astype(np.float64), k.astype(np.float64)),
+        lambda: layer.append(s, np.zeros((50, HKV, D), np.float32), np.zeros((50, HKV, D), np.float32)),  # capacity
+        lambda: plan.run(layer, np.zeros((2, 1, HQ, D), np.float32)),  # slots
+        lambda: plan.run(layer, np.zeros((1, 2, HQ, D), np.float32)),  # q_len past the plan
+        lambda: plan.run(layer, np.zeros((1, 1, HQ, D), np.float32), out=np.zeros((1, 1, HQ, D), np.float64)),
+        lambda: rotkv.DeviceLayer(dev, rotkv.CacheConfig.k2v2(96), 1, 1, 1, 16),
+        lambda: layer.len(rotkv.DeviceLayer(dev, config(), HKV, HQ, 1, 64).add_sequence()),  # foreign id
+    ]
+    for i, call in enumerate(cases):
+        with pytest.raises(rotkv.RotkvError):
+            call()
+        after = layer.read_cache()
+        assert after[0] == before[0] and np.array_equal(after[1], before[1]), i
+    assert layer.len(s) == 20
