@@ -65,13 +65,14 @@ typedef enum {
   ROTKV_STATUS_DEVICE = 6,
   // Any other error of the library.
   ROTKV_STATUS_OTHER = 7,
-  // A null pointer where one is required.
-  ROTKV_STATUS_NULL_POINTER = 8,
-  // A panic inside rotkv (a bug: please report it).
+  // A panic inside rotkv (a bug: please report it). (A null pointer where one is
+  // required is a `Shape` error.)
   ROTKV_STATUS_PANIC = 9,
 } RotkvStatus;
 
-// A device allocation of bytes (16-byte aligned, zeroed when made).
+// A device allocation of bytes (16-byte aligned, zeroed when made). Devices may be
+// shared between threads; a buffer may not be used by two calls at once when one of
+// them writes it (an upload, or a kernel whose output it is).
 typedef struct RotkvBuffer RotkvBuffer;
 
 // A device: where buffers live and kernels run, with its stream.
@@ -442,7 +443,8 @@ RotkvDevice *rotkv_device_cuda(size_t ordinal);
 // Frees a device handle (null is ignored). Buffers made on it stay valid until freed.
 //
 // # Safety
-// `dev` is null or a handle of [`rotkv_device_sim`] not freed before.
+// `dev` is null or a handle of [`rotkv_device_sim`] or `rotkv_device_cuda` not freed
+// before.
 void rotkv_device_free(RotkvDevice *dev);
 
 // Waits for the device's stream.
@@ -451,7 +453,8 @@ void rotkv_device_free(RotkvDevice *dev);
 // `dev` is null or a live device handle.
 RotkvStatus rotkv_synchronize(const RotkvDevice *dev);
 
-// Allocates `bytes` bytes on `dev` (16-byte aligned, zeroed) into `*out`.
+// Allocates `bytes` bytes on `dev` (16-byte aligned, zeroed) into `*out` (null on
+// failure).
 //
 // # Safety
 // `dev` is a live device handle; `out` is valid for a write.
@@ -473,8 +476,9 @@ uint64_t rotkv_buffer_addr(const RotkvBuffer *buf);
 // Copies `bytes` bytes from host memory `src` to `buf` at byte `offset`.
 //
 // # Safety
-// `dev` and `buf` are live handles, `buf` made on `dev`; `src` is valid for reads of
-// `bytes` bytes.
+// `dev` and `buf` are live handles, `buf` made on `dev` and used by no other call
+// meanwhile; `src` is valid for reads of `bytes` bytes and does not overlap `buf`'s
+// memory.
 RotkvStatus rotkv_upload(const RotkvDevice *dev,
                          RotkvBuffer *buf,
                          size_t offset,
@@ -518,7 +522,8 @@ RotkvStatus rotkv_layer_sizes(const RotkvConfig *config,
                               size_t *bytes,
                               size_t *side_elems);
 
-// Pages (block-table entries) a sequence of `len` tokens uses.
+// Pages (block-table entries) a sequence of `len` tokens uses; 0 for a null `format`
+// or one no configuration gives.
 //
 // # Safety
 // `format` is valid for a read (a format of [`rotkv_config_format`]).

@@ -3,10 +3,13 @@ the packed cache (the Rust library rotkv, CPU backends).
 
 Arrays: keys, values and queries may be float32, float16 or bfloat16 (ml_dtypes), as
 numpy arrays or anything numpy reads through DLPack (a CPU torch.Tensor). C-contiguous
-inputs are read in place; other layouts are copied first. Outputs are float32, returned
-or written into `out=` (float32, C-contiguous, writeable, the exact shape, not sharing
-memory with an input). Do not write to an array from another thread while a call that
-reads it runs (the GIL is released during appends and decodes).
+inputs are read in place; other layouts and misaligned arrays are copied first, and
+non-native byte order is refused. Outputs are float32, returned or written into `out=`
+(float32, C-contiguous, aligned, writeable, the exact shape, not sharing memory with an
+input). The GIL is released during appends and decodes: while such a call runs, do not
+write to its inputs, read or write its `out`, or resize or free their memory from
+another thread (`ndarray.resize(refcheck=False)`, `torch.Tensor.resize_` on a tensor
+passed through DLPack).
 
 Errors: every failed call raises a RotkvError (RotkvValueError for arguments,
 RotkvMemoryError for capacity) with the Rust library's message, and changes nothing.

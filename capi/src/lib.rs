@@ -72,9 +72,8 @@ pub enum RotkvStatus {
     Device = 6,
     /// Any other error of the library.
     Other = 7,
-    /// A null pointer where one is required.
-    NullPointer = 8,
-    /// A panic inside rotkv (a bug: please report it).
+    /// A panic inside rotkv (a bug: please report it). (A null pointer where one is
+    /// required is a `Shape` error.)
     Panic = 9,
 }
 
@@ -84,7 +83,8 @@ thread_local! {
 
 fn set_error(msg: String) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    // (`try_with`: nothing to record into while the thread's locals are torn down.)
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 fn status_of(e: &Error) -> RotkvStatus {
@@ -129,13 +129,15 @@ unsafe fn arg<'a, T>(ptr: *const T, what: &str) -> Result<&'a T, Error> {
 /// rotkv call on this thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn rotkv_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"".as_ptr())
 }
 
 /// A device: where buffers live and kernels run, with its stream.
 pub struct RotkvDevice(Device);
 
-/// A device allocation of bytes (16-byte aligned, zeroed when made).
+/// A device allocation of bytes (16-byte aligned, zeroed when made). Devices may be
+/// shared between threads; a buffer may not be used by two calls at once when one of
+/// them writes it (an upload, or a kernel whose output it is).
 pub struct RotkvBuffer(DeviceBuffer<u8>);
 
 /// The emulated GPU: the device kernels run on the CPU by the SIMT emulator, device
@@ -167,7 +169,8 @@ pub extern "C" fn rotkv_device_cuda(ordinal: usize) -> *mut RotkvDevice {
 /// Frees a device handle (null is ignored). Buffers made on it stay valid until freed.
 ///
 /// # Safety
-/// `dev` is null or a handle of [`rotkv_device_sim`] not freed before.
+/// `dev` is null or a handle of [`rotkv_device_sim`] or `rotkv_device_cuda` not freed
+/// before.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rotkv_device_free(dev: *mut RotkvDevice) {
     if !dev.is_null() {
@@ -188,18 +191,21 @@ pub unsafe extern "C" fn rotkv_synchronize(dev: *const RotkvDevice) -> RotkvStat
     })
 }
 
-/// Allocates `bytes` bytes on `dev` (16-byte aligned, zeroed) into `*out`.
+/// Allocates `bytes` bytes on `dev` (16-byte aligned, zeroed) into `*out` (null on
+/// failure).
 ///
 /// # Safety
 /// `dev` is a live device handle; `out` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rotkv_alloc(dev: *const RotkvDevice, bytes: usize, out: *mut *mut RotkvBuffer) -> RotkvStatus {
     guard(|| {
-        // SAFETY: forwarded contract.
-        let dev = unsafe { arg(dev, "dev") }?;
         if out.is_null() {
             return Err(Error::Shape("out is a null pointer".into()));
         }
+        // SAFETY: `out` is valid for a write (the contract): null until there is a buffer.
+        unsafe { *out = std::ptr::null_mut() };
+        // SAFETY: forwarded contract.
+        let dev = unsafe { arg(dev, "dev") }?;
         let buf = dev.0.alloc::<u8>(bytes)?;
         // SAFETY: `out` is valid for a write (the contract).
         unsafe { *out = Box::into_raw(Box::new(RotkvBuffer(buf))) };
@@ -233,8 +239,9 @@ pub unsafe extern "C" fn rotkv_buffer_addr(buf: *const RotkvBuffer) -> u64 {
 /// Copies `bytes` bytes from host memory `src` to `buf` at byte `offset`.
 ///
 /// # Safety
-/// `dev` and `buf` are live handles, `buf` made on `dev`; `src` is valid for reads of
-/// `bytes` bytes.
+/// `dev` and `buf` are live handles, `buf` made on `dev` and used by no other call
+/// meanwhile; `src` is valid for reads of `bytes` bytes and does not overlap `buf`'s
+/// memory.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rotkv_upload(
     dev: *const RotkvDevice,
@@ -281,13 +288,12 @@ pub unsafe extern "C" fn rotkv_download(
         if dst.is_null() && bytes > 0 {
             return Err(Error::Shape("dst is a null pointer".into()));
         }
-        let mut all = vec![0u8; buf.0.len()];
-        dev.0.read(&buf.0, &mut all)?;
-        if bytes > 0 {
-            // SAFETY: `dst` is valid for `bytes` bytes (the contract); the range was checked.
-            unsafe { std::ptr::copy_nonoverlapping(all[offset..].as_ptr(), dst.cast::<u8>(), bytes) };
+        if bytes == 0 {
+            return Ok(());
         }
-        Ok(())
+        // SAFETY: `dst` is valid for writes of `bytes` bytes (the contract), not null.
+        let host = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), bytes) };
+        dev.0.read_at(&buf.0, offset, host)
     })
 }
 
@@ -362,7 +368,8 @@ impl RotkvConfig {
             protected: self.protected as usize,
             channel_norm: self.channel_norm,
         };
-        c.format()?;
+        // What the device kernels support (they do not run KVarN's normalization).
+        rotkv::launch::check_format(&c.format()?)?;
         Ok(c)
     }
 }
@@ -447,14 +454,19 @@ pub unsafe extern "C" fn rotkv_layer_sizes(
     })
 }
 
-/// Pages (block-table entries) a sequence of `len` tokens uses.
+/// Pages (block-table entries) a sequence of `len` tokens uses; 0 for a null `format`
+/// or one no configuration gives.
 ///
 /// # Safety
 /// `format` is valid for a read (a format of [`rotkv_config_format`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rotkv_pages_for(format: *const Format, len: u32) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { format.as_ref() }.map_or(0, |f| f.pages_for(len))
+    let Some(f) = (unsafe { format.as_ref() }) else { return 0 };
+    // A format no configuration gives (page size not a power of two from 16, sinks plus
+    // window past u32) has no page count: 0, never a panic across the boundary.
+    let sane = f.page_size >= 16 && f.page_size.is_power_of_two() && f.sinks.checked_add(f.window).is_some();
+    if sane { catch_unwind(|| f.pages_for(len)).unwrap_or(0) } else { 0 }
 }
 
 /// Device addresses of `append_tokens`' buffers (`rotkv::launch::AppendPtrs`).

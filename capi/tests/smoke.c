@@ -318,6 +318,26 @@ int main(void) {
     if (s != ROTKV_STATUS_SHAPE) return 1;
     s = rotkv_decode(dev, NULL, &dptrs);
     if (s != ROTKV_STATUS_SHAPE) return 1;
+    /* KVarN normalization is not run by the device kernels: refused. */
+    bad = config;
+    bad.channel_norm = 1;
+    s = rotkv_config_format(&bad, &format, &flags);
+    printf("channel_norm 1: status %d: %s\n", (int)s, rotkv_last_error());
+    if (s != ROTKV_STATUS_UNSUPPORTED) return 1;
+    /* A format no configuration gives: no page count, no crash. */
+    RotkvFormat junk = format;
+    junk.page_size = 0;
+    if (rotkv_pages_for(&junk, 1000) != 0) return 1;
+    junk = format;
+    junk.sinks = 0xffffffffu;
+    junk.window = 2;
+    if (rotkv_pages_for(&junk, 1000) != 0) return 1;
+    /* A download of a range reads that range only; past the end is refused. */
+    unsigned char piece[4], whole[16];
+    CHECK(rotkv_download(dev, pool, 0, whole, sizeof whole));
+    CHECK(rotkv_download(dev, pool, 8, piece, sizeof piece));
+    if (memcmp(piece, whole + 8, sizeof piece) != 0) return 1;
+    if (rotkv_download(dev, pool, (size_t)-2, piece, sizeof piece) != ROTKV_STATUS_SHAPE) return 1;
 
     RotkvBuffer *all[] = {pool, sides, tables_d, lens_d, protected_d, mean_d, scale_d, perm_d, q_d, m_d, l_d, o_d, out_d};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) rotkv_buffer_free(all[i]);

@@ -320,7 +320,7 @@ impl PyPlan {
                 format!("q has shape {s:?}, expected {want:?} ([max_seqs, q_len, q_heads, head_dim])"),
             ));
         }
-        let out = output(py, out, &s)?;
+        let out = output(py, out, &s, &[&held])?;
         let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
         let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
         let q = held.elems();
@@ -355,7 +355,7 @@ impl PyPlan {
         if s[1..] != [layer.num_q_heads, layer.head_dim] {
             return Err(shape_err(py, format!("q has shape {s:?}, expected [max_rows, q_heads, head_dim]")));
         }
-        let out = output(py, out, &s)?;
+        let out = output(py, out, &s, &[&held])?;
         let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
         let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
         let q = held.elems();

@@ -3,9 +3,10 @@
 //!
 //! Inputs (keys, values, queries) may be float32, float16 or bfloat16 (`ml_dtypes`'
 //! `bfloat16`); a C-contiguous array is read in place, any other layout is copied first.
+//! A misaligned array is copied too, and one of non-native byte order refused.
 //! Outputs are float32: returned as new arrays, or written into a caller's `out=` array,
-//! which must be float32, C-contiguous, writeable, of the exact shape, and must not
-//! share memory with an input (refused otherwise). Every call validates before it
+//! which must be float32, C-contiguous, aligned, writeable, of the exact shape, and must
+//! not share memory with an input (`numpy.may_share_memory`; refused otherwise). Every call validates before it
 //! changes anything; a failed call raises a `rotkv.RotkvError` (a `ValueError` or
 //! `MemoryError` subclass where that fits) carrying the Rust library's message, and the
 //! cache is unchanged. Appends and decodes run with the GIL released.
@@ -137,6 +138,14 @@ impl Held<'_> {
             Held::Bf16(_) => "bfloat16",
         }
     }
+    /// The array itself (for `numpy.may_share_memory`).
+    fn array(&self) -> &Bound<'_, PyAny> {
+        match self {
+            Held::F32(a) => a.as_any(),
+            Held::F16(a) => a.as_any(),
+            Held::Bf16(a) => a.as_any(),
+        }
+    }
     fn elems(&self) -> Elems<'_> {
         match self {
             Held::F32(a) => Elems::F32(elems(a)),
@@ -175,6 +184,19 @@ fn input<'py>(py: Python<'py>, what: &str, obj: &Bound<'py, PyAny>, ndim: usize)
         return Err(shape_err(py, format!("{what} has {} dimensions {:?}, expected {ndim}", a.ndim(), a.shape())));
     }
     let dtype = a.dtype();
+    if !dtype.getattr("isnative")?.extract::<bool>()? {
+        return Err(shape_err(
+            py,
+            format!("{what} is not in native byte order: pass a.astype(a.dtype.newbyteorder('='))"),
+        ));
+    }
+    // A misaligned array (numpy.frombuffer at an odd offset) is copied into an aligned,
+    // C-contiguous one, which the borrow below keeps alive for the call.
+    let a = if a.getattr("flags")?.getattr("aligned")?.extract::<bool>()? {
+        a
+    } else {
+        py.import("numpy")?.call_method1("require", (a, py.None(), "CA"))?.cast_into::<PyUntypedArray>()?
+    };
     let name: String = dtype.getattr("name")?.extract()?;
     let held = match name.as_str() {
         "float32" => Held::F32(a.cast::<PyArrayDyn<f32>>()?.try_readonly().map_err(|e| borrow_err(py, what, e))?),
@@ -195,12 +217,13 @@ fn borrow_err(py: Python<'_>, what: &str, e: numpy::BorrowError) -> PyErr {
     shape_err(py, format!("{what}: {e} (is it also the output?)"))
 }
 
-/// The output: `out` checked (float32, C-contiguous, writeable, `shape`) or a new zeroed
-/// array.
+/// The output: `out` checked (float32, C-contiguous, aligned, writeable, `shape`, no
+/// memory shared with `inputs`) or a new zeroed array.
 fn output<'py>(
     py: Python<'py>,
     out: Option<&Bound<'py, PyAny>>,
     shape: &[usize],
+    inputs: &[&Held<'_>],
 ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
     let Some(out) = out else {
         return Ok(PyArrayDyn::<f32>::zeros(py, shape, false));
@@ -215,6 +238,17 @@ fn output<'py>(
     }
     if !a.is_c_contiguous() {
         return Err(shape_err(py, "out must be C-contiguous (results are written in place)".into()));
+    }
+    if !a.getattr("flags")?.getattr("aligned")?.extract::<bool>()? {
+        return Err(shape_err(py, "out must be aligned for float32".into()));
+    }
+    // numpy's borrow tracking sees shared memory only between arrays of one base object;
+    // two views of one torch tensor or one file have different bases.
+    let np = py.import("numpy")?;
+    for h in inputs {
+        if np.call_method1("may_share_memory", (a, h.array()))?.extract::<bool>()? {
+            return Err(shape_err(py, "out shares memory with an input: pass a separate array".into()));
+        }
     }
     Ok(a.cast::<PyArrayDyn<f32>>()?.clone())
 }
@@ -601,7 +635,7 @@ impl Cache {
                 }),
             ));
         }
-        let out = output(py, out, &shape)?;
+        let out = output(py, out, &shape, &[&held])?;
         let mut w =
             out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e} (does it share memory with q?)")))?;
         let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;

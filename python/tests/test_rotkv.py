@@ -183,6 +183,30 @@ def test_bad_out_is_refused_and_untouched(small_cache):
     with pytest.raises(rotkv.RotkvValueError, match="out"):
         small_cache.decode(0, [s], q2, out=q2)
     assert np.array_equal(q2, q)
+    # The same memory under another base object (a DLPack view): refused too.
+    with pytest.raises(rotkv.RotkvValueError, match="shares memory"):
+        small_cache.decode(0, [s], q2, out=np.from_dlpack(q2))
+    assert np.array_equal(q2, q)
+    # A misaligned out: refused.
+    raw = np.zeros(4 * 64 * 4 + 2, np.uint8)
+    odd = np.frombuffer(raw.data, np.float32, count=4 * 64, offset=2).reshape(1, 4, 64)
+    assert not odd.flags.aligned
+    with pytest.raises(rotkv.RotkvValueError, match="aligned"):
+        small_cache.decode(0, [s], q, out=odd)
+
+
+def test_misaligned_inputs_are_copied_and_foreign_byte_order_refused(small_cache):
+    rng = np.random.default_rng(9)
+    s = small_cache.add_sequence()
+    small_cache.append(0, s, *random_kv(rng, 30))
+    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    raw = np.zeros(q.nbytes + 2, np.uint8)
+    raw[2:] = q.view(np.uint8).ravel()
+    odd = np.frombuffer(raw.data, np.float32, count=q.size, offset=2).reshape(q.shape)
+    assert not odd.flags.aligned and np.array_equal(odd, q)
+    assert np.array_equal(small_cache.decode(0, [s], odd), small_cache.decode(0, [s], q))
+    with pytest.raises(rotkv.RotkvValueError, match="byte order"):
+        small_cache.decode(0, [s], q.astype(">f4"))
 
 
 # --- bad inputs: an exception, the cache unchanged -------------------------------------------

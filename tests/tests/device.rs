@@ -576,6 +576,24 @@ fn query_and_output_types_and_row_strides() {
     assert_eq!(t.dev.counters().launches, before);
 }
 
+/// `Device::read_at`: a range of a buffer, an empty read at the end, errors past it and
+/// for another device's buffer.
+#[test]
+fn read_at_reads_a_range_and_refuses_one_past_the_end() {
+    let dev = test_device();
+    let data: Vec<u32> = (0..100).map(|i| i * 7 + 1).collect();
+    let buf = dev.upload(&data).unwrap();
+    let mut got = vec![0u32; 10];
+    dev.read_at(&buf, 37, &mut got).unwrap();
+    assert_eq!(got, data[37..47]);
+    dev.read_at(&buf, 100, &mut []).unwrap();
+    for at in [91, 101, usize::MAX] {
+        assert!(matches!(dev.read_at(&buf, at, &mut got), Err(Error::Shape(_))), "{at}");
+    }
+    let other = Device::sim().upload(&data).unwrap();
+    assert!(matches!(dev.read_at(&other, 0, &mut got), Err(Error::Device(_))));
+}
+
 /// Views: `DeviceBuffer::as_slice` / `as_slice_mut` and sub-ranges made with the `unsafe`
 /// raw constructors feed the same ops as the buffers (the same bytes and outputs); the
 /// raw constructors refuse address 0, a misaligned address and a length past the address

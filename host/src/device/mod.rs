@@ -374,6 +374,41 @@ impl Device {
         }
     }
 
+    /// Copies elements `at .. at + host.len()` of `buf` into `host` and waits for it.
+    ///
+    /// # Errors
+    /// [`Error::Device`] for a buffer of another device; [`Error::Shape`] for a range past
+    /// the buffer's end.
+    pub fn read_at<T: Pod>(&self, buf: &DeviceBuffer<T>, at: usize, host: &mut [T]) -> Result<()> {
+        self.check_buffer(buf, "the buffer")?;
+        let end = at.checked_add(host.len()).filter(|&e| e <= buf.len);
+        let Some(end) = end else {
+            return Err(Error::Shape(format!("reading {} elements at {at} from {}", host.len(), buf.len)));
+        };
+        if host.is_empty() {
+            return Ok(());
+        }
+        bump(&self.0.stats.downloads);
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(host);
+        let (start, stop) = (at * size_of::<T>(), end * size_of::<T>());
+        match (&self.0.kind, &buf.mem) {
+            #[cfg(feature = "sim")]
+            (Kind::Sim, Mem::Host(m)) => {
+                dst.copy_from_slice(&bytemuck::cast_slice::<u128, u8>(m)[start..stop]);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda { stream, .. }, Mem::Cuda(m)) => {
+                stream
+                    .memcpy_dtoh(&m.slice(start..stop), dst)
+                    .map_err(|e| Error::Backend(format!("cuda download: {e:?}")))?;
+                self.synchronize()
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Device("buffer of another kind of device".into())),
+        }
+    }
+
     /// Copies `buf` into `host` (same length) and waits for it.
     pub fn read<T: Pod>(&self, buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
         self.check_buffer(buf, "the buffer")?;
