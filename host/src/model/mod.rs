@@ -5,6 +5,7 @@
 
 pub mod calibrate;
 pub mod gguf;
+pub mod inject;
 pub mod llama;
 pub mod math;
 pub mod optr;
@@ -168,7 +169,10 @@ impl KvMethod {
     /// calibrated channel standard deviation raised to alpha = percent / 100, normalized
     /// to mean 1, and multiply the query by the same; `-a50` is alpha 0.5; see
     /// [`calibrate::smoothing_scales`]), `-aa` (the same with alpha 0.5 on the KV heads
-    /// whose keys have outlier channels, none on the others: [`calibrate::Smooth::Auto`]). `-pre` quantizes the keys before RoPE and
+    /// whose keys have outlier channels, none on the others: [`calibrate::Smooth::Auto`]),
+    /// `-m` (per layer and KV head the exponent `rotkv calibrate` measured best for the
+    /// method's key bits: [`calibrate::Smooth::Measured`]), `-raw` (nothing: spells a
+    /// bare preset that [`KvMethod::parse_calibrated`] would read as the recipe). `-pre` quantizes the keys before RoPE and
     /// re-applies RoPE to each dequantized key at its position (RotateKV's recipe), and
     /// `-sim` runs the post-RoPE method through the same harness simulation (its control):
     /// both only on the Hadamard presets, with `-g -s -w -p -x -y -c -a` (see [`prerope`]:
@@ -239,6 +243,11 @@ impl KvMethod {
                     calib.smooth = Some(calibrate::Smooth::Auto);
                     continue;
                 }
+                "m" if quantized => {
+                    calib.smooth = Some(calibrate::Smooth::Measured(config.key_bits));
+                    continue;
+                }
+                "raw" => continue,
                 _ => {}
             }
             let (key, num) = m.split_at(m.chars().next().map_or(0, char::len_utf8));
@@ -282,6 +291,25 @@ impl KvMethod {
         Ok(Self { name: name.to_string(), config, quantized, calib, online, detect, pre_rope, simulated })
     }
 
+    /// [`KvMethod::parse`], except that with a calibration (`calibrated`) a bare preset
+    /// name (`k2v2`, `k4v2`, `k4v4`) means the recommended recipe for it,
+    /// [`KvMethod::recipe_name`] (`k2v2` is `k2v2-c-m-dh8`), keeping the bare name. A name
+    /// with modifiers means exactly what they say (`k2v2-raw` is the preset alone).
+    pub fn parse_calibrated(name: &str, head_dim: usize, ctx: usize, calibrated: bool) -> Result<Self> {
+        match Self::recipe_name(name) {
+            Some(full) if calibrated => Ok(Self { name: name.to_string(), ..Self::parse(&full, head_dim, ctx)? }),
+            _ => Self::parse(name, head_dim, ctx),
+        }
+    }
+
+    /// The recommended recipe of a preset, spelled out: key centering (`-c`), the
+    /// smoothing measured per layer and KV head for its key bits (`-m`) and
+    /// [`calibrate::RECIPE_SINKS`] detected sinks per layer (`-dh8`); `None` for a name
+    /// that is not a bare preset.
+    pub fn recipe_name(preset: &str) -> Option<String> {
+        matches!(preset, "k2v2" | "k4v2" | "k4v4").then(|| format!("{preset}-c-m-dh{}", calibrate::RECIPE_SINKS))
+    }
+
     /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
     pub fn bits_per_element(&self) -> f64 {
         if self.quantized { self.config.bits_per_element() } else { 16.0 }
@@ -303,7 +331,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -pre -sim"
+        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -m -raw -pre -sim"
     ))
 }
 
@@ -530,6 +558,7 @@ fn sim_key_stats(
             method.name
         )));
     }
+    check_measured(method, cal)?;
     Ok((0..c.layers)
         .map(|l| {
             let lc = cal.layer(l, method.calib);
@@ -616,11 +645,27 @@ pub(crate) fn method_cache(
                 method.name
             )));
         }
+        check_measured(method, cal)?;
         for l in 0..c.layers {
             cache.set_calibration(l, cal.layer(l, method.calib))?;
         }
     }
     Ok(cache)
+}
+
+/// An error where `method` uses the measured smoothing (`-m`, the recipe) and `cal` has
+/// no choice for its key bits.
+fn check_measured(method: &KvMethod, cal: &calibrate::Calibration) -> Result<()> {
+    match method.calib.smooth {
+        Some(calibrate::Smooth::Measured(bits)) if !cal.has_smoothing_choice(bits) => {
+            Err(Error::Calibration(format!(
+                "method {} uses the smoothing measured for {bits}-bit keys; the calibration has none (written by an \
+                 older rotkv calibrate, without `smooth`, or from too few tokens): run rotkv calibrate again",
+                method.name
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Greedy continuation of `prompt` for `steps` tokens through a rotkv cache with
