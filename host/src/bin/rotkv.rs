@@ -561,8 +561,8 @@ fn ppl(
         return Err(CliError::Lib(rotkv::Error::Shape(why)));
     }
     let wins: Vec<Vec<u32>> = body.chunks_exact(per).take(windows).map(|c| [&bos[..], c].concat()).collect();
-    let methods =
-        kv.iter()
+    let methods = kv
+        .iter()
         .map(|m| model::KvMethod::parse_calibrated(m, llama.config.head_dim, ctx, calibration.is_some()))
         .collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
@@ -884,7 +884,7 @@ fn calibrate(
     }
     if !keep_std || !what.center {
         // The measured choice applies to centered keys smoothed by these deviations.
-        cal.key_alpha.clear();
+        cal.key_smoothing.clear();
     }
     cal.metadata.extend(facts.into_iter().map(|(k, v)| (k.to_string(), v)));
     let bytes = cal.to_safetensors()?;
@@ -924,19 +924,16 @@ fn calibrate(
     Ok(())
 }
 
-/// The smoothing exponents the calibration chose per layer and KV head, per key bit width.
+/// The smoothing the calibration chose per layer and KV head, per key bit width.
 fn print_smoothing_choice(out: &mut Out, cal: &model::calibrate::Calibration) -> std::io::Result<()> {
-    use model::calibrate::SMOOTH_ALPHAS;
-    for (bits, layers) in &cal.key_alpha {
-        let all: Vec<u32> = layers.iter().flatten().copied().collect();
-        let counts: Vec<String> = SMOOTH_ALPHAS
-            .iter()
-            .map(|a| format!("{:.2}: {}", *a as f64 / 100.0, all.iter().filter(|&x| x == a).count()))
-            .collect();
+    for (bits, layers) in &cal.key_smoothing {
+        let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+        layers.iter().flatten().for_each(|c| *counts.entry(c.to_string()).or_default() += 1);
+        let counts: Vec<String> = counts.iter().map(|(c, n)| format!("{c}: {n}")).collect();
         writeln!(
             out,
-            "smoothing for {bits}-bit keys (the recipe k{bits}v*), chosen per KV head by the attention KL it measured: \
-             heads per alpha {}",
+            "smoothing for {bits}-bit keys (the recipe of k{bits}v*), chosen per KV head by the attention KL it \
+             measured (alpha, kN: knee at N x the median channel): heads per choice {}",
             counts.join(", ")
         )?;
         if let Some(summary) = cal.metadata.get(&format!("smooth.k{bits}")) {
@@ -945,10 +942,7 @@ fn print_smoothing_choice(out: &mut Out, cal: &model::calibrate::Calibration) ->
         let per_layer: Vec<String> = layers
             .iter()
             .enumerate()
-            .map(|(l, heads)| {
-                let h: Vec<String> = heads.iter().map(|a| format!("{:.2}", *a as f64 / 100.0)).collect();
-                format!("L{l} {}", h.join("/"))
-            })
+            .map(|(l, heads)| format!("L{l} {}", heads.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("/")))
             .collect();
         for chunk in per_layer.chunks(6) {
             writeln!(out, "  {}", chunk.join("  "))?;

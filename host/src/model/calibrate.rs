@@ -74,12 +74,13 @@ pub struct Calibration {
     pub head_dim: usize,
     /// Free-form facts (model, text, tokens), stored as metadata.
     pub metadata: BTreeMap<String, String>,
-    /// Per key bit width (2, 4): per layer, the smoothing exponent chosen for each KV head
-    /// (`[layers][kv_heads]`, one of [`SMOOTH_ALPHAS`] in hundredths) from the measured
-    /// attention error ([`measure_smoothing`]); tensors `layer{L}.key_alpha_k{bits}`.
-    /// Empty in files written before the measurement existed (they load; a recipe that
-    /// needs the choice says so). [`Smooth::Measured`] uses it.
-    pub key_alpha: BTreeMap<u32, Vec<Vec<u32>>>,
+    /// Per key bit width (2, 4): per layer, the smoothing chosen for each KV head
+    /// (`[layers][kv_heads]`, one of [`smooth_choices`]) from the measured attention error
+    /// ([`measure_smoothing`]); tensors `layer{L}.key_alpha_k{bits}` and
+    /// `layer{L}.key_knee_k{bits}` (U32 `[kv_heads]`). Empty in files written before the
+    /// measurement existed (they load; a recipe that needs the choice says so).
+    /// [`Smooth::Measured`] uses it.
+    pub key_smoothing: BTreeMap<u32, Vec<Vec<SmoothChoice>>>,
 }
 
 /// Which parts of a calibration a cache uses.
@@ -132,8 +133,67 @@ pub const RECIPE_DETECTOR: super::sinks::Detector = super::sinks::Detector::Hidd
 /// 0.25, 0.5, 0.75, 1; 0 is no smoothing).
 pub const SMOOTH_ALPHAS: [u32; 5] = [0, 25, 50, 75, 100];
 
+/// The knees [`measure_smoothing`] chooses from, in multiples of the head's median
+/// channel standard deviation (0: none). See [`SmoothChoice::knee`].
+pub const SMOOTH_KNEES: [u32; 2] = [0, 2];
+
+/// One KV head's key smoothing: channel scales `sigma^alpha`, and beyond the knee
+/// `sigma` itself (each outlier channel brought down to the knee's level), normalized to
+/// mean 1 ([`smoothing_scales_knee`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SmoothChoice {
+    /// The exponent in hundredths, one of [`SMOOTH_ALPHAS`].
+    pub alpha: u32,
+    /// Channels whose `sigma` exceeds `knee` times the head's median are scaled by
+    /// `sigma` (alpha 1) above that level; 0: no knee. One of [`SMOOTH_KNEES`].
+    pub knee: u32,
+}
+
+impl std::fmt::Display for SmoothChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.2}", self.alpha as f64 / 100.0)?;
+        if self.knee > 0 { write!(f, "k{}", self.knee) } else { Ok(()) }
+    }
+}
+
+/// Every choice [`measure_smoothing`] measures: each exponent without a knee, then each
+/// knee with the exponents below 1 (alpha 1 is the same with or without one).
+pub fn smooth_choices() -> Vec<SmoothChoice> {
+    SMOOTH_KNEES
+        .iter()
+        .flat_map(|&knee| SMOOTH_ALPHAS.iter().map(move |&alpha| SmoothChoice { alpha, knee }))
+        .filter(|c| c.knee == 0 || c.alpha < 100)
+        .collect()
+}
+
+/// [`smoothing_scales`] with a knee: per head, with `m` the median of its channels'
+/// `sigma` and `t = knee * m`, the scale of a channel is `sigma^alpha` up to `t` and
+/// `t^alpha * sigma / t` above (continuous; outlier channels are divided down to the
+/// knee's level), normalized to mean 1. `knee == 0` is [`smoothing_scales`].
+pub fn smoothing_scales_knee(sigma: &[f32], head_dim: usize, alpha: f64, knee: u32) -> Vec<f32> {
+    if knee == 0 {
+        return smoothing_scales(sigma, head_dim, alpha);
+    }
+    let mut out = Vec::with_capacity(sigma.len());
+    for head in sigma.chunks_exact(head_dim) {
+        let mut sorted: Vec<f64> = head.iter().map(|&x| x as f64).collect();
+        sorted.sort_by(f64::total_cmp);
+        let t = knee as f64 * 0.5 * (sorted[head_dim / 2 - 1] + sorted[head_dim / 2]);
+        let p: Vec<f64> = head
+            .iter()
+            .map(|&x| {
+                let x = x as f64;
+                if x > t { t.powf(alpha) * x / t } else { x.powf(alpha) }
+            })
+            .collect();
+        let mean = p.iter().sum::<f64>() / head_dim as f64;
+        out.extend(p.iter().map(|&x| (x / mean) as f32));
+    }
+    out
+}
+
 /// Query positions per query head that [`measure_smoothing`] averages over by default.
-pub const SMOOTH_QUERIES: usize = 96;
+pub const SMOOTH_QUERIES: usize = 256;
 
 /// The largest-to-mean channel standard deviation ratio from which [`Smooth::Auto`]
 /// smooths a KV head. Chosen on the two real models measured (the book's accuracy
@@ -193,12 +253,14 @@ impl Calibration {
             key_scale: match what.smooth {
                 Some(Smooth::Alpha(a)) => smoothing_scales(&full.key_scale, self.head_dim, a as f64 / 100.0),
                 Some(Smooth::Auto) => auto_smoothing_scales(&full.key_scale, self.head_dim),
-                Some(Smooth::Measured(bits)) => match self.key_alpha.get(&bits).and_then(|a| a.get(layer)) {
-                    Some(alphas) => full
+                Some(Smooth::Measured(bits)) => match self.key_smoothing.get(&bits).and_then(|a| a.get(layer)) {
+                    Some(choices) => full
                         .key_scale
                         .chunks_exact(self.head_dim)
-                        .zip(alphas)
-                        .flat_map(|(sigma, &a)| smoothing_scales(sigma, self.head_dim, a as f64 / 100.0))
+                        .zip(choices)
+                        .flat_map(|(sigma, c)| {
+                            smoothing_scales_knee(sigma, self.head_dim, c.alpha as f64 / 100.0, c.knee)
+                        })
                         .collect(),
                     None => id.key_scale,
                 },
@@ -221,7 +283,7 @@ impl Calibration {
     /// every layer, and the key channel standard deviations it applies to
     /// ([`Smooth::Measured`] would change nothing otherwise).
     pub fn has_smoothing_choice(&self, key_bits: u32) -> bool {
-        self.has_key_std() && self.key_alpha.get(&key_bits).is_some_and(|a| a.len() == self.layers.len())
+        self.has_key_std() && self.key_smoothing.get(&key_bits).is_some_and(|a| a.len() == self.layers.len())
     }
 
     /// The calibration a cache of `config` uses for `layer` under the recommended recipe
@@ -268,9 +330,12 @@ impl Calibration {
             if c.key_scale.iter().any(|&s| s != 1.0) {
                 push("key_std", Dtype::F32, vec![h, d], bytemuck::cast_slice(&c.key_scale));
             }
-            for (bits, alphas) in &self.key_alpha {
-                let a: Vec<u32> = alphas.get(l).cloned().unwrap_or_default();
-                push(&format!("key_alpha_k{bits}"), Dtype::U32, vec![a.len()], bytemuck::cast_slice(&a));
+            for (bits, choices) in &self.key_smoothing {
+                let heads = choices.get(l).map_or(&[][..], Vec::as_slice);
+                let alpha: Vec<u32> = heads.iter().map(|c| c.alpha).collect();
+                let knee: Vec<u32> = heads.iter().map(|c| c.knee).collect();
+                push(&format!("key_alpha_k{bits}"), Dtype::U32, vec![alpha.len()], bytemuck::cast_slice(&alpha));
+                push(&format!("key_knee_k{bits}"), Dtype::U32, vec![knee.len()], bytemuck::cast_slice(&knee));
             }
             for (name, r) in [("key_rotation", &c.key_rotation), ("value_rotation", &c.value_rotation)] {
                 if let Some(r) = r {
@@ -312,7 +377,7 @@ impl Calibration {
         }
         // Every tensor is `layer{L}.{name}` with a known name, and the layers run from 0
         // without a gap: a missing layer is an error, not the end of the file.
-        const NAMES: [&str; 8] = [
+        const NAMES: [&str; 10] = [
             "key_mean",
             "key_perm",
             "value_perm",
@@ -321,6 +386,8 @@ impl Calibration {
             "value_rotation",
             "key_alpha_k2",
             "key_alpha_k4",
+            "key_knee_k2",
+            "key_knee_k4",
         ];
         let mut n_layers = 0usize;
         for name in st.names() {
@@ -352,7 +419,7 @@ impl Calibration {
             )));
         }
         let mut layers = Vec::new();
-        let mut key_alpha: BTreeMap<u32, Vec<Vec<u32>>> = BTreeMap::new();
+        let mut key_smoothing: BTreeMap<u32, Vec<Vec<SmoothChoice>>> = BTreeMap::new();
         let f32s = |b: Vec<u8>| -> Vec<f32> {
             b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
         };
@@ -398,22 +465,35 @@ impl Calibration {
             for bits in [2u32, 4] {
                 let name = format!("key_alpha_k{bits}");
                 let has = st.tensor(&format!("layer{l}.{name}")).is_ok();
-                let before = key_alpha.get(&bits).map_or(0, Vec::len);
+                let before = key_smoothing.get(&bits).map_or(0, Vec::len);
                 if (has && before != l) || (!has && before > 0) {
-                    return Err(bad(format!("layer{l}.{name}: the smoothing choice must be on every layer or on none")));
+                    return Err(bad(format!(
+                        "layer{l}.{name}: the smoothing choice must be on every layer or on none"
+                    )));
                 }
                 if !has {
                     continue;
                 }
-                let b = get_shaped(&name, safetensors::Dtype::U32, &[kv_heads])?;
-                let a: Vec<u32> = b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect();
-                if let Some(x) = a.iter().find(|x| !SMOOTH_ALPHAS.contains(x)) {
-                    return Err(bad(format!("layer{l}.{name} holds {x} (not one of {SMOOTH_ALPHAS:?})")));
-                }
-                key_alpha.entry(bits).or_default().push(a);
+                let u32s = |name: &str, allowed: &[u32]| -> Result<Vec<u32>> {
+                    let b = get_shaped(name, safetensors::Dtype::U32, &[kv_heads])?;
+                    let a: Vec<u32> = b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect();
+                    match a.iter().find(|x| !allowed.contains(x)) {
+                        Some(x) => Err(bad(format!("layer{l}.{name} holds {x} (not one of {allowed:?})"))),
+                        None => Ok(a),
+                    }
+                };
+                let alpha = u32s(&name, &SMOOTH_ALPHAS)?;
+                let knee_name = format!("key_knee_k{bits}");
+                let knee = if st.tensor(&format!("layer{l}.{knee_name}")).is_ok() {
+                    u32s(&knee_name, &SMOOTH_KNEES)?
+                } else {
+                    vec![0; kv_heads]
+                };
+                let heads = alpha.iter().zip(&knee).map(|(&alpha, &knee)| SmoothChoice { alpha, knee }).collect();
+                key_smoothing.entry(bits).or_default().push(heads);
             }
         }
-        Ok(Self { layers, kv_heads, head_dim, metadata, key_alpha })
+        Ok(Self { layers, kv_heads, head_dim, metadata, key_smoothing })
     }
 
     /// Reads a calibration file.
@@ -542,7 +622,7 @@ pub fn measure_smoothing(
     protected: &[u32],
     config: &crate::CacheConfig,
     queries: usize,
-) -> Result<Vec<[f64; SMOOTH_ALPHAS.len()]>> {
+) -> Result<Vec<Vec<f64>>> {
     let (d, hkv, hq) = (c.head_dim, c.kv_heads, c.heads);
     if config.head_dim != d {
         return Err(Error::Shape(format!("a cache of head_dim {} for a model of head_dim {d}", config.head_dim)));
@@ -569,7 +649,8 @@ pub fn measure_smoothing(
     let last_q = q_end(t_all - 1);
     let window_left = c.window_left(layer);
     let visible = |t: usize| window_left.map_or(0, |w| t.saturating_sub(w))..=t;
-    let mut out = vec![[0f64; SMOOTH_ALPHAS.len()]; hkv];
+    let choices = smooth_choices();
+    let mut out = vec![vec![0f64; choices.len()]; hkv];
     for (h, out) in out.iter_mut().enumerate() {
         let mu = &key_mean[h * d..(h + 1) * d];
         let sig = &sigma[h * d..(h + 1) * d];
@@ -582,13 +663,17 @@ pub fn measure_smoothing(
                 visible(t).map(|p| scale * dot(qv, key(p))).collect()
             })
             .collect();
-        for (a, alpha) in SMOOTH_ALPHAS.iter().enumerate() {
-            let s: Vec<f64> = smoothing_scales(sig, d, *alpha as f64 / 100.0).iter().map(|&x| x as f64).collect();
+        for (a, choice) in choices.iter().enumerate() {
+            let s: Vec<f64> = smoothing_scales_knee(sig, d, choice.alpha as f64 / 100.0, choice.knee)
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
             // The quantization error of every key the cache may hold quantized, in the
             // rotated, smoothed space.
             let mut err = vec![0f64; last_q.saturating_sub(sinks) * d];
             for (p, e) in (sinks..last_q).zip(err.chunks_exact_mut(d)) {
-                let mut x: Vec<f64> = key(p).iter().zip(mu).zip(&s).map(|((&x, &m), &s)| (x as f64 - m as f64) / s).collect();
+                let mut x: Vec<f64> =
+                    key(p).iter().zip(mu).zip(&s).map(|((&x, &m), &s)| (x as f64 - m as f64) / s).collect();
                 crate::reference::fwht(&mut x);
                 for (xs, es) in x.chunks_exact(group).zip(e.chunks_exact_mut(group)) {
                     let qg = crate::reference::quantize_group_clipped(xs, bits, clip);
@@ -633,8 +718,9 @@ fn kl_divergence(p: &[f64], q: &[f64]) -> f64 {
     p.iter().zip(q).map(|(&a, &b)| (a - lp).exp() * ((a - lp) - (b - lq))).sum::<f64>().max(0.0)
 }
 
-/// The index into [`SMOOTH_ALPHAS`] of the smallest loss (the smaller exponent of equals).
-pub fn best_alpha(loss: &[f64; SMOOTH_ALPHAS.len()]) -> usize {
+/// The index into [`smooth_choices`] of the smallest loss (the earlier choice of equals:
+/// no knee before a knee, the smaller exponent first).
+pub fn best_choice(loss: &[f64]) -> usize {
     (0..loss.len()).fold(0, |b, i| if loss[i] < loss[b] { i } else { b })
 }
 
@@ -750,10 +836,11 @@ pub fn calibrate_with(
             ),
         );
     }
-    let mut key_alpha = BTreeMap::new();
+    let mut key_smoothing = BTreeMap::new();
+    let choices = smooth_choices();
     for cfg in &opts.smooth_for {
-        // [layer][kv head][alpha]
-        let loss: Vec<Vec<[f64; SMOOTH_ALPHAS.len()]>> = (0..c.layers)
+        // [layer][kv head][choice]
+        let loss: Vec<Vec<Vec<f64>>> = (0..c.layers)
             .into_par_iter()
             .map(|l| {
                 let [q, k, _] = &acts[l];
@@ -761,22 +848,22 @@ pub fn calibrate_with(
                 measure_smoothing(c, l, q, k, &cal.key_mean, &cal.key_scale, &protected[l], cfg, opts.queries)
             })
             .collect::<Result<_>>()?;
-        let chosen: Vec<Vec<u32>> =
-            loss.iter().map(|heads| heads.iter().map(|x| SMOOTH_ALPHAS[best_alpha(x)]).collect()).collect();
+        let chosen: Vec<Vec<SmoothChoice>> =
+            loss.iter().map(|heads| heads.iter().map(|x| choices[best_choice(x)]).collect()).collect();
         let n = (c.layers * c.kv_heads) as f64;
-        let mean = |f: &dyn Fn(&[f64; SMOOTH_ALPHAS.len()]) -> f64| loss.iter().flatten().map(f).sum::<f64>() / n;
+        let mean = |f: &dyn Fn(&Vec<f64>) -> f64| loss.iter().flatten().map(f).sum::<f64>() / n;
         let mut summary = String::from("mean attention KL over KV heads:");
-        for (a, alpha) in SMOOTH_ALPHAS.iter().enumerate() {
-            write_kl(&mut summary, &format!(" alpha {:.2} on every head", *alpha as f64 / 100.0), mean(&|x| x[a]));
+        for (a, choice) in choices.iter().enumerate().filter(|(_, c)| c.knee == 0) {
+            write_kl(&mut summary, &format!(" alpha {choice} on every head"), mean(&|x| x[a]));
         }
-        write_kl(&mut summary, " chosen per head", mean(&|x| x[best_alpha(x)]));
+        write_kl(&mut summary, " chosen per head", mean(&|x| x[best_choice(x)]));
         metadata.insert(format!("smooth.k{}", cfg.key_bits), summary);
         let per_head: Vec<String> =
             loss.iter().flatten().map(|x| x.iter().map(|v| format!("{v:.3e}")).collect::<Vec<_>>().join("/")).collect();
         metadata.insert(format!("smooth.k{}.kl", cfg.key_bits), per_head.join(" "));
-        key_alpha.insert(cfg.key_bits, chosen);
+        key_smoothing.insert(cfg.key_bits, chosen);
     }
-    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata, key_alpha })
+    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata, key_smoothing })
 }
 
 fn write_kl(s: &mut String, what: &str, kl: f64) {
@@ -827,7 +914,13 @@ mod tests {
         let mut c = LayerCalibration::identity(3, 64);
         c.key_mean[7] = 1.5;
         c.key_perm.swap(0, 63);
-        let cal = Calibration { layers: vec![c.clone(), c], kv_heads: 3, head_dim: 64, metadata: BTreeMap::new(), key_alpha: BTreeMap::new() };
+        let cal = Calibration {
+            layers: vec![c.clone(), c],
+            kv_heads: 3,
+            head_dim: 64,
+            metadata: BTreeMap::new(),
+            key_smoothing: BTreeMap::new(),
+        };
         let bytes = cal.to_safetensors().unwrap();
         let back = Calibration::from_safetensors(&bytes).unwrap();
         assert_eq!(back.layers, cal.layers);
@@ -879,7 +972,13 @@ mod tests {
         let (h, d) = (3, 64);
         let mut c = LayerCalibration::identity(h, d);
         c.key_scale.iter_mut().enumerate().for_each(|(i, s)| *s = 0.5 + (i % 13) as f32 * 0.75);
-        let cal = Calibration { layers: vec![c.clone(), c], kv_heads: h, head_dim: d, metadata: BTreeMap::new(), key_alpha: BTreeMap::new() };
+        let cal = Calibration {
+            layers: vec![c.clone(), c],
+            kv_heads: h,
+            head_dim: d,
+            metadata: BTreeMap::new(),
+            key_smoothing: BTreeMap::new(),
+        };
         let back = Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
         assert_eq!(back.layers, cal.layers);
         assert!(back.has_key_std());

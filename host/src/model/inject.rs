@@ -107,8 +107,9 @@ pub fn inject_key_outliers(model: &mut Llama, inj: &Injection) -> Result<Vec<Vec
             let pairs = draw(&mut state, half, inj.count);
             let key_rows: Vec<usize> = channels(&pairs).iter().map(|ch| h * d + ch).collect();
             let group = hq / hkv;
-            let query_rows: Vec<usize> =
-                (h * group..(h + 1) * group).flat_map(|qh| channels(&pairs).into_iter().map(move |ch| qh * d + ch)).collect();
+            let query_rows: Vec<usize> = (h * group..(h + 1) * group)
+                .flat_map(|qh| channels(&pairs).into_iter().map(move |ch| qh * d + ch))
+                .collect();
             for (weight, rows, f, bias) in [(&mut w.wk, &key_rows, s, 1), (&mut w.wq, &query_rows, inv, 0)] {
                 let m = as_f32(weight);
                 let cols = m.cols;

@@ -657,13 +657,11 @@ pub(crate) fn method_cache(
 /// no choice for its key bits.
 fn check_measured(method: &KvMethod, cal: &calibrate::Calibration) -> Result<()> {
     match method.calib.smooth {
-        Some(calibrate::Smooth::Measured(bits)) if !cal.has_smoothing_choice(bits) => {
-            Err(Error::Calibration(format!(
-                "method {} uses the smoothing measured for {bits}-bit keys; the calibration has none (written by an \
+        Some(calibrate::Smooth::Measured(bits)) if !cal.has_smoothing_choice(bits) => Err(Error::Calibration(format!(
+            "method {} uses the smoothing measured for {bits}-bit keys; the calibration has none (written by an \
                  older rotkv calibrate, without `smooth`, or from too few tokens): run rotkv calibrate again",
-                method.name
-            )))
-        }
+            method.name
+        ))),
         _ => Ok(()),
     }
 }

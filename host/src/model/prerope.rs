@@ -278,7 +278,13 @@ pub fn pre_rope_calibration(model: &super::Llama, tokens: &[u32]) -> Result<supe
         .collect::<Result<Vec<_>>>()?;
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("keys".into(), "pre-RoPE".into());
-    Ok(super::calibrate::Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata, key_alpha: Default::default() })
+    Ok(super::calibrate::Calibration {
+        layers,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        metadata,
+        key_smoothing: Default::default(),
+    })
 }
 
 #[cfg(test)]
