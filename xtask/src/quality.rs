@@ -15,8 +15,9 @@ use crate::{cache_dir, cargo, root, run, target_dir};
 use std::path::Path;
 use std::process::Command;
 
-/// The KV methods of each run: f16, then the two recipes (bare names with `--calib`).
-pub const METHODS: &str = "f16,k2v2,k4v2";
+/// The KV methods of each run: f16, the two recipes (bare names with `--calib`), and
+/// KIVI-2 (simulated per-channel keys, no rotation) as the anchor from the literature.
+pub const METHODS: &str = "f16,k2v2,k4v2,kivi2";
 
 /// The outlier injections (`SEED,COUNT,SCALE`) every model is also measured with: 4
 /// RoPE pairs per KV head scaled by 16, the worst case.

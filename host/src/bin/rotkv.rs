@@ -63,7 +63,8 @@ enum Command {
         /// Non-overlapping windows from the start of the text.
         #[arg(long, default_value_t = 8)]
         windows: usize,
-        /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4 (with --calib a bare k2v2,
+        /// KV methods: f16, naive2, naive4, kivi2, kivi4 (KIVI's per-channel keys,
+        /// simulated), k2v2, k4v2, k4v4 (with --calib a bare k2v2,
         /// k4v2 or k4v4 is the recommended recipe, e.g. k2v2 = k2v2-c-m-dh8), each with optional
         /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>
         /// -v<iterations> (KVarN) -o<N> (online key mean) -da<k> -dk<k> -dh<k> (detected

@@ -144,8 +144,14 @@ pub struct KvMethod {
     /// [`PplOptions::pre_calibration`] for `-c` and `-a`.
     pub pre_rope: bool,
     /// Run through the harness simulation of [`prerope`] instead of a rotkv cache: set by
-    /// `-pre`, and by `-sim` (post-RoPE keys, the control of `-pre`).
+    /// `-pre`, and by `-sim` (post-RoPE keys, the control of `-pre`), and by `kivi2`,
+    /// `kivi4`.
     pub simulated: bool,
+    /// KIVI's quantizer, simulated (`kivi2`, `kivi4`: the anchor from the literature):
+    /// no rotation, keys per channel over blocks of 32 tokens, values per token in groups
+    /// of 32 channels, the same sinks, window and pages as the presets
+    /// ([`prerope::SimMethod::kivi`]).
+    pub kivi: bool,
 }
 
 /// Tokens of the exact prefill that sink detection looks at (each window's first ones,
@@ -155,7 +161,8 @@ pub const DETECT_PREFILL: usize = 128;
 impl KvMethod {
     /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (the presets of
     /// [`CacheConfig`], Hadamard-rotated) or `naive2`, `naive4` (no rotation, 2 or 4 bits,
-    /// whole ranges), then optional modifiers
+    /// whole ranges) or `kivi2`, `kivi4` (KIVI's per-channel keys, simulated:
+    /// [`KvMethod::kivi`]; with `-g -s -w -p` only), then optional modifiers
     /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
     /// [`CacheConfig::key_clip`]), `-v<iterations>` (KVarN variance normalization,
@@ -190,6 +197,19 @@ impl KvMethod {
                 },
                 false,
             ),
+            "kivi2" | "kivi4" => {
+                let bits = if base == "kivi2" { 2 } else { 4 };
+                let c = CacheConfig {
+                    key_bits: bits,
+                    value_bits: bits,
+                    group_size: 32,
+                    key_rotation: Rotation::None,
+                    value_rotation: Rotation::None,
+                    key_clip: 1.0,
+                    ..CacheConfig::k2v2(head_dim)
+                };
+                (c, true)
+            }
             "naive2" | "naive4" => {
                 let bits = if base == "naive2" { 2 } else { 4 };
                 let c = CacheConfig {
@@ -207,9 +227,10 @@ impl KvMethod {
         let mut calib = calibrate::Use::default();
         let mut online = None;
         let mut detect = None;
-        let (mut pre_rope, mut simulated) = (false, false);
+        let kivi = base == "kivi2" || base == "kivi4";
+        let (mut pre_rope, mut simulated) = (false, kivi);
         for m in parts {
-            if quantized && base != "naive2" && base != "naive4" && (m == "pre" || m == "sim") {
+            if quantized && !kivi && base != "naive2" && base != "naive4" && (m == "pre" || m == "sim") {
                 pre_rope |= m == "pre";
                 simulated = true;
                 continue;
@@ -288,7 +309,10 @@ impl KvMethod {
                 "{name}: -pre and -sim (the harness simulation) take -g -s -w -p -x -y -c -a only"
             )));
         }
-        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect, pre_rope, simulated })
+        if kivi && (calib != calibrate::Use::default() || config.key_clip != 1.0 || config.value_clip != 1.0) {
+            return Err(Error::Value(format!("{name}: kivi2 and kivi4 take -g -s -w -p only")));
+        }
+        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect, pre_rope, simulated, kivi })
     }
 
     /// [`KvMethod::parse`], except that with a calibration (`calibrated`) a bare preset
@@ -331,7 +355,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -m -raw -pre -sim"
+        "unknown KV method {name:?}: f16, naive2, naive4, kivi2, kivi4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -m -raw -pre -sim"
     ))
 }
 
@@ -469,6 +493,7 @@ pub fn perplexity(
                 config: method.config,
                 pre_rope: method.pre_rope,
                 key_stats: sim_key_stats(c, method, cal)?,
+                kivi: method.kivi,
             });
             Some(sims.len() - 1)
         } else {
