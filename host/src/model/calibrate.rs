@@ -36,7 +36,7 @@
 //!     kv_heads: 3,
 //!     head_dim: 64,
 //!     metadata: Default::default(),
-//!     key_alpha: Default::default(),
+//!     key_smoothing: Default::default(),
 //! }
 //! .to_safetensors()?;
 //! let cal = Calibration::from_safetensors(&bytes)?;

@@ -132,7 +132,7 @@ impl SimAttention {
         let mut with_format = Vec::new();
         for m in methods {
             let fmt = m.config.format()?;
-            if m.kivi && (fmt.page_size as usize % m.config.group_size != 0) {
+            if m.kivi && !(fmt.page_size as usize).is_multiple_of(m.config.group_size) {
                 return Err(Error::Value("KIVI's token blocks must divide the page".into()));
             }
             if m.config.head_dim != config.head_dim
