@@ -66,6 +66,9 @@ pub fn quality(args: &[String]) -> Result<(), String> {
         if !run("build rotkv", build)? {
             return Err("building rotkv failed".into());
         }
+        // The commit the measured binary is built from, recorded before the runs (the tree
+        // may move on while they take their half hour).
+        std::fs::write(out.join("commit.txt"), commit()).map_err(|e| e.to_string())?;
         let bin = target_dir().join("release").join(format!("rotkv{}", std::env::consts::EXE_SUFFIX));
         let rotkv = |inject: Option<&str>, args: &[&std::ffi::OsStr], stdout: &Path| -> Result<(), String> {
             let mut c = Command::new(&bin);
@@ -143,6 +146,14 @@ pub fn quality(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// `HEAD`'s short hash, "with uncommitted changes" where tracked files differ from it.
+fn commit() -> String {
+    let commit = command_output("git", &["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    let dirty =
+        command_output("git", &["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    if dirty { format!("{commit} with uncommitted changes") } else { commit }
+}
+
 fn command_output(program: &str, args: &[&str]) -> Option<String> {
     let o = Command::new(program).args(args).current_dir(root()).output().ok()?;
     o.status.success().then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
@@ -184,9 +195,7 @@ fn table(out: &Path, windows: usize) -> Result<String, String> {
             }
         }
     }
-    let commit = command_output("git", &["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into());
-    let dirty =
-        command_output("git", &["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    let commit = std::fs::read_to_string(out.join("commit.txt")).unwrap_or_else(|_| commit());
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -203,7 +212,7 @@ fn table(out: &Path, windows: usize) -> Result<String, String> {
             "The recipes against the f16 cache, {windows} windows of 1024 tokens per text, calibration from the other text"
         ),
         "command": format!("cargo xtask quality --windows {windows}"),
-        "commit": if dirty { format!("{commit} with uncommitted changes") } else { commit },
+        "commit": commit.trim(),
         "machine": format!("{cores} cores, {cpu}"),
         "date": date,
         "notes": format!(
