@@ -246,7 +246,8 @@ fn chunked_decode_matches_token_by_token() {
         .map(|n| KvMethod::parse(n, 64, 70).unwrap())
         .collect();
     let run = |chunk: usize| {
-        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None };
+        let opts =
+            PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None, pass_rows: None };
         let mut steps = Vec::new();
         let r = model::perplexity(&m, &windows, &methods, &opts, &mut |done, of| steps.push((done, of))).unwrap();
         assert_eq!(steps.last(), Some(&(69, 69)), "chunk {chunk}: progress");
@@ -269,7 +270,8 @@ fn chunked_decode_matches_token_by_token() {
         }
     }
     assert!(one[2].kl > one[3].kl && one[2].top1 < Some(1.0), "k2v2 drifts further than k4v4");
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 8, pre_calibration: None };
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 8, pre_calibration: None, pass_rows: None };
     let no_f16 = model::perplexity(&m, &windows, &methods[1..2], &opts, &mut |_, _| {}).unwrap();
     assert_eq!((no_f16[0].kl, no_f16[0].top1), (None, None), "no unquantized method, no KL");
     for chunk in [4, 7, 64] {
@@ -281,7 +283,8 @@ fn chunked_decode_matches_token_by_token() {
             assert!(d < bound, "{} chunk {chunk}: nll {} vs {}", a.method.name, a.nll, b.nll);
         }
     }
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 0, pre_calibration: None };
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 0, pre_calibration: None, pass_rows: None };
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
     let opts = PplOptions { chunk: rotkv::paged::MAX_Q_LEN + 1, ..opts };
     assert!(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).is_err());
@@ -304,7 +307,8 @@ fn pre_rope_simulation_against_the_cache() {
         ["f16", "k2v2-s2-w16-p16", "k2v2-s2-w16-p16-sim", "k2v2-s2-w16-p16-pre", "k2v2-w128-pre", "k4v2-w16-p16-pre"];
     let methods: Vec<KvMethod> = names.iter().map(|n| KvMethod::parse(n, 64, 70).unwrap()).collect();
     for chunk in [1, 8] {
-        let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None };
+        let opts =
+            PplOptions { backend: Backend::Cpu, calibration: None, chunk, pre_calibration: None, pass_rows: None };
         let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
         for x in &r {
             eprintln!("chunk {chunk} {:<22} nll {:.6} kl {:.3e}", x.method.name, x.nll, x.kl.unwrap());
@@ -318,7 +322,8 @@ fn pre_rope_simulation_against_the_cache() {
     }
     // A -pre method with -c needs the pre-RoPE calibration.
     let c = KvMethod::parse("k2v2-c-pre", 64, 70).unwrap();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None, pass_rows: None };
     assert!(model::perplexity(&m, &windows, &[c], &opts, &mut |_, _| {}).is_err());
 }
 
@@ -634,7 +639,8 @@ fn smollm2_perplexity_2x256() {
     let ids = tok.encode(&text).unwrap();
     let windows: Vec<Vec<u32>> = ids.chunks_exact(256).take(2).map(<[u32]>::to_vec).collect();
     let methods: Vec<KvMethod> = ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 64, 256).unwrap()).collect();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None, pass_rows: None };
     let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
     for x in &r {
         let (kl, top1) = (x.kl.unwrap(), x.top1.unwrap());
@@ -681,7 +687,8 @@ fn calibration_feeds_the_perplexity_harness() {
     .map(|n| KvMethod::parse(n, 64, 48).unwrap())
     .collect();
     // A method that asks for calibration without one is an error, not a silent identity.
-    let none = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
+    let none =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None, pass_rows: None };
     let err = model::perplexity(&m, &windows, &methods, &none, &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("calibration"), "{err}");
     // Calibrated, on the CPU and on the emulated GPU kernels: the same perplexities up to
@@ -690,7 +697,8 @@ fn calibration_feeds_the_perplexity_harness() {
     // weights) is compared, to 2e-2 nats (seen: 2e-3 for f16, 6e-3 for k2v2).
     let mut results = Vec::new();
     for backend in [Backend::Cpu, Backend::Sim] {
-        let opts = PplOptions { backend, calibration: Some(cal.clone()), chunk: 1, pre_calibration: None };
+        let opts =
+            PplOptions { backend, calibration: Some(cal.clone()), chunk: 1, pre_calibration: None, pass_rows: None };
         results.push(model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap());
     }
     for (a, b) in results[0].iter().zip(&results[1]) {
@@ -707,13 +715,25 @@ fn calibration_feeds_the_perplexity_harness() {
     // -a without key_std in the file is an error, not a silent identity.
     let mut no_std = cal.clone();
     no_std.layers.iter_mut().for_each(|l| l.key_scale.fill(1.0));
-    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(no_std), chunk: 1, pre_calibration: None };
+    let opts = PplOptions {
+        backend: Backend::Cpu,
+        calibration: Some(no_std),
+        chunk: 1,
+        pre_calibration: None,
+        pass_rows: None,
+    };
     let err = model::perplexity(&m, &windows, &methods[6..7], &opts, &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("key_std"), "{err}");
     // -l with -r does not combine; -l without rotations in the file is an error.
     assert!(KvMethod::parse("k2v2-c-r-l", 64, 48).is_err());
     let plain = model::calibrate::calibrate(&m, &tokens(64, 11), None, &mut |_| ()).unwrap();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: Some(plain), chunk: 1, pre_calibration: None };
+    let opts = PplOptions {
+        backend: Backend::Cpu,
+        calibration: Some(plain),
+        chunk: 1,
+        pre_calibration: None,
+        pass_rows: None,
+    };
     assert!(model::perplexity(&m, &windows, &methods[4..5], &opts, &mut |_, _| {}).is_err());
 }
 
