@@ -245,10 +245,31 @@ pub struct PyStepBatch {
 
 #[pymethods]
 impl PyStepBatch {
-    /// `StepBatch(device, max_seqs, max_rows)`.
+    /// `StepBatch(device, max_seqs, max_rows, pass_rows=None, passes=1)`: with
+    /// `pass_rows`, `DecodePlan.run_step` runs each step in `passes` passes of at most
+    /// `pass_rows` rows per sequence (`Config.pass_rows`: half the window).
     #[new]
-    fn new(py: Python<'_>, device: &PyDevice, max_seqs: usize, max_rows: usize) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(dv::StepBatch::new(&device.0, max_seqs, max_rows).or_py(py)?) })
+    #[pyo3(signature = (device, max_seqs, max_rows, pass_rows = None, passes = 1))]
+    fn new(
+        py: Python<'_>,
+        device: &PyDevice,
+        max_seqs: usize,
+        max_rows: usize,
+        pass_rows: Option<usize>,
+        passes: usize,
+    ) -> PyResult<Self> {
+        let b = dv::StepBatch::with_passes(&device.0, max_seqs, max_rows, pass_rows.unwrap_or(max_rows), passes);
+        Ok(Self { inner: Mutex::new(b.or_py(py)?) })
+    }
+    /// Passes of `DecodePlan.run_step`.
+    #[getter]
+    fn passes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.passes())
+    }
+    /// Most rows of one sequence per pass.
+    #[getter]
+    fn pass_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.pass_rows())
     }
     /// Sets the step: `steps` is a list of `(seq, tokens)`; rows are laid out in that
     /// order (uploaded now).
@@ -349,9 +370,77 @@ impl PyPlan {
         q: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let row = layer.num_q_heads * layer.head_dim;
+        self.step_rows(py, layer, batch, q, out, |plan, l, b, q, ov| {
+            let dev = &layer.device;
+            with_view!(dev, q, |qv| plan.run_batch(l, b, &qv, row, ov, row))
+        })
+    }
+    /// A whole step of `layer` in the batch's passes (`rotkv::device::DecodePlan::
+    /// run_step`): appends the rows of `batch` from `k` and `v` `[batch.max_rows,
+    /// num_kv_heads, head_dim]` and decodes them, `q` `[batch.max_rows, num_q_heads,
+    /// head_dim]`; returns (or writes into `out`) float32 of `q`'s shape (rows the step
+    /// does not use are zeros). Each row sees the earlier rows of its pass in f16.
+    #[pyo3(signature = (layer, batch, k, v, q, out = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn run_step<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &PyLayer,
+        batch: &PyStepBatch,
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let (kh, vh) = (layer.kv_rows(py, "k", k)?, layer.kv_rows(py, "v", v)?);
+        let (ke, ve) = (kh.elems(), vh.elems());
+        let (kd, vd) = (kh.dtype(), vh.dtype());
+        let (row, qrow) = (layer.num_kv_heads * layer.head_dim, layer.num_q_heads * layer.head_dim);
+        self.step_rows(py, layer, batch, q, out, |plan, l, b, q, ov| {
+            let dev = &layer.device;
+            match (&ke, &ve) {
+                // SAFETY (all arms): the views borrow the held arrays for this call only.
+                (Elems::F32(k), Elems::F32(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    with_view!(dev, q, |qv| plan.run_step(l, b, (&k, row), (&v, row), &qv, qrow, ov, qrow))
+                }
+                (Elems::F16(k), Elems::F16(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    with_view!(dev, q, |qv| plan.run_step(l, b, (&k, row), (&v, row), &qv, qrow, ov, qrow))
+                }
+                (Elems::Bf16(k), Elems::Bf16(v)) => {
+                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
+                    with_view!(dev, q, |qv| plan.run_step(l, b, (&k, row), (&v, row), &qv, qrow, ov, qrow))
+                }
+                _ => Err(rotkv_lib::Error::Shape(format!("k is {kd} but v is {vd}"))),
+            }
+        })
+    }
+}
+
+impl PyPlan {
+    /// The shared part of `run_batch` and `run_step`: `q` `[max_rows, q_heads, head_dim]`
+    /// checked, the output made (or `out` checked), then `run` with the GIL released and
+    /// the plan, layer and batch locked, over the query's elements and the output's view.
+    fn step_rows<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &PyLayer,
+        batch: &PyStepBatch,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        run: impl FnOnce(
+            &mut dv::DecodePlan,
+            &mut dv::DeviceLayer,
+            &dv::StepBatch,
+            &Elems,
+            &mut DeviceSliceMut<'_, f32>,
+        ) -> rotkv_lib::Result<()>
+        + Send,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
         let held = input(py, "q", q, 3)?;
         let s = held.shape().to_vec();
-        let row = layer.num_q_heads * layer.head_dim;
         if s[1..] != [layer.num_q_heads, layer.head_dim] {
             return Err(shape_err(py, format!("q has shape {s:?}, expected [max_rows, q_heads, head_dim]")));
         }
@@ -362,12 +451,12 @@ impl PyPlan {
         let dev = &layer.device;
         py.detach(|| -> rotkv_lib::Result<()> {
             let mut plan = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            let l = layer.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            let mut l = layer.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
             let b = batch.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
             // SAFETY: `o` is the held, writeable, C-contiguous output for this call only.
             let mut ov: DeviceSliceMut<'_, f32> =
                 unsafe { DeviceSliceMut::from_raw(dev, o.as_mut_ptr().expose_provenance() as u64, o.len()) }?;
-            with_view!(dev, &q, |qv| plan.run_batch(&l, &b, &qv, row, &mut ov, row))
+            run(&mut plan, &mut l, &b, &q, &mut ov)
         })
         .or_py(py)?;
         drop(w);

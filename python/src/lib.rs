@@ -408,6 +408,11 @@ impl Config {
     fn bits_per_element(&self, py: Python<'_>) -> PyResult<f64> {
         Ok(self.to_rust().or_py(py)?.bits_per_element())
     }
+    /// Rows of a sequence per pass of a multi-token step (`StepBatch(pass_rows=...)`):
+    /// half the window, at least 1.
+    fn pass_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.to_rust().or_py(py)?.pass_rows())
+    }
     fn __eq__(&self, other: &Self) -> bool {
         self.to_rust().ok().zip(other.to_rust().ok()).is_some_and(|(a, b)| a == b)
     }

@@ -85,6 +85,54 @@ def test_step_batch_prefill_and_decode_match_decode_tokens():
     assert (layer.len(a), layer.len(b)) == (17, 9)
 
 
+def test_run_step_in_passes_matches_the_cpu_cache_pass_by_pass():
+    rng = np.random.default_rng(23)
+    cfg = config()
+    cfg.window = 16
+    cfg.page_size = 16
+    cfg.sinks = 2
+    pass_rows = cfg.pass_rows()
+    assert pass_rows == 8
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, cfg, HKV, HQ, max_seqs=2, max_tokens=128)
+    cpu = rotkv.KvCache(cfg, 1, HKV, HQ, 2, 128)
+    a, b = layer.add_sequence(), layer.add_sequence()
+    ca, cb = cpu.add_sequence(), cpu.add_sequence()
+    max_rows = 40
+    batch = rotkv.StepBatch(dev, max_seqs=2, max_rows=max_rows, pass_rows=pass_rows, passes=4)
+    assert (batch.passes, batch.pass_rows) == (4, 8)
+    plan = rotkv.DecodePlan(layer, max_seqs=2, max_q_len=32, max_context=128)
+    for step in ([(a, ca, 30), (b, cb, 5)], [(a, ca, 1), (b, cb, 1)], [(a, ca, 2), (b, cb, 27)]):
+        rows = sum(n for _, _, n in step)
+        k = np.zeros((max_rows, HKV, D), np.float32)
+        v = np.zeros((max_rows, HKV, D), np.float32)
+        q = np.zeros((max_rows, HQ, D), np.float32)
+        k[:rows] = rng.standard_normal((rows, HKV, D))
+        v[:rows] = rng.standard_normal((rows, HKV, D))
+        q[:rows] = rng.standard_normal((rows, HQ, D))
+        for s, _, n in step:
+            layer.reserve(s, layer.len(s) + n)
+        batch.set(layer, [(s, n) for s, _, n in step])
+        out = plan.run_step(layer, batch, k, v, q)
+        at = 0
+        for s, c, n in step:
+            # The CPU cache, pass by pass: append the pass's rows, then decode them.
+            want = []
+            for lo in range(0, n, pass_rows):
+                hi = min(n, lo + pass_rows)
+                cpu.append(0, c, k[at + lo:at + hi], v[at + lo:at + hi])
+                want.append(cpu.decode_tokens(0, [c], q[at + lo:at + hi][None])[0])
+            assert rel(out[at:at + n], np.concatenate(want)) < 2e-3
+            at += n
+        assert not out[rows:].any()
+    assert (layer.len(a), layer.len(b)) == (33, 33)
+    # A sequence with more rows than the passes hold is refused; nothing changes.
+    with pytest.raises(rotkv.RotkvError):
+        batch.set(layer, [(a, 33)])
+    with pytest.raises(ValueError):
+        plan.run_step(layer, batch, k, v.astype(np.float16), q)
+
+
 def test_bad_device_inputs_raise_and_change_nothing():
     rng = np.random.default_rng(22)
     dev = rotkv.Device.sim()

@@ -28,8 +28,10 @@
 //!   to, each slot's start and count), set once per step and read on the device by
 //!   [`DeviceLayer::append_batch`] (every sequence's tokens in two launches, blocks
 //!   reserved ahead with [`DeviceLayer::reserve`]) and [`DecodePlan::run_batch`] of every
-//!   layer: a whole step is a fixed launch list (decode tokens, prompt chunks and idle
-//!   sequences alike), which a CUDA graph can capture.
+//!   layer, or by [`DecodePlan::run_step`], which does both in the batch's passes
+//!   ([`StepBatch::with_passes`]: a prompt chunk of any length sees its own earlier
+//!   tokens in f16): a whole step is a fixed launch list (decode tokens, prompt chunks
+//!   and idle sequences alike), which a CUDA graph can capture.
 //! - [`raw`]: the same operations on raw device addresses, `unsafe`, for stacks that
 //!   own their buffers.
 //!
@@ -2095,9 +2097,10 @@ impl DecodePlan {
     /// the f16 window, and causally to each other), speculative verification rows and
     /// idle sequences, mixed in one step, as long as no sequence has more rows than the
     /// plan's `max_q_len`. Rows read the cache as it holds them after the step's append
-    /// (see [`DecodePlan::run`] on multi-token steps): keep prompt chunks at or under a
-    /// page, since a chunk longer than the window has its own early tokens quantized
-    /// before its rows attend to them (measured in `docs/src/device-api.md`).
+    /// (see [`DecodePlan::run`] on multi-token steps): a chunk longer than the window has
+    /// its own early tokens quantized before its rows attend to them (measured in
+    /// `docs/src/device-api.md`); [`DecodePlan::run_step`] appends and decodes a step in
+    /// passes instead, so that every row sees its chunk's earlier tokens in f16.
     ///
     /// # Errors
     /// Before anything is enqueued: as [`DecodePlan::run`] for the plan, the layer and the
