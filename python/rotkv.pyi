@@ -238,6 +238,9 @@ class DeviceLayer:
         """Appends [tokens, num_kv_heads, head_dim] (one dtype); returns the new length."""
     def append_batch(self, batch: StepBatch, k: Any, v: Any) -> None:
         """The step's rows from k and v [batch.max_rows, num_kv_heads, head_dim]."""
+    def advance(self, batch: StepBatch) -> None:
+        """The checks and length bookkeeping of append_batch without a launch (for a step
+        a captured CUDA graph replays)."""
     def read_cache(self) -> tuple[bytes, npt.NDArray[np.uint16]]:
         """The pool and the side stores (f16 bit patterns) as stored."""
 
@@ -274,6 +277,8 @@ class DecodePlan:
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...
+    def check_batch(self, layer: DeviceLayer, batch: StepBatch) -> None:
+        """run_batch's checks of the plan, layer and batch, nothing enqueued."""
     def run(self, layer: DeviceLayer, q: Any, out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
         """Slots 0 .. max_seqs, q [max_seqs, q_len, num_q_heads, head_dim]."""
     def run_batch(
