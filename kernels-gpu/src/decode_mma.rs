@@ -306,8 +306,9 @@ fn scores<C: Ctx, const U: usize, const KB: u32, const NG: usize, const NKS: usi
             let x: [[u32; 2]; U] = core::array::from_fn(|u| w[u].map(|wv| wv >> (KB * direct(KB))));
             for st in 0..ks_per_block {
                 let ks = clamp_idx(b * ks_per_block + st, NKS);
-                // SAFETY: the fragment area holds NKS x 32 lanes x 4 words.
-                let a: [u32; 4] = core::array::from_fn(|r| unsafe { *aq.add((ks * WARP as usize + lane) * 4 + r) });
+                // SAFETY: the fragment area (shared memory, 16-byte aligned, written before
+                // the loop's barrier) holds NKS x 32 lanes x 4 words.
+                let a: [u32; 4] = unsafe { ctx.load_shared16(aq.add((ks * WARP as usize + lane) * 4)) };
                 let j = 2 * st as u32;
                 for u in 0..U {
                     for nt in 0..2 {
@@ -1117,8 +1118,9 @@ pub unsafe fn decode_mma<
             let (_, row, ok) = f16_row(f0 + tile_token(nt as u32, g));
             let krow = unsafe { side.add(fmt.side_row_at(kvh, false, row)) };
             for ks in 0..NKS {
-                let a: [u32; 4] =
-                    core::array::from_fn(|r| unsafe { *ah_sh.add((ks * WARP as usize + lane as usize) * 4 + r) });
+                // SAFETY: the natural-order fragments (shared memory, 16-byte aligned,
+                // written before the barrier above) hold NKS x 32 lanes x 4 words.
+                let a: [u32; 4] = unsafe { ctx.load_shared16(ah_sh.add((ks * WARP as usize + lane as usize) * 4)) };
                 let c = 16 * ks + 2 * t as usize;
                 let b =
                     if ok { unsafe { [*krow.add(c).cast::<u32>(), *krow.add(c + 8).cast::<u32>()] } } else { [0, 0] };
