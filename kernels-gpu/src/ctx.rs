@@ -56,6 +56,15 @@ pub trait Ctx {
         // SAFETY: forwarded contract.
         unsafe { *p.cast::<[u32; 4]>() }
     }
+    /// 8 bytes of the block's shared memory at `p`, as [`Ctx::load_shared16`]
+    /// (`ld.shared.v2.u32` on the device).
+    ///
+    /// # Safety
+    /// As [`Ctx::load_shared16`], 8-byte aligned and valid for 8 bytes.
+    unsafe fn load_shared8(&self, p: *const u32) -> [u32; 2] {
+        // SAFETY: forwarded contract.
+        unsafe { *p.cast::<[u32; 2]>() }
+    }
     /// `cp.async.cg.shared.global [dst], [src], 16`: starts a 16-byte copy from global to
     /// shared memory in the thread's current cp.async group (see [`Ctx::cp_async_commit`]).
     /// The data is visible to this thread only after the [`Ctx::cp_async_wait`] that
@@ -311,6 +320,23 @@ impl Ctx for Nvptx {
             );
         }
         [a, b, c, d]
+    }
+    #[inline(always)]
+    unsafe fn load_shared8(&self, p: *const u32) -> [u32; 2] {
+        let (a, b): (u32, u32);
+        // As `load_shared16`.
+        let off = (p as u64).wrapping_sub(self.shared() as u64) as u32;
+        // SAFETY: the caller guarantees an aligned address inside the block's shared
+        // memory that nobody writes meanwhile; the load only reads (`readonly`).
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u32 s; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; ld.shared.v2.u32 {{{a}, {b}}}, [s]; }}",
+                o = in(reg32) off,
+                a = out(reg32) a, b = out(reg32) b,
+                options(nostack, readonly),
+            );
+        }
+        [a, b]
     }
     #[inline(always)]
     fn shared(&self) -> *mut u8 {

@@ -558,7 +558,10 @@ pub const fn ring_stages(head_dim: u32, key_bits: u32, value_bits: u32, groups: 
 /// `tp` minus the lane's offsets addresses a whole tile of the layout [`TilePtr`]
 /// describes.
 #[inline(always)]
-unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usize>(tp: TilePtr) -> Raw<NG> {
+unsafe fn read_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const NG: usize>(
+    ctx: &C,
+    tp: TilePtr,
+) -> Raw<NG> {
     let kcb = D * KB as usize / 8;
     let vcb = D * VB as usize / 8;
     let nbk = D * KB as usize / 128;
@@ -572,8 +575,8 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
         }
     }
     unsafe {
-        read_scales(&mut r, tp.s, tp.sstride, false);
-        read_scales(&mut r, tp.s, tp.sstride, true);
+        read_scales::<_, NG, false>(ctx, &mut r, tp.s, tp.sstride, false);
+        read_scales::<_, NG, false>(ctx, &mut r, tp.s, tp.sstride, true);
     }
     let vp = tp.v;
     for h in 0..nh {
@@ -590,11 +593,22 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
 /// # Safety
 /// The `4 * NG` arrays lie there, as in [`read_tile`].
 #[inline(always)]
-unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, s: *const u8, sstride: usize, values: bool) {
+unsafe fn read_scales<C: Ctx, const NG: usize, const SHARED: bool>(
+    ctx: &C,
+    r: &mut Raw<NG>,
+    s: *const u8,
+    sstride: usize,
+    values: bool,
+) {
     let ld2 = |a: usize| -> [u32; 2] {
-        // SAFETY: inside the tile, by the caller's contract.
-        let x = unsafe { *s.add(a * sstride).cast::<u64>() };
-        [x as u32, (x >> 32) as u32]
+        // SAFETY: inside the tile, by the caller's contract (with `SHARED`, a ring stage
+        // in shared memory: a shared load).
+        if SHARED {
+            unsafe { ctx.load_shared8(s.add(a * sstride).cast::<u32>()) }
+        } else {
+            let x = unsafe { *s.add(a * sstride).cast::<u64>() };
+            [x as u32, (x >> 32) as u32]
+        }
     };
     let first = if values { 2 * NG } else { 0 };
     for gi in 0..NG {
@@ -831,7 +845,7 @@ fn ring_chunks<
                 for m in 0..2 * nbk {
                     r.kw[m / nbk][(m % nbk) & 7] = kw[m];
                 }
-                read_scales(r, p.add(16 * (kcb + vcb) + slane), 32, false);
+                read_scales::<C, NG, true>(ctx, r, p.add(16 * (kcb + vcb) + slane), 32, false);
             }
         }
         let mut s = scores::<C, U, KB, NG, NKS>(ctx, aq, &cur, qsp);
@@ -843,7 +857,7 @@ fn ring_chunks<
                 for m in 0..2 * nh {
                     r.vw[(m % nh) & 7][m / nh] = vw[m];
                 }
-                read_scales(r, p.add(16 * (kcb + vcb) + slane), 32, true);
+                read_scales::<C, NG, true>(ctx, r, p.add(16 * (kcb + vcb) + slane), 32, true);
             }
         }
         softmax::<C, U, NVT>(ctx, st, &mut s, unscale_q, false, false, o, zl);
@@ -1233,7 +1247,7 @@ pub unsafe fn decode_mma<
                 s: pb.add(2 * slot0 + gs),
                 sstride: 2 * psz,
             };
-            read_tile::<D, KB, VB, NG>(tp)
+            read_tile::<C, D, KB, VB, NG>(ctx, tp)
         }
     };
     if lo_pos < hi_pos {
