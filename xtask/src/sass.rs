@@ -889,7 +889,8 @@ pub struct Tokens {
     /// address, ...); 0 marks a loop that does not run in the steady state (not charged).
     pub by_path: Vec<(String, f64)>,
     /// Which outermost loop is the steady state (`hot_loop` in the gate file: the k-th by
-    /// address, from 1); `None`: the one with the most instructions.
+    /// address, from 1); `None`: by signature, the one with the most `cp.async` copies,
+    /// then the most HMMA, then the most instructions ([`hot_loop`]).
     pub hot: Option<usize>,
 }
 
@@ -941,13 +942,23 @@ pub fn loop_paths(f: &Function, loops: &[Loop], root: usize) -> BTreeMap<usize, 
 /// gives tile work / T + per-token work.
 pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop> {
     let size = |l: &Loop| l.body.iter().map(|&b| block_mix(&f.blocks[b]).total).sum::<u64>();
+    let hmma = |l: &Loop| l.body.iter().map(|&b| block_mix(&f.blocks[b]).hmma).sum::<u64>();
+    let copies =
+        |l: &Loop| l.body.iter().flat_map(|&b| &f.blocks[b].instrs).filter(|i| opcode(i).starts_with("LDGSTS")).count();
     let root = match tokens.hot {
         Some(k) => {
             let mut outer: Vec<usize> = (0..loops.len()).filter(|&i| loops[i].depth == 1).collect();
             outer.sort_by_key(|&i| f.blocks[loops[i].header].pos);
             *outer.get(k.checked_sub(1)?)?
         }
-        None => (0..loops.len()).filter(|&i| loops[i].depth == 1).max_by_key(|&i| (size(&loops[i]), usize::MAX - i))?,
+        // By signature: the outermost loop that issues the most `cp.async` copies (the
+        // tensor-core kernel's ring loop: no other loop copies), else the one with the
+        // most HMMA (the register-prefetch chunk loop holds more tiles than the masked
+        // tile loop and the f16 window's loop), else the most instructions (the CUDA-core
+        // kernel has no HMMA).
+        None => (0..loops.len())
+            .filter(|&i| loops[i].depth == 1)
+            .max_by_key(|&i| (copies(&loops[i]), hmma(&loops[i]), size(&loops[i]), usize::MAX - i))?,
     };
     let inner = innermost_loop(loops, f.blocks.len());
     let paths = loop_paths(f, loops, root);
@@ -1641,6 +1652,37 @@ mod tests {
         let (loops, irr) = find_loops(&mk(&[&[1, 2], &[2], &[1, 3], &[]]));
         assert!(loops.is_empty());
         assert_eq!(irr, 1);
+    }
+
+    /// The steady state by signature: three self-loops, the biggest without HMMA (a setup
+    /// loop), one with HMMA, one with fewer HMMA and fewer instructions but `cp.async`
+    /// copies (a ring loop): the copies win, then HMMA, then size.
+    #[test]
+    fn hot_loop_by_signature() {
+        let blk = |i: usize, instrs: &[&str]| Block {
+            name: format!("b{i}"),
+            pos: i,
+            instrs: instrs.iter().map(|s| s.to_string()).collect(),
+            succs: vec![i, i + 1],
+        };
+        let setup = ["FFMA R1, R2, R3, R1"; 9];
+        let hmma = ["HMMA.16816.F32 R4, R8, R12, R4", "HMMA.16816.F32 R4, R8, R12, R4", "FFMA R1, R2, R3, R1"];
+        let ring = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "HMMA.16816.F32 R4, R8, R12, R4"];
+        let mut blocks = vec![blk(0, &setup), blk(1, &hmma), blk(2, &ring)];
+        blocks.push(Block { name: "end".into(), pos: 3, instrs: vec!["EXIT".into()], succs: vec![] });
+        let f = Function { name: "f".into(), blocks };
+        let (loops, _) = find_loops(&f);
+        let t = Tokens { by_depth: vec![1.0], by_path: Vec::new(), hot: None };
+        let pick = |f: &Function, loops: &[Loop]| {
+            f.blocks[loops[hot_loop(f, loops, &t).expect("a loop").root].header].name.clone()
+        };
+        assert_eq!(pick(&f, &loops), "b2");
+        // Without the copies: the HMMA loop; without HMMA either: the biggest.
+        let mut g = f.clone();
+        g.blocks[2].instrs = vec!["FFMA R1, R2, R3, R1".into()];
+        assert_eq!(pick(&g, &loops), "b1");
+        g.blocks[1].instrs = vec!["FFMA R1, R2, R3, R1".into()];
+        assert_eq!(pick(&g, &loops), "b0");
     }
 
     #[test]
