@@ -305,7 +305,9 @@ impl Ctx for Nvptx {
     unsafe fn load_shared16(&self, p: *const u32) -> [u32; 4] {
         let (a, b, c, d): (u32, u32, u32, u32);
         // SAFETY: the caller guarantees an aligned address inside the block's shared
-        // memory that nobody writes meanwhile; the load only reads (`readonly`).
+        // memory that nobody writes meanwhile; the load only reads (`pure, readonly`: its
+        // result depends on its input and memory, so the compiler may merge two loads of
+        // one address with no write between them).
         // `p`'s offset from the start of the shared array: `shared()` is a pure conversion
         // of the array's address, so the compiler folds `p - shared()` when `p` was
         // derived from it (no conversion at run time), and the shared address is the
@@ -316,7 +318,7 @@ impl Ctx for Nvptx {
                 "{{ .reg .u32 s; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; ld.shared.v4.u32 {{{a}, {b}, {c}, {d}}}, [s]; }}",
                 o = in(reg32) off,
                 a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-                options(nostack, readonly),
+                options(pure, readonly, nostack),
             );
         }
         [a, b, c, d]
@@ -327,13 +329,15 @@ impl Ctx for Nvptx {
         // As `load_shared16`.
         let off = (p as u64).wrapping_sub(self.shared() as u64) as u32;
         // SAFETY: the caller guarantees an aligned address inside the block's shared
-        // memory that nobody writes meanwhile; the load only reads (`readonly`).
+        // memory that nobody writes meanwhile; the load only reads (`pure, readonly`: its
+        // result depends on its input and memory, so the compiler may merge two loads of
+        // one address with no write between them).
         unsafe {
             core::arch::asm!(
                 "{{ .reg .u32 s; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; ld.shared.v2.u32 {{{a}, {b}}}, [s]; }}",
                 o = in(reg32) off,
                 a = out(reg32) a, b = out(reg32) b,
-                options(nostack, readonly),
+                options(pure, readonly, nostack),
             );
         }
         [a, b]
