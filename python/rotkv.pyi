@@ -73,6 +73,8 @@ class CacheConfig:
         """Bytes per quantized token per KV head (codes, scales and zeros of K and V)."""
     def bits_per_element(self) -> float:
         """Storage bits per cached element, averaged over keys and values."""
+    def pass_rows(self) -> int:
+        """Rows per pass of a multi-token step (StepBatch(pass_rows=...)): half the window."""
 
 class SeqId:
     """A live sequence of a KvCache. A freed id, or one of another cache, is refused."""
@@ -236,19 +238,30 @@ class DeviceLayer:
         """Appends [tokens, num_kv_heads, head_dim] (one dtype); returns the new length."""
     def append_batch(self, batch: StepBatch, k: Any, v: Any) -> None:
         """The step's rows from k and v [batch.max_rows, num_kv_heads, head_dim]."""
+    def advance(self, batch: StepBatch) -> None:
+        """The checks and length bookkeeping of append_batch without a launch (for a step
+        a captured CUDA graph replays)."""
     def read_cache(self) -> tuple[bytes, npt.NDArray[np.uint16]]:
         """The pool and the side stores (f16 bit patterns) as stored."""
 
 class StepBatch:
     """The rows of one serving step: which sequences take how many new tokens."""
 
-    def __init__(self, device: Device, max_seqs: int, max_rows: int) -> None: ...
+    def __init__(
+        self, device: Device, max_seqs: int, max_rows: int, pass_rows: Optional[int] = None, passes: int = 1
+    ) -> None:
+        """With `pass_rows` (`CacheConfig.pass_rows()`), `DecodePlan.run_step` runs each
+        step in `passes` passes of at most that many rows per sequence."""
     def set(self, layer: DeviceLayer, steps: Sequence[tuple[SeqId, int]]) -> None:
         """Rows in the order of `steps`; set again before every step."""
     @property
     def rows(self) -> int: ...
     @property
     def max_rows(self) -> int: ...
+    @property
+    def passes(self) -> int: ...
+    @property
+    def pass_rows(self) -> int: ...
 
 class DecodePlan:
     """A decode launch fixed for a batch shape (split count and workspace made once)."""
@@ -264,6 +277,8 @@ class DecodePlan:
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...
+    def check_batch(self, layer: DeviceLayer, batch: StepBatch) -> None:
+        """run_batch's checks of the plan, layer and batch, nothing enqueued."""
     def run(self, layer: DeviceLayer, q: Any, out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
         """Slots 0 .. max_seqs, q [max_seqs, q_len, num_q_heads, head_dim]."""
     def run_batch(
@@ -271,3 +286,15 @@ class DecodePlan:
     ) -> npt.NDArray[np.float32]:
         """The step's rows (after layer.append_batch): q [batch.max_rows, num_q_heads,
         head_dim]; unused rows of the result are zeros."""
+    def run_step(
+        self,
+        layer: DeviceLayer,
+        batch: StepBatch,
+        k: Any,
+        v: Any,
+        q: Any,
+        out: Optional[npt.NDArray[np.float32]] = None,
+    ) -> npt.NDArray[np.float32]:
+        """A whole step in the batch's passes: appends k, v [batch.max_rows, num_kv_heads,
+        head_dim] and decodes q [batch.max_rows, num_q_heads, head_dim]; each row sees the
+        earlier rows of its pass in f16; unused rows of the result are zeros."""

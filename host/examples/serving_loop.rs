@@ -1,9 +1,10 @@
 //! A serving loop on the device API: a model of several layers whose caches stay in
-//! device memory; requests arrive, their prompts are prefilled in chunks that attend to
-//! the packed cache, they decode token by token and leave, all through one step batch
-//! and one decode plan shared by every layer. Every step enqueues the same launch list
-//! (each layer: the batched append and the step decode), so a stack can capture it in
-//! a CUDA graph once and replay it while sequences come and go.
+//! device memory; requests arrive, their prompts are prefilled in chunks of up to 192
+//! tokens that attend to the packed cache, they decode token by token and leave, all
+//! through one step batch and one decode plan shared by every layer. Every step enqueues
+//! the same launch list (each layer: `DecodePlan::run_step`, the batched append and the
+//! decode in three passes of 64 rows, then the merge), so a stack can capture it in a
+//! CUDA graph once and replay it while sequences come and go.
 //!
 //! ```sh
 //! cargo run -p rotkv --features sim --release --example serving_loop
@@ -19,7 +20,8 @@ use rotkv::paged::LayerShape;
 use rotkv::{CacheConfig, LayerCalibration, SeqId, f16};
 
 /// A request: arrival step, prompt tokens, tokens to generate.
-const REQUESTS: [(usize, usize, usize); 6] = [(0, 100, 6), (0, 40, 3), (2, 150, 5), (4, 10, 4), (6, 60, 2), (7, 20, 3)];
+const REQUESTS: [(usize, usize, usize); 6] =
+    [(0, 400, 6), (0, 40, 3), (1, 300, 5), (3, 10, 4), (5, 150, 2), (6, 20, 3)];
 
 struct Live {
     /// The request's sequence in every layer (the same slot in each).
@@ -42,7 +44,7 @@ fn device() -> rotkv::Result<Device> {
 fn main() -> rotkv::Result<()> {
     // SmolLM2-135M's attention shape, 4 of its 30 layers.
     let (layers, hkv, hq, d) = (4, 3, 9, 64);
-    let (slots, max_tokens, chunk, max_rows) = (4, 256, 32, 64);
+    let (slots, max_tokens, chunk, max_rows) = (4, 512, 192, 256);
     let dev = device()?;
     let config = CacheConfig::k2v2(d);
     let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
@@ -60,7 +62,11 @@ fn main() -> rotkv::Result<()> {
         sm_scale: None,
     };
     let mut plan = DecodePlan::new(&model[0], plan_shape)?;
-    let mut batch = StepBatch::new(&dev, slots, max_rows)?;
+    // Steps in passes of half the window (64 rows per sequence): every row of a
+    // 192-token chunk sees the chunk's earlier tokens in f16.
+    let pass = config.pass_rows();
+    let mut batch = StepBatch::with_passes(&dev, slots, max_rows, pass, chunk.div_ceil(pass))?;
+    let per_layer = 3 * batch.passes() + 1;
     // The step's buffers, made once: each layer's new K/V rows, queries and outputs (a
     // model writes its projections here on the device; this loop fills them once).
     let (row, qrow) = (hkv * d, hq * d);
@@ -110,13 +116,12 @@ fn main() -> rotkv::Result<()> {
         let before = dev.counters();
         let t = dev.time(0, 1, || {
             for l in 0..layers {
-                model[l].append_batch(&batch, &k[l], row, &v[l], row)?;
-                plan.run_batch(&model[l], &batch, &q[l], qrow, &mut out[l], qrow)?;
+                plan.run_step(&mut model[l], &batch, (&k[l], row), (&v[l], row), &q[l], qrow, &mut out[l], qrow)?;
             }
             Ok(())
         })?;
         let c = dev.counters();
-        assert_eq!(c.launches - before.launches, 4 * layers);
+        assert_eq!(c.launches - before.launches, per_layer * layers);
         assert_eq!(
             (c.allocations, c.uploads, c.downloads, c.device_copies),
             (before.allocations, before.uploads, before.downloads, before.device_copies),
@@ -159,6 +164,6 @@ fn main() -> rotkv::Result<()> {
         }
     }
     assert_eq!(batch.errors()?, Default::default(), "the device skipped nothing");
-    println!("every step: {} launches, the same list; the device reported no skipped rows", 4 * layers);
+    println!("every step: {} launches, the same list; the device reported no skipped rows", per_layer * layers);
     Ok(())
 }

@@ -531,6 +531,95 @@ impl KvCache {
         )
     }
 
+    /// A multi-token step of `layer` for the sequences of `seqs`: appends `q_len` new
+    /// tokens to each (`k`, `v` `[seqs.len()][q_len][num_kv_heads][head_dim]`) and
+    /// decodes them (`q`, `out` `[seqs.len()][q_len][num_q_heads][head_dim]`), in passes
+    /// of at most `pass_rows` rows: pass `i` appends rows `i * pass_rows ..` of every
+    /// sequence, then decodes them with [`KvCache::decode_tokens`]. Each row reads the
+    /// cache as the append of its own pass leaves it, so with
+    /// [`CacheConfig::pass_rows`] (half the window) every row of a long prompt chunk sees
+    /// its chunk's earlier tokens in f16, as token-by-token decode does; `pass_rows >=
+    /// q_len` is one append then one decode. The CPU twin of
+    /// [`crate::device::DecodePlan::run_step`] (same rows, same passes).
+    ///
+    /// # Errors
+    /// Checked before anything changes: [`Error::Layer`], [`Error::UnknownSequence`],
+    /// [`Error::Shape`] for a sequence named twice, `q_len` outside `1 ..=`
+    /// [`paged::MAX_Q_LEN`], `pass_rows` 0 or buffers of other sizes; [`Error::Capacity`]
+    /// past `max_tokens` or the free blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_decode<T: KvElement>(
+        &mut self,
+        layer: usize,
+        seqs: &[SeqId],
+        q_len: usize,
+        pass_rows: usize,
+        (k, v): (&[T], &[T]),
+        q: &[T],
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        if !(1..=paged::MAX_Q_LEN).contains(&q_len) || pass_rows == 0 {
+            return Err(Error::Shape(format!(
+                "a step of {q_len} rows in passes of {pass_rows} (1 to {} rows, passes of at least 1)",
+                paged::MAX_Q_LEN
+            )));
+        }
+        if let Some((i, s)) = seqs.iter().enumerate().find(|&(i, s)| seqs[..i].contains(s)) {
+            return Err(Error::Shape(format!("sequence {s} appears twice in the batch (entry {i})")));
+        }
+        let (row, qrow) =
+            (self.shape.num_kv_heads * self.config.head_dim, self.shape.num_q_heads * self.config.head_dim);
+        let n = seqs.len();
+        for (what, len, want) in [
+            ("k", k.len(), n * q_len * row),
+            ("v", v.len(), n * q_len * row),
+            ("q", q.len(), n * q_len * qrow),
+            ("out", out.len(), n * q_len * qrow),
+        ] {
+            if len != want {
+                return Err(Error::Shape(format!(
+                    "{what} has {len} elements; {n} sequences x {q_len} rows need {want}"
+                )));
+            }
+        }
+        let mut blocks = 0usize;
+        for &s in seqs {
+            let seq = self.seq(s)?;
+            let new_len = seq.lens[layer] + q_len;
+            if new_len > self.shape.max_tokens {
+                return Err(Error::Capacity(format!(
+                    "sequence {s} would hold {new_len} tokens in layer {layer}; max_tokens is {}",
+                    self.shape.max_tokens
+                )));
+            }
+            blocks += (self.format.pages_for(new_len as u32) as usize).saturating_sub(seq.block_table.len());
+        }
+        if blocks > self.free_blocks.len() {
+            return Err(Error::Capacity(format!(
+                "the step needs {blocks} more blocks, {} are free",
+                self.free_blocks.len()
+            )));
+        }
+        let mut lo = 0;
+        while lo < q_len {
+            let m = pass_rows.min(q_len - lo);
+            for (i, &s) in seqs.iter().enumerate() {
+                let at = (i * q_len + lo) * row..(i * q_len + lo + m) * row;
+                self.append(layer, s, m, &k[at.clone()], &v[at])?;
+            }
+            let rows = |x: usize, w: usize| (x * q_len + lo) * w..(x * q_len + lo + m) * w;
+            let qp: Vec<T> = (0..n).flat_map(|i| q[rows(i, qrow)].iter().copied()).collect();
+            let mut op = vec![0f32; n * m * qrow];
+            self.decode_tokens(layer, seqs, m, &qp, &mut op)?;
+            for i in 0..n {
+                out[rows(i, qrow)].copy_from_slice(&op[i * m * qrow..(i + 1) * m * qrow]);
+            }
+            lo += m;
+        }
+        Ok(())
+    }
+
     fn layer_shape(&self) -> LayerShape {
         LayerShape { num_kv_heads: self.shape.num_kv_heads, num_q_heads: self.shape.num_q_heads }
     }

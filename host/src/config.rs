@@ -182,6 +182,17 @@ impl CacheConfig {
         let channel = if self.channel_norm > 0 { 16.0 / self.page_size as f64 } else { 0.0 };
         quantized_bits_per_element(self.key_bits, self.value_bits, self.group_size) + channel
     }
+
+    /// Rows of a sequence per pass of a multi-token step (a prompt chunk appended and
+    /// attended in passes: [`crate::KvCache::append_decode`],
+    /// [`crate::device::StepBatch::with_passes`]): half the window, at least 1 (64 with
+    /// the presets). The window holds at least `window` newest tokens after every append,
+    /// so a row of a pass of `c` tokens sees its pass's earlier tokens and at least
+    /// `window - c` tokens before the pass in f16: at least half a window, where
+    /// token-by-token decode sees a whole one.
+    pub fn pass_rows(&self) -> usize {
+        (self.window / 2).max(1)
+    }
 }
 
 /// Bits per element of a `(key_bits, value_bits, group)` quantizer with f16 scale and

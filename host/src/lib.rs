@@ -15,8 +15,10 @@
 //! - **On a GPU:** `device` (features `cuda` for a GPU, `sim` for the emulated one with the
 //!   same types): a layer's cache in device memory (`device::DeviceLayer`), a fixed decode
 //!   plan (`device::DecodePlan`) and a whole serving step as one launch list
-//!   (`device::StepBatch`) on the caller's stream, ready for CUDA-graph capture; raw entry
-//!   points below it. **Nothing of it has run on a GPU yet** (tested on the emulator).
+//!   (`device::StepBatch`, `device::DecodePlan::run_step`: batched append, chunked
+//!   prefill and decode in passes) on the caller's stream, ready for CUDA-graph capture;
+//!   raw entry points below it. It has run on an H200 (the device and step tests, a step
+//!   replayed as a CUDA graph), except `run_step`'s passes (tested on the emulator).
 //! - **candle:** `candle` (feature `candle`): append and decode over candle `Tensor`s,
 //!   through a [`KvCache`] (CPU storage) or, with `sim` or `cuda`, on the device path
 //!   without copies.

@@ -45,6 +45,26 @@ pub trait Ctx {
         // SAFETY: forwarded contract.
         unsafe { *p.cast::<[u32; 4]>() }
     }
+    /// 16 bytes of the block's shared memory at `p`. On the device an `ld.shared.v4.u32`
+    /// (a shared load, which the scheduler tracks on the short scoreboard, where a generic
+    /// load of a shared address goes through the generic path and the long scoreboard).
+    ///
+    /// # Safety
+    /// `p` must be 16-byte aligned and point into the block's shared memory, valid for 16
+    /// bytes that no thread writes while this load may run.
+    unsafe fn load_shared16(&self, p: *const u32) -> [u32; 4] {
+        // SAFETY: forwarded contract.
+        unsafe { *p.cast::<[u32; 4]>() }
+    }
+    /// 8 bytes of the block's shared memory at `p`, as [`Ctx::load_shared16`]
+    /// (`ld.shared.v2.u32` on the device).
+    ///
+    /// # Safety
+    /// As [`Ctx::load_shared16`], 8-byte aligned and valid for 8 bytes.
+    unsafe fn load_shared8(&self, p: *const u32) -> [u32; 2] {
+        // SAFETY: forwarded contract.
+        unsafe { *p.cast::<[u32; 2]>() }
+    }
     /// `cp.async.cg.shared.global [dst], [src], 16`: starts a 16-byte copy from global to
     /// shared memory in the thread's current cp.async group (see [`Ctx::cp_async_commit`]).
     /// The data is visible to this thread only after the [`Ctx::cp_async_wait`] that
@@ -282,11 +302,54 @@ impl Ctx for Nvptx {
         [a, b, c, d]
     }
     #[inline(always)]
+    unsafe fn load_shared16(&self, p: *const u32) -> [u32; 4] {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: the caller guarantees an aligned address inside the block's shared
+        // memory that nobody writes meanwhile; the load only reads (`pure, readonly`: its
+        // result depends on its input and memory, so the compiler may merge two loads of
+        // one address with no write between them).
+        // `p`'s offset from the start of the shared array: `shared()` is a pure conversion
+        // of the array's address, so the compiler folds `p - shared()` when `p` was
+        // derived from it (no conversion at run time), and the shared address is the
+        // array's plus the offset, as `cp_async16_at` addresses it.
+        let off = (p as u64).wrapping_sub(self.shared() as u64) as u32;
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u32 s; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; ld.shared.v4.u32 {{{a}, {b}, {c}, {d}}}, [s]; }}",
+                o = in(reg32) off,
+                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                options(pure, readonly, nostack),
+            );
+        }
+        [a, b, c, d]
+    }
+    #[inline(always)]
+    unsafe fn load_shared8(&self, p: *const u32) -> [u32; 2] {
+        let (a, b): (u32, u32);
+        // As `load_shared16`.
+        let off = (p as u64).wrapping_sub(self.shared() as u64) as u32;
+        // SAFETY: the caller guarantees an aligned address inside the block's shared
+        // memory that nobody writes meanwhile; the load only reads (`pure, readonly`: its
+        // result depends on its input and memory, so the compiler may merge two loads of
+        // one address with no write between them).
+        unsafe {
+            core::arch::asm!(
+                "{{ .reg .u32 s; mov.u32 s, rotkv_smem; add.u32 s, s, {o}; ld.shared.v2.u32 {{{a}, {b}}}, [s]; }}",
+                o = in(reg32) off,
+                a = out(reg32) a, b = out(reg32) b,
+                options(pure, readonly, nostack),
+            );
+        }
+        [a, b]
+    }
+    #[inline(always)]
     fn shared(&self) -> *mut u8 {
         let p: u64;
         // SAFETY: converts the address of the module's extern shared array to a generic
         // pointer; no memory is touched.
-        unsafe { core::arch::asm!("cvta.shared.u64 {p}, rotkv_smem;", p = out(reg64) p) };
+        unsafe {
+            core::arch::asm!("cvta.shared.u64 {p}, rotkv_smem;", p = out(reg64) p, options(pure, nomem, nostack))
+        };
         p as *mut u8
     }
     #[inline(always)]

@@ -306,8 +306,9 @@ fn scores<C: Ctx, const U: usize, const KB: u32, const NG: usize, const NKS: usi
             let x: [[u32; 2]; U] = core::array::from_fn(|u| w[u].map(|wv| wv >> (KB * direct(KB))));
             for st in 0..ks_per_block {
                 let ks = clamp_idx(b * ks_per_block + st, NKS);
-                // SAFETY: the fragment area holds NKS x 32 lanes x 4 words.
-                let a: [u32; 4] = core::array::from_fn(|r| unsafe { *aq.add((ks * WARP as usize + lane) * 4 + r) });
+                // SAFETY: the fragment area (shared memory, 16-byte aligned, written before
+                // the loop's barrier) holds NKS x 32 lanes x 4 words.
+                let a: [u32; 4] = unsafe { ctx.load_shared16(aq.add((ks * WARP as usize + lane) * 4)) };
                 let j = 2 * st as u32;
                 for u in 0..U {
                     for nt in 0..2 {
@@ -557,7 +558,10 @@ pub const fn ring_stages(head_dim: u32, key_bits: u32, value_bits: u32, groups: 
 /// `tp` minus the lane's offsets addresses a whole tile of the layout [`TilePtr`]
 /// describes.
 #[inline(always)]
-unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usize>(tp: TilePtr) -> Raw<NG> {
+unsafe fn read_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const NG: usize>(
+    ctx: &C,
+    tp: TilePtr,
+) -> Raw<NG> {
     let kcb = D * KB as usize / 8;
     let vcb = D * VB as usize / 8;
     let nbk = D * KB as usize / 128;
@@ -571,8 +575,8 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
         }
     }
     unsafe {
-        read_scales(&mut r, tp.s, tp.sstride, false);
-        read_scales(&mut r, tp.s, tp.sstride, true);
+        read_scales::<_, NG, false>(ctx, &mut r, tp.s, tp.sstride, false);
+        read_scales::<_, NG, false>(ctx, &mut r, tp.s, tp.sstride, true);
     }
     let vp = tp.v;
     for h in 0..nh {
@@ -589,11 +593,22 @@ unsafe fn read_tile<const D: usize, const KB: u32, const VB: u32, const NG: usiz
 /// # Safety
 /// The `4 * NG` arrays lie there, as in [`read_tile`].
 #[inline(always)]
-unsafe fn read_scales<const NG: usize>(r: &mut Raw<NG>, s: *const u8, sstride: usize, values: bool) {
+unsafe fn read_scales<C: Ctx, const NG: usize, const SHARED: bool>(
+    ctx: &C,
+    r: &mut Raw<NG>,
+    s: *const u8,
+    sstride: usize,
+    values: bool,
+) {
     let ld2 = |a: usize| -> [u32; 2] {
-        // SAFETY: inside the tile, by the caller's contract.
-        let x = unsafe { *s.add(a * sstride).cast::<u64>() };
-        [x as u32, (x >> 32) as u32]
+        // SAFETY: inside the tile, by the caller's contract (with `SHARED`, a ring stage
+        // in shared memory: a shared load).
+        if SHARED {
+            unsafe { ctx.load_shared8(s.add(a * sstride).cast::<u32>()) }
+        } else {
+            let x = unsafe { *s.add(a * sstride).cast::<u64>() };
+            [x as u32, (x >> 32) as u32]
+        }
     };
     let first = if values { 2 * NG } else { 0 };
     for gi in 0..NG {
@@ -830,7 +845,7 @@ fn ring_chunks<
                 for m in 0..2 * nbk {
                     r.kw[m / nbk][(m % nbk) & 7] = kw[m];
                 }
-                read_scales(r, p.add(16 * (kcb + vcb) + slane), 32, false);
+                read_scales::<C, NG, true>(ctx, r, p.add(16 * (kcb + vcb) + slane), 32, false);
             }
         }
         let mut s = scores::<C, U, KB, NG, NKS>(ctx, aq, &cur, qsp);
@@ -842,7 +857,7 @@ fn ring_chunks<
                 for m in 0..2 * nh {
                     r.vw[(m % nh) & 7][m / nh] = vw[m];
                 }
-                read_scales(r, p.add(16 * (kcb + vcb) + slane), 32, true);
+                read_scales::<C, NG, true>(ctx, r, p.add(16 * (kcb + vcb) + slane), 32, true);
             }
         }
         softmax::<C, U, NVT>(ctx, st, &mut s, unscale_q, false, false, o, zl);
@@ -1117,8 +1132,9 @@ pub unsafe fn decode_mma<
             let (_, row, ok) = f16_row(f0 + tile_token(nt as u32, g));
             let krow = unsafe { side.add(fmt.side_row_at(kvh, false, row)) };
             for ks in 0..NKS {
-                let a: [u32; 4] =
-                    core::array::from_fn(|r| unsafe { *ah_sh.add((ks * WARP as usize + lane as usize) * 4 + r) });
+                // SAFETY: the natural-order fragments (shared memory, 16-byte aligned,
+                // written before the barrier above) hold NKS x 32 lanes x 4 words.
+                let a: [u32; 4] = unsafe { ctx.load_shared16(ah_sh.add((ks * WARP as usize + lane as usize) * 4)) };
                 let c = 16 * ks + 2 * t as usize;
                 let b =
                     if ok { unsafe { [*krow.add(c).cast::<u32>(), *krow.add(c + 8).cast::<u32>()] } } else { [0, 0] };
@@ -1231,7 +1247,7 @@ pub unsafe fn decode_mma<
                 s: pb.add(2 * slot0 + gs),
                 sstride: 2 * psz,
             };
-            read_tile::<D, KB, VB, NG>(tp)
+            read_tile::<C, D, KB, VB, NG>(ctx, tp)
         }
     };
     if lo_pos < hi_pos {

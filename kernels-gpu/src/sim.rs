@@ -19,7 +19,8 @@
 //!   at a warp barrier, so every lane of the warp must take part (full-warp semantics):
 //!   a lane that skips one, or runs a different one, is reported as a divergent barrier.
 //! - `mma_m16n8k16` is computed from the PTX ISA fragment layout in one exchange (f32
-//!   products and sums); `load16` of a misaligned address is a launch error.
+//!   products and sums); `load16` of a misaligned address is a launch error, as are
+//!   `load_shared16` / `load_shared8` of one or of bytes outside the block's shared memory.
 //! - `cp_async16` copies are deferred to the `cp_async_wait` that retires their group, and
 //!   the destination is filled with NaN when the copy is issued, so a kernel that reads
 //!   it without waiting sees NaN (a refilled buffer too).
@@ -465,6 +466,17 @@ impl SimCtx<'_> {
     }
 }
 
+impl SimCtx<'_> {
+    /// `n` bytes at `p`, `n`-byte aligned, inside the block's shared memory (else a
+    /// launch error naming `what`).
+    fn check_shared(&self, what: &str, p: *const u8, n: usize) {
+        assert!(p.addr().is_multiple_of(n), "{what} of a misaligned address {p:p} ({n}-byte alignment required)");
+        let base = self.shared().addr();
+        let end = base + self.block.shared.len() * 16;
+        assert!(p.addr() >= base && p.addr() + n <= end, "{what} at {p:p}: outside the block's shared memory");
+    }
+}
+
 impl Ctx for SimCtx<'_> {
     fn thread_idx(&self) -> u32 {
         self.thread
@@ -587,6 +599,19 @@ impl Ctx for SimCtx<'_> {
         assert!(p.addr().is_multiple_of(16), "load16 of a misaligned address {p:p} (16-byte alignment required)");
         // SAFETY: forwarded contract; alignment checked above.
         unsafe { *p.cast::<[u32; 4]>() }
+    }
+    /// Panics (a launch error) unless `p` is 16-byte aligned and its 16 bytes lie in the
+    /// block's shared memory, as `ld.shared` requires.
+    unsafe fn load_shared16(&self, p: *const u32) -> [u32; 4] {
+        self.check_shared("load_shared16", p.cast(), 16);
+        // SAFETY: forwarded contract; alignment and bounds checked above.
+        unsafe { *p.cast::<[u32; 4]>() }
+    }
+    /// As `load_shared16`, 8 bytes.
+    unsafe fn load_shared8(&self, p: *const u32) -> [u32; 2] {
+        self.check_shared("load_shared8", p.cast(), 8);
+        // SAFETY: as above.
+        unsafe { *p.cast::<[u32; 2]>() }
     }
     /// Filled with `0xFF` (NaN as f32 and f16) before the block starts.
     fn shared(&self) -> *mut u8 {
@@ -1158,6 +1183,41 @@ mod tests {
                 unsafe { c.load16(at(off)) };
             });
             assert!(r.unwrap_err().0.contains("misaligned"), "offset {off}");
+        }
+    }
+
+    /// `load_shared16` / `load_shared8` read the block's shared memory at aligned
+    /// addresses; a misaligned one or one outside it is a launch error.
+    #[test]
+    fn shared_loads_are_checked() {
+        let got = AtomicU32::new(0);
+        launch([1, 1, 1], 32, 64, |c| {
+            let sh = c.shared();
+            if c.lane() == 0 {
+                // SAFETY: 64 bytes of this block's shared memory.
+                unsafe { sh.cast::<u32>().add(4).write(5) };
+            }
+            c.sync_threads();
+            // SAFETY: aligned, inside the block's 64 bytes, not written after the barrier.
+            let (a, b) = unsafe { (c.load_shared16(sh.cast::<u32>().add(4)), c.load_shared8(sh.cast::<u32>().add(4))) };
+            got.fetch_add(a[0] + b[0], Ordering::SeqCst);
+        })
+        .unwrap();
+        assert_eq!(got.load(Ordering::SeqCst), 32 * 10);
+        for (off, n) in [(4usize, 16usize), (8, 16), (4, 8), (56, 16), (64, 8)] {
+            let r = launch([1, 1, 1], 32, 64, |c| {
+                let p = c.shared().cast::<u32>().wrapping_byte_add(off);
+                // SAFETY: none needed: the emulator rejects the address before reading.
+                unsafe {
+                    if n == 16 {
+                        c.load_shared16(p);
+                    } else {
+                        c.load_shared8(p);
+                    }
+                }
+            });
+            let e = r.unwrap_err().0;
+            assert!(e.contains("misaligned") || e.contains("outside the block's shared memory"), "{off} {n}: {e}");
         }
     }
 

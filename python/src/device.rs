@@ -7,7 +7,7 @@
 //!
 //! CUDA devices are not exposed here (no GPU in CI to test them on).
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use numpy::{PyArrayDyn, PyArrayMethods};
 use pyo3::prelude::*;
@@ -17,8 +17,26 @@ use rotkv_lib::paged::LayerShape;
 
 use crate::{Calibration, Config, Elems, OrPy, Seq, input, output, shape_err, to_py};
 
-fn lock<'a, T>(py: Python<'_>, m: &'a Mutex<T>) -> PyResult<std::sync::MutexGuard<'a, T>> {
-    m.lock().map_err(|_| to_py(py, rotkv_lib::Error::Backend("an earlier call on this object panicked".into())))
+/// `m` locked, waited for with the GIL released: another thread may hold the lock for a
+/// long call (an append or decode runs without the GIL), and waiting for it with the GIL
+/// would stall every Python thread meanwhile.
+fn lock<'a, T: Send>(py: Python<'_>, m: &'a Mutex<T>) -> PyResult<MutexGuard<'a, T>> {
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Ok(g),
+            Err(TryLockError::WouldBlock) => py.detach(|| drop(m.lock())),
+            Err(TryLockError::Poisoned(_)) => return Err(to_py(py, poisoned())),
+        }
+    }
+}
+
+/// `m` locked (inside a call that already released the GIL).
+fn locked_in<T>(m: &Mutex<T>) -> rotkv_lib::Result<MutexGuard<'_, T>> {
+    m.lock().map_err(|_| poisoned())
+}
+
+fn poisoned() -> rotkv_lib::Error {
+    rotkv_lib::Error::Backend("an earlier call on this object panicked".into())
 }
 
 /// A device: the emulated GPU (`Device.sim()`), whose kernels are the CUDA kernels run
@@ -77,6 +95,29 @@ macro_rules! with_view {
                 let $v = unsafe { view($dev, &x[..]) }?;
                 $body
             }
+        }
+    };
+}
+
+/// `$body` over device views `$k`, `$v` of K and V elements of one dtype (`Error::Shape`
+/// for two dtypes, `$kd` and `$vd` their names).
+macro_rules! with_kv_views {
+    ($dev:expr, ($ke:expr, $kd:expr), ($ve:expr, $vd:expr), |$k:ident, $v:ident| $body:expr) => {
+        match ($ke, $ve) {
+            // SAFETY (all arms): the views borrow the held arrays for this call only.
+            (Elems::F32(k), Elems::F32(v)) => {
+                let ($k, $v) = unsafe { (view($dev, &k[..])?, view($dev, &v[..])?) };
+                $body
+            }
+            (Elems::F16(k), Elems::F16(v)) => {
+                let ($k, $v) = unsafe { (view($dev, &k[..])?, view($dev, &v[..])?) };
+                $body
+            }
+            (Elems::Bf16(k), Elems::Bf16(v)) => {
+                let ($k, $v) = unsafe { (view($dev, &k[..])?, view($dev, &v[..])?) };
+                $body
+            }
+            _ => Err(rotkv_lib::Error::Shape(format!("k is {} but v is {}", $kd, $vd))),
         }
     };
 }
@@ -171,23 +212,8 @@ impl PyLayer {
         let dev = &self.device;
         let row = self.num_kv_heads * self.head_dim;
         py.detach(|| -> rotkv_lib::Result<usize> {
-            let mut layer = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            match (&ke, &ve) {
-                // SAFETY (all arms): the views borrow the held arrays for this call only.
-                (Elems::F32(k), Elems::F32(v)) => {
-                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
-                    layer.append_strided(seq.0, tokens, &k, row, &v, row)
-                }
-                (Elems::F16(k), Elems::F16(v)) => {
-                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
-                    layer.append_strided(seq.0, tokens, &k, row, &v, row)
-                }
-                (Elems::Bf16(k), Elems::Bf16(v)) => {
-                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
-                    layer.append_strided(seq.0, tokens, &k, row, &v, row)
-                }
-                _ => Err(rotkv_lib::Error::Shape(format!("k is {kd} but v is {vd}"))),
-            }
+            let mut layer = locked_in(&self.inner)?;
+            with_kv_views!(dev, (&ke, kd), (&ve, vd), |k, v| layer.append_strided(seq.0, tokens, &k, row, &v, row))
         })
         .or_py(py)
     }
@@ -207,26 +233,18 @@ impl PyLayer {
         let dev = &self.device;
         let row = self.num_kv_heads * self.head_dim;
         py.detach(|| -> rotkv_lib::Result<()> {
-            let mut layer = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            let batch = batch.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            match (&ke, &ve) {
-                // SAFETY (all arms): the views borrow the held arrays for this call only.
-                (Elems::F32(k), Elems::F32(v)) => {
-                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
-                    layer.append_batch(&batch, &k, row, &v, row)
-                }
-                (Elems::F16(k), Elems::F16(v)) => {
-                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
-                    layer.append_batch(&batch, &k, row, &v, row)
-                }
-                (Elems::Bf16(k), Elems::Bf16(v)) => {
-                    let (k, v) = unsafe { (view(dev, &k[..])?, view(dev, &v[..])?) };
-                    layer.append_batch(&batch, &k, row, &v, row)
-                }
-                _ => Err(rotkv_lib::Error::Shape(format!("k is {kd} but v is {vd}"))),
-            }
+            let mut layer = locked_in(&self.inner)?;
+            let batch = locked_in(&batch.inner)?;
+            with_kv_views!(dev, (&ke, kd), (&ve, vd), |k, v| layer.append_batch(&batch, &k, row, &v, row))
         })
         .or_py(py)
+    }
+    /// The host's side of `append_batch` without enqueuing anything (the checks, then every
+    /// slot's length moved on by its count): for a step whose launches a captured CUDA
+    /// graph replays (`rotkv::device::DeviceLayer::advance`).
+    fn advance(&self, py: Python<'_>, batch: &PyStepBatch) -> PyResult<()> {
+        let b = lock(py, &batch.inner)?;
+        lock(py, &self.inner)?.advance(&b).or_py(py)
     }
     /// The pool (bytes) and side stores (uint16 bit patterns of f16) as stored.
     fn read_cache<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, pyo3::types::PyBytes>, Bound<'py, PyAny>)> {
@@ -245,10 +263,31 @@ pub struct PyStepBatch {
 
 #[pymethods]
 impl PyStepBatch {
-    /// `StepBatch(device, max_seqs, max_rows)`.
+    /// `StepBatch(device, max_seqs, max_rows, pass_rows=None, passes=1)`: with
+    /// `pass_rows`, `DecodePlan.run_step` runs each step in `passes` passes of at most
+    /// `pass_rows` rows per sequence (`Config.pass_rows`: half the window).
     #[new]
-    fn new(py: Python<'_>, device: &PyDevice, max_seqs: usize, max_rows: usize) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(dv::StepBatch::new(&device.0, max_seqs, max_rows).or_py(py)?) })
+    #[pyo3(signature = (device, max_seqs, max_rows, pass_rows = None, passes = 1))]
+    fn new(
+        py: Python<'_>,
+        device: &PyDevice,
+        max_seqs: usize,
+        max_rows: usize,
+        pass_rows: Option<usize>,
+        passes: usize,
+    ) -> PyResult<Self> {
+        let b = dv::StepBatch::with_passes(&device.0, max_seqs, max_rows, pass_rows.unwrap_or(max_rows), passes);
+        Ok(Self { inner: Mutex::new(b.or_py(py)?) })
+    }
+    /// Passes of `DecodePlan.run_step`.
+    #[getter]
+    fn passes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.passes())
+    }
+    /// Most rows of one sequence per pass.
+    #[getter]
+    fn pass_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner)?.pass_rows())
     }
     /// Sets the step: `steps` is a list of `(seq, tokens)`; rows are laid out in that
     /// order (uploaded now).
@@ -295,6 +334,13 @@ impl PyPlan {
         let plan = dv::DecodePlan::new_windowed(&l, shape, window_left).or_py(py)?;
         Ok(Self { inner: Mutex::new(plan), max_seqs })
     }
+    /// Every check of `run_batch` on the plan, the layer and the batch, nothing
+    /// enqueued: what a stack runs before replaying a captured step (with
+    /// `DeviceLayer.advance`).
+    fn check_batch(&self, py: Python<'_>, layer: &PyLayer, batch: &PyStepBatch) -> PyResult<()> {
+        let (b, l) = (lock(py, &batch.inner)?, lock(py, &layer.inner)?);
+        lock(py, &self.inner)?.check_batch(&l, &b).or_py(py)
+    }
     /// The split-K count chosen.
     #[getter]
     fn num_splits(&self, py: Python<'_>) -> PyResult<u32> {
@@ -320,22 +366,11 @@ impl PyPlan {
                 format!("q has shape {s:?}, expected {want:?} ([max_seqs, q_len, q_heads, head_dim])"),
             ));
         }
-        let out = output(py, out, &s, &[&held])?;
-        let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
-        let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
-        let q = held.elems();
-        let dev = &layer.device;
-        py.detach(|| -> rotkv_lib::Result<()> {
-            let mut plan = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            let l = layer.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            // SAFETY: `o` is the held, writeable, C-contiguous output for this call only.
-            let mut ov: DeviceSliceMut<'_, f32> =
-                unsafe { DeviceSliceMut::from_raw(dev, o.as_mut_ptr().expose_provenance() as u64, o.len()) }?;
-            with_view!(dev, &q, |qv| plan.run(&l, s[1], &qv, &mut ov))
+        let q_len = s[1];
+        self.decode_into(py, layer, None, held, out, |plan, l, _, q, ov| {
+            let dev = &layer.device;
+            with_view!(dev, q, |qv| plan.run(l, q_len, &qv, ov))
         })
-        .or_py(py)?;
-        drop(w);
-        Ok(out)
     }
     /// The step decode: the rows of `batch` (appended with `layer.append_batch` first),
     /// `q` `[batch.max_rows, num_q_heads, head_dim]`; returns (or writes into `out`)
@@ -349,25 +384,87 @@ impl PyPlan {
         q: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        let held = input(py, "q", q, 3)?;
-        let s = held.shape().to_vec();
         let row = layer.num_q_heads * layer.head_dim;
-        if s[1..] != [layer.num_q_heads, layer.head_dim] {
-            return Err(shape_err(py, format!("q has shape {s:?}, expected [max_rows, q_heads, head_dim]")));
-        }
-        let out = output(py, out, &s, &[&held])?;
+        let held = step_rows(py, layer, q)?;
+        self.decode_into(py, layer, Some(batch), held, out, |plan, l, b, q, ov| {
+            let (dev, b) = (&layer.device, b.expect("a batch"));
+            with_view!(dev, q, |qv| plan.run_batch(l, b, &qv, row, ov, row))
+        })
+    }
+    /// A whole step of `layer` in the batch's passes (`rotkv::device::DecodePlan::
+    /// run_step`): appends the rows of `batch` from `k` and `v` `[batch.max_rows,
+    /// num_kv_heads, head_dim]` and decodes them, `q` `[batch.max_rows, num_q_heads,
+    /// head_dim]`; returns (or writes into `out`) float32 of `q`'s shape (rows the step
+    /// does not use are zeros). Each row sees the earlier rows of its pass in f16.
+    #[pyo3(signature = (layer, batch, k, v, q, out = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn run_step<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &PyLayer,
+        batch: &PyStepBatch,
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let (kh, vh) = (layer.kv_rows(py, "k", k)?, layer.kv_rows(py, "v", v)?);
+        let (ke, ve) = (kh.elems(), vh.elems());
+        let (kd, vd) = (kh.dtype(), vh.dtype());
+        let (row, qrow) = (layer.num_kv_heads * layer.head_dim, layer.num_q_heads * layer.head_dim);
+        let held = step_rows(py, layer, q)?;
+        self.decode_into(py, layer, Some(batch), held, out, |plan, l, b, q, ov| {
+            let (dev, b) = (&layer.device, b.expect("a batch"));
+            with_kv_views!(dev, (&ke, kd), (&ve, vd), |k, v| {
+                with_view!(dev, q, |qv| plan.run_step(l, b, (&k, row), (&v, row), &qv, qrow, ov, qrow))
+            })
+        })
+    }
+}
+
+/// `q` of a step's rows, `[max_rows, q_heads, head_dim]`, held for the call.
+fn step_rows<'py>(py: Python<'py>, layer: &PyLayer, q: &Bound<'py, PyAny>) -> PyResult<crate::Held<'py>> {
+    let held = input(py, "q", q, 3)?;
+    let s = held.shape();
+    if s[1..] != [layer.num_q_heads, layer.head_dim] {
+        return Err(shape_err(py, format!("q has shape {s:?}, expected [max_rows, q_heads, head_dim]")));
+    }
+    Ok(held)
+}
+
+impl PyPlan {
+    /// The shared part of `run`, `run_batch` and `run_step`: the output made (or `out`
+    /// checked) for `q`'s shape, then `run` with the GIL released and the plan, layer and
+    /// batch locked, over the query's elements and the output's view.
+    fn decode_into<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &PyLayer,
+        batch: Option<&PyStepBatch>,
+        held: crate::Held<'py>,
+        out: Option<&Bound<'py, PyAny>>,
+        run: impl FnOnce(
+            &mut dv::DecodePlan,
+            &mut dv::DeviceLayer,
+            Option<&dv::StepBatch>,
+            &Elems,
+            &mut DeviceSliceMut<'_, f32>,
+        ) -> rotkv_lib::Result<()>
+        + Send,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let out = output(py, out, held.shape(), &[&held])?;
         let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
         let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
         let q = held.elems();
         let dev = &layer.device;
         py.detach(|| -> rotkv_lib::Result<()> {
-            let mut plan = self.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            let l = layer.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
-            let b = batch.inner.lock().map_err(|_| rotkv_lib::Error::Backend("poisoned".into()))?;
+            let mut plan = locked_in(&self.inner)?;
+            let mut l = locked_in(&layer.inner)?;
+            let b = batch.map(|b| locked_in(&b.inner)).transpose()?;
             // SAFETY: `o` is the held, writeable, C-contiguous output for this call only.
             let mut ov: DeviceSliceMut<'_, f32> =
                 unsafe { DeviceSliceMut::from_raw(dev, o.as_mut_ptr().expose_provenance() as u64, o.len()) }?;
-            with_view!(dev, &q, |qv| plan.run_batch(&l, &b, &qv, row, &mut ov, row))
+            run(&mut plan, &mut l, b.as_deref(), &q, &mut ov)
         })
         .or_py(py)?;
         drop(w);

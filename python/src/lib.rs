@@ -163,6 +163,18 @@ fn ndarray<'py>(py: Python<'py>, what: &str, obj: &Bound<'py, PyAny>) -> PyResul
     }
     if obj.hasattr("__dlpack__")? {
         let np = py.import("numpy")?;
+        // torch's bfloat16 has no numpy dtype: its bits are read through DLPack as int16
+        // and viewed as ml_dtypes' bfloat16 (no copy).
+        if obj.hasattr("dtype")? && obj.getattr("dtype")?.str()?.to_cow()? == "torch.bfloat16" {
+            let Ok(ml) = py.import("ml_dtypes") else {
+                return Err(shape_err(py, format!("{what}: a torch bfloat16 tensor needs the ml_dtypes package")));
+            };
+            let bits = obj.call_method1("view", (py.import("torch")?.getattr("int16")?,))?;
+            return match np.call_method1("from_dlpack", (bits,)) {
+                Ok(a) => Ok(a.call_method1("view", (ml.getattr("bfloat16")?,))?.cast_into::<PyUntypedArray>()?),
+                Err(e) => Err(shape_err(py, format!("{what}: numpy cannot read it through DLPack: {e}"))),
+            };
+        }
         return match np.call_method1("from_dlpack", (obj,)) {
             Ok(a) => Ok(a.cast_into::<PyUntypedArray>()?),
             Err(e) => Err(shape_err(py, format!("{what}: numpy cannot read it through DLPack: {e}"))),
@@ -407,6 +419,11 @@ impl Config {
     /// Storage bits per cached element, averaged over keys and values.
     fn bits_per_element(&self, py: Python<'_>) -> PyResult<f64> {
         Ok(self.to_rust().or_py(py)?.bits_per_element())
+    }
+    /// Rows of a sequence per pass of a multi-token step (`StepBatch(pass_rows=...)`):
+    /// half the window, at least 1.
+    fn pass_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.to_rust().or_py(py)?.pass_rows())
     }
     fn __eq__(&self, other: &Self) -> bool {
         self.to_rust().ok().zip(other.to_rust().ok()).is_some_and(|(a, b)| a == b)

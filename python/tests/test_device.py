@@ -1,6 +1,9 @@
 """The device API on the emulated GPU (rotkv.Device.sim()): numpy arrays as device
 memory, against the CPU cache (KvCache) on the same tokens."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -85,6 +88,54 @@ def test_step_batch_prefill_and_decode_match_decode_tokens():
     assert (layer.len(a), layer.len(b)) == (17, 9)
 
 
+def test_run_step_in_passes_matches_the_cpu_cache_pass_by_pass():
+    rng = np.random.default_rng(23)
+    cfg = config()
+    cfg.window = 16
+    cfg.page_size = 16
+    cfg.sinks = 2
+    pass_rows = cfg.pass_rows()
+    assert pass_rows == 8
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, cfg, HKV, HQ, max_seqs=2, max_tokens=128)
+    cpu = rotkv.KvCache(cfg, 1, HKV, HQ, 2, 128)
+    a, b = layer.add_sequence(), layer.add_sequence()
+    ca, cb = cpu.add_sequence(), cpu.add_sequence()
+    max_rows = 40
+    batch = rotkv.StepBatch(dev, max_seqs=2, max_rows=max_rows, pass_rows=pass_rows, passes=4)
+    assert (batch.passes, batch.pass_rows) == (4, 8)
+    plan = rotkv.DecodePlan(layer, max_seqs=2, max_q_len=32, max_context=128)
+    for step in ([(a, ca, 30), (b, cb, 5)], [(a, ca, 1), (b, cb, 1)], [(a, ca, 2), (b, cb, 27)]):
+        rows = sum(n for _, _, n in step)
+        k = np.zeros((max_rows, HKV, D), np.float32)
+        v = np.zeros((max_rows, HKV, D), np.float32)
+        q = np.zeros((max_rows, HQ, D), np.float32)
+        k[:rows] = rng.standard_normal((rows, HKV, D))
+        v[:rows] = rng.standard_normal((rows, HKV, D))
+        q[:rows] = rng.standard_normal((rows, HQ, D))
+        for s, _, n in step:
+            layer.reserve(s, layer.len(s) + n)
+        batch.set(layer, [(s, n) for s, _, n in step])
+        out = plan.run_step(layer, batch, k, v, q)
+        at = 0
+        for s, c, n in step:
+            # The CPU cache, pass by pass: append the pass's rows, then decode them.
+            want = []
+            for lo in range(0, n, pass_rows):
+                hi = min(n, lo + pass_rows)
+                cpu.append(0, c, k[at + lo:at + hi], v[at + lo:at + hi])
+                want.append(cpu.decode_tokens(0, [c], q[at + lo:at + hi][None])[0])
+            assert rel(out[at:at + n], np.concatenate(want)) < 2e-3
+            at += n
+        assert not out[rows:].any()
+    assert (layer.len(a), layer.len(b)) == (33, 33)
+    # A sequence with more rows than the passes hold is refused; nothing changes.
+    with pytest.raises(rotkv.RotkvError):
+        batch.set(layer, [(a, 33)])
+    with pytest.raises(ValueError):
+        plan.run_step(layer, batch, k, v.astype(np.float16), q)
+
+
 def test_bad_device_inputs_raise_and_change_nothing():
     rng = np.random.default_rng(22)
     dev = rotkv.Device.sim()
@@ -111,3 +162,78 @@ def test_bad_device_inputs_raise_and_change_nothing():
         after = layer.read_cache()
         assert after[0] == before[0] and np.array_equal(after[1], before[1]), i
     assert layer.len(s) == 20
+
+
+def test_advance_and_check_batch_do_the_host_side_only():
+    rng = np.random.default_rng(24)
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=2, max_tokens=64)
+    s = layer.add_sequence()
+    layer.reserve(s, 20)
+    batch = rotkv.StepBatch(dev, max_seqs=2, max_rows=8)
+    plan = rotkv.DecodePlan(layer, max_seqs=2, max_q_len=8, max_context=64)
+    batch.set(layer, [(s, 5)])
+    launches = dev.launches
+    plan.check_batch(layer, batch)  # before the step's advance
+    layer.advance(batch)
+    plan.check_batch(layer, batch)  # and after it
+    assert layer.len(s) == 5 and dev.launches == launches, "nothing enqueued"
+    with pytest.raises(ValueError):
+        layer.advance(batch)  # its start is no longer the sequence's length
+    assert layer.len(s) == 5
+    batch.set(layer, [(s, 8)])
+    layer.advance(batch)
+    k = rng.standard_normal((8, HKV, D)).astype(np.float32)
+    with pytest.raises(ValueError):
+        layer.append_batch(batch, k, k)  # already advanced past this batch
+
+
+def test_a_thread_waiting_for_a_busy_layer_does_not_hold_the_gil():
+    # One thread runs a long step on the emulator (the layer locked, the GIL released); a
+    # second asks the layer for a length and waits for the lock; a pure-Python thread
+    # must keep running while both wait.
+    rng = np.random.default_rng(25)
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=1, max_tokens=1024)
+    s = layer.add_sequence()
+    layer.reserve(s, 1024)
+    batch = rotkv.StepBatch(dev, max_seqs=1, max_rows=512)
+    plan = rotkv.DecodePlan(layer, max_seqs=1, max_q_len=512, max_context=1024)
+    batch.set(layer, [(s, 512)])
+    k = rng.standard_normal((512, HKV, D)).astype(np.float32)
+    q = rng.standard_normal((512, HQ, D)).astype(np.float32)
+    times = {}
+
+    def step():
+        times["step"] = time.perf_counter()
+        plan.run_step(layer, batch, k, k, q)
+        times["step_end"] = time.perf_counter()
+
+    def length():
+        times["len"] = time.perf_counter()
+        layer.len(s)
+        times["len_end"] = time.perf_counter()
+
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    tick = threading.Thread(target=ticker)
+    tick.start()
+    a = threading.Thread(target=step)
+    a.start()
+    time.sleep(0.05)
+    b = threading.Thread(target=length)
+    b.start()
+    a.join()
+    b.join()
+    stop.set()
+    tick.join()
+    waited = (times["len"], min(times["len_end"], times["step_end"]))
+    assert times["step_end"] - times["len"] > 0.05, "the step is too short to tell"
+    during = [x for x in ticks if waited[0] < x < waited[1]]
+    assert len(during) >= 10, (waited, len(during))

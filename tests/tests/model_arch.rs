@@ -331,7 +331,8 @@ fn qwen3_runs_through_the_cache() {
     assert!(e < 2e-3, "f16 cache vs exact: {e}");
     let methods: Vec<KvMethod> =
         ["f16", "k2v2-s2-w16-p16"].iter().map(|n| KvMethod::parse(n, 64, TOKENS).unwrap()).collect();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None };
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None, pass_rows: None };
     let r = model::perplexity(&m, std::slice::from_ref(&toks), &methods, &opts, &mut |_, _| {}).unwrap();
     assert!(r.iter().all(|x| x.ppl.is_finite() && x.kl.is_some_and(|k| k >= 0.0)));
 }

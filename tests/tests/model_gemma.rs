@@ -196,7 +196,8 @@ fn gemma3_perplexity_through_the_cache() {
         .collect();
     let exact = (all.iter().sum::<f64>() / all.len() as f64).exp();
     let methods: Vec<KvMethod> = ["f16", "k4v2"].iter().map(|n| KvMethod::parse(n, 256, CTX).unwrap()).collect();
-    let opts = PplOptions { backend: Backend::Cpu, calibration: None, chunk: 16, pre_calibration: None };
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 16, pre_calibration: None, pass_rows: None };
     let r = model::perplexity(&m, std::slice::from_ref(&ids), &methods, &opts, &mut |_, _| {}).unwrap();
     for x in &r {
         eprintln!("{:<6} ppl {:.3} KL {:.4} top-1 {:.3}", x.method.name, x.ppl, x.kl.unwrap(), x.top1.unwrap());

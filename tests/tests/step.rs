@@ -518,6 +518,193 @@ fn step_decode_mixes_prefill_chunks_single_tokens_and_idle_sequences() {
     }
 }
 
+/// A step in passes ([`DecodePlan::run_step`] over [`StepBatch::with_passes`]): prompt
+/// chunks up to five passes long, single tokens and idle sequences in one step, each
+/// sequence's rows equal to the CPU backend's [`KvCache::append_decode`] with the same
+/// passes (device tolerance 3e-3), rows without a token zero, and the same `3 * passes +
+/// 1` launches every step with no allocation or copy; on both decode kernels. What the
+/// host sees is refused before anything is enqueued.
+#[test]
+fn run_step_in_passes_equals_the_cpu_backend() {
+    let configs = [
+        small(CacheConfig::k2v2(64)),
+        small(CacheConfig::k4v2(128)),
+        CacheConfig { group_size: 32, ..small(CacheConfig::k2v2(64)) },
+    ];
+    for config in configs {
+        let d = config.head_dim;
+        let pass = config.pass_rows();
+        assert_eq!(pass, 8, "half the small window");
+        let (hkv, hq, slots, passes, max_rows, max_tokens) = (2, 6, 3, 5, 60, 200);
+        let max_q_len = pass * passes;
+        let dev = test_device();
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+        let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
+        let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+        let cs =
+            CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs: slots, max_tokens, num_blocks: None };
+        let mut host = KvCache::new(config, cs, Backend::Cpu).unwrap();
+        let plan_shape = PlanShape {
+            max_seqs: slots,
+            max_q_len,
+            max_context: max_tokens,
+            sm_count: None,
+            blocks_per_sm: None,
+            sm_scale: None,
+        };
+        let mut plan = DecodePlan::new(&layer, plan_shape).unwrap();
+        let mut batch = StepBatch::with_passes(&dev, slots, max_rows, pass, passes).unwrap();
+        assert_eq!((batch.passes(), batch.pass_rows()), (passes, pass));
+        let (row, qrow) = (hkv * d, hq * d);
+        let mut k = dev.alloc::<f32>(max_rows * row).unwrap();
+        let mut v = dev.alloc::<f32>(max_rows * row).unwrap();
+        let mut q = dev.alloc::<f32>(max_rows * qrow).unwrap();
+        let mut out = dev.alloc::<f32>(max_rows * qrow).unwrap();
+        let schedule: [[usize; 3]; 6] = [[40, 5, 0], [1, 33, 20], [1, 1, 1], [17, 0, 1], [1, 40, 1], [9, 1, 3]];
+        let mut ids: Vec<Option<(SeqId, SeqId)>> = vec![None; slots];
+        dev.record_launches(true);
+        let mut first = None;
+        for (step, counts) in schedule.iter().enumerate() {
+            let mut steps = Vec::new();
+            for (slot, &n) in counts.iter().enumerate() {
+                if ids[slot].is_none() && n > 0 {
+                    let (a, b) = (layer.add_sequence().unwrap(), host.add_sequence().unwrap());
+                    layer.reserve(a, max_tokens).unwrap();
+                    ids[slot] = Some((a, b));
+                }
+                if let Some((a, b)) = ids[slot] {
+                    steps.push((a, b, n));
+                }
+            }
+            batch.set(&layer, &steps.iter().map(|&(a, _, n)| (a, n)).collect::<Vec<_>>()).unwrap();
+            let seed = 2000 + step as u64;
+            let (kh, vh, qh) =
+                (rows(max_rows * row, seed), rows(max_rows * row, seed + 1), rows(max_rows * qrow, seed + 2));
+            dev.write(&mut k, 0, &kh).unwrap();
+            dev.write(&mut v, 0, &vh).unwrap();
+            dev.write(&mut q, 0, &qh).unwrap();
+            dev.write(&mut out, 0, &vec![9.0f32; max_rows * qrow]).unwrap();
+            dev.take_launches();
+            let before = dev.counters();
+            plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow, &mut out, qrow).unwrap();
+            let c = dev.counters();
+            assert_eq!(
+                (c.launches - before.launches, c.uploads, c.allocations, c.downloads),
+                (3 * passes + 1, before.uploads, before.allocations, before.downloads)
+            );
+            let list = dev.take_launches();
+            match &first {
+                None => first = Some(list),
+                Some(f) => assert_eq!(f, &list, "{config:?} step {step}: another launch list"),
+            }
+            let mut got = vec![0f32; max_rows * qrow];
+            dev.read(&out, &mut got).unwrap();
+            let mut r = 0;
+            for &(a, b, n) in &steps {
+                assert_eq!(layer.len(a).unwrap(), host.len(0, b).unwrap() + n);
+                let (kr, vr) = (&kh[r * row..(r + n) * row], &vh[r * row..(r + n) * row]);
+                if n > 0 {
+                    let mut want = vec![0f32; n * qrow];
+                    let qr = &qh[r * qrow..(r + n) * qrow];
+                    host.append_decode(0, &[b], n, pass, (kr, vr), qr, &mut want).unwrap();
+                    let e = rel_err(&got[r * qrow..(r + n) * qrow], &want);
+                    assert!(e < 3e-3, "{config:?} step {step} slot {}: {n} rows, error {e}", b.slot());
+                }
+                r += n;
+            }
+            assert!(got[r * qrow..].iter().all(|&x| x == 0.0), "rows without a token are zero");
+        }
+        assert_eq!(batch.errors().unwrap(), BatchErrors::default());
+        // The device's pages and side stores equal the CPU backend's after every pass.
+        let (a, b) = ids[1].unwrap();
+        assert_eq!(layer.len(a).unwrap(), host.len(0, b).unwrap());
+
+        // Refusals: nothing enqueued, nothing changed.
+        let other = Device::sim();
+        assert!(matches!(StepBatch::with_passes(&dev, 2, 8, 0, 1), Err(Error::Shape(_))));
+        assert!(matches!(StepBatch::with_passes(&dev, 2, 8, 4, 0), Err(Error::Shape(_))));
+        assert!(matches!(StepBatch::with_passes(&dev, 2, 8, 4, 65), Err(Error::Capacity(_))));
+        let len0 = layer.len(a).unwrap();
+        assert!(matches!(batch.set(&layer, &[(a, max_q_len + 1)]), Err(Error::Capacity(_))));
+        batch.set(&layer, &[(a, 3)]).unwrap();
+        let cache = layer.read_cache().unwrap();
+        let before = dev.counters();
+        let short = dev.alloc::<f32>(2 * row).unwrap();
+        let far = other.alloc::<f32>(max_rows * qrow).unwrap();
+        let r = |res: rotkv::Result<()>| res.unwrap_err();
+        let mut out2 = dev.alloc::<f32>(max_rows * qrow).unwrap();
+        assert!(matches!(
+            r(plan.run_step(&mut layer, &batch, (&short, row), (&v, row), &q, qrow, &mut out2, qrow)),
+            Error::Shape(_)
+        ));
+        assert!(matches!(
+            r(plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &far, qrow, &mut out2, qrow)),
+            Error::Device(_)
+        ));
+        assert!(matches!(
+            r(plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow - 1, &mut out2, qrow)),
+            Error::Shape(_)
+        ));
+        let foreign = StepBatch::with_passes(&other, slots, max_rows, pass, passes).unwrap();
+        assert!(matches!(
+            r(plan.run_step(&mut layer, &foreign, (&k, row), (&v, row), &q, qrow, &mut out2, qrow)),
+            Error::Device(_)
+        ));
+        assert_eq!(dev.counters().launches, before.launches);
+        assert_eq!((layer.len(a).unwrap(), layer.read_cache().unwrap()), (len0, cache.clone()));
+        // After its append the batch's start is stale: refused, as append_batch refuses it.
+        plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow, &mut out2, qrow).unwrap();
+        let cache = layer.read_cache().unwrap();
+        let before = dev.counters();
+        assert!(matches!(
+            r(plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow, &mut out2, qrow)),
+            Error::Shape(_)
+        ));
+        assert_eq!(dev.counters().launches, before.launches);
+        assert_eq!((layer.len(a).unwrap(), layer.read_cache().unwrap()), (len0 + 3, cache));
+    }
+}
+
+/// [`KvCache::append_decode`] refuses what it cannot do before anything changes, and in
+/// one pass equals an append then [`KvCache::decode_tokens`] (bit for bit).
+#[test]
+fn cpu_append_decode_checks_first() {
+    let (d, hkv, hq) = (64, 1, 2);
+    let config = small(CacheConfig::k2v2(d));
+    let cs =
+        CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs: 2, max_tokens: 40, num_blocks: None };
+    let mut c = KvCache::new(config, cs, Backend::Cpu).unwrap();
+    let (a, b) = (c.add_sequence().unwrap(), c.add_sequence().unwrap());
+    let (row, qrow) = (hkv * d, hq * d);
+    let (k, v, q) = (rows(60 * row, 1), rows(60 * row, 2), rows(60 * qrow, 3));
+    let mut out = vec![0f32; 60 * qrow];
+    let n = 30;
+    let kv = (&k[..2 * n * row], &v[..2 * n * row]);
+    let (qs, os) = (&q[..2 * n * qrow], &mut out[..2 * n * qrow]);
+    assert!(matches!(c.append_decode(0, &[a, a], n, 8, kv, qs, os), Err(Error::Shape(_))));
+    assert!(matches!(c.append_decode(0, &[a, b], n, 0, kv, qs, os), Err(Error::Shape(_))));
+    assert!(matches!(c.append_decode(1, &[a, b], n, 8, kv, qs, os), Err(Error::Layer { .. })));
+    assert!(matches!(c.append_decode(0, &[a, b], n + 1, 8, kv, qs, os), Err(Error::Shape(_))));
+    assert!(matches!(
+        c.append_decode(0, &[a, b], 0, 8, (&[0f32; 0], &[0f32; 0]), &[0f32; 0], &mut []),
+        Err(Error::Shape(_))
+    ));
+    // 30 tokens each fit; 50 pass max_tokens (refused before the first pass appends).
+    let (k2, v2, q2) = (rows(2 * 50 * row, 4), rows(2 * 50 * row, 5), rows(2 * 50 * qrow, 6));
+    let mut o2 = vec![0f32; 2 * 50 * qrow];
+    assert!(matches!(c.append_decode(0, &[a, b], 50, 8, (&k2, &v2), &q2, &mut o2), Err(Error::Capacity(_))));
+    assert_eq!((c.len(0, a).unwrap(), c.len(0, b).unwrap()), (0, 0), "nothing appended");
+    // One pass: append, then decode_tokens.
+    let mut twin = KvCache::new(config, cs, Backend::Cpu).unwrap();
+    let (ta, tb) = (twin.add_sequence().unwrap(), twin.add_sequence().unwrap());
+    c.append_decode(0, &[a, b], n, n, kv, qs, os).unwrap();
+    twin.append(0, ta, n, &k[..n * row], &v[..n * row]).unwrap();
+    twin.append(0, tb, n, &k[n * row..2 * n * row], &v[n * row..2 * n * row]).unwrap();
+    let mut want = vec![0f32; 2 * n * qrow];
+    twin.decode_tokens(0, &[ta, tb], n, qs, &mut want).unwrap();
+    assert_eq!(os.to_vec(), want);
+}
+
 /// A prompt prefilled in chunks attends to the packed cache, and its rows read the cache
 /// as the chunk's append leaves it: where that append moved older window rows into
 /// pages, a row sees them quantized where token-by-token decode saw them in f16 (a chunk
@@ -628,6 +815,62 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
             dev.read(&out, &mut got).unwrap();
             let e = rel_err(&got[..m * qrow], &want[at * qrow..(at + m) * qrow]);
             assert!(e < 3e-3, "layer {} chunk at {at}: {e}", layer.layer);
+            at += m;
+        }
+
+        // In passes (the serving step's rule, `CacheConfig::pass_rows`: half the window,
+        // one page here): 256-token chunks give the one-page chunks' outputs bit for bit,
+        // the same rows within the flush rule of token-by-token decode as above, where
+        // one append per chunk measured a mean of 0.07 / 0.23.
+        let pass = config.pass_rows();
+        assert_eq!(pass, fmt.page_size as usize);
+        let passes = |n: usize, chunk: usize| -> Vec<f32> {
+            let cs = CacheShape {
+                layers: 1,
+                num_kv_heads: hkv,
+                num_q_heads: hq,
+                max_seqs: 1,
+                max_tokens: n,
+                num_blocks: None,
+            };
+            let mut c = KvCache::new(config, cs, Backend::Cpu).unwrap();
+            let s = c.add_sequence().unwrap();
+            let mut out = vec![0f32; n * qrow];
+            let mut at = 0;
+            while at < n {
+                let m = chunk.min(n - at);
+                let kv = (&layer.k[at * row..(at + m) * row], &layer.v[at * row..(at + m) * row]);
+                let q = &layer.q[at * qrow..(at + m) * qrow];
+                c.append_decode(0, &[s], m, pass, kv, q, &mut out[at * qrow..(at + m) * qrow]).unwrap();
+                at += m;
+            }
+            out
+        };
+        assert!(passes(2000, 256) == chunked, "layer {}: 256-token chunks in passes of 64", layer.layer);
+        // On the device: a 300-token prompt in chunks of 100, passes of 64, through
+        // run_step, against the CPU backend's passes.
+        let (n, chunk) = (300, 100);
+        let want = passes(n, chunk);
+        let size = LayerSize { max_seqs: 1, max_tokens: n, num_blocks: None };
+        let mut dl = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+        let ps = PlanShape { max_q_len: chunk, ..ps };
+        let mut plan = DecodePlan::new(&dl, ps).unwrap();
+        let mut batch = StepBatch::with_passes(&dev, 1, chunk, pass, chunk.div_ceil(pass)).unwrap();
+        let s = dl.add_sequence().unwrap();
+        dl.reserve(s, n).unwrap();
+        let mut out = dev.alloc::<f32>(chunk * qrow).unwrap();
+        let mut at = 0;
+        while at < n {
+            let m = chunk.min(n - at);
+            let kd = dev.upload(&layer.k[at * row..(at + m) * row]).unwrap();
+            let vd = dev.upload(&layer.v[at * row..(at + m) * row]).unwrap();
+            let qd = dev.upload(&layer.q[at * qrow..(at + m) * qrow]).unwrap();
+            batch.set(&dl, &[(s, m)]).unwrap();
+            plan.run_step(&mut dl, &batch, (&kd, row), (&vd, row), &qd, qrow, &mut out, qrow).unwrap();
+            let mut got = vec![0f32; chunk * qrow];
+            dev.read(&out, &mut got).unwrap();
+            let e = rel_err(&got[..m * qrow], &want[at * qrow..(at + m) * qrow]);
+            assert!(e < 3e-3, "layer {} chunk at {at} in passes: {e}", layer.layer);
             at += m;
         }
     }

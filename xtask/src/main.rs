@@ -12,7 +12,7 @@
 //!   command fails if any step failed. A step whose tool cannot be installed or fetched
 //!   prints `SKIPPED: <why>` and the rest still runs.
 //! - `python`: the Python package `python/` (PyO3, outside the workspace): a venv in the
-//!   cache folder with pinned maturin, numpy, pytest and ml_dtypes from PyPI, its cargo
+//!   cache folder with pinned maturin, numpy, pytest, ml_dtypes and torch from PyPI, its cargo
 //!   fmt and clippy, the golden results of the Rust API, `pip install ./python`, pytest
 //!   (see `xtask/src/python.rs`); SKIPPED where PyPI cannot be reached. Part of `ci`.
 //! - `header [--check]`: writes `include/rotkv.h` from `capi/` with cbindgen (pinned,

@@ -104,6 +104,21 @@ pub struct Gpu {
     /// An optimistic assumption for `mma.sync`: Hopper reaches that peak with `wgmma`, so
     /// the tensor bound below is a lower bound on time.
     pub hmma_per_clk: f64,
+    /// Warp-instructions a scheduler issues per clock in the decode kernel's steady
+    /// state, measured: 0.36 (Nsight Compute on an H200, `decode_mma` d128 k2v2 g128,
+    /// batch 8 x 32K: issued instructions per scheduler per active cycle, with 0.45
+    /// eligible warps; stalls on fixed-latency dependencies, the long scoreboard and
+    /// shared memory; docs/src/gpu.md). The step-level issue bound divides by it; a kernel
+    /// change that raises it (fewer dependent stalls) is not seen by this static model
+    /// until it is measured again.
+    pub issue_efficiency: f64,
+    /// Fixed time of a decode step, seconds: 30 us, measured (H200, d128 k2v2 gqa4 batch 8,
+    /// docs/results/gpu-h200.json): a straight line through the 32K (119.9 us) and 128K
+    /// (387.0 us) steps meets zero context at 30.9 us, and the 1K step took 33.0 us. Two
+    /// launches and their gap, each block's setup, the f16 window and sinks read
+    /// unpipelined, the ring's prologue and masked edge tiles, and the split merge (6-8
+    /// us in the profile): none of it scales with the context.
+    pub step_fixed_s: f64,
 }
 
 pub const H200: Gpu = Gpu {
@@ -116,6 +131,8 @@ pub const H200: Gpu = Gpu {
     achievable: 0.90,
     dram_latency_s: 700e-9,
     hmma_per_clk: 1.0,
+    issue_efficiency: 0.36,
+    step_fixed_s: 30e-6,
 };
 pub const H100: Gpu = Gpu { name: "H100", peak_bw: 3.35e12, ..H200 };
 
@@ -438,8 +455,12 @@ pub struct Case {
     pub loop_tokens: Option<Vec<(String, f64)>>,
     /// Overrides the family's bytes in flight per warp.
     pub bytes_in_flight_per_warp: Option<f64>,
-    /// The least modeled % of achievable bandwidth.
+    /// The least modeled % of achievable bandwidth (decode cases: of the step-level
+    /// figure; prefill cases: % of the tensor-core peak).
     pub floor_pct: f64,
+    /// The step's time measured on a GPU (us), printed beside the model; absent when
+    /// not measured.
+    pub measured_us: Option<f64>,
     /// Fail below the floor (false: report only).
     pub enforce: bool,
 }
@@ -527,6 +548,7 @@ pub fn parse_gate(text: &str) -> Result<Gate, String> {
                     loop_tokens: r.loop_tokens()?,
                     bytes_in_flight_per_warp: r.opt_num("bytes_in_flight_per_warp")?,
                     floor_pct: r.num("floor_pct")?,
+                    measured_us: r.opt_num("measured_us")?,
                     enforce: r.opt_bool("enforce")?.unwrap_or(true),
                 };
                 r.finish()?;
@@ -867,7 +889,8 @@ pub struct Tokens {
     /// address, ...); 0 marks a loop that does not run in the steady state (not charged).
     pub by_path: Vec<(String, f64)>,
     /// Which outermost loop is the steady state (`hot_loop` in the gate file: the k-th by
-    /// address, from 1); `None`: the one with the most instructions.
+    /// address, from 1); `None`: by signature, the one with the most `cp.async` copies,
+    /// then the most HMMA, then the most instructions ([`hot_loop`]).
     pub hot: Option<usize>,
 }
 
@@ -919,13 +942,23 @@ pub fn loop_paths(f: &Function, loops: &[Loop], root: usize) -> BTreeMap<usize, 
 /// gives tile work / T + per-token work.
 pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop> {
     let size = |l: &Loop| l.body.iter().map(|&b| block_mix(&f.blocks[b]).total).sum::<u64>();
+    let hmma = |l: &Loop| l.body.iter().map(|&b| block_mix(&f.blocks[b]).hmma).sum::<u64>();
+    let copies =
+        |l: &Loop| l.body.iter().flat_map(|&b| &f.blocks[b].instrs).filter(|i| opcode(i).starts_with("LDGSTS")).count();
     let root = match tokens.hot {
         Some(k) => {
             let mut outer: Vec<usize> = (0..loops.len()).filter(|&i| loops[i].depth == 1).collect();
             outer.sort_by_key(|&i| f.blocks[loops[i].header].pos);
             *outer.get(k.checked_sub(1)?)?
         }
-        None => (0..loops.len()).filter(|&i| loops[i].depth == 1).max_by_key(|&i| (size(&loops[i]), usize::MAX - i))?,
+        // By signature: the outermost loop that issues the most `cp.async` copies (the
+        // tensor-core kernel's ring loop: no other loop copies), else the one with the
+        // most HMMA (the register-prefetch chunk loop holds more tiles than the masked
+        // tile loop and the f16 window's loop), else the most instructions (the CUDA-core
+        // kernel has no HMMA).
+        None => (0..loops.len())
+            .filter(|&i| loops[i].depth == 1)
+            .max_by_key(|&i| (copies(&loops[i]), hmma(&loops[i]), size(&loops[i]), usize::MAX - i))?,
     };
     let inner = innermost_loop(loops, f.blocks.len());
     let paths = loop_paths(f, loops, root);
@@ -955,9 +988,33 @@ pub struct Model {
     pub latency_s: f64,
     /// Resident warps per SM the latency bound used.
     pub warps_per_sm: f64,
+    /// The step-level charges: the fixed time ([`Gpu::step_fixed_s`]) and the issue
+    /// bound at the measured issue rate ([`Gpu::issue_efficiency`]).
+    pub fixed_s: f64,
+    pub measured_issue_s: f64,
 }
 
 impl Model {
+    /// The whole step: the fixed time plus the slowest of the bandwidth, the issue bound
+    /// at the measured issue rate, and the latency bound.
+    pub fn step_level_s(&self) -> f64 {
+        self.fixed_s + self.bandwidth_s.max(self.measured_issue_s).max(self.latency_s)
+    }
+    /// What bounds the step-level figure's variable part.
+    pub fn step_bound(&self) -> &'static str {
+        let t = self.bandwidth_s.max(self.measured_issue_s).max(self.latency_s);
+        if t == self.bandwidth_s {
+            "fixed + bandwidth"
+        } else if t == self.measured_issue_s {
+            "fixed + issue"
+        } else {
+            "fixed + latency"
+        }
+    }
+    /// Step-level modeled % of the achievable bandwidth (what the gate's floors apply to).
+    pub fn step_pct(&self) -> f64 {
+        100.0 * self.bandwidth_s / self.step_level_s()
+    }
     pub fn step_s(&self) -> f64 {
         self.bandwidth_s.max(self.issue_s).max(self.latency_s)
     }
@@ -983,7 +1040,10 @@ impl Model {
 /// x context x runs` (runs: 1, GQA or GQA x q_len, per the family's `loop_per`); latency
 /// bound `bytes / (SMs x bytes in flight per SM / DRAM latency)` with bytes in flight per
 /// SM = per warp x resident warps per SM (the occupancy, or fewer when the grid is
-/// smaller than a full wave).
+/// smaller than a full wave). Those three are the loop-level figure (the steady state at
+/// one instruction per scheduler and clock). The step-level figure adds what the H200
+/// measured: the fixed time of a step and the steady state's issue rate
+/// ([`Model::step_level_s`]).
 pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) -> Model {
     let g = &case.gpu;
     let token_heads = (case.batch * case.kv_heads * case.context) as f64;
@@ -1001,13 +1061,16 @@ pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) ->
     let in_flight_per_sm = fam.bytes_in_flight_per_warp * warps_per_sm;
     let latency_s =
         if in_flight_per_sm > 0.0 { bytes / (g.sms * in_flight_per_sm / g.dram_latency_s) } else { f64::INFINITY };
+    let issue_s = warp_instrs / (g.sms * g.schedulers * g.clock_hz);
     Model {
         bytes,
         warp_instrs,
         bandwidth_s: bytes / (g.peak_bw * g.achievable),
-        issue_s: warp_instrs / (g.sms * g.schedulers * g.clock_hz),
+        issue_s,
         latency_s,
         warps_per_sm,
+        fixed_s: g.step_fixed_s,
+        measured_issue_s: issue_s / g.issue_efficiency,
     }
 }
 
@@ -1316,12 +1379,19 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
     }
 
     println!();
-    println!("Modeled decode step per gpu_decode case: modeled (static SASS proxy), not measured.");
+    println!("Modeled decode step per gpu_decode case: modeled (static SASS proxy), not measured. Loop level: the");
+    println!("steady state at one instruction per scheduler and clock. Step level (gated): plus the measured");
+    println!(
+        "fixed time of a step ({:.0} us) and the measured issue rate ({:.2} per scheduler and clock); measured us:",
+        H200.step_fixed_s * 1e6,
+        H200.issue_efficiency
+    );
+    println!("the H200's time for the case (`measured_us` in the gate file), where there is one.");
     println!();
     println!(
-        "| case | GPU | entry | bytes | bandwidth us | issue us | latency us | warps/SM | bound | modeled % of achievable BW | floor | enforced |"
+        "| case | GPU | entry | bytes | bandwidth us | issue us | latency us | warps/SM | loop-level bound | loop-level % | step-level us | step-level bound | step-level % of achievable BW | measured us | floor | enforced |"
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|");
+    println!("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---|");
     let mut notes = Vec::new();
     for c in &gate.cases {
         let row =
@@ -1361,7 +1431,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
         }
         let m = model(c, &fam, per_token, occ.warps);
         println!(
-            "| {} | {} | {} | {:.1} MB | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1}% | {:.0}% | {} |",
+            "| {} | {} | {} | {:.1} MB | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1}% | {:.1} | {} | {:.1}% | {} | {:.0}% | {} |",
             c.name,
             c.gpu.name,
             c.entry,
@@ -1372,10 +1442,15 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             m.warps_per_sm,
             m.bound(),
             m.pct(),
+            m.step_level_s() * 1e6,
+            m.step_bound(),
+            m.step_pct(),
+            c.measured_us.map_or("-".into(), |t| format!("{t:.1}")),
             c.floor_pct,
             if c.enforce { "yes" } else { "no" }
         );
-        check_floor(&format!("case {:?}", c.name), "achievable bandwidth", m.pct(), c, &mut notes, &mut failures);
+        let what = "achievable bandwidth (step level)";
+        check_floor(&format!("case {:?}", c.name), what, m.step_pct(), c, &mut notes, &mut failures);
     }
     if !gate.prefills.is_empty() {
         println!();
@@ -1579,6 +1654,37 @@ mod tests {
         assert_eq!(irr, 1);
     }
 
+    /// The steady state by signature: three self-loops, the biggest without HMMA (a setup
+    /// loop), one with HMMA, one with fewer HMMA and fewer instructions but `cp.async`
+    /// copies (a ring loop): the copies win, then HMMA, then size.
+    #[test]
+    fn hot_loop_by_signature() {
+        let blk = |i: usize, instrs: &[&str]| Block {
+            name: format!("b{i}"),
+            pos: i,
+            instrs: instrs.iter().map(|s| s.to_string()).collect(),
+            succs: vec![i, i + 1],
+        };
+        let setup = ["FFMA R1, R2, R3, R1"; 9];
+        let hmma = ["HMMA.16816.F32 R4, R8, R12, R4", "HMMA.16816.F32 R4, R8, R12, R4", "FFMA R1, R2, R3, R1"];
+        let ring = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "HMMA.16816.F32 R4, R8, R12, R4"];
+        let mut blocks = vec![blk(0, &setup), blk(1, &hmma), blk(2, &ring)];
+        blocks.push(Block { name: "end".into(), pos: 3, instrs: vec!["EXIT".into()], succs: vec![] });
+        let f = Function { name: "f".into(), blocks };
+        let (loops, _) = find_loops(&f);
+        let t = Tokens { by_depth: vec![1.0], by_path: Vec::new(), hot: None };
+        let pick = |f: &Function, loops: &[Loop]| {
+            f.blocks[loops[hot_loop(f, loops, &t).expect("a loop").root].header].name.clone()
+        };
+        assert_eq!(pick(&f, &loops), "b2");
+        // Without the copies: the HMMA loop; without HMMA either: the biggest.
+        let mut g = f.clone();
+        g.blocks[2].instrs = vec!["FFMA R1, R2, R3, R1".into()];
+        assert_eq!(pick(&g, &loops), "b1");
+        g.blocks[1].instrs = vec!["FFMA R1, R2, R3, R1".into()];
+        assert_eq!(pick(&g, &loops), "b0");
+    }
+
     #[test]
     fn occupancy_rules() {
         // 128 registers x 128 threads: 4096 registers per warp, 16 warps, 4 blocks.
@@ -1641,8 +1747,18 @@ floor_pct = 80
         assert_eq!(m.warps_per_sm, 4.0);
         assert_eq!(m.bound(), "latency");
         // H100: the same bytes over 3.35 TB/s.
-        let h100 = Case { gpu: H100, ..c };
+        let h100 = Case { gpu: H100, ..c.clone() };
         assert!((model(&h100, &fam, 16.0, 64).bandwidth_s * 1e6 - 50.08).abs() < 0.01);
+        // The step level: 30 us fixed plus the issue bound at 0.36 per scheduler and clock
+        // (32.10 / 0.36 = 89.16 us, above the 34.95 us of bandwidth): 119.16 us, 29.3%.
+        let m = model(&c, &fam, 16.0, 64);
+        assert!((m.step_level_s() * 1e6 - 119.16).abs() < 0.01, "{}", m.step_level_s());
+        assert_eq!(m.step_bound(), "fixed + issue");
+        assert!((m.step_pct() - 100.0 * 34.95 / 119.16).abs() < 0.01, "{}", m.step_pct());
+        // Few instructions: the step is the fixed time plus the bandwidth.
+        let m = model(&c, &fam, 4.0, 64);
+        assert_eq!(m.step_bound(), "fixed + bandwidth");
+        assert!((m.step_level_s() - (30e-6 + m.bandwidth_s)).abs() < 1e-12);
     }
 
     #[test]

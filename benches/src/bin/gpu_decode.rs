@@ -328,10 +328,15 @@ fn run_case(dev: &Device, timer: &mut Timer, c: &Case) -> rotkv::Result<(f64, us
     }
 }
 
-/// `cargo xtask sass` table rows: case name -> modeled microseconds (the bound
-/// divided by the modeled fraction), for decode and prefill cases.
+/// `cargo xtask sass` table rows: case name -> modeled microseconds (decode cases: the
+/// step level, which charges the measured fixed time and issue rate; prefill cases: the
+/// largest bound).
 fn modeled(path: &str) -> Vec<(String, f64)> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
+    std::fs::read_to_string(path).map(|text| modeled_rows(&text)).unwrap_or_default()
+}
+
+/// [`modeled`] of the text of `cargo xtask sass`.
+fn modeled_rows(text: &str) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     for line in text.lines() {
         let cells: Vec<&str> = line.trim().trim_matches('|').split('|').map(str::trim).collect();
@@ -339,12 +344,12 @@ fn modeled(path: &str) -> Vec<(String, f64)> {
             continue;
         }
         let num = |s: &str| s.trim_end_matches('%').parse::<f64>().ok();
-        // Decode rows: bandwidth us (col 4) / modeled % (col 10); prefill rows: issue,
-        // tensor and DRAM us (cols 6-8), the largest bounds.
-        let us = if cells.len() == 12 {
-            num(cells[4]).zip(num(cells[9])).map(|(bw, pct)| bw / (pct / 100.0))
-        } else {
-            [6, 7, 8].iter().filter_map(|&i| num(cells[i])).reduce(f64::max)
+        // Decode rows (16 cells): the step-level us (cell 10); prefill rows (14 cells):
+        // issue, tensor and DRAM us (cells 6-8), the largest bounds.
+        let us = match cells.len() {
+            16 => num(cells[10]),
+            14 => [6, 7, 8].iter().filter_map(|&i| num(cells[i])).reduce(f64::max),
+            _ => None,
         };
         if let Some(us) = us {
             out.push((cells[0].to_string(), us));
@@ -452,4 +457,27 @@ fn main() -> std::process::ExitCode {
         );
     }
     if failed { std::process::ExitCode::FAILURE } else { std::process::ExitCode::SUCCESS }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Rows as `cargo xtask sass` prints them: the decode row's step level, the prefill
+    /// row's largest bound; other tables and the H100 are skipped.
+    #[test]
+    fn modeled_rows_read_the_step_level() {
+        let text = "\
+| mma d128 k2v2 gqa4 b8 32K q1 | H200 | rotkv_decode_mma_d128_k2v2_g128 | 151.0 MB | 35.0 | 35.0 | 22.4 | 7.8 | issue | 99.9% | 127.2 | fixed + issue | 27.5% | 119.9 | 26% | yes |
+| x (H100) | H100 | e | 151.0 MB | 50.1 | 35.0 | 22.4 | 7.8 | issue | 99.9% | 140.0 | fixed + issue | 30.0% | - | 26% | yes |
+| mma d128 k2v2 gqa4 4K chunk over 32K | H200 | rotkv_decode_mma_d128_k2v2_g128 | 1024 | 2.20 | 2.06 | 4477 | 2118 | 4 | 19.3 GB | issue | 45.9% | 40% | yes |
+| entry | sm_90 | 234 | 0 | 0 | 0 | 0 | 131 | 1 | 2 | 5201 | 4 | 8 (regs) |
+";
+        let rows = super::modeled_rows(text);
+        assert_eq!(
+            rows,
+            vec![
+                ("mma d128 k2v2 gqa4 b8 32K q1".to_string(), 127.2),
+                ("mma d128 k2v2 gqa4 4K chunk over 32K".to_string(), 4477.0)
+            ]
+        );
+    }
 }

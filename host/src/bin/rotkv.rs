@@ -90,14 +90,19 @@ enum Command {
         #[arg(long)]
         pre_calib: Option<PathBuf>,
         /// Tokens per decode step (1 to 4096): each step appends this many tokens and decodes
-        /// them with one multi-token decode (causal rows), as speculative decoding verifies
-        /// a draft; 1 is token by token. Unquantized methods give the same perplexity up to
-        /// f32 rounding; with quantized pages a step's earlier rows also read the pages its
-        /// later tokens pushed out of the window: a little for chunks up to a page (64
-        /// tokens with the presets), much for chunks longer than the window, whose early
-        /// rows see their own chunk quantized (docs/src/device-api.md).
+        /// them (causal rows), as a serving step prefills a prompt chunk; 1 is token by
+        /// token. A step runs in passes of --pass-rows rows (append, then decode), so its
+        /// rows see the step's earlier tokens in f16 however long the chunk; its earlier
+        /// rows also read the pages its pass pushed out of the window (a little:
+        /// docs/src/device-api.md).
         #[arg(long, default_value_t = 1)]
         chunk: usize,
+        /// Rows per pass of a step (default: half each method's window, 64 with the
+        /// presets, as a serving step runs it); --pass-rows N with N >= --chunk appends
+        /// the whole step before decoding it (its early rows then see their own chunk
+        /// quantized when it is longer than the window).
+        #[arg(long)]
+        pass_rows: Option<usize>,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -248,9 +253,9 @@ fn main() -> ExitCode {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
         Command::Configs => print_configs(&mut out),
-        Command::Ppl { model, text, ctx, windows, kv, backend, calib, pre_calib, chunk, json } => {
+        Command::Ppl { model, text, ctx, windows, kv, backend, calib, pre_calib, chunk, pass_rows, json } => {
             let calibs = (calib.as_deref(), pre_calib.as_deref());
-            ppl(&mut out, &model, &text, (ctx, windows, chunk), &kv, &backend, calibs, json)
+            ppl(&mut out, &model, &text, (ctx, windows, chunk, pass_rows), &kv, &backend, calibs, json)
         }
         Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, optr_queries, out: path } => {
             calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps, optr_queries), &path)
@@ -528,7 +533,7 @@ fn ppl(
     out: &mut Out,
     model_path: &std::path::Path,
     text: &std::path::Path,
-    (ctx, windows, chunk): (usize, usize, usize),
+    (ctx, windows, chunk, pass_rows): (usize, usize, usize, Option<usize>),
     kv: &[String],
     backend: &str,
     (calib, pre_calib): (Option<&std::path::Path>, Option<&std::path::Path>),
@@ -543,6 +548,9 @@ fn ppl(
     if !(1..=rotkv::paged::MAX_Q_LEN).contains(&chunk) {
         let max = rotkv::paged::MAX_Q_LEN;
         return Err(CliError::Lib(rotkv::Error::Value(format!("--chunk {chunk}: 1 to {max} tokens per decode step"))));
+    }
+    if pass_rows == Some(0) {
+        return Err(CliError::Lib(rotkv::Error::Value("--pass-rows 0: at least 1 row per pass".into())));
     }
     if ctx.checked_mul(windows).is_none() {
         let why = format!("{windows} windows of {ctx} tokens: too many tokens to count");
@@ -568,7 +576,7 @@ fn ppl(
         .collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
     let started = Instant::now();
-    let opts = model::PplOptions { backend, calibration, chunk, pre_calibration };
+    let opts = model::PplOptions { backend, calibration, chunk, pre_calibration, pass_rows };
     let results = model::perplexity(&llama, &wins, &methods, &opts, &mut |i, _| bar.set_position(i as u64))?;
     bar.finish_and_clear();
     let base = results.iter().find(|r| !r.method.quantized).map(|r| r.ppl);
@@ -586,7 +594,7 @@ fn ppl(
             .collect();
         let doc = serde_json::json!({
             "model": file_name(model_path), "text": file_name(text), "ctx": ctx, "windows": windows, "chunk": chunk,
-            "backend": backend.name(), "calib": calib.map(file_name), "pre_calib": pre_calib.map(file_name),
+            "pass_rows": pass_rows, "backend": backend.name(), "calib": calib.map(file_name), "pre_calib": pre_calib.map(file_name),
             "results": rows,
         });
         writeln!(out, "{doc}")?;
@@ -594,10 +602,11 @@ fn ppl(
     }
     writeln!(
         out,
-        "{} on {}: {windows} x {ctx} tokens ({} scored), {chunk} per decode step, backend {}, {:.0} s",
+        "{} on {}: {windows} x {ctx} tokens ({} scored), {chunk} per decode step{}, backend {}, {:.0} s",
         file_name(model_path),
         file_name(text),
         results[0].tokens,
+        pass_rows.map_or(String::new(), |n| format!(" in passes of {n}")),
         backend.name(),
         started.elapsed().as_secs_f64()
     )?;

@@ -28,8 +28,10 @@
 //!   to, each slot's start and count), set once per step and read on the device by
 //!   [`DeviceLayer::append_batch`] (every sequence's tokens in two launches, blocks
 //!   reserved ahead with [`DeviceLayer::reserve`]) and [`DecodePlan::run_batch`] of every
-//!   layer: a whole step is a fixed launch list (decode tokens, prompt chunks and idle
-//!   sequences alike), which a CUDA graph can capture.
+//!   layer, or by [`DecodePlan::run_step`], which does both in the batch's passes
+//!   ([`StepBatch::with_passes`]: a prompt chunk of any length sees its own earlier
+//!   tokens in f16): a whole step is a fixed launch list (decode tokens, prompt chunks
+//!   and idle sequences alike), which a CUDA graph can capture.
 //! - [`raw`]: the same operations on raw device addresses, `unsafe`, for stacks that
 //!   own their buffers.
 //!
@@ -74,6 +76,9 @@ use crate::config::{CacheConfig, LayerCalibration};
 use crate::error::{Error, Result};
 use crate::launch::{self, AppendPtrs, DecodePtrs, FlushPtrs, MergePtrs};
 use crate::paged::{LayerShape, MAX_Q_LEN};
+
+/// Most passes of one step ([`StepBatch::with_passes`]).
+pub const MAX_PASSES: usize = 64;
 use crate::{KvElement, OutputElement, SeqId};
 use bytemuck::Pod;
 use rotkv_kernels::decode::MAX_GROUP;
@@ -1328,10 +1333,31 @@ impl DeviceLayer {
     ) -> Result<()> {
         let (k, v) = (k.device_slice(), v.device_slice());
         self.check_batch(batch)?;
-        let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
         for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
             self.check_kv_input(what, b.device, b.len(), stride, batch.max_rows)?;
         }
+        // SAFETY: the batch and k, v checked above; the batch's meta is its own buffer.
+        unsafe { self.enqueue_append::<T>(batch, batch.meta.addr(), (k.addr(), k_stride), (v.addr(), v_stride))? };
+        self.commit_batch(batch);
+        Ok(())
+    }
+
+    /// The two launches of a batched append of the step batch at `meta` (the whole
+    /// step's, or one pass's of `batch`), K and V at `(address, row stride)`.
+    ///
+    /// # Safety
+    /// `batch` passed [`DeviceLayer::check_batch`] against this layer's lengths as they
+    /// stand when the launches run (for a pass: after the passes before it); `k` and `v`
+    /// passed [`DeviceLayer::check_kv_input`] for `batch.max_rows` rows of `T`; `meta` is
+    /// one of `batch`'s step batches.
+    unsafe fn enqueue_append<T: KvElement>(
+        &self,
+        batch: &StepBatch,
+        meta: u64,
+        (k, k_stride): (u64, usize),
+        (v, v_stride): (u64, usize),
+    ) -> Result<()> {
+        let (hkv, d) = (self.shape.num_kv_heads, self.config.head_dim);
         let np = self.fmt.protected as usize;
         let bp = rotkv_kernels::params::AppendBatchParams {
             append: AppendParams {
@@ -1364,9 +1390,9 @@ impl DeviceLayer {
                 &self.device,
                 &bp,
                 &launch::BatchPtrs {
-                    meta: batch.meta.addr(),
-                    k: k.addr(),
-                    v: v.addr(),
+                    meta,
+                    k,
+                    v,
                     key_mean: self.key_mean.addr(),
                     key_scale: self.key_scale.addr(),
                     key_perm: self.key_perm.addr(),
@@ -1380,10 +1406,8 @@ impl DeviceLayer {
                     lens: self.lens.addr(),
                     errors: batch.errors.addr(),
                 },
-            )?;
+            )
         }
-        self.commit_batch(batch);
-        Ok(())
     }
 
     /// The host's side of [`DeviceLayer::append_batch`] without enqueuing anything: the
@@ -1488,9 +1512,16 @@ pub struct StepBatch {
     device: Device,
     max_seqs: usize,
     max_rows: usize,
+    /// Most rows of one sequence in one pass of [`DecodePlan::run_step`].
+    pass_rows: usize,
+    /// Passes of [`DecodePlan::run_step`] (fixed: the launch list does not depend on
+    /// the step).
+    passes: usize,
+    /// The whole step's batch, then (with more than one pass) each pass's batch, each
+    /// [`rotkv_kernels::params::batch_meta_len`] entries.
     meta: DeviceBuffer<u32>,
     errors: DeviceBuffer<u32>,
-    /// The host's copy of `meta`.
+    /// The host's copy of the whole step's batch (the first part of `meta`).
     host: Vec<u32>,
 }
 
@@ -1499,6 +1530,8 @@ impl std::fmt::Debug for StepBatch {
         f.debug_struct("StepBatch")
             .field("max_seqs", &self.max_seqs)
             .field("max_rows", &self.max_rows)
+            .field("pass_rows", &self.pass_rows)
+            .field("passes", &self.passes)
             .field("entries", &self.entries().collect::<Vec<_>>())
             .finish()
     }
@@ -1524,8 +1557,35 @@ impl StepBatch {
     /// A batch for steps of at most `max_rows` new tokens over slots `0 .. max_seqs`
     /// (at most 32,767 slots and 65,535 rows: the GPU's grid limits). Starts empty.
     pub fn new(device: &Device, max_seqs: usize, max_rows: usize) -> Result<Self> {
-        if max_seqs == 0 || max_rows == 0 {
-            return Err(Error::Shape(format!("a step batch of {max_seqs} slots and {max_rows} rows")));
+        Self::with_passes(device, max_seqs, max_rows, max_rows, 1)
+    }
+
+    /// A batch whose steps [`DecodePlan::run_step`] runs in `passes` passes of at most
+    /// `pass_rows` rows per sequence: pass `i` appends rows `i * pass_rows ..` of every
+    /// sequence's new tokens and decodes them, so that every row of a long prompt chunk
+    /// sees the chunk's earlier tokens in f16 (from the window), as token-by-token decode
+    /// does, however long the chunk. [`CacheConfig::pass_rows`] gives the recommended
+    /// `pass_rows` (half the window: 64 with the presets); `passes` is fixed, so that the
+    /// launch list is the same every step: a sequence may take at most `pass_rows *
+    /// passes` tokens in one step. ([`StepBatch::new`] is one pass of up to `max_rows`.)
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for zero slots, rows, pass rows or passes; [`Error::Capacity`]
+    /// past the grid limits of [`StepBatch::new`] or more than 64 passes.
+    pub fn with_passes(
+        device: &Device,
+        max_seqs: usize,
+        max_rows: usize,
+        pass_rows: usize,
+        passes: usize,
+    ) -> Result<Self> {
+        if max_seqs == 0 || max_rows == 0 || pass_rows == 0 || passes == 0 {
+            return Err(Error::Shape(format!(
+                "a step batch of {max_seqs} slots, {max_rows} rows and {passes} passes of {pass_rows} rows"
+            )));
+        }
+        if passes > MAX_PASSES {
+            return Err(Error::Capacity(format!("{passes} passes of a step (at most {MAX_PASSES})")));
         }
         if max_rows > launch::MAX_GRID_YZ as usize || 2 * max_seqs > launch::MAX_GRID_YZ as usize {
             return Err(Error::Capacity(format!(
@@ -1537,14 +1597,33 @@ impl StepBatch {
         let n = rotkv_kernels::params::batch_meta_len(max_rows as u32, max_seqs as u32);
         let mut host = vec![0u32; n];
         host[..max_rows].fill(rotkv_kernels::params::BATCH_NO_SLOT);
+        let parts = if passes > 1 { 1 + passes } else { 1 };
+        let all: Vec<u32> = (0..parts).flat_map(|_| host.iter().copied()).collect();
         Ok(Self {
-            meta: device.upload(&host)?,
+            meta: device.upload(&all)?,
             errors: device.alloc(rotkv_kernels::params::BATCH_ERRORS)?,
             device: device.clone(),
             max_seqs,
             max_rows,
+            pass_rows: pass_rows.min(max_rows),
+            passes,
             host,
         })
+    }
+
+    /// Passes of [`DecodePlan::run_step`] (1 for [`StepBatch::new`]).
+    pub fn passes(&self) -> usize {
+        self.passes
+    }
+    /// Most rows of one sequence per pass ([`StepBatch::with_passes`]).
+    pub fn pass_rows(&self) -> usize {
+        self.pass_rows
+    }
+
+    /// The device address of pass `pass`'s batch (the whole step's with one pass).
+    fn pass_meta(&self, pass: usize) -> u64 {
+        let n = self.host.len() as u64 * 4;
+        if self.passes == 1 { self.meta.addr() } else { self.meta.addr() + (1 + pass as u64) * n }
     }
 
     /// Slots the batch may name.
@@ -1608,6 +1687,12 @@ impl StepBatch {
             if start > u32::MAX as usize / 2 || count > r {
                 return Err(Error::Capacity(format!("slot {slot}: {count} tokens after {start}")));
             }
+            if count > self.pass_rows * self.passes {
+                return Err(Error::Capacity(format!(
+                    "slot {slot}: {count} tokens in one step; the batch takes {} passes of {} rows",
+                    self.passes, self.pass_rows
+                )));
+            }
             if count == 0 {
                 continue;
             }
@@ -1620,7 +1705,28 @@ impl StepBatch {
             host[r + 2 * s + slot] = row as u32;
             row = end;
         }
-        self.device.write(&mut self.meta, 0, &host)?;
+        let mut all = host.clone();
+        if self.passes > 1 {
+            // Pass `i`: rows `i * pass_rows ..` of each slot's, at its start plus that
+            // many; the other rows carry no token in it.
+            for i in 0..self.passes {
+                let mut part = vec![0u32; host.len()];
+                part[..r].fill(rotkv_kernels::params::BATCH_NO_SLOT);
+                for slot in 0..s {
+                    let (start, count, first) = (host[r + slot], host[r + s + slot], host[r + 2 * s + slot]);
+                    let lo = (i * self.pass_rows) as u32;
+                    let hi = count.min(lo + self.pass_rows as u32);
+                    if lo < hi {
+                        part[(first + lo) as usize..(first + hi) as usize].fill(slot as u32);
+                        part[r + slot] = start + lo;
+                        part[r + s + slot] = hi - lo;
+                        part[r + 2 * s + slot] = first + lo;
+                    }
+                }
+                all.extend_from_slice(&part);
+            }
+        }
+        self.device.write(&mut self.meta, 0, &all)?;
         self.host = host;
         Ok(())
     }
@@ -1991,9 +2097,10 @@ impl DecodePlan {
     /// the f16 window, and causally to each other), speculative verification rows and
     /// idle sequences, mixed in one step, as long as no sequence has more rows than the
     /// plan's `max_q_len`. Rows read the cache as it holds them after the step's append
-    /// (see [`DecodePlan::run`] on multi-token steps): keep prompt chunks at or under a
-    /// page, since a chunk longer than the window has its own early tokens quantized
-    /// before its rows attend to them (measured in `docs/src/device-api.md`).
+    /// (see [`DecodePlan::run`] on multi-token steps): a chunk longer than the window has
+    /// its own early tokens quantized before its rows attend to them (measured in
+    /// `docs/src/device-api.md`); [`DecodePlan::run_step`] appends and decodes a step in
+    /// passes instead, so that every row sees its chunk's earlier tokens in f16.
     ///
     /// # Errors
     /// Before anything is enqueued: as [`DecodePlan::run`] for the plan, the layer and the
@@ -2014,23 +2121,86 @@ impl DecodePlan {
     ) -> Result<()> {
         let (q, out) = (q.device_slice(), out.device_slice_mut());
         self.check_steps(layer, batch, true)?;
-        let dev = &layer.device;
-        let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
-        dev.check_view(q.device, "q")?;
-        dev.check_view(out.device, "out")?;
-        for (what, len, stride) in [("q", q.len(), q_row_stride), ("out", out.len(), out_row_stride)] {
-            if stride < hq * d || stride > u32::MAX as usize {
-                return Err(Error::Shape(format!("{what} row stride {stride}: at least {hq} heads x {d}, within u32")));
-            }
-            let need = (batch.max_rows - 1) * stride + hq * d;
-            if len < need {
-                return Err(Error::Shape(format!(
-                    "{what} has {len} elements; the batch's {} rows at row stride {stride} need {need}",
-                    batch.max_rows
-                )));
+        Self::check_rows(layer, batch, (q.device, q.len(), q_row_stride), (out.device, out.len(), out_row_stride))?;
+        let p = self.batch_params::<Q>(layer, batch, q_row_stride);
+        // SAFETY: as in `run_strided`, with the step batch's rows: every slot with rows
+        // holds a live sequence of at least its count (its length is its start plus its
+        // count), at most `max_q_len` rows each, the batch's rows within the partials
+        // (`max_rows <= max_seqs * max_q_len`) and within q and out (checked above); the
+        // batch's meta is its own buffer of this device.
+        unsafe {
+            self.enqueue::<O>(layer, &p, batch.max_rows as u32, q.addr(), out.addr(), out_row_stride, batch.meta.addr())
+        }
+    }
+
+    /// A whole serving step of one layer: appends the new tokens of `batch` (K and V as
+    /// [`DeviceLayer::append_batch`] takes them) and decodes them (`q` and `out` as
+    /// [`DecodePlan::run_batch`] takes them), in the batch's passes
+    /// ([`StepBatch::with_passes`]): pass `i` appends rows `i * pass_rows ..` of every
+    /// sequence's new tokens, then decodes those rows, and one merge writes every row.
+    /// Row `r` of `out` is the attention output of the token of input row `r` over its
+    /// sequence up to that token, causal within the step, reading the cache as the
+    /// append of its own pass leaves it: a row sees every earlier token of its pass in
+    /// f16 (from the window), and at least `window - pass_rows` tokens before the pass
+    /// too. With [`CacheConfig::pass_rows`] (half the window) a prompt chunk of any
+    /// length gives the outputs chunks of `pass_rows` tokens would, which stay within a
+    /// page-flush of token-by-token decode (`docs/src/device-api.md` measures both).
+    /// With one pass this is [`DeviceLayer::append_batch`] then [`DecodePlan::run_batch`].
+    ///
+    /// Enqueues `3 * passes + 1` launches (each pass's flush, tokens and decode, then the
+    /// merge), the same every step whatever the batch holds; allocates, copies and waits
+    /// for nothing. A pass no sequence has rows in costs its launches' fixed time only.
+    ///
+    /// # Errors
+    /// Before anything is enqueued, nothing changed: every error of
+    /// [`DeviceLayer::append_batch`] (with the layer holding the batch's starts) and of
+    /// [`DecodePlan::run_batch`] for the plan, the batch and `q`, `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_step<T: KvElement, Q: KvElement, O: OutputElement>(
+        &mut self,
+        layer: &mut DeviceLayer,
+        batch: &StepBatch,
+        (k, k_stride): (&impl AsDeviceSlice<Elem = T>, usize),
+        (v, v_stride): (&impl AsDeviceSlice<Elem = T>, usize),
+        q: &impl AsDeviceSlice<Elem = Q>,
+        q_row_stride: usize,
+        out: &mut impl AsDeviceSliceMut<Elem = O>,
+        out_row_stride: usize,
+    ) -> Result<()> {
+        let (k, v, q, out) = (k.device_slice(), v.device_slice(), q.device_slice(), out.device_slice_mut());
+        layer.check_batch(batch)?;
+        for (what, b, stride) in [("k", k, k_stride), ("v", v, v_stride)] {
+            layer.check_kv_input(what, b.device, b.len(), stride, batch.max_rows)?;
+        }
+        self.check_steps(layer, batch, false)?;
+        Self::check_rows(layer, batch, (q.device, q.len(), q_row_stride), (out.device, out.len(), out_row_stride))?;
+        let p = self.batch_params::<Q>(layer, batch, q_row_stride);
+        for pass in 0..batch.passes {
+            let meta = batch.pass_meta(pass);
+            // SAFETY: the batch, k and v checked against the layer's lengths, which are
+            // the batch's starts; pass `i`'s starts are those plus the rows of the passes
+            // before it, which the launches before it appended (one stream). The decode:
+            // as in `run_batch`, over the rows of this pass, whose slots' device lengths
+            // its append set; partials of other rows are not written.
+            unsafe {
+                layer.enqueue_append::<T>(batch, meta, (k.addr(), k_stride), (v.addr(), v_stride))?;
+                self.enqueue_decode(layer, &p, q.addr(), meta)?;
             }
         }
-        let p = DecodeParams {
+        // SAFETY: every row of the step had its partials written by its pass; the merge
+        // reads the whole step's batch (its rows' slots, counts and first rows), out
+        // checked above.
+        unsafe {
+            self.enqueue_merge::<O>(layer, &p, batch.max_rows as u32, out.addr(), out_row_stride, batch.meta.addr())?
+        };
+        layer.commit_batch(batch);
+        Ok(())
+    }
+
+    /// The decode parameters of a step batch's rows (queries `q_row_stride` apart, of
+    /// type `Q`).
+    fn batch_params<Q: KvElement>(&self, layer: &DeviceLayer, batch: &StepBatch, q_row_stride: usize) -> DecodeParams {
+        DecodeParams {
             q_seq_stride: 0,
             q_token_stride: q_row_stride as u32,
             q_dtype: Q::DTYPE,
@@ -2044,15 +2214,34 @@ impl DecodePlan {
                 self.shape.max_q_len,
                 self.attn_window,
             )
-        };
-        // SAFETY: as in `run_strided`, with the step batch's rows: every slot with rows
-        // holds a live sequence of at least its count (its length is its start plus its
-        // count), at most `max_q_len` rows each, the batch's rows within the partials
-        // (`max_rows <= max_seqs * max_q_len`) and within q and out (checked above); the
-        // batch's meta is its own buffer of this device.
-        unsafe {
-            self.enqueue::<O>(layer, &p, batch.max_rows as u32, q.addr(), out.addr(), out_row_stride, batch.meta.addr())
         }
+    }
+
+    /// `q` and `out` of a step batch's rows: `(device, elements, row stride)` each, of
+    /// this device, strides of at least a row within `u32`, `batch.max_rows()` rows.
+    fn check_rows(
+        layer: &DeviceLayer,
+        batch: &StepBatch,
+        q: (u64, usize, usize),
+        out: (u64, usize, usize),
+    ) -> Result<()> {
+        let dev = &layer.device;
+        let (hq, d) = (layer.shape.num_q_heads, layer.config.head_dim);
+        dev.check_view(q.0, "q")?;
+        dev.check_view(out.0, "out")?;
+        for (what, (_, len, stride)) in [("q", q), ("out", out)] {
+            if stride < hq * d || stride > u32::MAX as usize {
+                return Err(Error::Shape(format!("{what} row stride {stride}: at least {hq} heads x {d}, within u32")));
+            }
+            let need = (batch.max_rows - 1) * stride + hq * d;
+            if len < need {
+                return Err(Error::Shape(format!(
+                    "{what} has {len} elements; the batch's {} rows at row stride {stride} need {need}",
+                    batch.max_rows
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Every check of [`DecodePlan::run_batch`] that concerns the plan, the layer and the
@@ -2123,22 +2312,22 @@ impl DecodePlan {
         out_row_stride: usize,
         meta: u64,
     ) -> Result<()> {
-        let dev = &layer.device;
-        let mp = MergeParams {
-            num_seqs: rows,
-            num_q_heads: p.num_q_heads,
-            num_kv_heads: p.num_kv_heads,
-            head_dim: p.format.head_dim,
-            num_splits: p.num_splits,
-            flags: (p.flags & !crate::OUTPUT_FLAGS) | O::FLAG,
-            out_row_stride: out_row_stride as u32,
-            batch_seqs: p.batch_seqs,
-            q_len: p.q_len,
-        };
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.enqueue_decode(layer, p, q, meta)?;
+            self.enqueue_merge::<O>(layer, p, rows, out, out_row_stride, meta)
+        }
+    }
+
+    /// The decode launch of [`DecodePlan::enqueue`].
+    ///
+    /// # Safety
+    /// As [`DecodePlan::enqueue`].
+    unsafe fn enqueue_decode(&self, layer: &DeviceLayer, p: &DecodeParams, q: u64, meta: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe {
             raw::decode(
-                dev,
+                &layer.device,
                 p,
                 &DecodePtrs {
                     q,
@@ -2155,9 +2344,38 @@ impl DecodePlan {
                     o: self.o.addr(),
                     meta,
                 },
-            )?;
+            )
+        }
+    }
+
+    /// The merge launch of [`DecodePlan::enqueue`].
+    ///
+    /// # Safety
+    /// As [`DecodePlan::enqueue`], the partials of every row written.
+    unsafe fn enqueue_merge<O: OutputElement>(
+        &self,
+        layer: &DeviceLayer,
+        p: &DecodeParams,
+        rows: u32,
+        out: u64,
+        out_row_stride: usize,
+        meta: u64,
+    ) -> Result<()> {
+        let mp = MergeParams {
+            num_seqs: rows,
+            num_q_heads: p.num_q_heads,
+            num_kv_heads: p.num_kv_heads,
+            head_dim: p.format.head_dim,
+            num_splits: p.num_splits,
+            flags: (p.flags & !crate::OUTPUT_FLAGS) | O::FLAG,
+            out_row_stride: out_row_stride as u32,
+            batch_seqs: p.batch_seqs,
+            q_len: p.q_len,
+        };
+        // SAFETY: forwarded contract.
+        unsafe {
             raw::merge(
-                dev,
+                &layer.device,
                 &mp,
                 &MergePtrs {
                     m: self.m.addr(),

@@ -752,6 +752,11 @@ pub struct CacheAttention {
     /// one decode with `q_len` = their count) rather than prefilled exactly. Off by
     /// default.
     pub multi_token_decode: bool,
+    /// Rows of a sequence per pass of a multi-token decode ([`crate::KvCache::append_decode`]):
+    /// `None` takes each cache's [`crate::CacheConfig::pass_rows`] (half its window, as a
+    /// serving step with [`crate::device::StepBatch::with_passes`] runs); `Some(n)` at or
+    /// above the rows is one append then one decode.
+    pub pass_rows: Option<usize>,
     prefill: ExactAttention,
 }
 
@@ -777,7 +782,7 @@ impl CacheAttention {
             }
             cache.set_softmax_scale(config.attn_scale)?;
         }
-        Ok(Self { caches, slots, multi_token_decode: false, prefill: ExactAttention::new(config) })
+        Ok(Self { caches, slots, multi_token_decode: false, pass_rows: None, prefill: ExactAttention::new(config) })
     }
 }
 
@@ -837,13 +842,11 @@ impl Attention for CacheAttention {
                 idx.iter().flat_map(|&i| x[i * w..(i + 1) * w].iter().copied()).collect()
             };
             let ids: Vec<crate::SeqId> = seqs.iter().map(|idx| self.slots[rows[idx[0]].seq].1).collect();
-            for (idx, &id) in seqs.iter().zip(&ids) {
-                self.caches[c].append(layer, id, q_len, &gather(k, kvd, idx), &gather(v, kvd, idx))?;
-            }
             let all: Vec<usize> = seqs.iter().flat_map(|idx| idx.iter().copied()).collect();
-            let qs = gather(q, qd, &all);
+            let (ks, vs, qs) = (gather(k, kvd, &all), gather(v, kvd, &all), gather(q, qd, &all));
             let mut o = vec![0f32; qs.len()];
-            self.caches[c].decode_tokens(layer, &ids, q_len, &qs, &mut o)?;
+            let pass = self.pass_rows.unwrap_or_else(|| self.caches[c].config().pass_rows());
+            self.caches[c].append_decode(layer, &ids, q_len, pass, (&ks, &vs), &qs, &mut o)?;
             for (j, &i) in all.iter().enumerate() {
                 out[i * qd..(i + 1) * qd].copy_from_slice(&o[j * qd..(j + 1) * qd]);
             }

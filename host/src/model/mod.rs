@@ -395,6 +395,12 @@ pub struct PplOptions {
     /// step pushed a page of the window into quantization (its earlier rows then read
     /// that page quantized, as a speculative decoder's verification rows would).
     pub chunk: usize,
+    /// Rows per pass of a step's multi-token decode ([`crate::KvCache::append_decode`]):
+    /// `None` takes each method's [`crate::CacheConfig::pass_rows`] (half its window: what
+    /// a serving step with [`crate::device::StepBatch::with_passes`] runs), so that a
+    /// step's rows see its earlier tokens in f16 however long the chunk; `Some(n)` with
+    /// `n >= chunk` appends the whole step before decoding it.
+    pub pass_rows: Option<usize>,
     /// The calibration of the pre-RoPE keys ([`prerope::pre_rope_calibration`]) that `-pre`
     /// methods with `-c` or `-a` use.
     pub pre_calibration: Option<calibrate::Calibration>,
@@ -483,6 +489,7 @@ pub fn perplexity(
     }
     let mut attn = CacheAttention::new(c, caches, slots)?;
     attn.multi_token_decode = true;
+    attn.pass_rows = opts.pass_rows;
     // Simulated methods (`-pre`, `-sim`): their sequences go to the harness simulation.
     let mut sims = Vec::new();
     let mut seq_method = Vec::new();
