@@ -641,7 +641,7 @@ fn smollm2_capture_reproduces_the_tiles() {
     }
 }
 
-/// Slow (about 2 minutes on two shared cores; run by `cargo xtask ci` with `--ignored`): the presets and the recommended
+/// Slow (40 s on two cores; run by `cargo xtask ci` with `--ignored`): the presets and the recommended
 /// recipes on SmolLM2. Calibrated on the first 1024 tokens of alice29.txt (the smoothing
 /// measured for the presets' key quantizers, 64 queries per head), evaluated on 2
 /// windows of 512 tokens of lcet10.txt, 16 tokens per decode step.
