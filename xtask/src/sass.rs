@@ -1006,14 +1006,11 @@ impl Model {
     }
     /// What bounds the step-level figure's variable part.
     pub fn step_bound(&self) -> &'static str {
-        let t = self.bandwidth_s.max(self.measured_issue_s).max(self.latency_s);
-        if t == self.bandwidth_s {
-            "fixed + bandwidth"
-        } else if t == self.measured_issue_s {
-            "fixed + issue"
-        } else {
-            "fixed + latency"
-        }
+        binding([
+            (self.bandwidth_s, "fixed + bandwidth"),
+            (self.measured_issue_s, "fixed + issue"),
+            (self.latency_s, "fixed + latency"),
+        ])
     }
     /// Step-level modeled % of the achievable bandwidth (what the gate's floors apply to).
     pub fn step_pct(&self) -> f64 {
@@ -1023,19 +1020,18 @@ impl Model {
         self.bandwidth_s.max(self.issue_s).max(self.latency_s)
     }
     pub fn bound(&self) -> &'static str {
-        let t = self.step_s();
-        if t == self.bandwidth_s {
-            "bandwidth"
-        } else if t == self.issue_s {
-            "issue"
-        } else {
-            "latency"
-        }
+        binding([(self.bandwidth_s, "bandwidth"), (self.issue_s, "issue"), (self.latency_s, "latency")])
     }
     /// Modeled % of the achievable bandwidth.
     pub fn pct(&self) -> f64 {
         100.0 * self.useful_s / self.step_s()
     }
+}
+
+/// The name of the largest of the bounds (the first of equal ones).
+fn binding<const N: usize>(bounds: [(f64, &'static str); N]) -> &'static str {
+    let t = bounds.iter().map(|b| b.0).fold(f64::NEG_INFINITY, f64::max);
+    bounds.iter().find(|b| b.0 == t).map_or("", |b| b.1)
 }
 
 /// The model of one case: `bytes = batch x KV heads x context x bytes per token-head`;
@@ -1112,14 +1108,7 @@ impl PrefillModel {
         self.issue_s.max(self.tensor_s).max(self.dram_s)
     }
     pub fn bound(&self) -> &'static str {
-        let t = self.step_s();
-        if t == self.issue_s {
-            "issue"
-        } else if t == self.tensor_s {
-            "tensor"
-        } else {
-            "bandwidth"
-        }
+        binding([(self.issue_s, "issue"), (self.tensor_s, "tensor"), (self.dram_s, "bandwidth")])
     }
     /// Modeled % of the dense FP16 tensor peak.
     pub fn pct(&self) -> f64 {
