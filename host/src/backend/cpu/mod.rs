@@ -42,6 +42,8 @@ mod tests;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 
 pub use append::append;
 pub use decode::{decode, decode_f16_baseline, default_splits};

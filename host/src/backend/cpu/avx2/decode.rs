@@ -3,32 +3,12 @@
 
 use super::*;
 
-/// `e^x` in each lane for `x <= 88` (0 below -87, and for `-inf`), to 2e-7 relative:
-/// `x = n ln2 + r` (`n` rounded, `r` by two FMAs with ln2 split in a high part of 17
-/// bits and the rest, so `r` is exact to 1e-10 for `|n| <= 126`), then
-/// `e^r = 1 + r + r^2 (c2 + c3 r + c4 r^2 + c5 r^3)` on `|r| <= ln2 / 2` with
-/// coefficients fitted for the least maximal relative error (1.05e-7 in exact
-/// arithmetic; 1.8e-7 in f32 over `[-87, 20]`, see `fast_exp_is_accurate`), and
-/// `2^n` built in the exponent bits. One degree and about ten instructions fewer
-/// than [`super::super::exp_neg`]'s Taylor polynomial without FMA.
+/// [`lanes::exp`] at eight lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) fn exp8(x: __m256) -> __m256 {
-    let floor = _mm256_set1_ps(-87.0);
-    let xc = _mm256_max_ps(x, floor);
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        xc,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_145_75), xc);
-    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428_606_8e-6), r);
-    let p = _mm256_fmadd_ps(_mm256_set1_ps(8.312_525e-3), r, _mm256_set1_ps(4.189_011_5e-2));
-    let p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_671_14));
-    let p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.499_992_3));
-    let y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(r, r), p, r), _mm256_set1_ps(1.0));
-    let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
-    let y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-    _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_GE_OQ>(x, floor))
+    // SAFETY: this function is compiled for AVX2, FMA and F16C.
+    lanes::exp(unsafe { W256::assume() }, x)
 }
 
 /// [`super::super::Kernels::exp_sum`] with [`exp8`], eight weights at a time.
@@ -366,7 +346,8 @@ pub(crate) fn dots_codes_t_heads(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) fn pow2(e: i32) -> __m256 {
-    _mm256_set1_ps(f32::from_bits(((127 + e) as u32) << 23))
+    // SAFETY: this function is compiled for AVX2, FMA and F16C.
+    lanes::pow2(unsafe { W256::assume() }, e)
 }
 
 /// Value accumulation of heads `[h0, h0 + H)` straight from packed codes.

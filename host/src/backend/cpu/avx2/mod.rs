@@ -8,6 +8,8 @@ use crate::KvElement;
 use half::f16;
 use std::arch::x86_64::*;
 
+use super::lanes::{self, W256};
+
 pub(crate) use decode::*;
 pub(crate) use quantize::*;
 pub(crate) use rotate::*;

@@ -2,106 +2,29 @@
 
 use super::*;
 
-/// The FWHT butterflies of [`fwht_regs`] on an array `$v` of `R` registers (`8 * R`
-/// floats), unscaled; a macro so that the array stays in registers in every caller
-/// (as a function LLVM may leave it out of line, with the array in memory).
-macro_rules! fwht_in_regs {
-    ($v:expr, $r:expr) => {{
-        const { assert!($r <= 16, "stages 1 to 8 only") };
-        let v: &mut [__m256; $r] = $v;
-        let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
-        let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
-        let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
-        unrolled::<$r>(|r| {
-            let a = v[r];
-            let a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps::<0xB1>(a));
-            let a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps::<0x4E>(a));
-            v[r] = _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps::<1>(a, a));
-        });
-        // Stride h between registers, called with constants (so every index is one).
-        let mut stage = |h: usize| {
-            if h < $r {
-                // Pair k of the stage: i = its block's start + k % h, with i + h.
-                unrolled::<$r>(|k| {
-                    if k < $r / 2 {
-                        let i = k / h * 2 * h + k % h;
-                        let (a, b) = (v[i], v[i + h]);
-                        v[i] = _mm256_add_ps(a, b);
-                        v[i + h] = _mm256_sub_ps(a, b);
-                    }
-                });
-            }
-        };
-        stage(1);
-        stage(2);
-        stage(4);
-        stage(8);
-    }};
-}
-
-/// In-register FWHT butterflies of `8 * R` floats at `p` (strides 1, 2 and 4 inside
-/// each register by a lane swap and a multiply-add with +-1, exact since
-/// `x * -1 + y` rounds once like `y - x`; strides 8 and up between registers), then
-/// a multiplication by `scale` where given.
+/// The FWHT butterflies of the `8 * R` floats at `p` ([`lanes::fwht_regs`] at eight
+/// lanes: strides 1, 2 and 4 inside each register, 8 and up between registers), then a
+/// multiplication by `scale` where given.
 ///
 /// # Safety
 /// `p` is valid for reads and writes of `8 * R` floats, and AVX2 and FMA are present.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: Option<f32>) {
-    let mut v = [_mm256_setzero_ps(); R];
-    for (r, v) in v.iter_mut().enumerate() {
-        // SAFETY: r < R: the 8 floats at 8 * r are inside the caller's 8 * R.
-        *v = unsafe { _mm256_loadu_ps(p.add(8 * r)) };
-    }
-    fwht_in_regs!(&mut v, R);
-    for (r, v) in v.iter().enumerate() {
-        let v = match scale {
-            Some(s) => _mm256_mul_ps(*v, _mm256_set1_ps(s)),
-            None => *v,
-        };
-        // SAFETY: as for the loads.
-        unsafe { _mm256_storeu_ps(p.add(8 * r), v) };
-    }
+    // SAFETY: this function is compiled for AVX2, FMA and F16C; `p` as the caller vouches.
+    unsafe { lanes::fwht_regs::<_, R>(W256::assume(), p, scale) }
 }
 
-/// Whether the vector loads of the one-pass staging (`load8`, and `load16` of the
-/// 512-bit pass) read `T`: f32, f16 or bf16, of that type's size (`KvElement` is
+/// Whether the vector loads of the one-pass staging (`Lanes::load_elems`) read `T`: f32, f16 or bf16, of that type's size (`KvElement` is
 /// sealed, but its `DTYPE` alone does not prove the element's size).
 pub(crate) fn loadable<T: KvElement>() -> bool {
     let size = if T::DTYPE == DTYPE_F32 { 4 } else { 2 };
     [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size
 }
 
-/// Eight elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
-/// into the high half), for the element types the fused staging reads.
-///
-/// # Safety
-/// `p` is valid for reads of 8 elements, `T` is f32, f16 or bf16 (its `DTYPE`, with
-/// the size of that type), and AVX2 and F16C are present.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-pub(super) unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
-    // SAFETY: the caller's contract (8 elements of 4 or 2 bytes).
-    unsafe {
-        if T::DTYPE == DTYPE_F32 {
-            _mm256_loadu_ps(p.cast())
-        } else if T::DTYPE == DTYPE_F16 {
-            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
-        } else {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
-        }
-    }
-}
-
-/// The fused append's staging of one new row of `8 * R` channels (64 or 128) for a
-/// Hadamard rotation with no channel permutation, in registers: the row loaded as f32,
-/// centered and scaled (`affine`, the same f32 operations as
-/// [`super::super::load_affine`]), its squared norm (the fast check's, in another order:
-/// FMAs into eight lanes), the butterflies and the scale of [`fwht_regs`] (the same
-/// bits as [`super::super::fwht`]), rounding to f16 into `dst`, and the min and max of each
-/// group of `8 * PER` channels of the stored row into `ranges` (as [`group_range`]
-/// finds them). Every loop has a constant trip count, so that the row stays in
-/// registers. `None` (nothing written) for another element type or row length.
+/// [`lanes::stage_hadamard`] at eight lanes: the fused append's one-pass staging of a new
+/// row of `8 * R` channels (64 or 128) for a Hadamard rotation with no channel
+/// permutation, groups of `8 * PER` channels. `None` (nothing written) for another
+/// element type or row length.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
@@ -110,60 +33,9 @@ pub(crate) fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
     dst: &mut [f16],
     ranges: &mut [(f32, f32)],
 ) -> Option<f32> {
-    let d = 8 * R;
-    if !loadable::<T>() || src.len() != d || dst.len() != d {
-        return None;
-    }
-    assert!(PER >= 4 && R.is_multiple_of(PER) && R / PER <= 4 && ranges.len() == R / PER);
-    let sp = src.as_ptr();
-    let mut v = [_mm256_setzero_ps(); R];
-    // One loop per case, each with a constant trip count and a short body (so that
-    // LLVM unrolls it and the array stays in registers).
-    match affine {
-        KeyAffine::None => unrolled::<R>(|r| {
-            // SAFETY: 8 * r + 8 <= d = src.len(); T is one of the three types.
-            v[r] = unsafe { load8(sp.add(8 * r)) };
-        }),
-        KeyAffine::Center(m) => {
-            assert_eq!(m.len(), d);
-            unrolled::<R>(|r| {
-                // SAFETY: as above, and `m` has d floats.
-                v[r] = unsafe { _mm256_sub_ps(load8(sp.add(8 * r)), _mm256_loadu_ps(m.as_ptr().add(8 * r))) };
-            });
-        }
-        KeyAffine::Full(m, sc) => {
-            assert!(m.len() == d && sc.len() == d);
-            unrolled::<R>(|r| {
-                // SAFETY: as above, and `m` and `sc` have d floats.
-                v[r] = unsafe {
-                    let (m, sc) = (_mm256_loadu_ps(m.as_ptr().add(8 * r)), _mm256_loadu_ps(sc.as_ptr().add(8 * r)));
-                    _mm256_div_ps(_mm256_sub_ps(load8(sp.add(8 * r)), m), sc)
-                };
-            });
-        }
-    }
-    let mut acc = [_mm256_setzero_ps(); 2];
-    unrolled::<R>(|r| acc[r % 2] = _mm256_fmadd_ps(v[r], v[r], acc[r % 2]));
-    fwht_in_regs!(&mut v, R);
-    let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
-    let dp = dst.as_mut_ptr();
-    // At most 4 groups (R / PER <= 16 / 4).
-    let mut lo = [_mm256_set1_ps(f32::INFINITY); 4];
-    let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
-    unrolled::<R>(|r| {
-        let y = _mm256_mul_ps(v[r], scale);
-        // SAFETY: 8 * r + 8 <= d = dst.len().
-        unsafe { _mm_storeu_si128(dp.add(8 * r).cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y)) };
-        lo[r / PER] = _mm256_min_ps(lo[r / PER], y);
-        hi[r / PER] = _mm256_max_ps(hi[r / PER], y);
-    });
-    // Rounding to f16 is monotone, so the rounded min and max are the min and max of
-    // the rounded row (up to the sign of a zero, which `group_params` decides).
-    let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
-    for (j, range) in ranges.iter_mut().enumerate() {
-        *range = (hmin(round(lo[j])), hmax(round(hi[j])));
-    }
-    Some(hsum(_mm256_add_ps(acc[0], acc[1])))
+    // SAFETY: this function is compiled for AVX2, FMA and F16C.
+    let l = unsafe { W256::assume() };
+    lanes::stage_hadamard::<_, T, R, PER>(l, src, affine, dst, ranges)
 }
 
 /// [`stage_hadamard`] of a token's key row (with its `affine`) and value row, one

@@ -1,0 +1,534 @@
+//! The kernels that are one algorithm at two widths, written once: a [`Lanes`] width
+//! (eight f32 lanes in a 256-bit register, [`W256`], or sixteen in a 512-bit one,
+//! [`W512`]) and bodies generic over it, as the `pulp` and `std::simd` crates shape
+//! them. Each body is `#[inline(always)]` and is called from a function compiled for
+//! its width's target features (`avx2::rotate`, `avx512`), so that every lane operation
+//! inlines into one instruction (or the short sequence the width needs) there; each
+//! lane runs the same chain of f32 operations at either width, so the two widths give
+//! the same bits lane for lane, as the hand-written pairs did.
+//!
+//! Written once here: the FWHT butterflies of a row held in registers and the FWHT of
+//! such a row in memory, the fused append's one-pass staging of a new row (load,
+//! center and scale, the butterflies, the scale, rounding to f16, the groups' ranges,
+//! the squared norm) and the fast `e^x` of the softmax. The other AVX-512 kernels are
+//! other algorithms than their AVX2 twins (mask registers, `pdep`, rounding modes,
+//! 16-byte loads that cover two code blocks, the score combine inside the kernel), so
+//! they stay written per width.
+
+use super::avx2::{hmax, hmin, hsum, loadable, unrolled};
+use super::{DTYPE_F16, DTYPE_F32, KeyAffine};
+use crate::KvElement;
+use half::f16;
+use std::arch::x86_64::*;
+
+/// A width of f32 vector registers, with the operations the generic kernels use. A
+/// value is the proof that the processor has the width's target features: only
+/// [`W256::assume`] and [`W512::assume`] make one, so the safe methods may execute the
+/// width's instructions.
+pub(crate) trait Lanes: Copy {
+    /// f32 lanes per register.
+    const N: usize;
+    /// One register of `N` f32.
+    type V: Copy;
+
+    /// Zero in every lane.
+    fn zero(self) -> Self::V;
+    /// `x` in every lane.
+    fn splat(self, x: f32) -> Self::V;
+    /// `N` floats at `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for reads of `N` floats.
+    unsafe fn load(self, p: *const f32) -> Self::V;
+    /// `v` into the `N` floats at `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `N` floats.
+    unsafe fn store(self, p: *mut f32, v: Self::V);
+    /// `N` elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
+    /// into the high half).
+    ///
+    /// # Safety
+    /// `p` is valid for reads of `N` elements, and `T` is f32, f16 or bf16 (its `DTYPE`,
+    /// with the size of that type: [`loadable`]).
+    unsafe fn load_elems<T: KvElement>(self, p: *const T) -> Self::V;
+    /// `v` rounded to f16 (to nearest, ties to even) into the `N` halves at `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `N` halves.
+    unsafe fn store_f16(self, p: *mut f16, v: Self::V);
+    /// `v` rounded to f16 and back.
+    fn round_f16(self, v: Self::V) -> Self::V;
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c`, rounded once.
+    fn fmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    fn min(self, a: Self::V, b: Self::V) -> Self::V;
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Each lane rounded to the nearest integer (ties to even).
+    fn round(self, v: Self::V) -> Self::V;
+    /// `2^n` in each lane for the integral `n` in it (`-126 <= n <= 127`), built in the
+    /// exponent bits.
+    fn exp2i(self, n: Self::V) -> Self::V;
+    /// `y` where `x >= floor` (ordered), zero elsewhere.
+    fn zero_unless_ge(self, x: Self::V, floor: Self::V, y: Self::V) -> Self::V;
+    /// Smallest lane.
+    fn hmin(self, v: Self::V) -> f32;
+    /// Largest lane.
+    fn hmax(self, v: Self::V) -> f32;
+    /// Sum of the lanes (in the width's own order).
+    fn hsum(self, v: Self::V) -> f32;
+    /// The unscaled FWHT butterflies of strides `1, 2, .., N / 2` inside one register, in
+    /// the order of the portable FWHT: per stride, a lane swap and a multiply-add with
+    /// `+-1` (exact, since `x * -1 + y` rounds once like `y - x`).
+    fn butterflies(self, v: Self::V) -> Self::V;
+}
+
+/// Eight f32 lanes in a 256-bit register (AVX2, FMA, F16C).
+#[derive(Clone, Copy)]
+pub(crate) struct W256(());
+
+impl W256 {
+    /// The width's token.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are present (the caller is compiled for them with
+    /// `#[target_feature]`, or holds an `Avx2`).
+    #[inline(always)]
+    pub(crate) unsafe fn assume() -> Self {
+        W256(())
+    }
+}
+
+// SAFETY (every `unsafe` block of this impl): a `W256` exists only where AVX2, FMA and
+// F16C are present (`W256::assume`); the pointer methods pass on their callers' contracts.
+impl Lanes for W256 {
+    const N: usize = 8;
+    type V = __m256;
+
+    #[inline(always)]
+    fn zero(self) -> __m256 {
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m256 {
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> __m256 {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m256) {
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn load_elems<T: KvElement>(self, p: *const T) -> __m256 {
+        unsafe {
+            if T::DTYPE == DTYPE_F32 {
+                _mm256_loadu_ps(p.cast())
+            } else if T::DTYPE == DTYPE_F16 {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+            } else {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, p: *mut f16, v: __m256) {
+        unsafe { _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+    }
+    #[inline(always)]
+    fn round_f16(self, v: __m256) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fmadd(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn min(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn round(self, v: __m256) -> __m256 {
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+    }
+    #[inline(always)]
+    fn exp2i(self, n: __m256) -> __m256 {
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            )))
+        }
+    }
+    #[inline(always)]
+    fn zero_unless_ge(self, x: __m256, floor: __m256, y: __m256) -> __m256 {
+        unsafe { _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_GE_OQ>(x, floor)) }
+    }
+    #[inline(always)]
+    fn hmin(self, v: __m256) -> f32 {
+        unsafe { hmin(v) }
+    }
+    #[inline(always)]
+    fn hmax(self, v: __m256) -> f32 {
+        unsafe { hmax(v) }
+    }
+    #[inline(always)]
+    fn hsum(self, v: __m256) -> f32 {
+        unsafe { hsum(v) }
+    }
+    #[inline(always)]
+    fn butterflies(self, a: __m256) -> __m256 {
+        unsafe {
+            let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
+            let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
+            let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
+            let a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps::<0xB1>(a));
+            let a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps::<0x4E>(a));
+            _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps::<1>(a, a))
+        }
+    }
+}
+
+/// Sixteen f32 lanes in a 512-bit register (AVX-512 F, with AVX2, FMA and F16C).
+#[derive(Clone, Copy)]
+pub(crate) struct W512(());
+
+impl W512 {
+    /// The width's token.
+    ///
+    /// # Safety
+    /// AVX-512 F, AVX2, FMA and F16C are present (the caller is compiled for them with
+    /// `#[target_feature]`, or holds an `Avx512`).
+    #[inline(always)]
+    pub(crate) unsafe fn assume() -> Self {
+        W512(())
+    }
+}
+
+// SAFETY (every `unsafe` block of this impl): a `W512` exists only where AVX-512 F,
+// AVX2, FMA and F16C are present (`W512::assume`); the pointer methods pass on their
+// callers' contracts.
+impl Lanes for W512 {
+    const N: usize = 16;
+    type V = __m512;
+
+    #[inline(always)]
+    fn zero(self) -> __m512 {
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> __m512 {
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m512) {
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn load_elems<T: KvElement>(self, p: *const T) -> __m512 {
+        unsafe {
+            if T::DTYPE == DTYPE_F32 {
+                _mm512_loadu_ps(p.cast())
+            } else if T::DTYPE == DTYPE_F16 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+            } else {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, p: *mut f16, v: __m512) {
+        unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+    }
+    #[inline(always)]
+    fn round_f16(self, v: __m512) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fmadd(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn min(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn round(self, v: __m512) -> __m512 {
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+    }
+    #[inline(always)]
+    fn exp2i(self, n: __m512) -> __m512 {
+        unsafe {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            )))
+        }
+    }
+    #[inline(always)]
+    fn zero_unless_ge(self, x: __m512, floor: __m512, y: __m512) -> __m512 {
+        unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), y) }
+    }
+    #[inline(always)]
+    fn hmin(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_min_ps(v) }
+    }
+    #[inline(always)]
+    fn hmax(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_max_ps(v) }
+    }
+    #[inline(always)]
+    fn hsum(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    /// Strides 1 and 2 inside each 128-bit lane, 4 and 8 across them.
+    #[inline(always)]
+    fn butterflies(self, a: __m512) -> __m512 {
+        unsafe {
+            let (p, m) = (1.0f32, -1.0f32);
+            let s1 = _mm512_setr_ps(p, m, p, m, p, m, p, m, p, m, p, m, p, m, p, m);
+            let s2 = _mm512_setr_ps(p, p, m, m, p, p, m, m, p, p, m, m, p, p, m, m);
+            let s4 = _mm512_setr_ps(p, p, p, p, m, m, m, m, p, p, p, p, m, m, m, m);
+            let s8 = _mm512_setr_ps(p, p, p, p, p, p, p, p, m, m, m, m, m, m, m, m);
+            let a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps::<0xB1>(a));
+            let a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps::<0x4E>(a));
+            // 128-bit lanes [1, 0, 3, 2], then [2, 3, 0, 1].
+            let a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4::<0xB1>(a, a));
+            _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4::<0x4E>(a, a))
+        }
+    }
+}
+
+/// The unscaled FWHT butterflies of a row of `N * R` floats held in `R` registers:
+/// [`Lanes::butterflies`] in each register, then strides `N` and up between registers
+/// (`h` registers apart), in the order of the portable FWHT (each butterfly the same two
+/// operands, so the same bits). Every index is a constant once inlined, so the array
+/// stays in registers.
+#[inline(always)]
+pub(crate) fn fwht_in_regs<L: Lanes, const R: usize>(l: L, v: &mut [L::V; R]) {
+    const { assert!(R <= 16, "up to 16 registers") };
+    unrolled::<R>(|r| v[r] = l.butterflies(v[r]));
+    // Stride h between registers, called with constants (so every index is one).
+    let mut stage = |h: usize| {
+        if h < R {
+            // Pair k of the stage: i = its block's start + k % h, with i + h.
+            unrolled::<R>(|k| {
+                if k < R / 2 {
+                    let i = k / h * 2 * h + k % h;
+                    let (a, b) = (v[i], v[i + h]);
+                    v[i] = l.add(a, b);
+                    v[i + h] = l.sub(a, b);
+                }
+            });
+        }
+    };
+    stage(1);
+    stage(2);
+    stage(4);
+    stage(8);
+}
+
+/// The FWHT butterflies of the `N * R` floats at `p` in registers, then a
+/// multiplication by `scale` where given.
+///
+/// # Safety
+/// `p` is valid for reads and writes of `N * R` floats.
+#[inline(always)]
+pub(crate) unsafe fn fwht_regs<L: Lanes, const R: usize>(l: L, p: *mut f32, scale: Option<f32>) {
+    let mut v = [l.zero(); R];
+    unrolled::<R>(|r| {
+        // SAFETY: N * r + N <= N * R, the caller's floats.
+        v[r] = unsafe { l.load(p.add(L::N * r)) };
+    });
+    fwht_in_regs(l, &mut v);
+    unrolled::<R>(|r| {
+        let y = match scale {
+            Some(s) => l.mul(v[r], l.splat(s)),
+            None => v[r],
+        };
+        // SAFETY: as for the loads.
+        unsafe { l.store(p.add(L::N * r), y) };
+    });
+}
+
+/// A new row of `N * R` channels at `src` in `R` registers, as f32, centered and scaled
+/// as `affine` says (the same f32 operations as `load_affine`), and two partial sums of
+/// its squares: the first steps of [`stage_hadamard`]. The caller has checked
+/// `src.len() == N * R` and the type ([`loadable`]).
+#[inline(always)]
+pub(crate) fn load_row<L: Lanes, T: KvElement, const R: usize>(
+    l: L,
+    src: &[T],
+    affine: KeyAffine<'_>,
+) -> ([L::V; R], [L::V; 2]) {
+    let d = L::N * R;
+    assert!(src.len() == d && loadable::<T>());
+    let sp = src.as_ptr();
+    let mut v = [l.zero(); R];
+    // One loop per case, each with a constant trip count and a short body (so that the
+    // array stays in registers).
+    match affine {
+        KeyAffine::None => unrolled::<R>(|r| {
+            // SAFETY: N * r + N <= d = src.len(); T is one of the three types (asserted).
+            v[r] = unsafe { l.load_elems(sp.add(L::N * r)) };
+        }),
+        KeyAffine::Center(m) => {
+            assert_eq!(m.len(), d);
+            unrolled::<R>(|r| {
+                // SAFETY: as above, and `m` has d floats.
+                v[r] = unsafe { l.sub(l.load_elems(sp.add(L::N * r)), l.load(m.as_ptr().add(L::N * r))) };
+            });
+        }
+        KeyAffine::Full(m, sc) => {
+            assert!(m.len() == d && sc.len() == d);
+            unrolled::<R>(|r| {
+                // SAFETY: as above, and `m` and `sc` have d floats.
+                v[r] = unsafe {
+                    let (m, sc) = (l.load(m.as_ptr().add(L::N * r)), l.load(sc.as_ptr().add(L::N * r)));
+                    l.div(l.sub(l.load_elems(sp.add(L::N * r)), m), sc)
+                };
+            });
+        }
+    }
+    let mut acc = [l.zero(); 2];
+    unrolled::<R>(|r| acc[r % 2] = l.fmadd(v[r], v[r], acc[r % 2]));
+    (v, acc)
+}
+
+/// The last steps of [`stage_hadamard`] on a rotated row `v` of `R` registers (groups
+/// of `PER` registers) with partial squares `acc`: the scale, the f16 row into `dst`,
+/// the groups' ranges into `ranges`; returns the squared norm.
+#[inline(always)]
+pub(crate) fn finish_row<L: Lanes, const R: usize, const PER: usize>(
+    l: L,
+    v: &[L::V; R],
+    acc: [L::V; 2],
+    dst: &mut [f16],
+    ranges: &mut [(f32, f32)],
+) -> f32 {
+    let d = L::N * R;
+    assert!(dst.len() == d && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
+    let scale = l.splat(1.0 / (d as f32).sqrt());
+    let dp = dst.as_mut_ptr();
+    let mut lo = [l.splat(f32::INFINITY); 8];
+    let mut hi = [l.splat(f32::NEG_INFINITY); 8];
+    unrolled::<R>(|r| {
+        let y = l.mul(v[r], scale);
+        // SAFETY: N * r + N <= d = dst.len().
+        unsafe { l.store_f16(dp.add(L::N * r), y) };
+        lo[r / PER] = l.min(lo[r / PER], y);
+        hi[r / PER] = l.max(hi[r / PER], y);
+    });
+    // Rounding to f16 is monotone, so the rounded min and max are the min and max of the
+    // rounded row (up to the sign of a zero, which `group_params` decides).
+    for (j, range) in ranges.iter_mut().enumerate() {
+        *range = (l.hmin(l.round_f16(lo[j])), l.hmax(l.round_f16(hi[j])));
+    }
+    l.hsum(l.add(acc[0], acc[1]))
+}
+
+/// The fused append's staging of one new row of `N * R` channels for a Hadamard
+/// rotation with no channel permutation, in registers: the row loaded as f32, centered
+/// and scaled (`affine`, the same f32 operations as `load_affine`), its squared norm
+/// (the fast check's, in another order: FMAs into the lanes), the butterflies and the
+/// scale (the same bits as the portable FWHT), rounding to f16 into `dst`, and the min
+/// and max of each group of `N * PER` channels of the stored row into `ranges` (as the
+/// quantizer's `group_range` finds them). Every loop has a constant trip count, so that
+/// the row stays in registers. `None` (nothing written) for another element type or row
+/// length.
+#[inline(always)]
+pub(crate) fn stage_hadamard<L: Lanes, T: KvElement, const R: usize, const PER: usize>(
+    l: L,
+    src: &[T],
+    affine: KeyAffine<'_>,
+    dst: &mut [f16],
+    ranges: &mut [(f32, f32)],
+) -> Option<f32> {
+    let d = L::N * R;
+    if !loadable::<T>() || src.len() != d || dst.len() != d {
+        return None;
+    }
+    assert!(L::N * PER >= 32 && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
+    let (mut v, acc) = load_row::<L, T, R>(l, src, affine);
+    fwht_in_regs(l, &mut v);
+    Some(finish_row::<L, R, PER>(l, &v, acc, dst, ranges))
+}
+
+/// `e^x` in each lane for `x <= 88` (0 below -87, and for `-inf`), to 2e-7 relative:
+/// `x = n ln2 + r` (`n` rounded, `r` by two FMAs with ln2 split in a high part of 17
+/// bits and the rest, so `r` is exact to 1e-10 for `|n| <= 126`), then
+/// `e^r = 1 + r + r^2 (c2 + c3 r + c4 r^2 + c5 r^3)` on `|r| <= ln2 / 2` with
+/// coefficients fitted for the least maximal relative error (1.05e-7 in exact
+/// arithmetic; 1.8e-7 in f32 over `[-87, 20]`, see `fast_exp_is_accurate`), and
+/// `2^n` built in the exponent bits. One degree and about ten instructions fewer
+/// than [`super::exp_neg`]'s Taylor polynomial without FMA. The same operations in the
+/// same order at either width, so the same bits in every lane.
+#[inline(always)]
+pub(crate) fn exp<L: Lanes>(l: L, x: L::V) -> L::V {
+    let floor = l.splat(-87.0);
+    let xc = l.max(x, floor);
+    let n = l.round(l.mul(xc, l.splat(std::f32::consts::LOG2_E)));
+    let r = l.fmadd(n, l.splat(-0.693_145_75), xc);
+    let r = l.fmadd(n, l.splat(-1.428_606_8e-6), r);
+    let p = l.fmadd(l.splat(8.312_525e-3), r, l.splat(4.189_011_5e-2));
+    let p = l.fmadd(p, r, l.splat(0.166_671_14));
+    let p = l.fmadd(p, r, l.splat(0.499_992_3));
+    let y = l.add(l.fmadd(l.mul(r, r), p, r), l.splat(1.0));
+    let y = l.mul(y, l.exp2i(n));
+    l.zero_unless_ge(x, floor, y)
+}
+
+/// `2^e` in every lane (`-126 <= e <= 127`).
+#[inline(always)]
+pub(crate) fn pow2<L: Lanes>(l: L, e: i32) -> L::V {
+    l.splat(f32::from_bits(((127 + e) as u32) << 23))
+}
