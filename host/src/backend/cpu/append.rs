@@ -18,61 +18,50 @@ pub(crate) fn first_bad_row<T: KvElement>(
     exact_bad: impl Fn(usize, &[T]) -> bool + Sync,
 ) -> Option<usize> {
     const ROWS: usize = 64;
-    #[inline(always)]
-    fn norm2<K: Kernels, T: KvElement>(kern: K, row: &[T], mean: Option<(&[f32], &[f32])>, buf: &mut [f32]) -> f32 {
-        let affine = mean.map_or(KeyAffine::None, |(m, s)| KeyAffine::Full(m, s));
-        load_affine(kern, row, affine, buf)
-    }
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn scan<K: Kernels, T: KvElement>(
-        kern: K,
-        block: &[T],
-        first: usize,
-        heads: usize,
-        d: usize,
-        mean: Option<(&[f32], &[f32])>,
-        bound2: f32,
-        exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
-    ) -> Option<usize> {
-        let mut buf = [0f32; 256];
-        for (r, row) in block.chunks_exact(d).enumerate() {
-            let i = first + r;
-            let hd = i % heads * d..(i % heads + 1) * d;
-            let m = mean.map(|(m, s)| (&m[hd.clone()], &s[hd]));
-            let n2 = norm2(kern, row, m, &mut buf[..d]);
-            if (n2.is_nan() || n2 >= bound2) && exact_bad(i, row) {
-                return Some(i);
-            }
-        }
-        None
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    fn scan_avx2<T: KvElement>(
-        kern: Avx2,
-        block: &[T],
-        first: usize,
-        heads: usize,
-        d: usize,
-        mean: Option<(&[f32], &[f32])>,
-        bound2: f32,
-        exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
-    ) -> Option<usize> {
-        scan(kern, block, first, heads, d, mean, bound2, exact_bad)
-    }
     assert!(d <= 256 && d.is_multiple_of(LANES));
-    #[cfg(target_arch = "x86_64")]
-    let avx = Avx2::detect();
-    x.par_chunks(ROWS * d).enumerate().find_map_first(|(b, block)| {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(kern) = avx {
-            // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
-            return unsafe { scan_avx2(kern, block, b * ROWS, heads, d, mean, bound2, &exact_bad) };
+    x.par_chunks(ROWS * d)
+        .enumerate()
+        .find_map_first(|(b, block)| scan_rows_best(block, b * ROWS, heads, d, mean, bound2, &exact_bad))
+}
+
+/// [`first_bad_row`] over one block of rows, the first being row `first`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scan_rows<K: Kernels, T: KvElement>(
+    kern: K,
+    block: &[T],
+    first: usize,
+    heads: usize,
+    d: usize,
+    mean: Option<(&[f32], &[f32])>,
+    bound2: f32,
+    exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
+) -> Option<usize> {
+    let mut buf = [0f32; 256];
+    for (r, row) in block.chunks_exact(d).enumerate() {
+        let i = first + r;
+        let hd = i % heads * d..(i % heads + 1) * d;
+        let affine = mean.map_or(KeyAffine::None, |(m, s)| KeyAffine::Full(&m[hd.clone()], &s[hd]));
+        let n2 = load_affine(kern, row, affine, &mut buf[..d]);
+        if (n2.is_nan() || n2 >= bound2) && exact_bad(i, row) {
+            return Some(i);
         }
-        scan(Portable, block, b * ROWS, heads, d, mean, bound2, &exact_bad)
-    })
+    }
+    None
+}
+
+with_best_kernels! {
+    /// [`scan_rows`] with the best kernels this processor supports.
+    #[allow(clippy::too_many_arguments)]
+    fn scan_rows_best<T: KvElement>(
+        block: &[T],
+        first: usize,
+        heads: usize,
+        d: usize,
+        mean: Option<(&[f32], &[f32])>,
+        bound2: f32,
+        exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
+    ) -> Option<usize> = scan_rows;
 }
 
 /// Scratch rows of the fused append (one set per worker thread): `x`, `y` and `row` of
@@ -465,34 +454,15 @@ pub(super) fn fill_page<K: Kernels, T: KvElement>(
     true
 }
 
-/// [`fill_page`] with the AVX2 kernels, compiled for AVX2 (and FMA, F16C).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn fill_page_avx2<T: KvElement>(
-    kern: Avx2,
-    inp: &PageInputs<'_, T>,
-    page: u32,
-    h: u32,
-    bytes: &mut [u8],
-    scr: &mut AppendScratch,
-) -> bool {
-    fill_page(kern, inp, page, h, bytes, scr)
-}
-
-/// [`fill_page`] with the best kernels this processor supports.
-pub(super) fn fill_page_best<T: KvElement>(
-    inp: &PageInputs<'_, T>,
-    page: u32,
-    h: u32,
-    bytes: &mut [u8],
-    scr: &mut AppendScratch,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(kern) = Avx2::detect() {
-        // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
-        return unsafe { fill_page_avx2(kern, inp, page, h, bytes, scr) };
-    }
-    fill_page(Portable, inp, page, h, bytes, scr)
+with_best_kernels! {
+    /// [`fill_page`] with the best kernels this processor supports.
+    pub(super) fn fill_page_best<T: KvElement>(
+        inp: &PageInputs<'_, T>,
+        page: u32,
+        h: u32,
+        bytes: &mut [u8],
+        scr: &mut AppendScratch,
+    ) -> bool = fill_page;
 }
 
 /// Bytes of saved pool blocks a thread keeps for its next append (a larger buffer is
@@ -667,28 +637,17 @@ pub fn append<T: KvElement>(
     append_checked(p, calib, pool, block_table, side, protected, k, v, None);
 }
 
-/// The row's squared norm as stored before its rotation (see [`stage_input`]), with the
-/// best kernels; `buf` is scratch of the row's length.
-pub(super) fn row_norm2_best<T: KvElement>(row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 {
-    #[inline(always)]
-    fn go<K: Kernels, T: KvElement>(kern: K, row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 {
-        load_affine(kern, row, affine, buf)
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(kern) = Avx2::detect() {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        fn go_avx2<T: KvElement>(kern: Avx2, row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 {
-            go(kern, row, affine, buf)
-        }
-        // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
-        return unsafe { go_avx2(kern, row, affine, buf) };
-    }
-    go(Portable, row, affine, buf)
+with_best_kernels! {
+    /// The row's squared norm as stored before its rotation (see [`stage_input`]), with the
+    /// best kernels; `buf` is scratch of the row's length.
+    pub(super) fn row_norm2_best<T: KvElement>(row: &[T], affine: KeyAffine<'_>, buf: &mut [f32]) -> f32 = load_affine;
 }
 
-/// [`stage_input`] of the key (`value == false`) or value row with the best kernels.
+/// [`stage_input`] of the key (`value == false`) or value row into the scratch's `row`.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn stage_input_best<T: KvElement>(
+fn stage_key_or_value<K: Kernels, T: KvElement>(
+    kern: K,
     k: &[T],
     v: &[T],
     value: bool,
@@ -698,10 +657,18 @@ pub(super) fn stage_input_best<T: KvElement>(
     vperm: Option<&[u16]>,
     scr: &mut AppendScratch,
 ) {
-    #[inline(always)]
+    let AppendScratch { x, y, row, .. } = scr;
+    if value {
+        stage_input(kern, v, KeyAffine::None, rot, vperm, x, y, row);
+    } else {
+        stage_input(kern, k, affine, rot, kperm, x, y, row);
+    }
+}
+
+with_best_kernels! {
+    /// [`stage_input`] of the key (`value == false`) or value row with the best kernels.
     #[allow(clippy::too_many_arguments)]
-    fn go<K: Kernels, T: KvElement>(
-        kern: K,
+    pub(super) fn stage_input_best<T: KvElement>(
         k: &[T],
         v: &[T],
         value: bool,
@@ -710,33 +677,5 @@ pub(super) fn stage_input_best<T: KvElement>(
         kperm: Option<&[u16]>,
         vperm: Option<&[u16]>,
         scr: &mut AppendScratch,
-    ) {
-        let AppendScratch { x, y, row, .. } = scr;
-        if value {
-            stage_input(kern, v, KeyAffine::None, rot, vperm, x, y, row);
-        } else {
-            stage_input(kern, k, affine, rot, kperm, x, y, row);
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(kern) = Avx2::detect() {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[allow(clippy::too_many_arguments)]
-        fn go_avx2<T: KvElement>(
-            kern: Avx2,
-            k: &[T],
-            v: &[T],
-            value: bool,
-            affine: KeyAffine<'_>,
-            rot: HeadRotation<'_>,
-            kperm: Option<&[u16]>,
-            vperm: Option<&[u16]>,
-            scr: &mut AppendScratch,
-        ) {
-            go(kern, k, v, value, affine, rot, kperm, vperm, scr)
-        }
-        // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
-        return unsafe { go_avx2(kern, k, v, value, affine, rot, kperm, vperm, scr) };
-    }
-    go(Portable, k, v, value, affine, rot, kperm, vperm, scr)
+    ) = stage_key_or_value;
 }

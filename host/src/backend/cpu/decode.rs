@@ -568,27 +568,13 @@ pub(super) fn run_chunks<'a, K: Kernels>(
     st.finish();
 }
 
-/// [`run_chunks`] with the AVX2 kernels, compiled for AVX2 (and FMA, F16C) so
-/// everything inlines.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn run_chunks_avx2<'a>(
-    kern: Avx2,
-    st: &mut HeadState,
-    fmt: &Format,
-    chunks: impl Iterator<Item = Chunk<'a>>,
-) {
-    run_chunks(kern, st, fmt, chunks)
-}
-
-/// [`run_chunks`] with the best kernels this processor supports.
-pub(super) fn run_chunks_best<'a>(st: &mut HeadState, fmt: &Format, chunks: impl Iterator<Item = Chunk<'a>>) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(kern) = Avx2::detect() {
-        // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
-        return unsafe { run_chunks_avx2(kern, st, fmt, chunks) };
-    }
-    run_chunks(Portable, st, fmt, chunks)
+with_best_kernels! {
+    /// [`run_chunks`] with the best kernels this processor supports.
+    pub(super) fn run_chunks_best<'a>(
+        st: &mut HeadState,
+        fmt: &Format,
+        chunks: impl Iterator<Item = Chunk<'a>>,
+    ) = run_chunks;
 }
 
 /// The chunks of positions `[begin, end)` of a sequence, in position order: sink rows,

@@ -30,6 +30,46 @@ const CHUNK: usize = 64;
 /// kernel reads no further), so the columns after those hold what an earlier chunk left.
 const CODES_T_COLS: usize = 96;
 
+/// Defines `$best`, which runs the function `$generic` (generic over [`Kernels`], taking
+/// them first) with the best kernels this processor supports: on x86-64 with AVX2, FMA
+/// and F16C a copy of it compiled for them (so that the kernels inline), else with the
+/// portable kernels.
+macro_rules! with_best_kernels {
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $best:ident<$($lt:lifetime),+>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $generic:ident;
+    ) => {
+        with_best_kernels!(@ [$($lt),+] $(#[$meta])* $vis $best($($arg: $ty),*) $(-> $ret)? = $generic);
+    };
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $best:ident<$($t:ident: $bound:path),*>($($arg:ident: $ty:ty),* $(,)?)
+            $(-> $ret:ty)? = $generic:ident;
+    ) => {
+        with_best_kernels!(@ [$($t: $bound),*] $(#[$meta])* $vis $best($($arg: $ty),*) $(-> $ret)? = $generic);
+    };
+    (
+        @ [$($gen:tt)*] $(#[$meta:meta])* $vis:vis $best:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?
+            = $generic:ident
+    ) => {
+        $(#[$meta])*
+        $vis fn $best<$($gen)*>($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(kern) = Avx2::detect() {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                #[allow(clippy::too_many_arguments)]
+                fn avx2<$($gen)*>(kern: Avx2, $($arg: $ty),*) $(-> $ret)? {
+                    $generic(kern, $($arg),*)
+                }
+                // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target
+                // features.
+                return unsafe { avx2(kern, $($arg),*) };
+            }
+            $generic(Portable, $($arg),*)
+        }
+    };
+}
+
 mod append;
 mod decode;
 mod kernels;

@@ -64,6 +64,20 @@ fn kernel_sets(avx: Avx2) -> Vec<(Avx2, &'static str)> {
     v
 }
 
+/// Runs `$check(kernels, exact, name)` with the portable kernels (`exact` false) and
+/// with each kernel set of [`kernel_sets`] (`exact` true; a `SKIPPED` line where the
+/// processor has no AVX2).
+macro_rules! check_kernel_sets {
+    ($check:ident) => {{
+        $check(Portable, false, "portable");
+        #[cfg(target_arch = "x86_64")]
+        match Avx2::detect() {
+            Some(avx) => kernel_sets(avx).into_iter().for_each(|(kern, what)| $check(kern, true, what)),
+            None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
+        }
+    }};
+}
+
 #[test]
 fn avx2_kernels_match_portable_kernels() {
     #[cfg(target_arch = "x86_64")]
@@ -302,19 +316,7 @@ fn key_scores_of_all_groups_match_f64_and_the_fma_chain() {
             }
         }
     }
-    check(Portable, false, "portable");
-    #[cfg(target_arch = "x86_64")]
-    match Avx2::detect() {
-        Some(avx) => {
-            check(avx.narrow(), true, "avx2");
-            if avx.is_wide() {
-                check(avx, true, "avx512");
-            } else {
-                eprintln!("SKIPPED: avx512 part (this processor has no AVX-512 F)");
-            }
-        }
-        None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
-    }
+    check_kernel_sets!(check);
 }
 
 /// Value accumulation from packed codes (`Kernels::accumulate_codes`: AVX2's
@@ -365,19 +367,7 @@ fn value_accumulation_from_codes_matches_f64_and_the_fma_chain() {
             }
         }
     }
-    check(Portable, false, "portable");
-    #[cfg(target_arch = "x86_64")]
-    match Avx2::detect() {
-        Some(avx) => {
-            check(avx.narrow(), true, "avx2");
-            if avx.is_wide() {
-                check(avx, true, "avx512");
-            } else {
-                eprintln!("SKIPPED: avx512 part (this processor has no AVX-512 F)");
-            }
-        }
-        None => eprintln!("SKIPPED: avx2 part (this processor has no AVX2/FMA/F16C)"),
-    }
+    check_kernel_sets!(check);
 }
 
 #[test]
