@@ -86,6 +86,73 @@ pub(crate) trait Lanes: Copy {
     fn butterflies(self, v: Self::V) -> Self::V;
 }
 
+/// The [`Lanes`] methods that are one intrinsic at either width, from the intrinsics'
+/// names (`$v` the register type); a `SAFETY` comment at each use.
+macro_rules! one_intrinsic_ops {
+    (
+        $v:ty; zero $zero:ident, splat $splat:ident, load $load:ident, store $store:ident, add $add:ident,
+        sub $sub:ident, mul $mul:ident, div $div:ident, fmadd $fmadd:ident, min $min:ident, max $max:ident,
+        hmin $hmin:ident, hmax $hmax:ident, hsum $hsum:ident
+    ) => {
+        #[inline(always)]
+        fn zero(self) -> $v {
+            unsafe { $zero() }
+        }
+        #[inline(always)]
+        fn splat(self, x: f32) -> $v {
+            unsafe { $splat(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(self, p: *const f32) -> $v {
+            unsafe { $load(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, v: $v) {
+            unsafe { $store(p, v) }
+        }
+        #[inline(always)]
+        fn add(self, a: $v, b: $v) -> $v {
+            unsafe { $add(a, b) }
+        }
+        #[inline(always)]
+        fn sub(self, a: $v, b: $v) -> $v {
+            unsafe { $sub(a, b) }
+        }
+        #[inline(always)]
+        fn mul(self, a: $v, b: $v) -> $v {
+            unsafe { $mul(a, b) }
+        }
+        #[inline(always)]
+        fn div(self, a: $v, b: $v) -> $v {
+            unsafe { $div(a, b) }
+        }
+        #[inline(always)]
+        fn fmadd(self, a: $v, b: $v, c: $v) -> $v {
+            unsafe { $fmadd(a, b, c) }
+        }
+        #[inline(always)]
+        fn min(self, a: $v, b: $v) -> $v {
+            unsafe { $min(a, b) }
+        }
+        #[inline(always)]
+        fn max(self, a: $v, b: $v) -> $v {
+            unsafe { $max(a, b) }
+        }
+        #[inline(always)]
+        fn hmin(self, v: $v) -> f32 {
+            unsafe { $hmin(v) }
+        }
+        #[inline(always)]
+        fn hmax(self, v: $v) -> f32 {
+            unsafe { $hmax(v) }
+        }
+        #[inline(always)]
+        fn hsum(self, v: $v) -> f32 {
+            unsafe { $hsum(v) }
+        }
+    };
+}
+
 /// Eight f32 lanes in a 256-bit register (AVX2, FMA, F16C).
 #[derive(Clone, Copy)]
 pub(crate) struct W256(());
@@ -108,22 +175,11 @@ impl Lanes for W256 {
     const N: usize = 8;
     type V = __m256;
 
-    #[inline(always)]
-    fn zero(self) -> __m256 {
-        unsafe { _mm256_setzero_ps() }
-    }
-    #[inline(always)]
-    fn splat(self, x: f32) -> __m256 {
-        unsafe { _mm256_set1_ps(x) }
-    }
-    #[inline(always)]
-    unsafe fn load(self, p: *const f32) -> __m256 {
-        unsafe { _mm256_loadu_ps(p) }
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32, v: __m256) {
-        unsafe { _mm256_storeu_ps(p, v) }
-    }
+    one_intrinsic_ops!(
+        __m256; zero _mm256_setzero_ps, splat _mm256_set1_ps, load _mm256_loadu_ps, store _mm256_storeu_ps,
+        add _mm256_add_ps, sub _mm256_sub_ps, mul _mm256_mul_ps, div _mm256_div_ps, fmadd _mm256_fmadd_ps,
+        min _mm256_min_ps, max _mm256_max_ps, hmin hmin, hmax hmax, hsum hsum
+    );
     #[inline(always)]
     unsafe fn load_elems<T: KvElement>(self, p: *const T) -> __m256 {
         unsafe {
@@ -145,34 +201,6 @@ impl Lanes for W256 {
         unsafe { _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
     }
     #[inline(always)]
-    fn add(self, a: __m256, b: __m256) -> __m256 {
-        unsafe { _mm256_add_ps(a, b) }
-    }
-    #[inline(always)]
-    fn sub(self, a: __m256, b: __m256) -> __m256 {
-        unsafe { _mm256_sub_ps(a, b) }
-    }
-    #[inline(always)]
-    fn mul(self, a: __m256, b: __m256) -> __m256 {
-        unsafe { _mm256_mul_ps(a, b) }
-    }
-    #[inline(always)]
-    fn div(self, a: __m256, b: __m256) -> __m256 {
-        unsafe { _mm256_div_ps(a, b) }
-    }
-    #[inline(always)]
-    fn fmadd(self, a: __m256, b: __m256, c: __m256) -> __m256 {
-        unsafe { _mm256_fmadd_ps(a, b, c) }
-    }
-    #[inline(always)]
-    fn min(self, a: __m256, b: __m256) -> __m256 {
-        unsafe { _mm256_min_ps(a, b) }
-    }
-    #[inline(always)]
-    fn max(self, a: __m256, b: __m256) -> __m256 {
-        unsafe { _mm256_max_ps(a, b) }
-    }
-    #[inline(always)]
     fn round(self, v: __m256) -> __m256 {
         unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
     }
@@ -188,18 +216,6 @@ impl Lanes for W256 {
     #[inline(always)]
     fn zero_unless_ge(self, x: __m256, floor: __m256, y: __m256) -> __m256 {
         unsafe { _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_GE_OQ>(x, floor)) }
-    }
-    #[inline(always)]
-    fn hmin(self, v: __m256) -> f32 {
-        unsafe { hmin(v) }
-    }
-    #[inline(always)]
-    fn hmax(self, v: __m256) -> f32 {
-        unsafe { hmax(v) }
-    }
-    #[inline(always)]
-    fn hsum(self, v: __m256) -> f32 {
-        unsafe { hsum(v) }
     }
     #[inline(always)]
     fn butterflies(self, a: __m256) -> __m256 {
@@ -237,22 +253,12 @@ impl Lanes for W512 {
     const N: usize = 16;
     type V = __m512;
 
-    #[inline(always)]
-    fn zero(self) -> __m512 {
-        unsafe { _mm512_setzero_ps() }
-    }
-    #[inline(always)]
-    fn splat(self, x: f32) -> __m512 {
-        unsafe { _mm512_set1_ps(x) }
-    }
-    #[inline(always)]
-    unsafe fn load(self, p: *const f32) -> __m512 {
-        unsafe { _mm512_loadu_ps(p) }
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32, v: __m512) {
-        unsafe { _mm512_storeu_ps(p, v) }
-    }
+    one_intrinsic_ops!(
+        __m512; zero _mm512_setzero_ps, splat _mm512_set1_ps, load _mm512_loadu_ps, store _mm512_storeu_ps,
+        add _mm512_add_ps, sub _mm512_sub_ps, mul _mm512_mul_ps, div _mm512_div_ps, fmadd _mm512_fmadd_ps,
+        min _mm512_min_ps, max _mm512_max_ps, hmin _mm512_reduce_min_ps, hmax _mm512_reduce_max_ps,
+        hsum _mm512_reduce_add_ps
+    );
     #[inline(always)]
     unsafe fn load_elems<T: KvElement>(self, p: *const T) -> __m512 {
         unsafe {
@@ -274,34 +280,6 @@ impl Lanes for W512 {
         unsafe { _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
     }
     #[inline(always)]
-    fn add(self, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_add_ps(a, b) }
-    }
-    #[inline(always)]
-    fn sub(self, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_sub_ps(a, b) }
-    }
-    #[inline(always)]
-    fn mul(self, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_mul_ps(a, b) }
-    }
-    #[inline(always)]
-    fn div(self, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_div_ps(a, b) }
-    }
-    #[inline(always)]
-    fn fmadd(self, a: __m512, b: __m512, c: __m512) -> __m512 {
-        unsafe { _mm512_fmadd_ps(a, b, c) }
-    }
-    #[inline(always)]
-    fn min(self, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_min_ps(a, b) }
-    }
-    #[inline(always)]
-    fn max(self, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_max_ps(a, b) }
-    }
-    #[inline(always)]
     fn round(self, v: __m512) -> __m512 {
         unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
     }
@@ -317,18 +295,6 @@ impl Lanes for W512 {
     #[inline(always)]
     fn zero_unless_ge(self, x: __m512, floor: __m512, y: __m512) -> __m512 {
         unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), y) }
-    }
-    #[inline(always)]
-    fn hmin(self, v: __m512) -> f32 {
-        unsafe { _mm512_reduce_min_ps(v) }
-    }
-    #[inline(always)]
-    fn hmax(self, v: __m512) -> f32 {
-        unsafe { _mm512_reduce_max_ps(v) }
-    }
-    #[inline(always)]
-    fn hsum(self, v: __m512) -> f32 {
-        unsafe { _mm512_reduce_add_ps(v) }
     }
     /// Strides 1 and 2 inside each 128-bit lane, 4 and 8 across them.
     #[inline(always)]
