@@ -553,7 +553,7 @@ impl Avx512 {
     }
 
     /// [`super::fwht`] of a row of 16 to 256 floats in 512-bit registers (the same bits:
-    /// the butterflies of [`lanes::fwht_in_regs`], then the scale); `false`, with nothing done,
+    /// the butterflies of [`lanes::fwht_in_regs!`], then the scale); `false`, with nothing done,
     /// for other lengths.
     pub(crate) fn fwht(self, x: &mut [f32]) -> bool {
         let p = x.as_mut_ptr();
@@ -602,7 +602,7 @@ impl Avx512 {
     }
 }
 
-/// See [`Avx512::stage_hadamard`]: [`lanes::stage_hadamard`] at sixteen lanes, a row of
+/// See [`Avx512::stage_hadamard`]: [`lanes::stage_hadamard!`] at sixteen lanes, a row of
 /// `16 * R` channels in `R` registers, groups of `16 * PER` channels.
 ///
 /// # Safety
@@ -616,19 +616,20 @@ unsafe fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
 ) -> Option<f32> {
     // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
     let l = unsafe { W512::assume() };
-    lanes::stage_hadamard::<_, T, R, PER>(l, src, affine, dst, ranges)
+    lanes::stage_hadamard!(l: W512, T, R, PER, src, affine, dst, ranges)
 }
 
 /// The orthonormal FWHT of the `16 * R` floats at `p`, in registers
-/// ([`lanes::fwht_regs`] at sixteen lanes).
+/// ([`lanes::fwht_regs!`] at sixteen lanes).
 ///
 /// # Safety
 /// `p` is valid for reads and writes of `16 * R` floats, and AVX-512 F is present.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: f32) {
-    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C; `p` as the
-    // caller vouches.
-    unsafe { lanes::fwht_regs::<_, R>(W512::assume(), p, Some(scale)) }
+    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
+    let l = unsafe { W512::assume() };
+    // SAFETY (in the macro): `p` as the caller vouches.
+    lanes::fwht_regs!(l: W512, R, p, Some(scale))
 }
 
 /// 2-bit codes of [`Avx512::group_codes`].
@@ -946,11 +947,11 @@ unsafe fn stage_pair<T: KvElement, const R: usize, const PER: usize>(
     assert!(PER >= 2 && R.is_multiple_of(PER) && groups <= 8 && kranges.len() == groups && vranges.len() == groups);
     // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
     let l = unsafe { W512::assume() };
-    let (mut a, acc_a) = lanes::load_row::<_, T, R>(l, k, affine);
-    let (mut b, acc_b) = lanes::load_row::<_, T, R>(l, v, KeyAffine::None);
-    lanes::fwht_in_regs(l, &mut a);
-    lanes::fwht_in_regs(l, &mut b);
-    let nk = lanes::finish_row::<_, R, PER>(l, &a, acc_a, kdst, kranges);
-    let nv = lanes::finish_row::<_, R, PER>(l, &b, acc_b, vdst, vranges);
+    let (mut a, acc_a) = lanes::load_row!(l: W512, T, R, k, affine);
+    let (mut b, acc_b) = lanes::load_row!(l: W512, T, R, v, KeyAffine::None);
+    lanes::fwht_in_regs!(l: W512, &mut a, R);
+    lanes::fwht_in_regs!(l: W512, &mut b, R);
+    let nk = lanes::finish_row!(l: W512, R, PER, &a, acc_a, kdst, kranges);
+    let nv = lanes::finish_row!(l: W512, R, PER, &b, acc_b, vdst, vranges);
     Some((nk, nv))
 }

@@ -15,8 +15,8 @@
 //! 16-byte loads that cover two code blocks, the score combine inside the kernel), so
 //! they stay written per width.
 
-use super::avx2::{hmax, hmin, hsum, loadable, unrolled};
-use super::{DTYPE_F16, DTYPE_F32, KeyAffine};
+use super::avx2::{hmax, hmin, hsum};
+use super::{DTYPE_F16, DTYPE_F32};
 use crate::KvElement;
 use half::f16;
 use std::arch::x86_64::*;
@@ -50,7 +50,7 @@ pub(crate) trait Lanes: Copy {
     ///
     /// # Safety
     /// `p` is valid for reads of `N` elements, and `T` is f32, f16 or bf16 (its `DTYPE`,
-    /// with the size of that type: [`loadable`]).
+    /// with the size of that type: `loadable`).
     unsafe fn load_elems<T: KvElement>(self, p: *const T) -> Self::V;
     /// `v` rounded to f16 (to nearest, ties to even) into the `N` halves at `p`.
     ///
@@ -314,133 +314,154 @@ impl Lanes for W512 {
     }
 }
 
-/// The unscaled FWHT butterflies of a row of `N * R` floats held in `R` registers:
-/// [`Lanes::butterflies`] in each register, then strides `N` and up between registers
-/// (`h` registers apart), in the order of the portable FWHT (each butterfly the same two
-/// operands, so the same bits). Every index is a constant once inlined, so the array
-/// stays in registers.
-#[inline(always)]
-pub(crate) fn fwht_in_regs<L: Lanes, const R: usize>(l: L, v: &mut [L::V; R]) {
-    const { assert!(R <= 16, "up to 16 registers") };
-    unrolled::<R>(|r| v[r] = l.butterflies(v[r]));
-    // Stride h between registers, called with constants (so every index is one).
-    let mut stage = |h: usize| {
-        if h < R {
-            // Pair k of the stage: i = its block's start + k % h, with i + h.
-            unrolled::<R>(|k| {
-                if k < R / 2 {
-                    let i = k / h * 2 * h + k % h;
-                    let (a, b) = (v[i], v[i + h]);
-                    v[i] = l.add(a, b);
-                    v[i + h] = l.sub(a, b);
-                }
-            });
-        }
-    };
-    stage(1);
-    stage(2);
-    stage(4);
-    stage(8);
-}
+// The bodies below that hold a row in an array of registers are macros, expanded inside
+// each width's `#[target_feature]` function: their closures (`unrolled`'s, which make
+// every array index a constant so that the array stays in registers) then are compiled
+// with the width's features, and every lane operation inlines into one instruction. As
+// generic `#[inline(always)]` functions their closures were compiled without the features
+// and LLVM left every operation a call (append 7 times slower).
 
-/// The FWHT butterflies of the `N * R` floats at `p` in registers, then a
-/// multiplication by `scale` where given.
-///
-/// # Safety
-/// `p` is valid for reads and writes of `N * R` floats.
-#[inline(always)]
-pub(crate) unsafe fn fwht_regs<L: Lanes, const R: usize>(l: L, p: *mut f32, scale: Option<f32>) {
-    let mut v = [l.zero(); R];
-    unrolled::<R>(|r| {
-        // SAFETY: N * r + N <= N * R, the caller's floats.
-        v[r] = unsafe { l.load(p.add(L::N * r)) };
-    });
-    fwht_in_regs(l, &mut v);
-    unrolled::<R>(|r| {
-        let y = match scale {
-            Some(s) => l.mul(v[r], l.splat(s)),
-            None => v[r],
+/// The unscaled FWHT butterflies of a row of `N * R` floats held in the array `$v` (a
+/// `&mut [L::V; R]`) with the width `$l: $L`: [`Lanes::butterflies`] in each register,
+/// then strides `N` and up between registers (`h` registers apart), in the order of the
+/// portable FWHT (each butterfly the same two operands, so the same bits).
+macro_rules! fwht_in_regs {
+    ($l:ident: $L:ty, $v:expr, $r:expr) => {{
+        use $crate::backend::cpu::avx2::unrolled;
+        use $crate::backend::cpu::lanes::Lanes as _;
+        const { assert!($r <= 16, "up to 16 registers") };
+        let (l, v): ($L, &mut [<$L as $crate::backend::cpu::lanes::Lanes>::V; $r]) = ($l, $v);
+        unrolled::<$r>(|r| v[r] = l.butterflies(v[r]));
+        // Stride h between registers, called with constants (so every index is one).
+        let mut stage = |h: usize| {
+            if h < $r {
+                // Pair k of the stage: i = its block's start + k % h, with i + h.
+                unrolled::<$r>(|k| {
+                    if k < $r / 2 {
+                        let i = k / h * 2 * h + k % h;
+                        let (a, b) = (v[i], v[i + h]);
+                        v[i] = l.add(a, b);
+                        v[i + h] = l.sub(a, b);
+                    }
+                });
+            }
         };
-        // SAFETY: as for the loads.
-        unsafe { l.store(p.add(L::N * r), y) };
-    });
+        stage(1);
+        stage(2);
+        stage(4);
+        stage(8);
+    }};
 }
+pub(crate) use fwht_in_regs;
 
-/// A new row of `N * R` channels at `src` in `R` registers, as f32, centered and scaled
-/// as `affine` says (the same f32 operations as `load_affine`), and two partial sums of
-/// its squares: the first steps of [`stage_hadamard`]. The caller has checked
-/// `src.len() == N * R` and the type ([`loadable`]).
-#[inline(always)]
-pub(crate) fn load_row<L: Lanes, T: KvElement, const R: usize>(
-    l: L,
-    src: &[T],
-    affine: KeyAffine<'_>,
-) -> ([L::V; R], [L::V; 2]) {
-    let d = L::N * R;
-    assert!(src.len() == d && loadable::<T>());
-    let sp = src.as_ptr();
-    let mut v = [l.zero(); R];
-    // One loop per case, each with a constant trip count and a short body (so that the
-    // array stays in registers).
-    match affine {
-        KeyAffine::None => unrolled::<R>(|r| {
-            // SAFETY: N * r + N <= d = src.len(); T is one of the three types (asserted).
-            v[r] = unsafe { l.load_elems(sp.add(L::N * r)) };
-        }),
-        KeyAffine::Center(m) => {
-            assert_eq!(m.len(), d);
-            unrolled::<R>(|r| {
-                // SAFETY: as above, and `m` has d floats.
-                v[r] = unsafe { l.sub(l.load_elems(sp.add(L::N * r)), l.load(m.as_ptr().add(L::N * r))) };
-            });
-        }
-        KeyAffine::Full(m, sc) => {
-            assert!(m.len() == d && sc.len() == d);
-            unrolled::<R>(|r| {
-                // SAFETY: as above, and `m` and `sc` have d floats.
-                v[r] = unsafe {
-                    let (m, sc) = (l.load(m.as_ptr().add(L::N * r)), l.load(sc.as_ptr().add(L::N * r)));
-                    l.div(l.sub(l.load_elems(sp.add(L::N * r)), m), sc)
-                };
-            });
-        }
-    }
-    let mut acc = [l.zero(); 2];
-    unrolled::<R>(|r| acc[r % 2] = l.fmadd(v[r], v[r], acc[r % 2]));
-    (v, acc)
+/// The FWHT butterflies of the `N * R` floats at `$p` (a `*mut f32` valid for reads and
+/// writes of them: the caller's `unsafe` block vouches) in registers, then a
+/// multiplication by `$scale` (an `Option<f32>`) where given.
+macro_rules! fwht_regs {
+    ($l:ident: $L:ty, $r:expr, $p:expr, $scale:expr) => {{
+        use $crate::backend::cpu::avx2::unrolled;
+        use $crate::backend::cpu::lanes::Lanes as _;
+        const N: usize = <$L as $crate::backend::cpu::lanes::Lanes>::N;
+        let (l, p, scale): ($L, *mut f32, Option<f32>) = ($l, $p, $scale);
+        let mut v = [l.zero(); $r];
+        unrolled::<$r>(|r| {
+            // SAFETY: N * r + N <= N * R, the caller's floats.
+            v[r] = unsafe { l.load(p.add(N * r)) };
+        });
+        $crate::backend::cpu::lanes::fwht_in_regs!(l: $L, &mut v, $r);
+        unrolled::<$r>(|r| {
+            let y = match scale {
+                Some(s) => l.mul(v[r], l.splat(s)),
+                None => v[r],
+            };
+            // SAFETY: as for the loads.
+            unsafe { l.store(p.add(N * r), y) };
+        });
+    }};
 }
+pub(crate) use fwht_regs;
 
-/// The last steps of [`stage_hadamard`] on a rotated row `v` of `R` registers (groups
-/// of `PER` registers) with partial squares `acc`: the scale, the f16 row into `dst`,
-/// the groups' ranges into `ranges`; returns the squared norm.
-#[inline(always)]
-pub(crate) fn finish_row<L: Lanes, const R: usize, const PER: usize>(
-    l: L,
-    v: &[L::V; R],
-    acc: [L::V; 2],
-    dst: &mut [f16],
-    ranges: &mut [(f32, f32)],
-) -> f32 {
-    let d = L::N * R;
-    assert!(dst.len() == d && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
-    let scale = l.splat(1.0 / (d as f32).sqrt());
-    let dp = dst.as_mut_ptr();
-    let mut lo = [l.splat(f32::INFINITY); 8];
-    let mut hi = [l.splat(f32::NEG_INFINITY); 8];
-    unrolled::<R>(|r| {
-        let y = l.mul(v[r], scale);
-        // SAFETY: N * r + N <= d = dst.len().
-        unsafe { l.store_f16(dp.add(L::N * r), y) };
-        lo[r / PER] = l.min(lo[r / PER], y);
-        hi[r / PER] = l.max(hi[r / PER], y);
-    });
-    // Rounding to f16 is monotone, so the rounded min and max are the min and max of the
-    // rounded row (up to the sign of a zero, which `group_params` decides).
-    for (j, range) in ranges.iter_mut().enumerate() {
-        *range = (l.hmin(l.round_f16(lo[j])), l.hmax(l.round_f16(hi[j])));
-    }
-    l.hsum(l.add(acc[0], acc[1]))
+/// A new row of `N * R` channels of type `$t` (`$src`, of exactly that length, a type
+/// that `loadable` takes: the caller has checked both) in `R` registers, as f32,
+/// centered and scaled as `$affine` says (the same f32 operations as `load_affine`), and
+/// two partial sums of its squares: the first steps of [`stage_hadamard!`]. Evaluates to
+/// `(registers, partial sums)`.
+macro_rules! load_row {
+    ($l:ident: $L:ty, $t:ty, $r:expr, $src:expr, $affine:expr) => {{
+        use $crate::backend::cpu::KeyAffine;
+        use $crate::backend::cpu::avx2::{loadable, unrolled};
+        use $crate::backend::cpu::lanes::Lanes as _;
+        const N: usize = <$L as $crate::backend::cpu::lanes::Lanes>::N;
+        let (l, src, affine): ($L, &[$t], KeyAffine<'_>) = ($l, $src, $affine);
+        let d = N * $r;
+        assert!(src.len() == d && loadable::<$t>());
+        let sp = src.as_ptr();
+        let mut v = [l.zero(); $r];
+        // One loop per case, each with a constant trip count and a short body (so that the
+        // array stays in registers).
+        match affine {
+            KeyAffine::None => unrolled::<$r>(|r| {
+                // SAFETY: N * r + N <= d = src.len(); the type is one of the three (asserted).
+                v[r] = unsafe { l.load_elems(sp.add(N * r)) };
+            }),
+            KeyAffine::Center(m) => {
+                assert_eq!(m.len(), d);
+                unrolled::<$r>(|r| {
+                    // SAFETY: as above, and `m` has d floats.
+                    v[r] = unsafe { l.sub(l.load_elems(sp.add(N * r)), l.load(m.as_ptr().add(N * r))) };
+                });
+            }
+            KeyAffine::Full(m, sc) => {
+                assert!(m.len() == d && sc.len() == d);
+                unrolled::<$r>(|r| {
+                    // SAFETY: as above, and `m` and `sc` have d floats.
+                    v[r] = unsafe {
+                        let (m, sc) = (l.load(m.as_ptr().add(N * r)), l.load(sc.as_ptr().add(N * r)));
+                        l.div(l.sub(l.load_elems(sp.add(N * r)), m), sc)
+                    };
+                });
+            }
+        }
+        let mut acc = [l.zero(); 2];
+        unrolled::<$r>(|r| acc[r % 2] = l.fmadd(v[r], v[r], acc[r % 2]));
+        (v, acc)
+    }};
 }
+pub(crate) use load_row;
+
+/// The last steps of [`stage_hadamard!`] on a rotated row `$v` of `R` registers (groups of
+/// `PER` registers) with partial squares `$acc`: the scale, the f16 row into `$dst`, the
+/// groups' ranges into `$ranges`; evaluates to the squared norm.
+macro_rules! finish_row {
+    ($l:ident: $L:ty, $r:expr, $per:expr, $v:expr, $acc:expr, $dst:expr, $ranges:expr) => {{
+        use $crate::backend::cpu::avx2::unrolled;
+        use $crate::backend::cpu::lanes::Lanes as _;
+        type V = <$L as $crate::backend::cpu::lanes::Lanes>::V;
+        const N: usize = <$L as $crate::backend::cpu::lanes::Lanes>::N;
+        let (l, v, acc, dst, ranges): ($L, &[V; $r], [V; 2], &mut [half::f16], &mut [(f32, f32)]) =
+            ($l, $v, $acc, $dst, $ranges);
+        let d = N * $r;
+        assert!(dst.len() == d && $r % $per == 0 && $r / $per <= 8 && ranges.len() == $r / $per);
+        let scale = l.splat(1.0 / (d as f32).sqrt());
+        let dp = dst.as_mut_ptr();
+        let mut lo = [l.splat(f32::INFINITY); 8];
+        let mut hi = [l.splat(f32::NEG_INFINITY); 8];
+        unrolled::<$r>(|r| {
+            let y = l.mul(v[r], scale);
+            // SAFETY: N * r + N <= d = dst.len().
+            unsafe { l.store_f16(dp.add(N * r), y) };
+            lo[r / $per] = l.min(lo[r / $per], y);
+            hi[r / $per] = l.max(hi[r / $per], y);
+        });
+        // Rounding to f16 is monotone, so the rounded min and max are the min and max of
+        // the rounded row (up to the sign of a zero, which `group_params` decides).
+        for (j, range) in ranges.iter_mut().enumerate() {
+            *range = (l.hmin(l.round_f16(lo[j])), l.hmax(l.round_f16(hi[j])));
+        }
+        l.hsum(l.add(acc[0], acc[1]))
+    }};
+}
+pub(crate) use finish_row;
 
 /// The fused append's staging of one new row of `N * R` channels for a Hadamard
 /// rotation with no channel permutation, in registers: the row loaded as f32, centered
@@ -449,25 +470,26 @@ pub(crate) fn finish_row<L: Lanes, const R: usize, const PER: usize>(
 /// scale (the same bits as the portable FWHT), rounding to f16 into `dst`, and the min
 /// and max of each group of `N * PER` channels of the stored row into `ranges` (as the
 /// quantizer's `group_range` finds them). Every loop has a constant trip count, so that
-/// the row stays in registers. `None` (nothing written) for another element type or row
-/// length.
-#[inline(always)]
-pub(crate) fn stage_hadamard<L: Lanes, T: KvElement, const R: usize, const PER: usize>(
-    l: L,
-    src: &[T],
-    affine: KeyAffine<'_>,
-    dst: &mut [f16],
-    ranges: &mut [(f32, f32)],
-) -> Option<f32> {
-    let d = L::N * R;
-    if !loadable::<T>() || src.len() != d || dst.len() != d {
-        return None;
-    }
-    assert!(L::N * PER >= 32 && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
-    let (mut v, acc) = load_row::<L, T, R>(l, src, affine);
-    fwht_in_regs(l, &mut v);
-    Some(finish_row::<L, R, PER>(l, &v, acc, dst, ranges))
+/// the row stays in registers. Evaluates to `None` (nothing written) for another element
+/// type or row length, else `Some(squared norm)`.
+macro_rules! stage_hadamard {
+    ($l:ident: $L:ty, $t:ty, $r:expr, $per:expr, $src:expr, $affine:expr, $dst:expr, $ranges:expr) => {{
+        use $crate::backend::cpu::avx2::loadable;
+        use $crate::backend::cpu::lanes::{finish_row, fwht_in_regs, load_row};
+        const N: usize = <$L as $crate::backend::cpu::lanes::Lanes>::N;
+        let (src, dst, ranges): (&[$t], &mut [half::f16], &mut [(f32, f32)]) = ($src, $dst, $ranges);
+        let d = N * $r;
+        if !loadable::<$t>() || src.len() != d || dst.len() != d {
+            None
+        } else {
+            assert!(N * $per >= 32 && $r % $per == 0 && $r / $per <= 8 && ranges.len() == $r / $per);
+            let (mut v, acc) = load_row!($l: $L, $t, $r, src, $affine);
+            fwht_in_regs!($l: $L, &mut v, $r);
+            Some(finish_row!($l: $L, $r, $per, &v, acc, dst, ranges))
+        }
+    }};
 }
+pub(crate) use stage_hadamard;
 
 /// `e^x` in each lane for `x <= 88` (0 below -87, and for `-inf`), to 2e-7 relative:
 /// `x = n ln2 + r` (`n` rounded, `r` by two FMAs with ln2 split in a high part of 17

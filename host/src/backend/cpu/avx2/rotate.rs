@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// The FWHT butterflies of the `8 * R` floats at `p` ([`lanes::fwht_regs`] at eight
+/// The FWHT butterflies of the `8 * R` floats at `p` ([`lanes::fwht_regs!`] at eight
 /// lanes: strides 1, 2 and 4 inside each register, 8 and up between registers), then a
 /// multiplication by `scale` where given.
 ///
@@ -10,8 +10,10 @@ use super::*;
 /// `p` is valid for reads and writes of `8 * R` floats, and AVX2 and FMA are present.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: Option<f32>) {
-    // SAFETY: this function is compiled for AVX2, FMA and F16C; `p` as the caller vouches.
-    unsafe { lanes::fwht_regs::<_, R>(W256::assume(), p, scale) }
+    // SAFETY: this function is compiled for AVX2, FMA and F16C.
+    let l = unsafe { W256::assume() };
+    // SAFETY (in the macro): `p` as the caller vouches.
+    lanes::fwht_regs!(l: W256, R, p, scale)
 }
 
 /// Whether the vector loads of the one-pass staging (`Lanes::load_elems`) read `T`: f32, f16 or bf16, of that type's size (`KvElement` is
@@ -21,7 +23,7 @@ pub(crate) fn loadable<T: KvElement>() -> bool {
     [DTYPE_F32, DTYPE_F16, DTYPE_BF16].contains(&T::DTYPE) && size_of::<T>() == size
 }
 
-/// [`lanes::stage_hadamard`] at eight lanes: the fused append's one-pass staging of a new
+/// [`lanes::stage_hadamard!`] at eight lanes: the fused append's one-pass staging of a new
 /// row of `8 * R` channels (64 or 128) for a Hadamard rotation with no channel
 /// permutation, groups of `8 * PER` channels. `None` (nothing written) for another
 /// element type or row length.
@@ -35,7 +37,7 @@ pub(crate) fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
 ) -> Option<f32> {
     // SAFETY: this function is compiled for AVX2, FMA and F16C.
     let l = unsafe { W256::assume() };
-    lanes::stage_hadamard::<_, T, R, PER>(l, src, affine, dst, ranges)
+    lanes::stage_hadamard!(l: W256, T, R, PER, src, affine, dst, ranges)
 }
 
 /// [`stage_hadamard`] of a token's key row (with its `affine`) and value row, one
