@@ -18,42 +18,15 @@ pub(crate) fn first_bad_row<T: KvElement>(
     exact_bad: impl Fn(usize, &[T]) -> bool + Sync,
 ) -> Option<usize> {
     const ROWS: usize = 64;
-    assert!(d <= 256 && d.is_multiple_of(LANES));
-    x.par_chunks(ROWS * d)
-        .enumerate()
-        .find_map_first(|(b, block)| scan_rows_best(block, b * ROWS, heads, d, mean, bound2, &exact_bad))
-}
-
-/// [`first_bad_row`] over one block of rows, the first being row `first`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn scan_rows<K: Kernels, T: KvElement>(
-    kern: K,
-    block: &[T],
-    first: usize,
-    heads: usize,
-    d: usize,
-    mean: Option<(&[f32], &[f32])>,
-    bound2: f32,
-    exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
-) -> Option<usize> {
-    let mut buf = [0f32; 256];
-    for (r, row) in block.chunks_exact(d).enumerate() {
-        let i = first + r;
-        let hd = i % heads * d..(i % heads + 1) * d;
-        let affine = mean.map_or(KeyAffine::None, |(m, s)| KeyAffine::Full(&m[hd.clone()], &s[hd]));
-        let n2 = load_affine(kern, row, affine, &mut buf[..d]);
-        if (n2.is_nan() || n2 >= bound2) && exact_bad(i, row) {
-            return Some(i);
-        }
+    #[inline(always)]
+    fn norm2<K: Kernels, T: KvElement>(kern: K, row: &[T], mean: Option<(&[f32], &[f32])>, buf: &mut [f32]) -> f32 {
+        let affine = mean.map_or(KeyAffine::None, |(m, s)| KeyAffine::Full(m, s));
+        load_affine(kern, row, affine, buf)
     }
-    None
-}
-
-with_best_kernels! {
-    /// [`scan_rows`] with the best kernels this processor supports.
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn scan_rows_best<T: KvElement>(
+    fn scan<K: Kernels, T: KvElement>(
+        kern: K,
         block: &[T],
         first: usize,
         heads: usize,
@@ -61,7 +34,45 @@ with_best_kernels! {
         mean: Option<(&[f32], &[f32])>,
         bound2: f32,
         exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
-    ) -> Option<usize> = scan_rows;
+    ) -> Option<usize> {
+        let mut buf = [0f32; 256];
+        for (r, row) in block.chunks_exact(d).enumerate() {
+            let i = first + r;
+            let hd = i % heads * d..(i % heads + 1) * d;
+            let m = mean.map(|(m, s)| (&m[hd.clone()], &s[hd]));
+            let n2 = norm2(kern, row, m, &mut buf[..d]);
+            if (n2.is_nan() || n2 >= bound2) && exact_bad(i, row) {
+                return Some(i);
+            }
+        }
+        None
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn scan_avx2<T: KvElement>(
+        kern: Avx2,
+        block: &[T],
+        first: usize,
+        heads: usize,
+        d: usize,
+        mean: Option<(&[f32], &[f32])>,
+        bound2: f32,
+        exact_bad: &(impl Fn(usize, &[T]) -> bool + Sync),
+    ) -> Option<usize> {
+        scan(kern, block, first, heads, d, mean, bound2, exact_bad)
+    }
+    assert!(d <= 256 && d.is_multiple_of(LANES));
+    #[cfg(target_arch = "x86_64")]
+    let avx = Avx2::detect();
+    x.par_chunks(ROWS * d).enumerate().find_map_first(|(b, block)| {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(kern) = avx {
+            // SAFETY: `kern` proves AVX2, FMA and F16C support, the callee's target features.
+            return unsafe { scan_avx2(kern, block, b * ROWS, heads, d, mean, bound2, &exact_bad) };
+        }
+        scan(Portable, block, b * ROWS, heads, d, mean, bound2, &exact_bad)
+    })
 }
 
 /// Scratch rows of the fused append (one set per worker thread): `x`, `y` and `row` of

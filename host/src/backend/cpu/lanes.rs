@@ -1,11 +1,14 @@
 //! The kernels that are one algorithm at two widths, written once: a [`Lanes`] width
 //! (eight f32 lanes in a 256-bit register, [`W256`], or sixteen in a 512-bit one,
-//! [`W512`]) and bodies generic over it, as the `pulp` and `std::simd` crates shape
-//! them. Each body is `#[inline(always)]` and is called from a function compiled for
-//! its width's target features (`avx2::rotate`, `avx512`), so that every lane operation
-//! inlines into one instruction (or the short sequence the width needs) there; each
-//! lane runs the same chain of f32 operations at either width, so the two widths give
-//! the same bits lane for lane, as the hand-written pairs did.
+//! [`W512`]), whose methods are the lane operations (each one instruction, or the short
+//! sequence the width needs), and bodies written over it, as the `pulp` and `std::simd`
+//! crates shape them: generic `#[inline(always)]` functions where the body has no
+//! closures ([`exp`], [`pow2`]), macros where it holds a row in an array of registers
+//! (see the note before [`fwht_in_regs!`]). Either way the body lands inside a function
+//! compiled for its width's target features (`avx2::rotate`, `avx2::decode`, `avx512`),
+//! where every lane operation inlines. Each lane runs the same chain of f32 operations
+//! at either width, so the two widths give the same bits lane for lane, as the
+//! hand-written pairs did.
 //!
 //! Written once here: the FWHT butterflies of a row held in registers and the FWHT of
 //! such a row in memory, the fused append's one-pass staging of a new row (load,
@@ -389,19 +392,19 @@ pub(crate) use fwht_regs;
 macro_rules! load_row {
     ($l:ident: $L:ty, $t:ty, $r:expr, $src:expr, $affine:expr) => {{
         use $crate::backend::cpu::KeyAffine;
-        use $crate::backend::cpu::avx2::{loadable, unrolled};
+        use $crate::backend::cpu::avx2::unrolled;
         use $crate::backend::cpu::lanes::Lanes as _;
         const N: usize = <$L as $crate::backend::cpu::lanes::Lanes>::N;
         let (l, src, affine): ($L, &[$t], KeyAffine<'_>) = ($l, $src, $affine);
         let d = N * $r;
-        assert!(src.len() == d && loadable::<$t>());
         let sp = src.as_ptr();
         let mut v = [l.zero(); $r];
         // One loop per case, each with a constant trip count and a short body (so that the
         // array stays in registers).
         match affine {
             KeyAffine::None => unrolled::<$r>(|r| {
-                // SAFETY: N * r + N <= d = src.len(); the type is one of the three (asserted).
+                // SAFETY: N * r + N <= d = src.len(); the type is one of the three (both
+                // checked by the caller).
                 v[r] = unsafe { l.load_elems(sp.add(N * r)) };
             }),
             KeyAffine::Center(m) => {
@@ -431,7 +434,9 @@ pub(crate) use load_row;
 
 /// The last steps of [`stage_hadamard!`] on a rotated row `$v` of `R` registers (groups of
 /// `PER` registers) with partial squares `$acc`: the scale, the f16 row into `$dst`, the
-/// groups' ranges into `$ranges`; evaluates to the squared norm.
+/// groups' ranges into `$ranges`; evaluates to the squared norm. The caller has checked
+/// `$dst.len() == N * R`, and that `R / PER` groups of `PER` registers (at most 8) make
+/// the row, one range each.
 macro_rules! finish_row {
     ($l:ident: $L:ty, $r:expr, $per:expr, $v:expr, $acc:expr, $dst:expr, $ranges:expr) => {{
         use $crate::backend::cpu::avx2::unrolled;
@@ -441,7 +446,6 @@ macro_rules! finish_row {
         let (l, v, acc, dst, ranges): ($L, &[V; $r], [V; 2], &mut [half::f16], &mut [(f32, f32)]) =
             ($l, $v, $acc, $dst, $ranges);
         let d = N * $r;
-        assert!(dst.len() == d && $r % $per == 0 && $r / $per <= 8 && ranges.len() == $r / $per);
         let scale = l.splat(1.0 / (d as f32).sqrt());
         let dp = dst.as_mut_ptr();
         let mut lo = [l.splat(f32::INFINITY); 8];
