@@ -199,12 +199,20 @@ class KvCache:
         measurement of examples/overhead.py)."""
 
 class Device:
-    """A device of the device API. Only the emulated GPU is exposed (`Device.sim()`: the
-    CUDA kernels run on the CPU by rotkv's SIMT emulator; device addresses are host
-    addresses, so numpy arrays serve as device memory). CUDA devices are not exposed."""
+    """A device of the device API: the emulated GPU (`Device.sim()`: the CUDA kernels run
+    on the CPU by rotkv's SIMT emulator; device addresses are host addresses, so numpy
+    arrays serve as device memory) or a CUDA GPU (`Device.cuda()`: inputs and `out` are
+    CUDA tensors, torch's or any with `__cuda_array_interface__`, C-contiguous; `out=` is
+    required)."""
 
     @staticmethod
     def sim() -> Device: ...
+    @staticmethod
+    def cuda(device: int = 0, stream: Optional[int] = None) -> Device:
+        """GPU `device`'s primary context, launching on `stream` (a CUstream handle, e.g.
+        `torch.cuda.current_stream().cuda_stream`; None: a new stream). The stream must
+        outlive the Device; tensors must stay alive until the stream's work is done.
+        Raises RotkvError without a CUDA driver or device. Has not run on a GPU."""
     @property
     def name(self) -> str: ...
     @property
@@ -212,8 +220,9 @@ class Device:
         """Kernel launches enqueued so far."""
 
 class DeviceLayer:
-    """One layer's cache in device memory. Inputs are numpy arrays read in place when
-    C-contiguous (copied otherwise); the kernels run without the GIL."""
+    """One layer's cache in device memory. On the emulated device inputs are numpy arrays
+    (or CPU tensors) read in place when C-contiguous (copied otherwise); on a CUDA device
+    they are C-contiguous CUDA tensors. The kernels run without the GIL."""
 
     def __init__(
         self,
@@ -279,11 +288,9 @@ class DecodePlan:
     def num_splits(self) -> int: ...
     def check_batch(self, layer: DeviceLayer, batch: StepBatch) -> None:
         """run_batch's checks of the plan, layer and batch, nothing enqueued."""
-    def run(self, layer: DeviceLayer, q: Any, out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
+    def run(self, layer: DeviceLayer, q: Any, out: Optional[Any] = None) -> Any:
         """Slots 0 .. max_seqs, q [max_seqs, q_len, num_q_heads, head_dim]."""
-    def run_batch(
-        self, layer: DeviceLayer, batch: StepBatch, q: Any, out: Optional[npt.NDArray[np.float32]] = None
-    ) -> npt.NDArray[np.float32]:
+    def run_batch(self, layer: DeviceLayer, batch: StepBatch, q: Any, out: Optional[Any] = None) -> Any:
         """The step's rows (after layer.append_batch): q [batch.max_rows, num_q_heads,
         head_dim]; unused rows of the result are zeros."""
     def run_step(
@@ -293,8 +300,8 @@ class DecodePlan:
         k: Any,
         v: Any,
         q: Any,
-        out: Optional[npt.NDArray[np.float32]] = None,
-    ) -> npt.NDArray[np.float32]:
+        out: Optional[Any] = None,
+    ) -> Any:
         """A whole step in the batch's passes: appends k, v [batch.max_rows, num_kv_heads,
         head_dim] and decodes q [batch.max_rows, num_q_heads, head_dim]; each row sees the
         earlier rows of its pass in f16; unused rows of the result are zeros."""

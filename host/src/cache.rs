@@ -3,7 +3,7 @@
 
 use crate::config::{CacheConfig, LayerCalibration};
 use crate::error::{Error, Result};
-use crate::paged::{self, DecodeOptions, LayerShape};
+use crate::paged::{self, DecodeOptions, LayerShape, try_zeroed};
 use crate::reference::SeqRef;
 use crate::{Backend, KvElement};
 use half::f16;
@@ -73,13 +73,6 @@ pub(crate) const MAX_CACHE_BYTES: usize = 1 << 47;
 
 /// Identities of caches: a [`SeqId`] carries its cache's, so ids of other caches are refused.
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
-/// A zeroed vector of `n` elements, or [`Error::Capacity`] when the allocator refuses it
-/// (rather than aborting the process).
-pub(crate) fn try_zeroed<T: bytemuck::Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
-    bytemuck::allocation::try_zeroed_vec(n)
-        .map_err(|()| Error::Capacity(format!("could not allocate {what}: {n} elements of {} bytes", size_of::<T>())))
-}
 
 /// `v` repeated `n` times, or [`Error::Capacity`] when the allocator refuses the vector.
 fn try_repeat<T: Clone>(v: T, n: usize, what: &str) -> Result<Vec<T>> {

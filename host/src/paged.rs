@@ -60,6 +60,13 @@ impl LayerShape {
     }
 }
 
+/// A zeroed vector of `n` elements, or [`Error::Capacity`] when the allocator refuses it
+/// (rather than aborting the process).
+pub(crate) fn try_zeroed<T: bytemuck::Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
+    bytemuck::allocation::try_zeroed_vec(n)
+        .map_err(|()| Error::Capacity(format!("could not allocate {what}: {n} elements of {} bytes", size_of::<T>())))
+}
+
 /// Page pools must start on a 16-byte boundary (vector loads on every backend).
 pub const POOL_ALIGN: usize = 16;
 
@@ -76,7 +83,7 @@ impl PoolBuffer {
     /// [`Error::Capacity`] instead of an abort. The memory is not touched (zero pages
     /// from the allocator).
     pub fn try_new(bytes: usize) -> Result<Self> {
-        Ok(PoolBuffer(crate::cache::try_zeroed(bytes.div_ceil(16), "a page pool")?))
+        Ok(PoolBuffer(try_zeroed(bytes.div_ceil(16), "a page pool")?))
     }
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {

@@ -1,21 +1,22 @@
-//! The device API (`rotkv::device`) on the emulated GPU (`Device.sim()`): a layer's cache
-//! in device memory, appends and decodes through a fixed decode plan, the batched append
-//! and step decode of a serving step. On the emulator device addresses are host
-//! addresses, so numpy arrays are the device buffers: C-contiguous inputs are read in
-//! place and `out` is written in place (other layouts of an input are copied first; `out`
-//! must be C-contiguous). The kernels run with the GIL released.
-//!
-//! CUDA devices are not exposed here (no GPU in CI to test them on).
+//! The device API (`rotkv::device`): a layer's cache in device memory, appends and decodes
+//! through a fixed decode plan, the batched append and step decode of a serving step, on
+//! the emulated GPU (`Device.sim()`) or on a CUDA GPU (`Device.cuda()`, on the caller's
+//! stream). On the emulator device addresses are host addresses, so numpy arrays are the
+//! device buffers: C-contiguous inputs are read in place and `out` is written in place
+//! (other layouts of an input are copied first; `out` must be C-contiguous). On a GPU the
+//! inputs and `out` are CUDA tensors by address ([`crate::devmem`]). The kernels run with
+//! the GIL released.
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use numpy::{PyArrayDyn, PyArrayMethods};
+use numpy::PyArrayMethods;
 use pyo3::prelude::*;
 
 use rotkv_lib::device::{self as dv, DeviceSlice, DeviceSliceMut};
 use rotkv_lib::paged::LayerShape;
 
-use crate::{Calibration, Config, Elems, OrPy, Seq, input, output, shape_err, to_py};
+use crate::devmem::{DevElems, DevIn, DevOut, Dtype, dev_input, dev_output};
+use crate::{Calibration, Config, Elems, OrPy, Seq, shape_err, to_py};
 
 /// `m` locked, waited for with the GIL released: another thread may hold the lock for a
 /// long call (an append or decode runs without the GIL), and waiting for it with the GIL
@@ -41,18 +42,42 @@ fn poisoned() -> rotkv_lib::Error {
 
 /// A device: the emulated GPU (`Device.sim()`), whose kernels are the CUDA kernels run
 /// on the CPU by rotkv's SIMT emulator (slow: for tests and for checking a stack's use of
-/// the device API without a GPU).
+/// the device API without a GPU), or a CUDA GPU (`Device.cuda()`).
 #[pyclass(name = "Device", module = "rotkv", frozen)]
-pub struct PyDevice(pub(crate) dv::Device);
+pub struct PyDevice(pub(crate) dv::Device, pub(crate) Option<usize>);
 
 #[pymethods]
 impl PyDevice {
     /// The emulated GPU.
     #[staticmethod]
     fn sim() -> Self {
-        PyDevice(dv::Device::sim())
+        PyDevice(dv::Device::sim(), None)
     }
-    /// "sim".
+    /// GPU `device` (its primary context, which torch uses too), launching on `stream`: a
+    /// `CUstream` handle as an int (`torch.cuda.current_stream().cuda_stream`), or `None`
+    /// for a new stream of rotkv's own. The stream must outlive the Device and everything
+    /// made on it; tensors passed to calls must stay alive until the work enqueued on the
+    /// stream is done (torch's caching allocator orders reuse on the stream a tensor was
+    /// made on: pass that stream). Raises `RotkvError` without a CUDA driver or device.
+    #[staticmethod]
+    #[pyo3(signature = (device = 0, stream = None))]
+    fn cuda(py: Python<'_>, device: usize, stream: Option<u64>) -> PyResult<Self> {
+        use rotkv_lib::cuda::cudarc::driver::{CudaContext, sys};
+        let err = |e: String| to_py(py, rotkv_lib::Error::Backend(e));
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(err("no CUDA driver library on this machine".into()));
+        }
+        let ctx = CudaContext::new(device).map_err(|e| err(format!("CUDA device {device}: {e:?}")))?;
+        let s = match stream {
+            // SAFETY: the caller's handle of a live stream of this device's primary context,
+            // which it keeps alive (the documented contract); the wrapper does not destroy it.
+            Some(h) => unsafe { ctx.wrap_borrowed_stream(h as usize as sys::CUstream) },
+            None => ctx.new_stream().map_err(|e| err(format!("a stream on device {device}: {e:?}")))?,
+        };
+        Ok(PyDevice(dv::Device::cuda(s).or_py(py)?, Some(device)))
+    }
+    /// "sim" or "cuda".
     #[getter]
     fn name(&self) -> &'static str {
         self.0.name()
@@ -63,7 +88,10 @@ impl PyDevice {
         self.0.counters().launches as u64
     }
     fn __repr__(&self) -> String {
-        format!("Device({})", self.0.name())
+        match self.1 {
+            Some(d) => format!("Device(cuda:{d})"),
+            None => format!("Device({})", self.0.name()),
+        }
     }
 }
 
@@ -79,20 +107,44 @@ unsafe fn view<'a, T>(dev: &dv::Device, e: &'a [T]) -> rotkv_lib::Result<DeviceS
     unsafe { DeviceSlice::from_raw(dev, e.as_ptr().expose_provenance() as u64, e.len()) }
 }
 
+/// A read-only device view of a device tensor at `addr` of `len` elements of `T`.
+///
+/// # Safety
+/// The tensor (held for the call by its Python object) lies there, on this device, and
+/// nothing writes it while the view is used.
+unsafe fn ptr_view<'a, T>(dev: &dv::Device, addr: u64, len: usize) -> rotkv_lib::Result<DeviceSlice<'a, T>> {
+    // SAFETY: forwarded contract.
+    unsafe { DeviceSlice::from_raw(dev, addr, len) }
+}
+
+/// `$body` over a device view `$v` of an input's elements ([`DevElems`]).
 macro_rules! with_view {
     ($dev:expr, $elems:expr, |$v:ident| $body:expr) => {
         match $elems {
-            // SAFETY: the views live only inside this call, while the arrays are held.
-            Elems::F32(x) => {
+            // SAFETY (all arms): the views live only inside this call, while the arrays or
+            // tensors are held.
+            DevElems::Host(Elems::F32(x)) => {
                 let $v = unsafe { view($dev, &x[..]) }?;
                 $body
             }
-            Elems::F16(x) => {
+            DevElems::Host(Elems::F16(x)) => {
                 let $v = unsafe { view($dev, &x[..]) }?;
                 $body
             }
-            Elems::Bf16(x) => {
+            DevElems::Host(Elems::Bf16(x)) => {
                 let $v = unsafe { view($dev, &x[..]) }?;
+                $body
+            }
+            DevElems::Ptr(a, n, Dtype::F32) => {
+                let $v = unsafe { ptr_view::<f32>($dev, *a, *n) }?;
+                $body
+            }
+            DevElems::Ptr(a, n, Dtype::F16) => {
+                let $v = unsafe { ptr_view::<half::f16>($dev, *a, *n) }?;
+                $body
+            }
+            DevElems::Ptr(a, n, Dtype::Bf16) => {
+                let $v = unsafe { ptr_view::<half::bf16>($dev, *a, *n) }?;
                 $body
             }
         }
@@ -104,20 +156,38 @@ macro_rules! with_view {
 macro_rules! with_kv_views {
     ($dev:expr, ($ke:expr, $kd:expr), ($ve:expr, $vd:expr), |$k:ident, $v:ident| $body:expr) => {
         match ($ke, $ve) {
-            // SAFETY (all arms): the views borrow the held arrays for this call only.
-            (Elems::F32(k), Elems::F32(v)) => {
+            // SAFETY (all arms): the views borrow the held arrays or tensors for this call
+            // only.
+            (DevElems::Host(Elems::F32(k)), DevElems::Host(Elems::F32(v))) => {
                 let ($k, $v) = unsafe { (view($dev, &k[..])?, view($dev, &v[..])?) };
                 $body
             }
-            (Elems::F16(k), Elems::F16(v)) => {
+            (DevElems::Host(Elems::F16(k)), DevElems::Host(Elems::F16(v))) => {
                 let ($k, $v) = unsafe { (view($dev, &k[..])?, view($dev, &v[..])?) };
                 $body
             }
-            (Elems::Bf16(k), Elems::Bf16(v)) => {
+            (DevElems::Host(Elems::Bf16(k)), DevElems::Host(Elems::Bf16(v))) => {
                 let ($k, $v) = unsafe { (view($dev, &k[..])?, view($dev, &v[..])?) };
                 $body
             }
-            _ => Err(rotkv_lib::Error::Shape(format!("k is {} but v is {}", $kd, $vd))),
+            (DevElems::Ptr(ka, kn, Dtype::F32), DevElems::Ptr(va, vn, Dtype::F32)) => {
+                let ($k, $v) = unsafe { (ptr_view::<f32>($dev, *ka, *kn)?, ptr_view::<f32>($dev, *va, *vn)?) };
+                $body
+            }
+            (DevElems::Ptr(ka, kn, Dtype::F16), DevElems::Ptr(va, vn, Dtype::F16)) => {
+                let ($k, $v) =
+                    unsafe { (ptr_view::<half::f16>($dev, *ka, *kn)?, ptr_view::<half::f16>($dev, *va, *vn)?) };
+                $body
+            }
+            (DevElems::Ptr(ka, kn, Dtype::Bf16), DevElems::Ptr(va, vn, Dtype::Bf16)) => {
+                let ($k, $v) =
+                    unsafe { (ptr_view::<half::bf16>($dev, *ka, *kn)?, ptr_view::<half::bf16>($dev, *va, *vn)?) };
+                $body
+            }
+            _ => Err(rotkv_lib::Error::Shape(format!(
+                "k is {} but v is {} (one dtype, both host or both device)",
+                $kd, $vd
+            ))),
         }
     };
 }
@@ -127,14 +197,16 @@ macro_rules! with_kv_views {
 pub struct PyLayer {
     inner: Mutex<dv::DeviceLayer>,
     device: dv::Device,
+    /// The Device's GPU, or `None` on the emulated device.
+    ordinal: Option<usize>,
     num_kv_heads: usize,
     num_q_heads: usize,
     head_dim: usize,
 }
 
 impl PyLayer {
-    fn kv_rows<'py>(&self, py: Python<'py>, what: &str, a: &Bound<'py, PyAny>) -> PyResult<crate::Held<'py>> {
-        let held = input(py, what, a, 3)?;
+    fn kv_rows<'py>(&self, py: Python<'py>, what: &str, a: &Bound<'py, PyAny>) -> PyResult<DevIn<'py>> {
+        let held = dev_input(py, self.ordinal, what, a, 3)?;
         let want = [held.shape()[0], self.num_kv_heads, self.head_dim];
         if held.shape() != want {
             return Err(shape_err(py, format!("{what} has shape {:?}, expected {want:?}", held.shape())));
@@ -173,7 +245,14 @@ impl PyLayer {
         let size = dv::LayerSize { max_seqs, max_tokens, num_blocks };
         let dev = device.0.clone();
         let layer = py.detach(|| dv::DeviceLayer::new(&dev, config, shape, calib, size)).or_py(py)?;
-        Ok(Self { inner: Mutex::new(layer), device: dev, num_kv_heads, num_q_heads, head_dim: config.head_dim })
+        Ok(Self {
+            inner: Mutex::new(layer),
+            device: dev,
+            ordinal: device.1,
+            num_kv_heads,
+            num_q_heads,
+            head_dim: config.head_dim,
+        })
     }
     /// Starts a new sequence in the lowest free slot.
     fn add_sequence(&self, py: Python<'_>) -> PyResult<Seq> {
@@ -356,8 +435,8 @@ impl PyPlan {
         layer: &PyLayer,
         q: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        let held = input(py, "q", q, 4)?;
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let held = dev_input(py, layer.ordinal, "q", q, 4)?;
         let s = held.shape().to_vec();
         let want = [self.max_seqs, s[1], layer.num_q_heads, layer.head_dim];
         if s != want {
@@ -383,7 +462,7 @@ impl PyPlan {
         batch: &PyStepBatch,
         q: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let row = layer.num_q_heads * layer.head_dim;
         let held = step_rows(py, layer, q)?;
         self.decode_into(py, layer, Some(batch), held, out, |plan, l, b, q, ov| {
@@ -407,7 +486,7 @@ impl PyPlan {
         v: &Bound<'py, PyAny>,
         q: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (kh, vh) = (layer.kv_rows(py, "k", k)?, layer.kv_rows(py, "v", v)?);
         let (ke, ve) = (kh.elems(), vh.elems());
         let (kd, vd) = (kh.dtype(), vh.dtype());
@@ -423,8 +502,8 @@ impl PyPlan {
 }
 
 /// `q` of a step's rows, `[max_rows, q_heads, head_dim]`, held for the call.
-fn step_rows<'py>(py: Python<'py>, layer: &PyLayer, q: &Bound<'py, PyAny>) -> PyResult<crate::Held<'py>> {
-    let held = input(py, "q", q, 3)?;
+fn step_rows<'py>(py: Python<'py>, layer: &PyLayer, q: &Bound<'py, PyAny>) -> PyResult<DevIn<'py>> {
+    let held = dev_input(py, layer.ordinal, "q", q, 3)?;
     let s = held.shape();
     if s[1..] != [layer.num_q_heads, layer.head_dim] {
         return Err(shape_err(py, format!("q has shape {s:?}, expected [max_rows, q_heads, head_dim]")));
@@ -441,33 +520,44 @@ impl PyPlan {
         py: Python<'py>,
         layer: &PyLayer,
         batch: Option<&PyStepBatch>,
-        held: crate::Held<'py>,
+        held: DevIn<'py>,
         out: Option<&Bound<'py, PyAny>>,
         run: impl FnOnce(
             &mut dv::DecodePlan,
             &mut dv::DeviceLayer,
             Option<&dv::StepBatch>,
-            &Elems,
+            &DevElems,
             &mut DeviceSliceMut<'_, f32>,
         ) -> rotkv_lib::Result<()>
         + Send,
-    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        let out = output(py, out, held.shape(), &[&held])?;
-        let mut w = out.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
-        let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let out = dev_output(py, layer.ordinal, out, held.shape(), &[&held])?;
         let q = held.elems();
         let dev = &layer.device;
-        py.detach(|| -> rotkv_lib::Result<()> {
-            let mut plan = locked_in(&self.inner)?;
-            let mut l = locked_in(&layer.inner)?;
-            let b = batch.map(|b| locked_in(&b.inner)).transpose()?;
-            // SAFETY: `o` is the held, writeable, C-contiguous output for this call only.
-            let mut ov: DeviceSliceMut<'_, f32> =
-                unsafe { DeviceSliceMut::from_raw(dev, o.as_mut_ptr().expose_provenance() as u64, o.len()) }?;
-            run(&mut plan, &mut l, b.as_deref(), &q, &mut ov)
-        })
-        .or_py(py)?;
-        drop(w);
-        Ok(out)
+        let go = |addr: u64, len: usize| {
+            py.detach(|| -> rotkv_lib::Result<()> {
+                let mut plan = locked_in(&self.inner)?;
+                let mut l = locked_in(&layer.inner)?;
+                let b = batch.map(|b| locked_in(&b.inner)).transpose()?;
+                // SAFETY: `addr` is the held, writeable, C-contiguous output of `len` f32 of
+                // this device, for this call only.
+                let mut ov: DeviceSliceMut<'_, f32> = unsafe { DeviceSliceMut::from_raw(dev, addr, len) }?;
+                run(&mut plan, &mut l, b.as_deref(), &q, &mut ov)
+            })
+            .or_py(py)
+        };
+        match out {
+            DevOut::Host(a) => {
+                let mut w = a.try_readwrite().map_err(|e| shape_err(py, format!("out: {e}")))?;
+                let o = w.as_slice_mut().map_err(|e| shape_err(py, format!("out: {e}")))?;
+                go(o.as_mut_ptr().expose_provenance() as u64, o.len())?;
+                drop(w);
+                Ok(a.into_any())
+            }
+            DevOut::Ptr(p, obj) => {
+                go(p.addr, p.len)?;
+                Ok(obj)
+            }
+        }
     }
 }

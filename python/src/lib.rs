@@ -11,10 +11,11 @@
 //! `MemoryError` subclass where that fits) carrying the Rust library's message, and the
 //! cache is unchanged. Appends and decodes run with the GIL released.
 //!
-//! The device API on the emulated GPU (`Device`, `DeviceLayer`, `StepBatch`,
+//! The device API on the emulated GPU or a CUDA GPU (`Device`, `DeviceLayer`, `StepBatch`,
 //! `DecodePlan`) is in [`device`].
 
 mod device;
+mod devmem;
 
 use std::borrow::Cow;
 use std::sync::{Mutex, MutexGuard};

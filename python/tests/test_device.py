@@ -1,6 +1,7 @@
 """The device API on the emulated GPU (rotkv.Device.sim()): numpy arrays as device
 memory, against the CPU cache (KvCache) on the same tokens."""
 
+import os
 import threading
 import time
 
@@ -237,3 +238,87 @@ def test_a_thread_waiting_for_a_busy_layer_does_not_hold_the_gil():
     assert times["step_end"] - times["len"] > 0.05, "the step is too short to tell"
     during = [x for x in ticks if waited[0] < x < waited[1]]
     assert len(during) >= 10, (waited, len(during))
+
+
+class FakeCudaArray:
+    """A host array that also presents __cuda_array_interface__ (a test double of a device
+    tensor: the emulated device takes it because it is host memory, __array_interface__
+    at the same address)."""
+
+    def __init__(self, a, strides=None, typestr=None, readonly=False):
+        self.a = a
+        self.__array_interface__ = a.__array_interface__
+        self.__cuda_array_interface__ = {
+            "shape": a.shape,
+            "typestr": typestr or a.dtype.str,
+            "data": (a.__array_interface__["data"][0], readonly),
+            "strides": strides,
+            "version": 3,
+        }
+
+
+def test_device_tensors_by_address_match_host_arrays():
+    # The pointer path of the device API (what a CUDA device takes), on the emulated
+    # device through host memory: the same results as numpy inputs, bit for bit.
+    rng = np.random.default_rng(26)
+    k = rng.standard_normal((20, HKV, D)).astype(np.float16)
+    v = rng.standard_normal((20, HKV, D)).astype(np.float16)
+    q = rng.standard_normal((1, 1, HQ, D)).astype(np.float32)
+    qq = rng.standard_normal((4, HQ, D)).astype(np.float32)
+    outs = []
+    for wrap in (lambda a: a, FakeCudaArray):
+        dev = rotkv.Device.sim()
+        layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=1, max_tokens=64)
+        s = layer.add_sequence()
+        layer.append(s, wrap(k), wrap(v))
+        plan = rotkv.DecodePlan(layer, max_seqs=1, max_q_len=1, max_context=64)
+        out = np.zeros((1, 1, HQ, D), np.float32)
+        got = plan.run(layer, wrap(q), out=wrap(out))
+        assert got is not None
+        outs.append(out.copy())
+        # A step in passes through pointers too.
+        batch = rotkv.StepBatch(dev, max_seqs=1, max_rows=4, pass_rows=2, passes=2)
+        layer.reserve(s, 24)
+        batch.set(layer, [(s, 4)])
+        kk, vv = k[:4].copy(), v[:4].copy()
+        o = np.zeros((4, HQ, D), np.float32)
+        plan2 = rotkv.DecodePlan(layer, max_seqs=1, max_q_len=4, max_context=64)
+        plan2.run_step(layer, batch, wrap(kk), wrap(vv), wrap(qq), out=wrap(o))
+        outs.append(o)
+    np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[3])
+    assert outs[0].any() and outs[1].any()
+
+
+def test_device_tensors_are_checked():
+    dev = rotkv.Device.sim()
+    layer = rotkv.DeviceLayer(dev, config(), HKV, HQ, max_seqs=1, max_tokens=64)
+    s = layer.add_sequence()
+    k = np.zeros((4, HKV, D), np.float32)
+    plan = rotkv.DecodePlan(layer, max_seqs=1, max_q_len=1, max_context=64)
+    q = np.zeros((1, 1, HQ, D), np.float32)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        layer.append(s, FakeCudaArray(k, strides=(4, 16 * D, 4)), FakeCudaArray(k))
+    with pytest.raises(ValueError, match="typestr"):
+        layer.append(s, FakeCudaArray(k, typestr="<f8"), FakeCudaArray(k, typestr="<f8"))
+    with pytest.raises(ValueError, match="both host or both device"):
+        layer.append(s, FakeCudaArray(k), k)
+    with pytest.raises(ValueError, match="writeable float32"):
+        plan.run(layer, q, out=FakeCudaArray(np.zeros_like(q), readonly=True))
+    with pytest.raises(ValueError, match="shares memory"):
+        plan.run(layer, FakeCudaArray(q), out=FakeCudaArray(q))
+
+    class Device:  # a device pointer: no __array_interface__
+        def __init__(self, a):
+            self.__cuda_array_interface__ = FakeCudaArray(a).__cuda_array_interface__
+
+    with pytest.raises(rotkv.RotkvError, match="emulated device"):
+        layer.append(s, Device(k), Device(k))
+    assert layer.len(s) == 0
+
+
+def test_cuda_device_without_a_gpu_raises():
+    if os.environ.get("ROTKV_TEST_DEVICE") == "cuda":
+        pytest.skip("a GPU is present")
+    with pytest.raises(rotkv.RotkvError):
+        rotkv.Device.cuda()

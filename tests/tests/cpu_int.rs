@@ -1,7 +1,7 @@
 //! The CPU backend's integer key path ([`KeyScores::Int8`]) against the f64 reference:
 //! the error it adds to decode outputs, next to the exact f32 path's, on random data of
 //! awkward sizes and on the real SmolLM2 tile. (The score error itself is stated and
-//! bounded in `host/src/backend/cpu.rs`, `int_key_scores_error_against_f64`.)
+//! bounded in `host/src/backend/cpu/`, `int_key_scores_error_against_f64`.)
 
 use rotkv::eval::Tile;
 use rotkv::paged::{self, DecodeOptions, KeyScores, LayerShape};

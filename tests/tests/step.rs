@@ -405,6 +405,161 @@ fn device_buffer_slices_are_checked() {
     assert!(m.slice_mut(0..2).is_err());
 }
 
+/// One layer on the device beside the CPU backend, stepped through a schedule of new
+/// tokens per slot: the step tests' fixture. `passes`: `run_step` in that many passes of
+/// `CacheConfig::pass_rows` rows (against the CPU backend's `append_decode`), else
+/// `append_batch` then `run_batch` (against `append` then `decode_tokens`).
+struct StepRig {
+    config: CacheConfig,
+    dev: Device,
+    layer: DeviceLayer,
+    host: KvCache,
+    plan: DecodePlan,
+    batch: StepBatch,
+    k: DeviceBuffer<f32>,
+    v: DeviceBuffer<f32>,
+    q: DeviceBuffer<f32>,
+    out: DeviceBuffer<f32>,
+    ids: Vec<Option<(SeqId, SeqId)>>,
+    passes: Option<usize>,
+    first: Option<Vec<rotkv::device::LaunchRecord>>,
+}
+
+impl StepRig {
+    const HKV: usize = 2;
+    const HQ: usize = 6;
+    const SLOTS: usize = 3;
+    const MAX_TOKENS: usize = 200;
+
+    fn new(config: CacheConfig, max_q_len: usize, max_rows: usize, passes: Option<usize>) -> Self {
+        let (d, hkv, hq, slots, max_tokens) = (config.head_dim, Self::HKV, Self::HQ, Self::SLOTS, Self::MAX_TOKENS);
+        let dev = test_device();
+        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
+        let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
+        let layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
+        let cs =
+            CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs: slots, max_tokens, num_blocks: None };
+        let ps = PlanShape {
+            max_seqs: slots,
+            max_q_len,
+            max_context: max_tokens,
+            sm_count: None,
+            blocks_per_sm: None,
+            sm_scale: None,
+        };
+        let batch = match passes {
+            Some(n) => StepBatch::with_passes(&dev, slots, max_rows, config.pass_rows(), n).unwrap(),
+            None => StepBatch::new(&dev, slots, max_rows).unwrap(),
+        };
+        let (row, qrow) = (hkv * d, hq * d);
+        dev.record_launches(true);
+        Self {
+            plan: DecodePlan::new(&layer, ps).unwrap(),
+            host: KvCache::new(config, cs, Backend::Cpu).unwrap(),
+            k: dev.alloc(max_rows * row).unwrap(),
+            v: dev.alloc(max_rows * row).unwrap(),
+            q: dev.alloc(max_rows * qrow).unwrap(),
+            out: dev.alloc(max_rows * qrow).unwrap(),
+            ids: vec![None; slots],
+            first: None,
+            config,
+            dev,
+            layer,
+            batch,
+            passes,
+        }
+    }
+
+    /// One step: `counts[slot]` new tokens (0: idle; a slot arrives at its first nonzero
+    /// count), random inputs from `seed`; asserts the launch list, no allocation or copy,
+    /// each sequence's rows against the CPU backend and zeros elsewhere.
+    fn step(&mut self, counts: &[usize], seed: u64) {
+        let (d, max_rows) = (self.config.head_dim, self.batch.max_rows());
+        let (row, qrow) = (Self::HKV * d, Self::HQ * d);
+        let mut steps = Vec::new();
+        for (slot, &n) in counts.iter().enumerate() {
+            if self.ids[slot].is_none() && n > 0 {
+                let (a, b) = (self.layer.add_sequence().unwrap(), self.host.add_sequence().unwrap());
+                assert_eq!((a.slot(), b.slot()), (slot, slot));
+                self.layer.reserve(a, Self::MAX_TOKENS).unwrap();
+                self.ids[slot] = Some((a, b));
+            }
+            if let Some((a, b)) = self.ids[slot] {
+                steps.push((a, b, n));
+            }
+        }
+        self.batch.set(&self.layer, &steps.iter().map(|&(a, _, n)| (a, n)).collect::<Vec<_>>()).unwrap();
+        let (kh, vh, qh) =
+            (rows(max_rows * row, seed), rows(max_rows * row, seed + 1), rows(max_rows * qrow, seed + 2));
+        self.dev.write(&mut self.k, 0, &kh).unwrap();
+        self.dev.write(&mut self.v, 0, &vh).unwrap();
+        self.dev.write(&mut self.q, 0, &qh).unwrap();
+        // Stale rows from the last step must not leak into rows without a token.
+        self.dev.write(&mut self.out, 0, &vec![9.0f32; max_rows * qrow]).unwrap();
+        self.dev.take_launches();
+        let before = self.dev.counters();
+        let launches = match self.passes {
+            Some(n) => {
+                let (k, v) = ((&self.k, row), (&self.v, row));
+                self.plan.run_step(&mut self.layer, &self.batch, k, v, &self.q, qrow, &mut self.out, qrow).unwrap();
+                3 * n + 1
+            }
+            None => {
+                self.layer.append_batch(&self.batch, &self.k, row, &self.v, row).unwrap();
+                self.plan.run_batch(&self.layer, &self.batch, &self.q, qrow, &mut self.out, qrow).unwrap();
+                4
+            }
+        };
+        let c = self.dev.counters();
+        assert_eq!(
+            (c.launches - before.launches, c.uploads, c.allocations, c.downloads),
+            (launches, before.uploads, before.allocations, before.downloads)
+        );
+        let list = self.dev.take_launches();
+        match &self.first {
+            None => self.first = Some(list),
+            Some(f) => assert_eq!(f, &list, "{:?} seed {seed}: another launch list", self.config),
+        }
+        let mut got = vec![0f32; max_rows * qrow];
+        self.dev.read(&self.out, &mut got).unwrap();
+        let mut r = 0;
+        for &(a, b, n) in &steps {
+            let (kr, vr, qr) =
+                (&kh[r * row..(r + n) * row], &vh[r * row..(r + n) * row], &qh[r * qrow..(r + n) * qrow]);
+            let mut want = vec![0f32; n * qrow];
+            match self.passes {
+                Some(_) if n > 0 => {
+                    let pass = self.config.pass_rows();
+                    self.host.append_decode(0, &[b], n, pass, (kr, vr), qr, &mut want).unwrap();
+                }
+                _ => {
+                    self.host.append(0, b, n, kr, vr).unwrap();
+                    if n > 0 {
+                        self.host.decode_tokens(0, &[b], n, qr, &mut want).unwrap();
+                    }
+                }
+            }
+            assert_eq!(self.layer.len(a).unwrap(), self.host.len(0, b).unwrap());
+            if n > 0 {
+                let e = rel_err(&got[r * qrow..(r + n) * qrow], &want);
+                assert!(e < 3e-3, "{:?} seed {seed} slot {}: {n} rows, error {e}", self.config, b.slot());
+            }
+            r += n;
+        }
+        assert!(got[r * qrow..].iter().all(|&x| x == 0.0), "rows without a token are zero");
+    }
+}
+
+/// The fixture's configurations: the tensor-core kernel (d64 k2v2, d128 k4v2) and the
+/// CUDA-core kernel (groups of 32), with small pages and window.
+fn step_configs() -> [CacheConfig; 3] {
+    [
+        small(CacheConfig::k2v2(64)),
+        small(CacheConfig::k4v2(128)),
+        CacheConfig { group_size: 32, ..small(CacheConfig::k2v2(64)) },
+    ]
+}
+
 /// One step mixes prefill chunks, single tokens, speculative rows and idle sequences:
 /// [`DecodePlan::run_batch`] decodes exactly the rows the batch appended, each sequence
 /// its own count (causal within the step, the rest from the packed pages, sinks and f16
@@ -414,106 +569,28 @@ fn device_buffer_slices_are_checked() {
 /// CUDA-core kernel (groups of 32).
 #[test]
 fn step_decode_mixes_prefill_chunks_single_tokens_and_idle_sequences() {
-    let configs = [
-        small(CacheConfig::k2v2(64)),
-        small(CacheConfig::k4v2(128)),
-        CacheConfig { group_size: 32, ..small(CacheConfig::k2v2(64)) },
-    ];
-    for config in configs {
-        let d = config.head_dim;
-        let (hkv, hq, slots, max_q_len, max_rows, max_tokens) = (2, 6, 3, 20, 40, 160);
-        let dev = test_device();
-        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
-        let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
-        let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
-        let cs =
-            CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs: slots, max_tokens, num_blocks: None };
-        let mut host = KvCache::new(config, cs, Backend::Cpu).unwrap();
-        let plan_shape = PlanShape {
-            max_seqs: slots,
-            max_q_len,
-            max_context: max_tokens,
-            sm_count: None,
-            blocks_per_sm: None,
-            sm_scale: None,
-        };
-        let mut plan = DecodePlan::new(&layer, plan_shape).unwrap();
-        let mut batch = StepBatch::new(&dev, slots, max_rows).unwrap();
-        let (row, qrow) = (hkv * d, hq * d);
-        let mut k = dev.alloc::<f32>(max_rows * row).unwrap();
-        let mut v = dev.alloc::<f32>(max_rows * row).unwrap();
-        let mut q = dev.alloc::<f32>(max_rows * qrow).unwrap();
-        let mut out = dev.alloc::<f32>(max_rows * qrow).unwrap();
-        // Tokens per slot per step (0: idle; a slot arrives at its first nonzero count).
+    for config in step_configs() {
+        let max_q_len = 20;
+        let mut rig = StepRig::new(config, max_q_len, 40, None);
         let schedule: [[usize; 3]; 7] =
             [[18, 5, 0], [1, 12, 20], [1, 1, 1], [7, 0, 1], [1, 20, 1], [16, 1, 3], [1, 1, 1]];
-        let mut ids: Vec<Option<(SeqId, SeqId)>> = vec![None; slots];
-        dev.record_launches(true);
-        let mut first = None;
         for (step, counts) in schedule.iter().enumerate() {
-            let mut steps = Vec::new();
-            for (slot, &n) in counts.iter().enumerate() {
-                if ids[slot].is_none() && n > 0 {
-                    let (a, b) = (layer.add_sequence().unwrap(), host.add_sequence().unwrap());
-                    assert_eq!((a.slot(), b.slot()), (slot, slot));
-                    layer.reserve(a, max_tokens).unwrap();
-                    ids[slot] = Some((a, b));
-                }
-                if let Some((a, b)) = ids[slot] {
-                    steps.push((a, b, n));
-                }
-            }
-            batch.set(&layer, &steps.iter().map(|&(a, _, n)| (a, n)).collect::<Vec<_>>()).unwrap();
-            let seed = 1000 + step as u64;
-            let (kh, vh, qh) =
-                (rows(max_rows * row, seed), rows(max_rows * row, seed + 1), rows(max_rows * qrow, seed + 2));
-            dev.write(&mut k, 0, &kh).unwrap();
-            dev.write(&mut v, 0, &vh).unwrap();
-            dev.write(&mut q, 0, &qh).unwrap();
-            // Stale rows from the last step must not leak into rows without a token.
-            dev.write(&mut out, 0, &vec![9.0f32; max_rows * qrow]).unwrap();
-            dev.take_launches();
-            let before = dev.counters();
-            layer.append_batch(&batch, &k, row, &v, row).unwrap();
-            plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow).unwrap();
-            let c = dev.counters();
-            assert_eq!(
-                (c.launches - before.launches, c.uploads, c.allocations),
-                (4, before.uploads, before.allocations)
-            );
-            let list = dev.take_launches();
-            match &first {
-                None => first = Some(list),
-                Some(f) => assert_eq!(f, &list, "{config:?} step {step}: another launch list"),
-            }
-            let mut got = vec![0f32; max_rows * qrow];
-            dev.read(&out, &mut got).unwrap();
-            let mut r = 0;
-            for &(_, b, n) in &steps {
-                let (kr, vr) = (&kh[r * row..(r + n) * row], &vh[r * row..(r + n) * row]);
-                host.append(0, b, n, kr, vr).unwrap();
-                if n > 0 {
-                    let mut want = vec![0f32; n * qrow];
-                    host.decode_tokens(0, &[b], n, &qh[r * qrow..(r + n) * qrow], &mut want).unwrap();
-                    let e = rel_err(&got[r * qrow..(r + n) * qrow], &want);
-                    assert!(e < 3e-3, "{config:?} step {step} slot {}: {n} rows, error {e}", b.slot());
-                }
-                r += n;
-            }
-            assert!(got[r * qrow..].iter().all(|&x| x == 0.0), "rows without a token are zero");
+            rig.step(counts, 1000 + step as u64);
         }
-        assert_eq!(batch.errors().unwrap(), BatchErrors::default());
+        assert_eq!(rig.batch.errors().unwrap(), BatchErrors::default());
+        let StepRig { dev, layer, plan, batch, q, out, ids, .. } = &mut rig;
+        let qrow = StepRig::HQ * config.head_dim;
         // The run refuses a batch it would decode wrongly, before enqueuing anything.
         let (a, _) = ids[0].unwrap();
-        batch.set(&layer, &[(a, 1)]).unwrap();
+        batch.set(layer, &[(a, 1)]).unwrap();
         let before = dev.counters();
-        assert!(matches!(plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow), Err(Error::Shape(_))));
+        assert!(matches!(plan.run_batch(layer, batch, q, qrow, out, qrow), Err(Error::Shape(_))));
         // The replay check takes a batch before or after its append, not one the launch
         // would decode wrongly.
-        plan.check_batch(&layer, &batch).unwrap();
+        plan.check_batch(layer, batch).unwrap();
         batch.set_slots(&[(0, layer.len(a).unwrap(), max_q_len + 1)]).unwrap();
-        assert!(matches!(plan.run_batch(&layer, &batch, &q, qrow, &mut out, qrow), Err(Error::Shape(_))));
-        assert!(matches!(plan.check_batch(&layer, &batch), Err(Error::Shape(_))));
+        assert!(matches!(plan.run_batch(layer, batch, q, qrow, out, qrow), Err(Error::Shape(_))));
+        assert!(matches!(plan.check_batch(layer, batch), Err(Error::Shape(_))));
         assert_eq!(dev.counters().launches, before.launches);
     }
 }
@@ -526,107 +603,31 @@ fn step_decode_mixes_prefill_chunks_single_tokens_and_idle_sequences() {
 /// host sees is refused before anything is enqueued.
 #[test]
 fn run_step_in_passes_equals_the_cpu_backend() {
-    let configs = [
-        small(CacheConfig::k2v2(64)),
-        small(CacheConfig::k4v2(128)),
-        CacheConfig { group_size: 32, ..small(CacheConfig::k2v2(64)) },
-    ];
-    for config in configs {
-        let d = config.head_dim;
+    for config in step_configs() {
         let pass = config.pass_rows();
         assert_eq!(pass, 8, "half the small window");
-        let (hkv, hq, slots, passes, max_rows, max_tokens) = (2, 6, 3, 5, 60, 200);
+        let (passes, max_rows) = (5, 60);
         let max_q_len = pass * passes;
-        let dev = test_device();
-        let shape = LayerShape { num_kv_heads: hkv, num_q_heads: hq };
-        let size = LayerSize { max_seqs: slots, max_tokens, num_blocks: None };
-        let mut layer = DeviceLayer::new(&dev, config, shape, LayerCalibration::identity(hkv, d), size).unwrap();
-        let cs =
-            CacheShape { layers: 1, num_kv_heads: hkv, num_q_heads: hq, max_seqs: slots, max_tokens, num_blocks: None };
-        let mut host = KvCache::new(config, cs, Backend::Cpu).unwrap();
-        let plan_shape = PlanShape {
-            max_seqs: slots,
-            max_q_len,
-            max_context: max_tokens,
-            sm_count: None,
-            blocks_per_sm: None,
-            sm_scale: None,
-        };
-        let mut plan = DecodePlan::new(&layer, plan_shape).unwrap();
-        let mut batch = StepBatch::with_passes(&dev, slots, max_rows, pass, passes).unwrap();
-        assert_eq!((batch.passes(), batch.pass_rows()), (passes, pass));
-        let (row, qrow) = (hkv * d, hq * d);
-        let mut k = dev.alloc::<f32>(max_rows * row).unwrap();
-        let mut v = dev.alloc::<f32>(max_rows * row).unwrap();
-        let mut q = dev.alloc::<f32>(max_rows * qrow).unwrap();
-        let mut out = dev.alloc::<f32>(max_rows * qrow).unwrap();
+        let mut rig = StepRig::new(config, max_q_len, max_rows, Some(passes));
+        assert_eq!((rig.batch.passes(), rig.batch.pass_rows()), (passes, pass));
         let schedule: [[usize; 3]; 6] = [[40, 5, 0], [1, 33, 20], [1, 1, 1], [17, 0, 1], [1, 40, 1], [9, 1, 3]];
-        let mut ids: Vec<Option<(SeqId, SeqId)>> = vec![None; slots];
-        dev.record_launches(true);
-        let mut first = None;
         for (step, counts) in schedule.iter().enumerate() {
-            let mut steps = Vec::new();
-            for (slot, &n) in counts.iter().enumerate() {
-                if ids[slot].is_none() && n > 0 {
-                    let (a, b) = (layer.add_sequence().unwrap(), host.add_sequence().unwrap());
-                    layer.reserve(a, max_tokens).unwrap();
-                    ids[slot] = Some((a, b));
-                }
-                if let Some((a, b)) = ids[slot] {
-                    steps.push((a, b, n));
-                }
-            }
-            batch.set(&layer, &steps.iter().map(|&(a, _, n)| (a, n)).collect::<Vec<_>>()).unwrap();
-            let seed = 2000 + step as u64;
-            let (kh, vh, qh) =
-                (rows(max_rows * row, seed), rows(max_rows * row, seed + 1), rows(max_rows * qrow, seed + 2));
-            dev.write(&mut k, 0, &kh).unwrap();
-            dev.write(&mut v, 0, &vh).unwrap();
-            dev.write(&mut q, 0, &qh).unwrap();
-            dev.write(&mut out, 0, &vec![9.0f32; max_rows * qrow]).unwrap();
-            dev.take_launches();
-            let before = dev.counters();
-            plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow, &mut out, qrow).unwrap();
-            let c = dev.counters();
-            assert_eq!(
-                (c.launches - before.launches, c.uploads, c.allocations, c.downloads),
-                (3 * passes + 1, before.uploads, before.allocations, before.downloads)
-            );
-            let list = dev.take_launches();
-            match &first {
-                None => first = Some(list),
-                Some(f) => assert_eq!(f, &list, "{config:?} step {step}: another launch list"),
-            }
-            let mut got = vec![0f32; max_rows * qrow];
-            dev.read(&out, &mut got).unwrap();
-            let mut r = 0;
-            for &(a, b, n) in &steps {
-                assert_eq!(layer.len(a).unwrap(), host.len(0, b).unwrap() + n);
-                let (kr, vr) = (&kh[r * row..(r + n) * row], &vh[r * row..(r + n) * row]);
-                if n > 0 {
-                    let mut want = vec![0f32; n * qrow];
-                    let qr = &qh[r * qrow..(r + n) * qrow];
-                    host.append_decode(0, &[b], n, pass, (kr, vr), qr, &mut want).unwrap();
-                    let e = rel_err(&got[r * qrow..(r + n) * qrow], &want);
-                    assert!(e < 3e-3, "{config:?} step {step} slot {}: {n} rows, error {e}", b.slot());
-                }
-                r += n;
-            }
-            assert!(got[r * qrow..].iter().all(|&x| x == 0.0), "rows without a token are zero");
+            rig.step(counts, 2000 + step as u64);
         }
-        assert_eq!(batch.errors().unwrap(), BatchErrors::default());
-        // The device's pages and side stores equal the CPU backend's after every pass.
-        let (a, b) = ids[1].unwrap();
-        assert_eq!(layer.len(a).unwrap(), host.len(0, b).unwrap());
+        assert_eq!(rig.batch.errors().unwrap(), BatchErrors::default());
+        let StepRig { dev, layer, plan, batch, k, v, q, ids, .. } = &mut rig;
+        let (row, qrow) = (StepRig::HKV * config.head_dim, StepRig::HQ * config.head_dim);
+        let (k, v, q) = (&*k, &*v, &*q);
+        let (a, _) = ids[1].unwrap();
 
         // Refusals: nothing enqueued, nothing changed.
         let other = Device::sim();
-        assert!(matches!(StepBatch::with_passes(&dev, 2, 8, 0, 1), Err(Error::Shape(_))));
-        assert!(matches!(StepBatch::with_passes(&dev, 2, 8, 4, 0), Err(Error::Shape(_))));
-        assert!(matches!(StepBatch::with_passes(&dev, 2, 8, 4, 65), Err(Error::Capacity(_))));
+        assert!(matches!(StepBatch::with_passes(dev, 2, 8, 0, 1), Err(Error::Shape(_))));
+        assert!(matches!(StepBatch::with_passes(dev, 2, 8, 4, 0), Err(Error::Shape(_))));
+        assert!(matches!(StepBatch::with_passes(dev, 2, 8, 4, 65), Err(Error::Capacity(_))));
         let len0 = layer.len(a).unwrap();
-        assert!(matches!(batch.set(&layer, &[(a, max_q_len + 1)]), Err(Error::Capacity(_))));
-        batch.set(&layer, &[(a, 3)]).unwrap();
+        assert!(matches!(batch.set(layer, &[(a, max_q_len + 1)]), Err(Error::Capacity(_))));
+        batch.set(layer, &[(a, 3)]).unwrap();
         let cache = layer.read_cache().unwrap();
         let before = dev.counters();
         let short = dev.alloc::<f32>(2 * row).unwrap();
@@ -634,30 +635,30 @@ fn run_step_in_passes_equals_the_cpu_backend() {
         let r = |res: rotkv::Result<()>| res.unwrap_err();
         let mut out2 = dev.alloc::<f32>(max_rows * qrow).unwrap();
         assert!(matches!(
-            r(plan.run_step(&mut layer, &batch, (&short, row), (&v, row), &q, qrow, &mut out2, qrow)),
+            r(plan.run_step(layer, batch, (&short, row), (v, row), q, qrow, &mut out2, qrow)),
             Error::Shape(_)
         ));
         assert!(matches!(
-            r(plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &far, qrow, &mut out2, qrow)),
+            r(plan.run_step(layer, batch, (k, row), (v, row), &far, qrow, &mut out2, qrow)),
             Error::Device(_)
         ));
         assert!(matches!(
-            r(plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow - 1, &mut out2, qrow)),
+            r(plan.run_step(layer, batch, (k, row), (v, row), q, qrow - 1, &mut out2, qrow)),
             Error::Shape(_)
         ));
-        let foreign = StepBatch::with_passes(&other, slots, max_rows, pass, passes).unwrap();
+        let foreign = StepBatch::with_passes(&other, StepRig::SLOTS, max_rows, pass, passes).unwrap();
         assert!(matches!(
-            r(plan.run_step(&mut layer, &foreign, (&k, row), (&v, row), &q, qrow, &mut out2, qrow)),
+            r(plan.run_step(layer, &foreign, (k, row), (v, row), q, qrow, &mut out2, qrow)),
             Error::Device(_)
         ));
         assert_eq!(dev.counters().launches, before.launches);
         assert_eq!((layer.len(a).unwrap(), layer.read_cache().unwrap()), (len0, cache.clone()));
         // After its append the batch's start is stale: refused, as append_batch refuses it.
-        plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow, &mut out2, qrow).unwrap();
+        plan.run_step(layer, batch, (k, row), (v, row), q, qrow, &mut out2, qrow).unwrap();
         let cache = layer.read_cache().unwrap();
         let before = dev.counters();
         assert!(matches!(
-            r(plan.run_step(&mut layer, &batch, (&k, row), (&v, row), &q, qrow, &mut out2, qrow)),
+            r(plan.run_step(layer, batch, (k, row), (v, row), q, qrow, &mut out2, qrow)),
             Error::Shape(_)
         ));
         assert_eq!(dev.counters().launches, before.launches);
@@ -728,7 +729,9 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
         let config = CacheConfig::k2v2(d);
         let fmt = config.format().unwrap();
         let (row, qrow) = (hkv * d, hq * d);
-        let run = |n: usize, chunk: usize| -> Vec<f32> {
+        // One sequence of `n` tokens in chunks, each appended and decoded in passes of
+        // `pass` rows (`pass >= chunk`: one append, then one decode of the chunk).
+        let run_passes = |n: usize, chunk: usize, pass: usize| -> Vec<f32> {
             let cs = CacheShape {
                 layers: 1,
                 num_kv_heads: hkv,
@@ -743,13 +746,14 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
             let mut at = 0;
             while at < n {
                 let m = chunk.min(n - at);
-                c.append(0, s, m, &layer.k[at * row..(at + m) * row], &layer.v[at * row..(at + m) * row]).unwrap();
+                let kv = (&layer.k[at * row..(at + m) * row], &layer.v[at * row..(at + m) * row]);
                 let q = &layer.q[at * qrow..(at + m) * qrow];
-                c.decode_tokens(0, &[s], m, q, &mut out[at * qrow..(at + m) * qrow]).unwrap();
+                c.append_decode(0, &[s], m, pass, kv, q, &mut out[at * qrow..(at + m) * qrow]).unwrap();
                 at += m;
             }
             out
         };
+        let run = |n: usize, chunk: usize| run_passes(n, chunk, chunk);
         let (n, chunk) = (2000, fmt.page_size as usize);
         let (one, chunked) = (run(n, 1), run(n, chunk));
         let (mut same, mut errs) = (0, Vec::new());
@@ -824,28 +828,7 @@ fn chunked_prefill_matches_token_by_token_up_to_the_flush_rule() {
         // one append per chunk measured a mean of 0.07 / 0.23.
         let pass = config.pass_rows();
         assert_eq!(pass, fmt.page_size as usize);
-        let passes = |n: usize, chunk: usize| -> Vec<f32> {
-            let cs = CacheShape {
-                layers: 1,
-                num_kv_heads: hkv,
-                num_q_heads: hq,
-                max_seqs: 1,
-                max_tokens: n,
-                num_blocks: None,
-            };
-            let mut c = KvCache::new(config, cs, Backend::Cpu).unwrap();
-            let s = c.add_sequence().unwrap();
-            let mut out = vec![0f32; n * qrow];
-            let mut at = 0;
-            while at < n {
-                let m = chunk.min(n - at);
-                let kv = (&layer.k[at * row..(at + m) * row], &layer.v[at * row..(at + m) * row]);
-                let q = &layer.q[at * qrow..(at + m) * qrow];
-                c.append_decode(0, &[s], m, pass, kv, q, &mut out[at * qrow..(at + m) * qrow]).unwrap();
-                at += m;
-            }
-            out
-        };
+        let passes = |n: usize, chunk: usize| run_passes(n, chunk, pass);
         assert!(passes(2000, 256) == chunked, "layer {}: 256-token chunks in passes of 64", layer.layer);
         // On the device: a 300-token prompt in chunks of 100, passes of 64, through
         // run_step, against the CPU backend's passes.

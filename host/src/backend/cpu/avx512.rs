@@ -21,8 +21,9 @@
 //! the same and the rest halves. On processors with two 512-bit FMA units the floor
 //! itself halves.
 
-use super::avx2::{lines, loadable, unrolled};
-use super::{CHUNK, CODES_T_COLS, DTYPE_F16, DTYPE_F32, KeyAffine};
+use super::avx2::{lines, loadable};
+use super::lanes::{self, W512};
+use super::{CHUNK, CODES_T_COLS, KeyAffine};
 use crate::KvElement;
 use half::f16;
 use std::arch::x86_64::*;
@@ -253,26 +254,13 @@ fn transpose_codes(codes: &[u8], cb: usize, n: usize, out: &mut [u32]) {
     }
 }
 
-/// The AVX2 `exp8`, sixteen lanes: the same operations in the same order, so the same
-/// bits in every lane (`e^x` for `x <= 88` to 2e-7 relative, 0 below -87 and for `-inf`).
+/// [`lanes::exp`] at sixteen lanes: the AVX2 `exp8`'s operations in the same order, so
+/// the same bits in every lane.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
 fn exp16(x: __m512) -> __m512 {
-    let floor = _mm512_set1_ps(-87.0);
-    let xc = _mm512_max_ps(x, floor);
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-        xc,
-        _mm512_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693_145_75), xc);
-    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428_606_8e-6), r);
-    let p = _mm512_fmadd_ps(_mm512_set1_ps(8.312_525e-3), r, _mm512_set1_ps(4.189_011_5e-2));
-    let p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_671_14));
-    let p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.499_992_3));
-    let y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r), _mm512_set1_ps(1.0));
-    let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
-    let y = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
-    _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), y)
+    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
+    lanes::exp(unsafe { W512::assume() }, x)
 }
 
 impl Avx512 {
@@ -322,7 +310,8 @@ fn exp_weights16(s: &[f32], m: f32, scales: &[f32], zeros: &[f32], w: &mut [f32]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
 fn pow2(e: i32) -> __m512 {
-    _mm512_set1_ps(f32::from_bits(((127 + e) as u32) << 23))
+    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
+    lanes::pow2(unsafe { W512::assume() }, e)
 }
 
 /// Value accumulation of heads `[h0, h0 + H)`: each 16-byte load covers two 8-byte code
@@ -564,7 +553,7 @@ impl Avx512 {
     }
 
     /// [`super::fwht`] of a row of 16 to 256 floats in 512-bit registers (the same bits:
-    /// the butterflies of [`fwht_in_regs`], then the scale); `false`, with nothing done,
+    /// the butterflies of [`lanes::fwht_in_regs!`], then the scale); `false`, with nothing done,
     /// for other lengths.
     pub(crate) fn fwht(self, x: &mut [f32]) -> bool {
         let p = x.as_mut_ptr();
@@ -613,142 +602,8 @@ impl Avx512 {
     }
 }
 
-/// The FWHT butterflies on an array `$v` of `R` 512-bit registers (`16 * R` floats),
-/// unscaled: strides 1 and 2 inside each 128-bit lane, 4 and 8 across them (a lane swap
-/// and a multiply-add with +-1: `x * -1 + y` rounds once, like `y - x`), then 16 and up
-/// between registers, in the order of the AVX2 pass and of `super::fwht` (each
-/// butterfly the same two operands, so the same bits). A macro so that the array stays
-/// in registers in every caller.
-macro_rules! fwht_in_regs {
-    ($v:expr, $r:expr) => {{
-        const { assert!($r <= 16, "strides up to 128 only") };
-        let v: &mut [__m512; $r] = $v;
-        let (p, m) = (1.0f32, -1.0f32);
-        let s1 = _mm512_setr_ps(p, m, p, m, p, m, p, m, p, m, p, m, p, m, p, m);
-        let s2 = _mm512_setr_ps(p, p, m, m, p, p, m, m, p, p, m, m, p, p, m, m);
-        let s4 = _mm512_setr_ps(p, p, p, p, m, m, m, m, p, p, p, p, m, m, m, m);
-        let s8 = _mm512_setr_ps(p, p, p, p, p, p, p, p, m, m, m, m, m, m, m, m);
-        unrolled::<$r>(|r| {
-            let a = v[r];
-            let a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps::<0xB1>(a));
-            let a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps::<0x4E>(a));
-            // 128-bit lanes [1, 0, 3, 2], then [2, 3, 0, 1].
-            let a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4::<0xB1>(a, a));
-            v[r] = _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4::<0x4E>(a, a));
-        });
-        // Strides 16 and up between registers (h registers apart).
-        let mut stage = |h: usize| {
-            if h < $r {
-                unrolled::<$r>(|k| {
-                    if k < $r / 2 {
-                        let i = k / h * 2 * h + k % h;
-                        let (a, b) = (v[i], v[i + h]);
-                        v[i] = _mm512_add_ps(a, b);
-                        v[i + h] = _mm512_sub_ps(a, b);
-                    }
-                });
-            }
-        };
-        stage(1);
-        stage(2);
-        stage(4);
-        stage(8);
-    }};
-}
-
-/// A new row of `16 * $r` channels of type `$t` at `$src` in `$r` 512-bit registers, as
-/// f32, centered and scaled as `$affine` says, and two partial sums of its squares: the
-/// first steps of [`Avx512::stage_hadamard`]. A macro so that the array stays in
-/// registers; the caller has checked `$src.len()` and the type ([`loadable`]).
-macro_rules! load_row {
-    ($t:ty, $r:expr, $src:expr, $affine:expr) => {{
-        let (src, affine, d): (&[$t], KeyAffine<'_>, usize) = ($src, $affine, 16 * $r);
-        let sp = src.as_ptr();
-        let mut v = [_mm512_setzero_ps(); $r];
-        match affine {
-            KeyAffine::None => unrolled::<$r>(|r| {
-                // SAFETY: 16 * r + 16 <= d = src.len(); T is one of the three types.
-                v[r] = unsafe { load16(sp.add(16 * r)) };
-            }),
-            KeyAffine::Center(m) => {
-                assert_eq!(m.len(), d);
-                unrolled::<$r>(|r| {
-                    // SAFETY: as above, and `m` has d floats.
-                    v[r] = unsafe { _mm512_sub_ps(load16(sp.add(16 * r)), _mm512_loadu_ps(m.as_ptr().add(16 * r))) };
-                });
-            }
-            KeyAffine::Full(m, sc) => {
-                assert!(m.len() == d && sc.len() == d);
-                unrolled::<$r>(|r| {
-                    // SAFETY: as above, and `m` and `sc` have d floats.
-                    v[r] = unsafe {
-                        let (m, sc) =
-                            (_mm512_loadu_ps(m.as_ptr().add(16 * r)), _mm512_loadu_ps(sc.as_ptr().add(16 * r)));
-                        _mm512_div_ps(_mm512_sub_ps(load16(sp.add(16 * r)), m), sc)
-                    };
-                });
-            }
-        }
-        let mut acc = [_mm512_setzero_ps(); 2];
-        unrolled::<$r>(|r| acc[r % 2] = _mm512_fmadd_ps(v[r], v[r], acc[r % 2]));
-        (v, acc)
-    }};
-}
-
-/// The last steps of [`Avx512::stage_hadamard`] on a rotated row `$v` of `$r` registers
-/// (groups of `$per`) with partial squares `$acc`: the scale, the f16 row into `$dst`, the
-/// groups' ranges into `$ranges`; evaluates to the squared norm.
-macro_rules! finish_row {
-    ($r:expr, $per:expr, $v:expr, $acc:expr, $dst:expr, $ranges:expr) => {{
-        let (v, acc, dst, ranges): (&[__m512; $r], [__m512; 2], &mut [f16], &mut [(f32, f32)]) =
-            (&$v, $acc, $dst, $ranges);
-        let d = 16 * $r;
-        let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-        let dp = dst.as_mut_ptr();
-        let mut lo = [_mm512_set1_ps(f32::INFINITY); 8];
-        let mut hi = [_mm512_set1_ps(f32::NEG_INFINITY); 8];
-        unrolled::<$r>(|r| {
-            let y = _mm512_mul_ps(v[r], scale);
-            // SAFETY: 16 * r + 16 <= d = dst.len().
-            unsafe {
-                _mm256_storeu_si256(dp.add(16 * r).cast(), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y));
-            }
-            lo[r / $per] = _mm512_min_ps(lo[r / $per], y);
-            hi[r / $per] = _mm512_max_ps(hi[r / $per], y);
-        });
-        // Rounding to f16 is monotone, so the rounded min and max are the min and max of the
-        // rounded row (up to the sign of a zero, which `group_params` decides).
-        let round = |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
-        for (j, range) in ranges.iter_mut().enumerate() {
-            *range = (_mm512_reduce_min_ps(round(lo[j])), _mm512_reduce_max_ps(round(hi[j])));
-        }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
-    }};
-}
-
-/// Sixteen elements of an input row at `p` as f32 (exact: f16 by F16C, bf16 by a shift
-/// into the high half).
-///
-/// # Safety
-/// `p` is valid for reads of 16 elements, `T` is f32, f16 or bf16 (its `DTYPE`, with the
-/// size of that type), and AVX-512 F is present.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-#[inline]
-unsafe fn load16<T: KvElement>(p: *const T) -> __m512 {
-    // SAFETY: the caller's contract (16 elements of 4 or 2 bytes).
-    unsafe {
-        if T::DTYPE == DTYPE_F32 {
-            _mm512_loadu_ps(p.cast())
-        } else if T::DTYPE == DTYPE_F16 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
-        } else {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
-        }
-    }
-}
-
-/// See [`Avx512::stage_hadamard`]: a row of `16 * R` channels in `R` registers, groups of
-/// `16 * PER` channels, the butterflies of [`fwht_in_regs`].
+/// See [`Avx512::stage_hadamard`]: [`lanes::stage_hadamard!`] at sixteen lanes, a row of
+/// `16 * R` channels in `R` registers, groups of `16 * PER` channels.
 ///
 /// # Safety
 /// AVX-512 F, AVX2, FMA and F16C are present.
@@ -759,33 +614,22 @@ unsafe fn stage_hadamard<T: KvElement, const R: usize, const PER: usize>(
     dst: &mut [f16],
     ranges: &mut [(f32, f32)],
 ) -> Option<f32> {
-    let d = 16 * R;
-    if !loadable::<T>() || src.len() != d || dst.len() != d {
-        return None;
-    }
-    assert!(PER >= 2 && R.is_multiple_of(PER) && R / PER <= 8 && ranges.len() == R / PER);
-    let (mut v, acc) = load_row!(T, R, src, affine);
-    fwht_in_regs!(&mut v, R);
-    Some(finish_row!(R, PER, v, acc, dst, ranges))
+    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
+    let l = unsafe { W512::assume() };
+    lanes::stage_hadamard!(l: W512, T, R, PER, src, affine, dst, ranges)
 }
 
-/// The orthonormal FWHT of the `16 * R` floats at `p`, in registers.
+/// The orthonormal FWHT of the `16 * R` floats at `p`, in registers
+/// ([`lanes::fwht_regs!`] at sixteen lanes).
 ///
 /// # Safety
 /// `p` is valid for reads and writes of `16 * R` floats, and AVX-512 F is present.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn fwht_regs<const R: usize>(p: *mut f32, scale: f32) {
-    let mut v = [_mm512_setzero_ps(); R];
-    unrolled::<R>(|r| {
-        // SAFETY: 16 * r + 16 <= 16 * R, the caller's floats.
-        v[r] = unsafe { _mm512_loadu_ps(p.add(16 * r)) };
-    });
-    fwht_in_regs!(&mut v, R);
-    let s = _mm512_set1_ps(scale);
-    unrolled::<R>(|r| {
-        // SAFETY: as for the loads.
-        unsafe { _mm512_storeu_ps(p.add(16 * r), _mm512_mul_ps(v[r], s)) };
-    });
+    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
+    let l = unsafe { W512::assume() };
+    // SAFETY (in the macro): `p` as the caller vouches.
+    lanes::fwht_regs!(l: W512, R, p, Some(scale))
 }
 
 /// 2-bit codes of [`Avx512::group_codes`].
@@ -1101,11 +945,13 @@ unsafe fn stage_pair<T: KvElement, const R: usize, const PER: usize>(
     }
     let groups = R / PER;
     assert!(PER >= 2 && R.is_multiple_of(PER) && groups <= 8 && kranges.len() == groups && vranges.len() == groups);
-    let (mut a, acc_a) = load_row!(T, R, k, affine);
-    let (mut b, acc_b) = load_row!(T, R, v, KeyAffine::None);
-    fwht_in_regs!(&mut a, R);
-    fwht_in_regs!(&mut b, R);
-    let nk = finish_row!(R, PER, a, acc_a, kdst, kranges);
-    let nv = finish_row!(R, PER, b, acc_b, vdst, vranges);
+    // SAFETY: this function is compiled for AVX-512 F, AVX2, FMA and F16C.
+    let l = unsafe { W512::assume() };
+    let (mut a, acc_a) = lanes::load_row!(l: W512, T, R, k, affine);
+    let (mut b, acc_b) = lanes::load_row!(l: W512, T, R, v, KeyAffine::None);
+    lanes::fwht_in_regs!(l: W512, &mut a, R);
+    lanes::fwht_in_regs!(l: W512, &mut b, R);
+    let nk = lanes::finish_row!(l: W512, R, PER, &a, acc_a, kdst, kranges);
+    let nv = lanes::finish_row!(l: W512, R, PER, &b, acc_b, vdst, vranges);
     Some((nk, nv))
 }
