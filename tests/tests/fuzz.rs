@@ -128,6 +128,7 @@ fn calibration_seeds(with_rotations: bool) -> Vec<Vec<u8>> {
         kv_heads: 2,
         head_dim: 64,
         metadata: [("model".to_string(), "fuzz".to_string())].into(),
+        key_smoothing: Default::default(),
     };
     let mut shuffled = plain.clone();
     let mut r = Rng::new(9);

@@ -4,7 +4,7 @@
 //! `cargo xtask fetch` has run (SKIPPED otherwise): token ids of alice29.txt equal to
 //! those of the shared capture, greedy "Paris", capture equal to the bundled tile and
 //! within 1% of the shared file, and (ignored by default, run by `cargo xtask ci`)
-//! perplexity on 2 windows of 256 tokens.
+//! the presets and the recommended recipes' perplexity on 2 windows of 512 tokens.
 
 use rotkv::model::calibrate::Smooth;
 use rotkv::model::gguf::Gguf;
@@ -641,32 +641,44 @@ fn smollm2_capture_reproduces_the_tiles() {
     }
 }
 
-/// Slow (40 s on two cores): run by `cargo xtask ci` with `--ignored`.
+/// Slow (40 s on two cores; run by `cargo xtask ci` with `--ignored`): the presets and the recommended
+/// recipes on SmolLM2. Calibrated on the first 1024 tokens of alice29.txt (the smoothing
+/// measured for the presets' key quantizers, 64 queries per head), evaluated on 2
+/// windows of 512 tokens of lcet10.txt, 16 tokens per decode step.
 #[test]
-#[ignore = "slow: SmolLM2 perplexity; cargo xtask ci runs it"]
-fn smollm2_perplexity_2x256() {
-    let (Some((m, tok)), Some(text)) = (real(), text("lcet10.txt")) else { return };
+#[ignore = "slow: SmolLM2 calibration and perplexity; cargo xtask ci runs it"]
+fn smollm2_recipe_perplexity_2x512() {
+    let (Some((m, tok)), Some(cal_text), Some(text)) = (real(), text("alice29.txt"), text("lcet10.txt")) else {
+        return;
+    };
+    let cal_ids: Vec<u32> = [tok.bos_prefix(), tok.encode(&cal_text).unwrap()].concat()[..1024].to_vec();
+    let opts = model::calibrate::CalibrateOptions { queries: 64, ..model::calibrate::CalibrateOptions::presets(64) };
+    let cal = model::calibrate::calibrate_with(&m, &cal_ids, &opts, &mut |_| ()).unwrap();
+    assert!(cal.has_smoothing_choice(2) && cal.has_smoothing_choice(4));
     let ids = tok.encode(&text).unwrap();
-    let windows: Vec<Vec<u32>> = ids.chunks_exact(256).take(2).map(<[u32]>::to_vec).collect();
-    let methods: Vec<KvMethod> = ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse(n, 64, 256).unwrap()).collect();
+    let windows: Vec<Vec<u32>> = ids.chunks_exact(512).take(2).map(<[u32]>::to_vec).collect();
+    let methods: Vec<KvMethod> = ["f16", "k4v2-raw", "k2v2-raw", "k4v2", "k2v2"]
+        .iter()
+        .map(|n| KvMethod::parse_calibrated(n, 64, 512, true).unwrap())
+        .collect();
     let opts =
-        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 1, pre_calibration: None, pass_rows: None };
+        PplOptions { backend: Backend::Cpu, calibration: Some(cal), chunk: 16, pre_calibration: None, pass_rows: None };
     let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
     for x in &r {
         let (kl, top1) = (x.kl.unwrap(), x.top1.unwrap());
-        eprintln!("{:<6} ppl {:.3} KL {kl:.4} top-1 {top1:.3} over {} tokens", x.method.name, x.ppl, x.tokens);
+        eprintln!("{:<8} ppl {:.3} KL {kl:.4} top-1 {top1:.3} over {} tokens", x.method.name, x.ppl, x.tokens);
     }
-    // KL(f16 || method), measured: k4v2 0.0011 nats (top-1 99.2%), k2v2 0.0107 (96.3%).
-    assert!(r[0].kl == Some(0.0) && r[1].kl < r[2].kl, "KL: k4v2 below k2v2");
-    assert_eq!(r[0].tokens, 2 * 255);
-    let (f16, k4v2, k2v2) = (r[0].ppl, r[1].ppl, r[2].ppl);
-    assert!(f16 > 5.0 && f16 < 100.0, "f16 perplexity {f16}");
-    // 256-token windows keep 132 to 191 tokens in f16 (4 sinks, the window), so the
-    // quantized caches stay close. Measured: f16 68.18, k4v2 68.42 (+0.35%), k2v2 69.30
-    // (+1.6%); the bounds leave room for other CPUs' f32 rounding, not for a regression
-    // of the quantizer (unclipped k2v2 measured +8.7%).
-    assert!((k4v2 / f16 - 1.0).abs() < 0.01, "k4v2 {k4v2} vs f16 {f16}");
-    assert!(k2v2 / f16 - 1.0 < 0.04 && k2v2 >= k4v2 * 0.99, "k2v2 {k2v2} vs {k4v2} / {f16}");
+    assert_eq!(r[0].tokens, 2 * 511);
+    let f16 = r[0].ppl;
+    assert!(r[0].kl == Some(0.0) && f16 > 5.0 && f16 < 100.0, "f16 perplexity {f16}");
+    let change = |i: usize| r[i].ppl / f16 - 1.0;
+    // Measured (f16 38.189): k4v2-raw +0.61% (KL 0.0036), k2v2-raw +4.95% (0.0514), the
+    // recipes k4v2 +0.18% (0.0019) and k2v2 +2.11% (0.0143). The recipes must stay within the
+    // targets (k4v2 1.5%, k2v2 5%) and below the bare presets' KL; the bounds leave room
+    // for other CPUs' f32 rounding, not for a regression of the recipe.
+    assert!(change(3) < 0.015 && change(4) < 0.05, "recipes: k4v2 {:+.4}, k2v2 {:+.4}", change(3), change(4));
+    assert!(r[3].kl < r[1].kl && r[4].kl < r[2].kl, "the recipes below the bare presets' KL");
+    assert!(r[3].kl < r[4].kl, "4-bit keys below 2-bit keys");
 }
 
 #[test]
@@ -959,4 +971,188 @@ fn smollm2_passkey_prompts_and_a_short_retrieval() {
     let online = [KvMethod::parse("k2v2-o16", 64, 420).unwrap()];
     assert!(passkey::passkey(&m, &tok, &online, &opts, &mut |_, _| {}).is_err());
     assert!(passkey::passkey(&m, &tok, &[], &opts, &mut |_, _| {}).is_err());
+}
+
+/// `--inject-key-outliers`: the model's function is unchanged (f32 rounding aside) while
+/// the chosen RoPE pairs of every KV head's keys are `s` times larger, with and without
+/// q/k biases, and through per-head q/k norms (their gains scaled instead).
+#[test]
+fn injected_key_outliers_keep_the_model_function() {
+    use rotkv::model::inject::{Injection, inject_key_outliers};
+    let t = tokens(40, 22);
+    let rows: Vec<Row> = (0..t.len()).map(|p| Row { seq: 0, pos: p }).collect();
+    let spec = Injection::parse("5,3,16").unwrap();
+    assert_eq!(spec, Injection { seed: 5, count: 3, scale: 16.0 });
+    for (bias, norm) in [(false, false), (true, false), (false, true)] {
+        let mut m = random_model(21, bias);
+        if norm {
+            let mut r = Rng::new(4);
+            for w in &mut m.layers {
+                let g = |r: &mut Rng| (0..64).map(|_| 1.0 + 0.3 * r.normal()).collect::<Vec<f32>>();
+                w.qk_norm = Some([g(&mut r), g(&mut r)]);
+            }
+        }
+        let mut inj = m.clone();
+        let pairs = inject_key_outliers(&mut inj, &spec).unwrap();
+        assert_eq!(pairs.len(), 2);
+        for layer in &pairs {
+            assert_eq!(layer.len(), 2);
+            for p in layer {
+                assert!(p.len() == 3 && p.windows(2).all(|w| w[0] < w[1]) && p[2] < 32, "{p:?}");
+            }
+            if norm {
+                assert_eq!(layer[0], layer[1], "shared norm gains: the same pairs on every head");
+            }
+        }
+        let exact = |m: &Llama| m.forward(&t, &rows, &mut ExactAttention::new(&m.config), None, 2).unwrap();
+        let (h0, h1) = (exact(&m), exact(&inj));
+        let h0f: Vec<f64> = h0.iter().map(|&x| x as f64).collect();
+        assert!(rel(&h1, &h0f) < 1e-5, "bias {bias} norm {norm}: hidden states moved by {}", rel(&h1, &h0f));
+        for (l, layer) in pairs.iter().enumerate() {
+            let key = |m: &Llama| model::capture(m, &t, &[l]).unwrap().tensors[&format!("layer{l}.k")].1.clone();
+            let (k0, k1) = (key(&m), key(&inj));
+            for (i, (&a, &b)) in k0.iter().zip(&k1).enumerate() {
+                let (h, ch) = ((i / 64) % 2, i % 64);
+                let f = if layer[h].contains(&(ch % 32)) { 16.0 } else { 1.0 };
+                assert!((b - f * a).abs() <= 1e-4 * (1.0 + (f * a).abs()), "layer {l} head {h} channel {ch}: {a} {b}");
+            }
+        }
+    }
+    for bad in ["1,2", "1,2,0", "1,2,x", "a,2,3", "1,2,inf"] {
+        assert!(Injection::parse(bad).is_err(), "{bad}");
+    }
+    let mut m = random_model(21, false);
+    assert!(inject_key_outliers(&mut m, &Injection { seed: 1, count: 33, scale: 2.0 }).is_err());
+}
+
+/// The smoothing choice: measured per layer and KV head on the calibration tokens, kept
+/// in the file, used by `-m` and by a bare preset with a calibration (the recipe); files
+/// without it load, and a method that needs it says so.
+#[test]
+fn measured_smoothing_is_chosen_per_head_and_feeds_the_recipe() {
+    use rotkv::model::calibrate::{self, CalibrateOptions, Calibration, SmoothChoice, Use};
+    use rotkv::model::inject::{Injection, inject_key_outliers};
+    let mut m = random_model(23, false);
+    // Key outlier channels on every head (the function unchanged): smoothing must pay.
+    inject_key_outliers(&mut m, &Injection { seed: 3, count: 2, scale: 32.0 }).unwrap();
+    let small = |name: &str| KvMethod::parse(name, 64, 96).unwrap().config;
+    let opts = CalibrateOptions {
+        optr: None,
+        smooth_for: vec![small("k2v2-s2-w16-p16"), small("k4v2-s2-w16-p16")],
+        queries: 32,
+        protect: Some((calibrate::RECIPE_DETECTOR, 3)),
+    };
+    let t = tokens(96, 24);
+    let cal = calibrate::calibrate_with(&m, &t, &opts, &mut |_| ()).unwrap();
+    let choices = calibrate::smooth_choices();
+    for bits in [2, 4] {
+        let chosen = &cal.key_smoothing[&bits];
+        assert!(chosen.len() == 2 && chosen.iter().all(|l| l.len() == 2), "{chosen:?}");
+        // 32x outlier channels: no head is left unsmoothed, and the chosen loss is the
+        // smallest measured, far below no smoothing.
+        assert!(chosen.iter().flatten().all(|c| *c != SmoothChoice::default()), "{bits}: {chosen:?}");
+        let kl = &cal.metadata[&format!("smooth.k{bits}.kl")];
+        for (head, losses) in kl.split(' ').enumerate() {
+            let x: Vec<f64> = losses.split('/').map(|v| v.parse().unwrap()).collect();
+            let best = x.iter().copied().fold(f64::INFINITY, f64::min);
+            assert_eq!(choices[calibrate::best_choice(&x)], chosen[head / 2][head % 2]);
+            assert!(best < 0.5 * x[0], "{bits}-bit keys, head {head}: {x:?}");
+        }
+    }
+    // The file round trip, and the scales a cache gets.
+    let back = Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
+    assert_eq!((&back.layers, &back.key_smoothing), (&cal.layers, &cal.key_smoothing));
+    assert!(back.has_smoothing_choice(2) && back.has_smoothing_choice(4) && !back.has_smoothing_choice(3));
+    let c = cal.key_smoothing[&2][1][0];
+    let want = calibrate::smoothing_scales_knee(&cal.layers[1].key_scale[..64], 64, c.alpha as f64 / 100.0, c.knee);
+    assert_eq!(&back.layer(1, Use::recipe(2)).key_scale[..64], &want[..]);
+    let cfg = small("k2v2-s2-w16-p16");
+    assert_eq!(back.recipe_layer(1, &cfg).unwrap(), back.layer(1, Use::recipe(2)));
+    // Broken choices are refused: a value off the grid, a layer without one.
+    let mut bad = cal.clone();
+    bad.key_smoothing.get_mut(&2).unwrap()[1][0].alpha = 30;
+    assert!(Calibration::from_safetensors(&bad.to_safetensors().unwrap()).is_err());
+    bad.key_smoothing.get_mut(&2).unwrap()[1].clear();
+    assert!(Calibration::from_safetensors(&bad.to_safetensors().unwrap()).is_err());
+    // A bare preset with a calibration is the recipe; with modifiers, what they say.
+    let r = KvMethod::parse_calibrated("k2v2", 64, 1024, true).unwrap();
+    assert_eq!((r.name.as_str(), r.calib, r.detect), ("k2v2", Use::recipe(2), Some((calibrate::RECIPE_DETECTOR, 8))));
+    assert_eq!(KvMethod::parse_calibrated("k4v4", 64, 1024, true).unwrap().calib, Use::recipe(4));
+    assert_eq!(
+        KvMethod::parse_calibrated("k2v2", 64, 1024, false).unwrap(),
+        KvMethod::parse("k2v2", 64, 1024).unwrap()
+    );
+    let raw = KvMethod::parse_calibrated("k2v2-raw", 64, 1024, true).unwrap();
+    assert_eq!(
+        (raw.calib, raw.detect, raw.config),
+        (Use::default(), None, KvMethod::parse("k2v2", 64, 1024).unwrap().config)
+    );
+    assert_eq!(KvMethod::parse("k2v2-c-m", 64, 1024).unwrap().calib, Use::recipe(2));
+    // Through the harness: the measured smoothing beats none on these keys.
+    let windows = vec![tokens(96, 25), tokens(96, 26)];
+    let methods: Vec<KvMethod> = ["f16", "k2v2-s2-w16-p16-c-dh3", "k2v2-s2-w16-p16-c-m-dh3"]
+        .iter()
+        .map(|n| KvMethod::parse(n, 64, 96).unwrap())
+        .collect();
+    let opts = PplOptions {
+        backend: Backend::Cpu,
+        calibration: Some(cal.clone()),
+        chunk: 4,
+        pre_calibration: None,
+        pass_rows: None,
+    };
+    let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
+    let (plain, smoothed) = (r[1].kl.unwrap(), r[2].kl.unwrap());
+    assert!(smoothed < 0.5 * plain, "KL vs f16: measured smoothing {smoothed}, none {plain}");
+    // A file without the choice (an older one): an error that says what to do.
+    let mut old = cal.clone();
+    old.key_smoothing.clear();
+    let old = Calibration::from_safetensors(&old.to_safetensors().unwrap()).unwrap();
+    assert!(old.key_smoothing.is_empty() && old.has_key_std());
+    let opts = PplOptions {
+        backend: Backend::Cpu,
+        calibration: Some(old.clone()),
+        chunk: 4,
+        pre_calibration: None,
+        pass_rows: None,
+    };
+    let e = model::perplexity(&m, &windows, &methods[2..], &opts, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("rotkv calibrate again"), "{e}");
+    assert!(old.recipe_layer(0, &cfg).unwrap_err().to_string().contains("rotkv calibrate again"));
+    // Too few tokens to measure, or two configurations for one key width: errors.
+    assert!(calibrate::calibrate_with(&m, &t[..40], &opts_for(&cfg), &mut |_| ()).is_err());
+    let two = CalibrateOptions { smooth_for: vec![cfg, cfg], ..opts_for(&cfg) };
+    assert!(calibrate::calibrate_with(&m, &t, &two, &mut |_| ()).is_err());
+    // The default calibration of a text too short for the presets stores no choice.
+    assert!(calibrate::calibrate(&m, &t, None, &mut |_| ()).unwrap().key_smoothing.is_empty());
+}
+
+fn opts_for(cfg: &rotkv::CacheConfig) -> rotkv::model::calibrate::CalibrateOptions<'static> {
+    rotkv::model::calibrate::CalibrateOptions { optr: None, smooth_for: vec![*cfg], queries: 8, protect: None }
+}
+
+/// `kivi2`, `kivi4`: KIVI's quantizer simulated in the harness (the anchor): nothing
+/// quantized while the window holds everything, 4 bits closer to f16 than 2 bits, and
+/// only the modifiers that fit it.
+#[test]
+fn kivi_anchor_in_the_harness() {
+    let k = KvMethod::parse("kivi2", 64, 1024).unwrap();
+    assert!(k.kivi && k.simulated && k.quantized && k.config.group_size == 32 && k.config.key_bits == 2);
+    assert_eq!(k.bits_per_element(), 3.0);
+    for bad in ["kivi2-c", "kivi2-x80", "kivi2-dh8", "kivi2-sim", "kivi4-a50"] {
+        assert!(KvMethod::parse(bad, 64, 1024).is_err(), "{bad}");
+    }
+    let m = random_model(31, false);
+    let windows = vec![tokens(96, 32), tokens(96, 33)];
+    let methods: Vec<KvMethod> = ["f16", "kivi2-w256", "kivi2-s2-w16-p32", "kivi4-s2-w16-p32"]
+        .iter()
+        .map(|n| KvMethod::parse(n, 64, 96).unwrap())
+        .collect();
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: None, chunk: 4, pre_calibration: None, pass_rows: None };
+    let r = model::perplexity(&m, &windows, &methods, &opts, &mut |_, _| {}).unwrap();
+    // The whole window in f16 (rounded as the cache rounds): f16's perplexity.
+    assert!((r[1].nll - r[0].nll).abs() < 1e-3, "{} vs {}", r[1].nll, r[0].nll);
+    let (k2, k4) = (r[2].kl.unwrap(), r[3].kl.unwrap());
+    assert!(k2 > 1e-4 && k4 < 0.5 * k2, "KL vs f16: kivi2 {k2}, kivi4 {k4}");
 }

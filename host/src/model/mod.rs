@@ -5,6 +5,7 @@
 
 pub mod calibrate;
 pub mod gguf;
+pub mod inject;
 pub mod llama;
 pub mod math;
 pub mod optr;
@@ -143,8 +144,14 @@ pub struct KvMethod {
     /// [`PplOptions::pre_calibration`] for `-c` and `-a`.
     pub pre_rope: bool,
     /// Run through the harness simulation of [`prerope`] instead of a rotkv cache: set by
-    /// `-pre`, and by `-sim` (post-RoPE keys, the control of `-pre`).
+    /// `-pre`, and by `-sim` (post-RoPE keys, the control of `-pre`), and by `kivi2`,
+    /// `kivi4`.
     pub simulated: bool,
+    /// KIVI's quantizer, simulated (`kivi2`, `kivi4`: the anchor from the literature):
+    /// no rotation, keys per channel over blocks of 32 tokens, values per token in groups
+    /// of 32 channels, the same sinks, window and pages as the presets
+    /// ([`prerope::SimMethod::kivi`]).
+    pub kivi: bool,
 }
 
 /// Tokens of the exact prefill that sink detection looks at (each window's first ones,
@@ -154,7 +161,8 @@ pub const DETECT_PREFILL: usize = 128;
 impl KvMethod {
     /// Parses a method: a base, `f16`, `k2v2`, `k4v2`, `k4v4` (the presets of
     /// [`CacheConfig`], Hadamard-rotated) or `naive2`, `naive4` (no rotation, 2 or 4 bits,
-    /// whole ranges), then optional modifiers
+    /// whole ranges) or `kivi2`, `kivi4` (KIVI's per-channel keys, simulated:
+    /// [`KvMethod::kivi`]; with `-g -s -w -p` only), then optional modifiers
     /// `-g<group>`, `-s<sinks>`, `-w<window>`, `-p<page size>`, `-x<percent>` and
     /// `-y<percent>` (key and value quantizers span that share of each group's range,
     /// [`CacheConfig::key_clip`]), `-v<iterations>` (KVarN variance normalization,
@@ -168,7 +176,10 @@ impl KvMethod {
     /// calibrated channel standard deviation raised to alpha = percent / 100, normalized
     /// to mean 1, and multiply the query by the same; `-a50` is alpha 0.5; see
     /// [`calibrate::smoothing_scales`]), `-aa` (the same with alpha 0.5 on the KV heads
-    /// whose keys have outlier channels, none on the others: [`calibrate::Smooth::Auto`]). `-pre` quantizes the keys before RoPE and
+    /// whose keys have outlier channels, none on the others: [`calibrate::Smooth::Auto`]),
+    /// `-m` (per layer and KV head the exponent `rotkv calibrate` measured best for the
+    /// method's key bits: [`calibrate::Smooth::Measured`]), `-raw` (nothing: spells a
+    /// bare preset that [`KvMethod::parse_calibrated`] would read as the recipe). `-pre` quantizes the keys before RoPE and
     /// re-applies RoPE to each dequantized key at its position (RotateKV's recipe), and
     /// `-sim` runs the post-RoPE method through the same harness simulation (its control):
     /// both only on the Hadamard presets, with `-g -s -w -p -x -y -c -a` (see [`prerope`]:
@@ -186,6 +197,19 @@ impl KvMethod {
                 },
                 false,
             ),
+            "kivi2" | "kivi4" => {
+                let bits = if base == "kivi2" { 2 } else { 4 };
+                let c = CacheConfig {
+                    key_bits: bits,
+                    value_bits: bits,
+                    group_size: 32,
+                    key_rotation: Rotation::None,
+                    value_rotation: Rotation::None,
+                    key_clip: 1.0,
+                    ..CacheConfig::k2v2(head_dim)
+                };
+                (c, true)
+            }
             "naive2" | "naive4" => {
                 let bits = if base == "naive2" { 2 } else { 4 };
                 let c = CacheConfig {
@@ -203,9 +227,10 @@ impl KvMethod {
         let mut calib = calibrate::Use::default();
         let mut online = None;
         let mut detect = None;
-        let (mut pre_rope, mut simulated) = (false, false);
+        let kivi = base == "kivi2" || base == "kivi4";
+        let (mut pre_rope, mut simulated) = (false, kivi);
         for m in parts {
-            if quantized && base != "naive2" && base != "naive4" && (m == "pre" || m == "sim") {
+            if quantized && !kivi && base != "naive2" && base != "naive4" && (m == "pre" || m == "sim") {
                 pre_rope |= m == "pre";
                 simulated = true;
                 continue;
@@ -239,6 +264,11 @@ impl KvMethod {
                     calib.smooth = Some(calibrate::Smooth::Auto);
                     continue;
                 }
+                "m" if quantized => {
+                    calib.smooth = Some(calibrate::Smooth::Measured(config.key_bits));
+                    continue;
+                }
+                "raw" => continue,
                 _ => {}
             }
             let (key, num) = m.split_at(m.chars().next().map_or(0, char::len_utf8));
@@ -279,7 +309,29 @@ impl KvMethod {
                 "{name}: -pre and -sim (the harness simulation) take -g -s -w -p -x -y -c -a only"
             )));
         }
-        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect, pre_rope, simulated })
+        if kivi && (calib != calibrate::Use::default() || config.key_clip != 1.0 || config.value_clip != 1.0) {
+            return Err(Error::Value(format!("{name}: kivi2 and kivi4 take -g -s -w -p only")));
+        }
+        Ok(Self { name: name.to_string(), config, quantized, calib, online, detect, pre_rope, simulated, kivi })
+    }
+
+    /// [`KvMethod::parse`], except that with a calibration (`calibrated`) a bare preset
+    /// name (`k2v2`, `k4v2`, `k4v4`) means the recommended recipe for it,
+    /// [`KvMethod::recipe_name`] (`k2v2` is `k2v2-c-m-dh8`), keeping the bare name. A name
+    /// with modifiers means exactly what they say (`k2v2-raw` is the preset alone).
+    pub fn parse_calibrated(name: &str, head_dim: usize, ctx: usize, calibrated: bool) -> Result<Self> {
+        match Self::recipe_name(name) {
+            Some(full) if calibrated => Ok(Self { name: name.to_string(), ..Self::parse(&full, head_dim, ctx)? }),
+            _ => Self::parse(name, head_dim, ctx),
+        }
+    }
+
+    /// The recommended recipe of a preset, spelled out: key centering (`-c`), the
+    /// smoothing measured per layer and KV head for its key bits (`-m`) and
+    /// [`calibrate::RECIPE_SINKS`] detected sinks per layer (`-dh8`); `None` for a name
+    /// that is not a bare preset.
+    pub fn recipe_name(preset: &str) -> Option<String> {
+        matches!(preset, "k2v2" | "k4v2" | "k4v4").then(|| format!("{preset}-c-m-dh{}", calibrate::RECIPE_SINKS))
     }
 
     /// Bits per element of the quantized tokens, scales and zeros included (16 for f16).
@@ -303,7 +355,7 @@ impl KvMethod {
 
 fn unknown(name: &str) -> Error {
     Error::Value(format!(
-        "unknown KV method {name:?}: f16, naive2, naive4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -pre -sim"
+        "unknown KV method {name:?}: f16, naive2, naive4, kivi2, kivi4, k2v2, k4v2 or k4v4, then -g<group> -s<sinks> -w<window> -p<page> -x<key clip %> -y<value clip %> -v<iterations> -o<N> -da<k> -dk<k> -dh<k> -c -r -l -a<alpha %> -aa -m -raw -pre -sim"
     ))
 }
 
@@ -448,6 +500,7 @@ pub fn perplexity(
                 config: method.config,
                 pre_rope: method.pre_rope,
                 key_stats: sim_key_stats(c, method, cal)?,
+                kivi: method.kivi,
             });
             Some(sims.len() - 1)
         } else {
@@ -537,6 +590,7 @@ fn sim_key_stats(
             method.name
         )));
     }
+    check_measured(method, cal)?;
     Ok((0..c.layers)
         .map(|l| {
             let lc = cal.layer(l, method.calib);
@@ -623,11 +677,25 @@ pub(crate) fn method_cache(
                 method.name
             )));
         }
+        check_measured(method, cal)?;
         for l in 0..c.layers {
             cache.set_calibration(l, cal.layer(l, method.calib))?;
         }
     }
     Ok(cache)
+}
+
+/// An error where `method` uses the measured smoothing (`-m`, the recipe) and `cal` has
+/// no choice for its key bits.
+fn check_measured(method: &KvMethod, cal: &calibrate::Calibration) -> Result<()> {
+    match method.calib.smooth {
+        Some(calibrate::Smooth::Measured(bits)) if !cal.has_smoothing_choice(bits) => Err(Error::Calibration(format!(
+            "method {} uses the smoothing measured for {bits}-bit keys; the calibration has none (written by an \
+                 older rotkv calibrate, without `smooth`, or from too few tokens): run rotkv calibrate again",
+            method.name
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Greedy continuation of `prompt` for `steps` tokens through a rotkv cache with

@@ -92,6 +92,22 @@ pub struct SimMethod {
     /// Per layer: key mean and key scale `[kv_heads][head_dim]` (post-RoPE ones for
     /// `-sim`, pre-RoPE ones for `-pre`; zeros and ones uncalibrated).
     pub key_stats: Vec<(Vec<f32>, Vec<f32>)>,
+    /// KIVI's quantizer instead (`kivi2`, `kivi4`): no rotation; keys per channel over
+    /// blocks of `group_size` consecutive tokens (quantized once a block is complete),
+    /// values per token in groups of `group_size` channels; both the whole range.
+    pub kivi: bool,
+}
+
+/// KIVI's per-token value quantizer: groups of `group` raw channels (no rotation), the
+/// whole range.
+fn per_token(x: &[f32], bits: u32, group: usize) -> Vec<f32> {
+    x.chunks_exact(group)
+        .flat_map(|g| {
+            let g: Vec<f64> = g.iter().map(|&v| v as f64).collect();
+            dequantize_group(&quantize_group_clipped(&g, bits, rotkv_kernels::layout::NO_CLIP))
+        })
+        .map(|v| v as f32)
+        .collect()
 }
 
 /// Attention over simulated caches: sequence `s` of a [`Row`] is method
@@ -116,6 +132,9 @@ impl SimAttention {
         let mut with_format = Vec::new();
         for m in methods {
             let fmt = m.config.format()?;
+            if m.kivi && !(fmt.page_size as usize).is_multiple_of(m.config.group_size) {
+                return Err(Error::Value("KIVI's token blocks must divide the page".into()));
+            }
             if m.config.head_dim != config.head_dim
                 || m.key_stats.len() != config.layers
                 || m.key_stats.iter().any(|(a, b)| a.len() != config.kv_heads * config.head_dim || b.len() != a.len())
@@ -130,6 +149,11 @@ impl SimAttention {
         let store = vec![vec![Default::default(); seq_method.len()]; config.layers];
         Ok(Self { config: config.clone(), methods: with_format, seq_method, store })
     }
+}
+
+/// Channel `ch` of the stored (f16-rounded) key row of position `p`.
+fn ke_at(ke: &[f32], p: usize, kvd: usize, ch: usize) -> f64 {
+    ke[p * kvd + ch] as f64
 }
 
 fn f16_round(x: &mut [f32]) {
@@ -157,13 +181,20 @@ impl Attention for SimAttention {
                 let kh = &k[i * kvd + h * d..][..d];
                 let vh = &v[i * kvd + h * d..][..d];
                 let (mh, sh) = (&mean[h * d..(h + 1) * d], &scale[h * d..(h + 1) * d]);
-                let mut kk = if meth.pre_rope {
+                let mut kk = if meth.kivi {
+                    // Replaced when its block of tokens is complete (below).
+                    kh.to_vec()
+                } else if meth.pre_rope {
                     pre_rope_key(kh, &cos, &sin, mh, sh, fmt.key_bits, g, fmt.key_clip)
                 } else {
                     round_trip(kh, mh, sh, fmt.key_bits, g, fmt.key_clip)
                 };
                 let (zeros, ones) = (vec![0f32; d], vec![1f32; d]);
-                let mut vv = round_trip(vh, &zeros, &ones, fmt.value_bits, g, fmt.value_clip);
+                let mut vv = if meth.kivi {
+                    per_token(vh, fmt.value_bits, g)
+                } else {
+                    round_trip(vh, &zeros, &ones, fmt.value_bits, g, fmt.value_clip)
+                };
                 f16_round(&mut kk);
                 f16_round(&mut vv);
                 kq.extend_from_slice(&kk);
@@ -173,6 +204,19 @@ impl Attention for SimAttention {
                 f16_round(&mut ve1);
                 ke.extend_from_slice(&ke1);
                 ve.extend_from_slice(&ve1);
+            }
+            // KIVI: a complete block of `g` tokens after the sinks is quantized per channel.
+            let (g, sinks) = (meth.config.group_size, meth.config.sinks);
+            if meth.kivi && r.pos + 1 > sinks && (r.pos + 1 - sinks).is_multiple_of(g) {
+                let first = r.pos + 1 - g;
+                for ch in 0..kvd {
+                    let x: Vec<f64> = (first..=r.pos).map(|p| ke_at(ke, p, kvd, ch)).collect();
+                    let deq =
+                        dequantize_group(&quantize_group_clipped(&x, fmt.key_bits, rotkv_kernels::layout::NO_CLIP));
+                    for (p, y) in (first..=r.pos).zip(deq) {
+                        kq[p * kvd + ch] = f16::from_f64(y).to_f32();
+                    }
+                }
             }
         }
         let window = c.window_left(layer);
@@ -278,7 +322,13 @@ pub fn pre_rope_calibration(model: &super::Llama, tokens: &[u32]) -> Result<supe
         .collect::<Result<Vec<_>>>()?;
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("keys".into(), "pre-RoPE".into());
-    Ok(super::calibrate::Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata })
+    Ok(super::calibrate::Calibration {
+        layers,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        metadata,
+        key_smoothing: Default::default(),
+    })
 }
 
 #[cfg(test)]
