@@ -102,6 +102,10 @@ class Calibration:
         """Arrays of shape [num_kv_heads, head_dim] (rotations [num_kv_heads, head_dim,
         head_dim]); a missing one is the identity. Checked here."""
     @staticmethod
+    def load(path: str, config: CacheConfig) -> list[Calibration]:
+        """The recommended recipe of config's preset from a `rotkv calibrate` file, one per
+        layer (key centering and the per-KV-head smoothing measured for its key bits)."""
+    @staticmethod
     def identity(num_kv_heads: int, head_dim: int) -> Calibration: ...
     @property
     def num_kv_heads(self) -> int: ...

@@ -557,6 +557,28 @@ impl Calibration {
         c.check_orthogonal(hkv, d).or_py(py)?;
         Ok(Self { inner: c, num_kv_heads: hkv, head_dim: d })
     }
+    /// The recommended recipe of `config`'s preset from a calibration file written by
+    /// `rotkv calibrate` (`cargo rotkv calibrate --model M --text T --out F`), one
+    /// `Calibration` per layer: the key centering and the per-KV-head key smoothing the
+    /// calibration measured best for `config`'s key bits (the recipe's detected sinks are
+    /// positions of each sequence, found at its prefill: `KvCache.protect`). Raises
+    /// `RotkvValueError` for a file without a measured choice for those keys (an older
+    /// file: calibrate again) or of another head_dim, `RotkvError` for an unreadable file.
+    #[staticmethod]
+    fn load(py: Python<'_>, path: std::path::PathBuf, config: &Config) -> PyResult<Vec<Self>> {
+        let config = config.to_rust().or_py(py)?;
+        let cal = py.detach(|| rotkv_lib::model::calibrate::Calibration::load(&path)).or_py(py)?;
+        if cal.head_dim != config.head_dim {
+            let why = format!("the calibration is for head_dim {}, the config's is {}", cal.head_dim, config.head_dim);
+            return Err(to_py(py, rotkv_lib::Error::Calibration(why)));
+        }
+        (0..cal.layers.len())
+            .map(|l| {
+                let inner = cal.recipe_layer(l, &config).or_py(py)?;
+                Ok(Self { inner, num_kv_heads: cal.kv_heads, head_dim: cal.head_dim })
+            })
+            .collect()
+    }
     /// Zero means, unit scales, identity permutations, the configured rotations.
     #[staticmethod]
     fn identity(py: Python<'_>, num_kv_heads: usize, head_dim: usize) -> PyResult<Self> {

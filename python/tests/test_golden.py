@@ -6,6 +6,7 @@ softmax scale) run through `rotkv` from numpy, compared with the Rust program's 
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 import rotkv
 from conftest import inputs
@@ -53,3 +54,30 @@ def test_every_result_matches_rust_bit_for_bit(golden_dir):
         assert np.array_equal(sides.view(np.uint16), read(golden_dir, f"sides{layer}", np.uint16)), layer
     assert cache.protected(0, a) == [45]
     assert (cache.len(0, a), cache.len(0, b), cache.len(1, a), cache.len(1, b)) == (80, 7, 80, 0)
+
+
+def test_calibration_files_load_as_the_rust_recipe(golden_dir):
+    # A calibration file with a measured smoothing choice per KV head (written by the
+    # Rust program): Calibration.load gives each layer's recipe for the config's key bits,
+    # the same as Calibration::recipe_layer in Rust, bit for bit.
+    for name, config in [("k2v2", rotkv.CacheConfig.k2v2(64)), ("k4v2", rotkv.CacheConfig.k4v2(64))]:
+        cals = rotkv.Calibration.load(str(golden_dir / "cal.safetensors"), config)
+        assert len(cals) == 2
+        for layer, c in enumerate(cals):
+            for what, got, dtype in [("mean", c.key_mean, np.float32), ("scale", c.key_scale, np.float32), ("perm", c.key_perm, np.uint16)]:
+                want = read(golden_dir, f"cal_{name}_{layer}_{what}", dtype)
+                assert np.array_equal(got.reshape(-1).view(want.dtype), want), (name, layer, what)
+    # The two presets smooth differently (the choices differ per key bits).
+    k2 = rotkv.Calibration.load(str(golden_dir / "cal.safetensors"), rotkv.CacheConfig.k2v2(64))
+    k4 = rotkv.Calibration.load(str(golden_dir / "cal.safetensors"), rotkv.CacheConfig.k4v2(64))
+    assert not np.array_equal(k2[0].key_scale, k4[0].key_scale)
+    # A layer's recipe goes into a cache like any calibration.
+    cache = rotkv.KvCache(rotkv.CacheConfig.k2v2(64), 2, 2, 4, 1, 64)
+    cache.set_calibration(1, k2[1])
+    # An older file (no measured choice), another head_dim, a missing file.
+    with pytest.raises(rotkv.RotkvValueError, match="calibrate again"):
+        rotkv.Calibration.load(str(golden_dir / "cal_old.safetensors"), rotkv.CacheConfig.k2v2(64))
+    with pytest.raises(rotkv.RotkvValueError, match="head_dim"):
+        rotkv.Calibration.load(str(golden_dir / "cal.safetensors"), rotkv.CacheConfig.k2v2(128))
+    with pytest.raises(rotkv.RotkvError):
+        rotkv.Calibration.load(str(golden_dir / "missing.safetensors"), rotkv.CacheConfig.k2v2(64))

@@ -32,6 +32,11 @@ mod bytemuck_free {
             vec![*self]
         }
     }
+    impl Le for u16 {
+        fn le(&self) -> Vec<u8> {
+            self.to_le_bytes().to_vec()
+        }
+    }
     impl Le for rotkv_lib::f16 {
         fn le(&self) -> Vec<u8> {
             self.to_le_bytes().to_vec()
@@ -83,6 +88,43 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         write(dir, &format!("pool{layer}"), pool)?;
         write(dir, &format!("sides{layer}"), sides)?;
     }
+    calibration_file(dir)?;
     println!("wrote the golden results into {}", dir.display());
+    Ok(())
+}
+
+/// A calibration file as `rotkv calibrate` writes it (two layers, two KV heads, the key
+/// channel standard deviations and a measured smoothing choice per head for 2- and 4-bit
+/// keys), and the recipe's layer calibrations for k2v2 and k4v2 from it; also a file
+/// without the measured choice (an older file).
+fn calibration_file(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    use rotkv_lib::model::calibrate::{Calibration, SmoothChoice};
+    let (hkv, d) = (2, 64);
+    let row = hkv * d;
+    let layers: Vec<LayerCalibration> = (0..2)
+        .map(|l| {
+            let mut c = LayerCalibration::identity(hkv, d);
+            c.key_mean = inputs(row, 20 + l);
+            c.key_scale = (0..row).map(|i| 0.5 + ((i * 7 + l) % 13) as f32 / 4.0).collect();
+            c.key_perm = (0..row).map(|i| ((i % d) * 3 % d) as u16).collect();
+            c
+        })
+        .collect();
+    let choice = |alpha, knee| SmoothChoice { alpha, knee };
+    let mut key_smoothing = std::collections::BTreeMap::new();
+    key_smoothing.insert(2, vec![vec![choice(50, 0), choice(25, 2)], vec![choice(0, 0), choice(100, 0)]]);
+    key_smoothing.insert(4, vec![vec![choice(75, 0), choice(0, 2)], vec![choice(25, 0), choice(50, 2)]]);
+    let cal = Calibration { layers, kv_heads: hkv, head_dim: d, metadata: Default::default(), key_smoothing };
+    std::fs::write(dir.join("cal.safetensors"), cal.to_safetensors()?)?;
+    for (name, config) in [("k2v2", CacheConfig::k2v2(d)), ("k4v2", CacheConfig::k4v2(d))] {
+        for l in 0..2 {
+            let r = cal.recipe_layer(l, &config)?;
+            write(dir, &format!("cal_{name}_{l}_mean"), &r.key_mean)?;
+            write(dir, &format!("cal_{name}_{l}_scale"), &r.key_scale)?;
+            write(dir, &format!("cal_{name}_{l}_perm"), &r.key_perm)?;
+        }
+    }
+    let old = Calibration { key_smoothing: Default::default(), ..cal };
+    std::fs::write(dir.join("cal_old.safetensors"), old.to_safetensors()?)?;
     Ok(())
 }
