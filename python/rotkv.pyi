@@ -32,6 +32,11 @@ class RotkvValueError(RotkvError, ValueError):
 class RotkvMemoryError(RotkvError, MemoryError):
     """The cache, or a sequence, has no room left."""
 
+def calibrate(model: str, text: str, out: str, tokens: int = 2048) -> int:
+    """Calibrates a GGUF model on the first `tokens` tokens of a text file (as `rotkv
+    calibrate --methods center,reorder,smooth`) and writes the file `out`; returns the
+    number of layers. `Calibration.load(out, config)` reads it as a preset's recipe."""
+
 def configs() -> list[dict[str, int]]:
     """The instantiated (head_dim, key_bits, value_bits, group_size) combinations."""
 

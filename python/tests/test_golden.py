@@ -4,6 +4,9 @@ calibrated layer, decode with a fixed split count, decode_tokens, a sliding wind
 softmax scale) run through `rotkv` from numpy, compared with the Rust program's output
 (every decode result and every layer's pool and side stores)."""
 
+import os
+import pathlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -81,3 +84,23 @@ def test_calibration_files_load_as_the_rust_recipe(golden_dir):
         rotkv.Calibration.load(str(golden_dir / "cal.safetensors"), rotkv.CacheConfig.k2v2(128))
     with pytest.raises(rotkv.RotkvError):
         rotkv.Calibration.load(str(golden_dir / "missing.safetensors"), rotkv.CacheConfig.k2v2(64))
+
+
+def test_calibrate_a_real_model_and_load_its_recipe(tmp_path):
+    # SmolLM2-135M and alice29.txt from the cache folder (`cargo xtask fetch`; `cargo
+    # xtask python` passes it): 512 tokens, about 10-20 s on two cores.
+    cache = pathlib.Path(os.environ.get("ROTKV_CACHE_DIR", "/nonexistent"))
+    model, text = cache / "models/SmolLM2-135M-Instruct.Q4_1.gguf", cache / "text/alice29.txt"
+    if not (model.exists() and text.exists()):
+        pytest.skip(f"SmolLM2 or alice29.txt not in {cache} (cargo xtask fetch)")
+    out = tmp_path / "cal.safetensors"
+    assert rotkv.calibrate(str(model), str(text), str(out), tokens=512) == 30
+    for config in (rotkv.CacheConfig.k2v2(64), rotkv.CacheConfig.k4v2(64)):
+        cals = rotkv.Calibration.load(str(out), config)
+        assert len(cals) == 30 and all(c.num_kv_heads == 3 and c.head_dim == 64 for c in cals)
+        assert any(np.abs(c.key_mean).max() > 0 for c in cals), "centered"
+        assert any(not np.all(c.key_scale == 1) for c in cals), "some head smoothed"
+    with pytest.raises(rotkv.RotkvError):
+        rotkv.calibrate(str(model), str(text), str(out), tokens=10**7)  # past the text
+    with pytest.raises(rotkv.RotkvError):
+        rotkv.calibrate(str(tmp_path / "missing.gguf"), str(text), str(out))

@@ -93,7 +93,9 @@ pub fn python() -> Result<(u64, u64, u64), Step> {
     ok("python: pip install ./python", pip)?;
     let mut pytest = Command::new(&python);
     pytest.current_dir(root()).args(["-m", "pytest", "-rs", "-p", "no:cacheprovider", "python/tests"]);
-    pytest.env("ROTKV_GOLDEN", &golden).env_remove("PYTHONPATH");
+    // The real-model inputs `cargo xtask fetch` put in the cache folder (the calibration
+    // test skips without them).
+    pytest.env("ROTKV_GOLDEN", &golden).env("ROTKV_CACHE_DIR", cache_dir()?).env_remove("PYTHONPATH");
     println!("\n==> python: pytest: {pytest:?}");
     let out = pytest.output().map_err(|e| Step::Failed(format!("pytest: {e}")))?;
     let text = String::from_utf8_lossy(&out.stdout);
