@@ -107,7 +107,7 @@ pub enum Smooth {
     /// outlier channels, which smoothing is for), none elsewhere ([`auto_smoothing_scales`]).
     Auto,
     /// Per layer and KV head, the exponent `rotkv calibrate` measured best for keys of
-    /// this many bits ([`Calibration::key_alpha`], [`measure_smoothing`]): `-m`, and the
+    /// this many bits ([`Calibration::key_smoothing`], [`measure_smoothing`]): `-m`, and the
     /// recipe ([`Use::recipe`]).
     Measured(u32),
 }
@@ -729,7 +729,7 @@ pub fn best_choice(loss: &[f64]) -> usize {
 /// (trained on the centered keys; see [`super::optr`]). Where the text is long enough
 /// ([`smoothing_min_tokens`] of the presets), the smoothing exponent per layer and KV
 /// head is chosen for the presets' key quantizers too ([`CalibrateOptions::presets`],
-/// [`Calibration::key_alpha`]). `progress(layer)` is called as each layer's rotations
+/// [`Calibration::key_smoothing`]). `progress(layer)` is called as each layer's rotations
 /// are done.
 pub fn calibrate(
     model: &Llama,
