@@ -821,6 +821,9 @@ fn ring_chunks<
         }
         ctx.cp_async_commit();
     };
+    // The ring may have been read by the warp's previous segment (section 4a of
+    // [`decode_mma`]): every lane is past those reads before the first copy lands.
+    ctx.sync_warp();
     for k in 0..R - 1 {
         issue(k, k, entries(k));
     }
@@ -1256,44 +1259,99 @@ pub unsafe fn decode_mma<
         // 4a. The steady state: chunks of `ut` tiles (one softmax update; see
         // [`chunk_tiles`]) that need no mask: inside the split, inside every row's
         // window (below the smallest causal limit, at or past the largest window start),
-        // and no protected position in the split. Chunk `c` is tiles `f0 + ut c ..`,
-        // taken by warp `c mod WARPS`. Block-uniform: the smallest causal limit of the
-        // tile's rows is that of its first row, the largest start that of its last.
+        // and holding no protected position. The chunks of [f0, f1) run in segments
+        // between the chunks that hold one (those go through the masked loop below), so
+        // a protected position costs its own chunk, not the split. Chunk `c` of a segment
+        // is tiles `a + ut c ..`, taken by warp `c mod WARPS`. Block-uniform: the smallest
+        // causal limit of the tile's rows is that of its first row, the largest start
+        // that of its last.
         let min_lim = p.row_len(len, r0 / gqa);
         let max_start = p.row_start(len, ((r0 + ROWS).min(rows_total) - 1) / gqa);
         let fast_end = hi_pos.min(min_lim);
         let ut = const { chunk_tiles(D as u32, VB, NG as u32) };
         let f0 = (lo_pos.max(max_start) - qbeg).div_ceil(ut * TILE) * ut;
         let f1 = if fast_end > qbeg { (fast_end - qbeg) / (ut * TILE) * ut } else { 0 };
-        let (f0, f1) = if p_lo == p_hi && f1 > f0 { (f0, f1) } else { (last, last) };
-        let nchunks = (f1 - f0) / ut;
+        let (f0, f1) = if f1 > f0 { (f0, f1) } else { (last, last) };
+        // The first tile of the chunk holding protected position number `jp` of the list
+        // (`p_lo <= jp < p_hi`: inside the split's quantized range).
+        let chunk_of = |jp: u32| (unsafe { *prot.add(jp as usize) } - qbeg) / (ut * TILE) * ut;
         let cur_args = (ctx, aq_sh.cast_const(), &qsp, unscale_q);
         let stages = const { ring_stages(D as u32, KB, VB, NG as u32) };
         // The warp's ring, a byte offset into the area (idle from the fragments' barrier in
         // section 2 to the first merge pass's barrier in section 6).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
         let src = (&tile_entry, &tile_at, lo.s, ring);
-        if stages == RING && ut == 2 {
-            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else if stages == RING && ut == 1 {
-            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, RING>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else if stages == 2 && ut == 2 {
-            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else if stages == 2 && ut == 1 {
-            ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, 2>(cur_args, src, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else if ut == 4 {
-            fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else if ut == 2 {
-            fast_chunks::<C, KB, VB, NG, NKS, NVT, 2>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
-        } else {
-            fast_chunks::<C, KB, VB, NG, NKS, NVT, 1>(cur_args, &load, f0, nchunks, &mut st, &mut o, &mut zl);
+        let (mut a, mut jp) = (f0, p_lo);
+        while a < f1 {
+            // The segment [a, b): up to the next chunk holding a protected position.
+            let mut b = f1;
+            while jp < p_hi {
+                let c = chunk_of(jp);
+                if c >= a {
+                    b = c.min(f1);
+                    break;
+                }
+                jp += 1;
+            }
+            let nchunks = (b - a) / ut;
+            if stages == RING && ut == 2 {
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+            } else if stages == RING && ut == 1 {
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, RING>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+            } else if stages == 2 && ut == 2 {
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, 2>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+            } else if stages == 2 && ut == 1 {
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, 2>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+            } else if ut == 4 {
+                fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, a, nchunks, &mut st, &mut o, &mut zl);
+            } else if ut == 2 {
+                fast_chunks::<C, KB, VB, NG, NKS, NVT, 2>(cur_args, &load, a, nchunks, &mut st, &mut o, &mut zl);
+            } else {
+                fast_chunks::<C, KB, VB, NG, NKS, NVT, 1>(cur_args, &load, a, nchunks, &mut st, &mut o, &mut zl);
+            }
+            a = b + ut;
         }
-        // 4b. Every other tile (the split's ends, tiles under a causal limit, protected
-        // positions, a split too short for a chunk), one at a time with masks: tiles
-        // [first, f0) then [f1, last), tile i of them by warp i mod WARPS.
+        // 4b. Every other tile (the split's ends, tiles under a causal limit, the chunks
+        // of [f0, f1) that hold a protected position, a split too short for a chunk), one
+        // at a time with masks: tiles [first, f0), then those chunks' tiles, then [f1,
+        // last) (ascending, so each warp walks the protected list forward); tile i of them
+        // by warp i mod WARPS.
+        let mut n_pc = 0u32;
+        let mut prev = u32::MAX;
+        for jp in p_lo..p_hi {
+            let c = chunk_of(jp);
+            if c >= f0 && c < f1 && c != prev {
+                n_pc += 1;
+                prev = c;
+            }
+        }
         let n_head = f0 - first;
-        let n_masked = n_head + (last - f1);
-        let tile_of = |i: u32| if i < n_head { first + i } else { f1 + i - n_head };
+        let n_mid = n_pc * ut;
+        let n_masked = n_head + n_mid + (last - f1);
+        let tile_of = |i: u32| -> u32 {
+            if i < n_head {
+                first + i
+            } else if i < n_head + n_mid {
+                // Tile `u` of the `k`-th protected chunk (a short walk of the list: the
+                // masked loop is not the hot one).
+                let (k, u) = ((i - n_head) / ut, (i - n_head) % ut);
+                let (mut seen, mut prev, mut at) = (0u32, u32::MAX, f0);
+                for jp in p_lo..p_hi {
+                    let c = chunk_of(jp);
+                    if c >= f0 && c < f1 && c != prev {
+                        if seen == k {
+                            at = c;
+                            break;
+                        }
+                        seen += 1;
+                        prev = c;
+                    }
+                }
+                at + u
+            } else {
+                f1 + i - n_head - n_mid
+            }
+        };
         let mut pn = p_lo;
         let mut i = warp;
         while i < n_masked {

@@ -1723,3 +1723,22 @@ fn freed_pages_outside_the_window_are_reused() {
         assert!(checked >= 7 && table.iter().filter(|&&b| b == rotkv::paged::FREED_BLOCK).count() >= 8);
     }
 }
+
+/// Protected positions in the middle of a long split: the chunks that hold one go
+/// through the masked loop and the runs between them through the steady state (the
+/// emulator runs the device kernels: the `cp.async` rings at head_dim 128 and 256, the
+/// register pipeline at 64). Two positions in one chunk, neighbouring chunks, the first
+/// and the last chunk of the steady range, one position in the split's masked head; one
+/// and two splits, one and three query rows. Every case against the f64 reference.
+#[test]
+fn protected_positions_inside_a_long_split_match_the_reference() {
+    let k2v2 = |d| CacheConfig { protected: 8, ..CacheConfig::k2v2(d) };
+    // 4 sinks, a 128-token window, 64-token pages: 700 tokens leave positions 4..512
+    // quantized (chunks of 32 tokens at head_dim 128, 64 at 64, 16 at 256).
+    let protect = [10u32, 100, 101, 130, 165, 300, 350, 511];
+    let configs = [k2v2(128), k2v2(64), CacheConfig { protected: 8, ..CacheConfig::k4v2(128) }, k2v2(256)];
+    for (i, config) in configs.into_iter().enumerate() {
+        let q_len = if i % 2 == 0 { 1 } else { 3 };
+        rows_case(config, [4, 2, 8, 1][i], 700, q_len, &protect, 9100 + i as u64, &[Some(1), Some(2)], true);
+    }
+}

@@ -961,6 +961,26 @@ pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop
             .max_by_key(|&i| (copies(&loops[i]), hmma(&loops[i]), size(&loops[i]), usize::MAX - i))?,
     };
     let inner = innermost_loop(loops, f.blocks.len());
+    // By signature, a loop around the steady state is not it: while the chosen loop's
+    // own blocks (those no inner loop holds) have no HMMA and an inner loop does, the
+    // steady state is that inner loop (the tensor-core kernel runs its chunk loop once
+    // per run of chunks between protected positions; the loop over those runs only
+    // sets each one up).
+    let mut root = root;
+    if tokens.hot.is_none() {
+        let own_hmma = |i: usize| {
+            loops[i].body.iter().filter(|&&b| inner[b] == Some(i)).map(|&b| block_mix(&f.blocks[b]).hmma).sum::<u64>()
+        };
+        while own_hmma(root) == 0 {
+            let Some(kid) = (0..loops.len())
+                .filter(|&j| loops[j].parent == Some(root) && hmma(&loops[j]) > 0)
+                .max_by_key(|&j| (copies(&loops[j]), hmma(&loops[j]), size(&loops[j]), usize::MAX - j))
+            else {
+                break;
+            };
+            root = kid;
+        }
+    }
     let paths = loop_paths(f, loops, root);
     let (mut per_token, mut hmma_per_token) = (0.0, 0.0);
     for &b in &loops[root].body {
@@ -1683,6 +1703,27 @@ mod tests {
         assert_eq!(pick(&g, &loops), "b1");
         g.blocks[1].instrs = vec!["FFMA R1, R2, R3, R1".into()];
         assert_eq!(pick(&g, &loops), "b0");
+        // A loop around the ring loop (runs of chunks between protected positions) whose
+        // own blocks copy (the ring's prologue) but hold no HMMA: the ring loop inside.
+        let copy = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]"; 4];
+        let mut blocks = vec![blk(0, &setup)];
+        blocks.push(Block {
+            name: "seg".into(),
+            pos: 1,
+            instrs: copy.iter().map(|s| s.to_string()).collect(),
+            succs: vec![2],
+        });
+        blocks.push(blk(2, &ring));
+        blocks.push(Block { name: "latch".into(), pos: 3, instrs: vec!["ISETP R1, R2".into()], succs: vec![1, 4] });
+        blocks.push(Block { name: "end".into(), pos: 4, instrs: vec!["EXIT".into()], succs: vec![] });
+        let f = Function { name: "f".into(), blocks };
+        let (loops, _) = find_loops(&f);
+        assert!(loops.iter().any(|l| l.depth == 2), "{loops:?}");
+        assert_eq!(pick(&f, &loops), "b2");
+        // With HMMA of its own the outer loop is the steady state.
+        let mut g = f.clone();
+        g.blocks[1].instrs.push("HMMA.16816.F32 R4, R8, R12, R4".into());
+        assert_eq!(pick(&g, &loops), "seg");
     }
 
     #[test]
