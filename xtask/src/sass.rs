@@ -50,6 +50,24 @@ pub struct Arch {
     /// Shared memory the driver reserves per block: 1 KiB (8.0 and later; Programming
     /// Guide, "Shared Memory" in the 8.x and 9.0 sections).
     pub shared_reserved_per_block: u32,
+    /// Results per SM per clock of each pipe class ([`Pipes`]), from the CUDA C++
+    /// Programming Guide's table "Throughput of Native Arithmetic Instructions" (compute
+    /// capability 8.0 and 9.0 columns): 32-bit floating-point add, multiply, multiply-add
+    /// 64 (8.0) and 128 (9.0); 16-bit (half2 counts two) 256; 32-bit integer add,
+    /// shift, compare, min/max and bitwise 64; 32-bit integer multiply and multiply-add
+    /// 64; reciprocal, exp2, log2 and "all other type conversions" 16.
+    pub fp32_rate: f64,
+    pub fp16x2_rate: f64,
+    pub alu_rate: f64,
+    pub imad_rate: f64,
+    pub xu_rate: f64,
+    /// Shared-memory bytes per SM per clock: 32 banks of 4 bytes (Programming Guide,
+    /// "Shared Memory", 5.x and later).
+    pub shared_bytes_per_clk: f64,
+    /// `mma.sync.m16n8k16` (4096 FLOPs) per SM per clock at the dense FP16 tensor peak
+    /// with FP32 accumulation: 0.5 on A100 (312 TFLOPS = 108 SMs x 1.41 GHz x 2048; A100
+    /// datasheet), 1 on H100/H200 SXM ([`Gpu::hmma_per_clk`]).
+    pub hmma_per_clk: f64,
 }
 
 pub const SM80: Arch = Arch {
@@ -60,6 +78,13 @@ pub const SM80: Arch = Arch {
     reg_unit_per_warp: 256,
     shared: 164 * 1024,
     shared_reserved_per_block: 1024,
+    fp32_rate: 64.0,
+    fp16x2_rate: 128.0,
+    alu_rate: 64.0,
+    imad_rate: 64.0,
+    xu_rate: 16.0,
+    shared_bytes_per_clk: 128.0,
+    hmma_per_clk: 0.5,
 };
 pub const SM90: Arch = Arch {
     name: "sm_90",
@@ -69,6 +94,13 @@ pub const SM90: Arch = Arch {
     reg_unit_per_warp: 256,
     shared: 228 * 1024,
     shared_reserved_per_block: 1024,
+    fp32_rate: 128.0,
+    fp16x2_rate: 128.0,
+    alu_rate: 64.0,
+    imad_rate: 64.0,
+    xu_rate: 16.0,
+    shared_bytes_per_clk: 128.0,
+    hmma_per_clk: 1.0,
 };
 const ARCHS: [Arch; 2] = [SM80, SM90];
 
@@ -702,6 +734,105 @@ pub struct Mix {
     /// f16 <-> f32 conversions: F2F, F2FP (pack) and HADD2.F32 (ptxas's f16 -> f32
     /// conversion on sm_80 and later).
     pub cvt: u64,
+    /// Per pipe class ([`Pipes`]).
+    pub pipes: Pipes,
+}
+
+/// Instructions (shared memory: bytes) per pipe class, the classes of the Programming
+/// Guide's throughput table ([`Arch`]); what a class's instructions cost is
+/// `count x 32 / rate` SM clocks. Classes (by SASS opcode; an assumption where the guide
+/// names an operation, not an opcode): `alu` integer add, shift, compare, min/max,
+/// select, bitwise and byte permute (IADD3, VIADD, LEA, SHF, ISETP, IMNMX, SEL, LOP3,
+/// PLOP3, PRMT, FSETP, FMNMX, FSEL, F2FP: the ALU pipe of Nsight Compute's pipe list,
+/// which on sm_80 and later also packs f32 to f16); `fp32` FADD, FMUL, FFMA; `fp16x2`
+/// HADD2, HMUL2, HFMA2; `imad` IMAD, IMUL (the FMA pipe's integer half); `xu` MUFU, I2F,
+/// F2I, F2F, FRND, POPC, FLO, BREV; `shared_bytes` what LDS, STS, LDSM and LDGSTS move
+/// through shared memory per warp (LDGSTS writes its bytes there). Moves, branches,
+/// barriers and the rest are charged to dispatch only.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Pipes {
+    pub alu: f64,
+    pub fp32: f64,
+    pub fp16x2: f64,
+    pub imad: f64,
+    pub xu: f64,
+    pub shared_bytes: f64,
+    pub hmma: f64,
+}
+
+impl Pipes {
+    fn add(&mut self, op: &str) {
+        let base = op.split('.').next().unwrap_or("");
+        let width = |default: f64| -> f64 {
+            op.split('.')
+                .find_map(|p| match p {
+                    "128" => Some(16.0),
+                    "64" => Some(8.0),
+                    "32" => Some(4.0),
+                    "U16" | "S16" => Some(2.0),
+                    "U8" | "S8" => Some(1.0),
+                    _ => None,
+                })
+                .unwrap_or(default)
+        };
+        match base {
+            "IADD3" | "IADD" | "VIADD" | "LEA" | "SHF" | "SHL" | "SHR" | "ISETP" | "IMNMX" | "VIMNMX" | "SEL"
+            | "LOP3" | "LOP" | "PLOP3" | "PRMT" | "FSETP" | "FMNMX" | "FSEL" | "F2FP" | "IABS" | "BMSK" | "SGXT" => {
+                self.alu += 1.0
+            }
+            "FADD" | "FMUL" | "FFMA" => self.fp32 += 1.0,
+            "HADD2" | "HMUL2" | "HFMA2" => self.fp16x2 += 1.0,
+            "IMAD" | "IMUL" => self.imad += 1.0,
+            "MUFU" | "I2F" | "F2I" | "F2F" | "FRND" | "POPC" | "FLO" | "BREV" => self.xu += 1.0,
+            "LDS" | "STS" => self.shared_bytes += 32.0 * width(4.0),
+            // ldmatrix: .x1, .x2, .x4 matrices of 8 x 16 bytes (`LDSM.16.M88.4`).
+            "LDSM" => {
+                self.shared_bytes += 128.0 * op.rsplit('.').next().and_then(|n| n.parse::<f64>().ok()).unwrap_or(1.0)
+            }
+            "LDGSTS" => self.shared_bytes += 32.0 * width(4.0),
+            "HMMA" => self.hmma += 1.0,
+            _ => {}
+        }
+    }
+    fn scaled(&self, k: f64) -> Self {
+        Pipes {
+            alu: self.alu * k,
+            fp32: self.fp32 * k,
+            fp16x2: self.fp16x2 * k,
+            imad: self.imad * k,
+            xu: self.xu * k,
+            shared_bytes: self.shared_bytes * k,
+            hmma: self.hmma * k,
+        }
+    }
+    fn plus(&self, o: &Pipes) -> Self {
+        Pipes {
+            alu: self.alu + o.alu,
+            fp32: self.fp32 + o.fp32,
+            fp16x2: self.fp16x2 + o.fp16x2,
+            imad: self.imad + o.imad,
+            xu: self.xu + o.xu,
+            shared_bytes: self.shared_bytes + o.shared_bytes,
+            hmma: self.hmma + o.hmma,
+        }
+    }
+    /// SM clocks each pipe needs for these instructions (all of an SM's schedulers'
+    /// warps together): ALU, FMA (FP32, FP16x2 and integer multiply share it), XU, shared
+    /// memory, tensor.
+    pub fn clocks(&self, arch: &Arch) -> [(f64, &'static str); 5] {
+        [
+            (self.alu * 32.0 / arch.alu_rate, "ALU"),
+            (
+                self.fp32 * 32.0 / arch.fp32_rate
+                    + self.fp16x2 * 32.0 / arch.fp16x2_rate
+                    + self.imad * 32.0 / arch.imad_rate,
+                "FMA",
+            ),
+            (self.xu * 32.0 / arch.xu_rate, "XU"),
+            (self.shared_bytes / arch.shared_bytes_per_clk, "shared"),
+            (self.hmma / arch.hmma_per_clk, "tensor"),
+        ]
+    }
 }
 
 impl Mix {
@@ -712,6 +843,7 @@ impl Mix {
             return;
         }
         self.total += 1;
+        self.pipes.add(op);
         match base {
             "LDL" => self.ldl += 1,
             "STL" => self.stl += 1,
@@ -917,6 +1049,8 @@ pub struct HotLoop {
     pub per_token: f64,
     /// Tensor-core instructions (HMMA) per token, counted the same way.
     pub hmma_per_token: f64,
+    /// Per pipe class per token, counted the same way.
+    pub pipes_per_token: Pipes,
 }
 
 /// Paths of the loops of the nest rooted at `root`: "1" for the root, "1.k" for its k-th
@@ -982,7 +1116,7 @@ pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop
         }
     }
     let paths = loop_paths(f, loops, root);
-    let (mut per_token, mut hmma_per_token) = (0.0, 0.0);
+    let (mut per_token, mut hmma_per_token, mut pipes_per_token) = (0.0, 0.0, Pipes::default());
     for &b in &loops[root].body {
         let j = inner[b].unwrap_or(root);
         let t = tokens.of(&paths[&j], loops[j].depth - loops[root].depth);
@@ -990,9 +1124,10 @@ pub fn hot_loop(f: &Function, loops: &[Loop], tokens: &Tokens) -> Option<HotLoop
             let mix = block_mix(&f.blocks[b]);
             per_token += mix.total as f64 / t;
             hmma_per_token += mix.hmma as f64 / t;
+            pipes_per_token = pipes_per_token.plus(&mix.pipes.scaled(1.0 / t));
         }
     }
-    Some(HotLoop { root, paths, instrs: size(&loops[root]), per_token, hmma_per_token })
+    Some(HotLoop { root, paths, instrs: size(&loops[root]), per_token, hmma_per_token, pipes_per_token })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1016,31 +1151,55 @@ pub struct Model {
     /// bound at the measured issue rate ([`Gpu::issue_efficiency`]).
     pub fixed_s: f64,
     pub measured_issue_s: f64,
+    /// The busiest pipe's time ([`Pipes::clocks`]: each pipe at its full rate, every SM
+    /// busy) and its name.
+    pub pipe_s: f64,
+    pub pipe: &'static str,
+    /// Each pipe's share of the dispatch time (the issue bound), by [`Pipes::clocks`]'s
+    /// order.
+    pub pipe_shares: [f64; 5],
+    /// Bytes in flight per SM (Little's law's numerator) and the DRAM latency up to which
+    /// they sustain the achievable bandwidth.
+    pub in_flight_per_sm: f64,
+    pub full_bw_latency_s: f64,
 }
 
 impl Model {
     /// The whole step: the fixed time plus the slowest of the bandwidth, the issue bound
-    /// at the measured issue rate, and the latency bound.
+    /// at the measured issue rate, the busiest pipe and the latency bound.
     pub fn step_level_s(&self) -> f64 {
-        self.fixed_s + self.bandwidth_s.max(self.measured_issue_s).max(self.latency_s)
+        self.fixed_s + self.bandwidth_s.max(self.measured_issue_s).max(self.pipe_s).max(self.latency_s)
     }
     /// What bounds the step-level figure's variable part.
     pub fn step_bound(&self) -> &'static str {
         binding([
             (self.bandwidth_s, "fixed + bandwidth"),
             (self.measured_issue_s, "fixed + issue"),
+            (self.pipe_s, "fixed + pipe"),
             (self.latency_s, "fixed + latency"),
         ])
+    }
+    /// Loop-level % of the achievable bandwidth with the DRAM latency at `latency_s`
+    /// (Little's law: the bytes in flight per SM over that latency cap the bandwidth).
+    pub fn pct_at_latency(&self, latency_s: f64, gpu: &Gpu) -> f64 {
+        let rate = gpu.sms * self.in_flight_per_sm / latency_s;
+        let latency = if rate > 0.0 { self.bandwidth_s * gpu.peak_bw * gpu.achievable / rate } else { f64::INFINITY };
+        100.0 * self.useful_s / self.bandwidth_s.max(self.issue_s).max(self.pipe_s).max(latency)
     }
     /// Step-level modeled % of the achievable bandwidth (what the gate's floors apply to).
     pub fn step_pct(&self) -> f64 {
         100.0 * self.useful_s / self.step_level_s()
     }
     pub fn step_s(&self) -> f64 {
-        self.bandwidth_s.max(self.issue_s).max(self.latency_s)
+        self.bandwidth_s.max(self.issue_s).max(self.pipe_s).max(self.latency_s)
     }
     pub fn bound(&self) -> &'static str {
-        binding([(self.bandwidth_s, "bandwidth"), (self.issue_s, "issue"), (self.latency_s, "latency")])
+        binding([
+            (self.bandwidth_s, "bandwidth"),
+            (self.issue_s, "issue"),
+            (self.pipe_s, "pipe"),
+            (self.latency_s, "latency"),
+        ])
     }
     /// Modeled % of the achievable bandwidth.
     pub fn pct(&self) -> f64 {
@@ -1064,7 +1223,7 @@ fn binding<const N: usize>(bounds: [(f64, &'static str); N]) -> &'static str {
 /// one instruction per scheduler and clock). The step-level figure adds what the H200
 /// measured: the fixed time of a step and the steady state's issue rate
 /// ([`Model::step_level_s`]).
-pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) -> Model {
+pub fn model(case: &Case, fam: &Family, per_token: f64, pipes_per_token: &Pipes, occupancy_warps: u32) -> Model {
     let g = &case.gpu;
     let token_heads = (case.batch * case.kv_heads * case.context) as f64;
     let bytes = token_heads * case.bytes_per_token_head;
@@ -1088,6 +1247,10 @@ pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) ->
     let latency_s =
         if in_flight_per_sm > 0.0 { moved / (g.sms * in_flight_per_sm / g.dram_latency_s) } else { f64::INFINITY };
     let issue_s = warp_instrs / (g.sms * g.schedulers * g.clock_hz);
+    let clocks = pipes_per_token.scaled(token_heads * runs).clocks(&g.arch);
+    let (pipe_clocks, pipe) = clocks.iter().fold((0.0, "none"), |a, &(c, n)| if c > a.0 { (c, n) } else { a });
+    let pipe_s = pipe_clocks / (g.sms * g.clock_hz);
+    let pipe_shares = clocks.map(|(c, _)| if issue_s > 0.0 { c / (g.sms * g.clock_hz) / issue_s } else { 0.0 });
     Model {
         bytes,
         warp_instrs,
@@ -1098,6 +1261,11 @@ pub fn model(case: &Case, fam: &Family, per_token: f64, occupancy_warps: u32) ->
         warps_per_sm,
         fixed_s: g.step_fixed_s,
         measured_issue_s: issue_s / g.issue_efficiency,
+        pipe_s,
+        pipe,
+        pipe_shares,
+        in_flight_per_sm,
+        full_bw_latency_s: g.sms * in_flight_per_sm / (g.peak_bw * g.achievable),
     }
 }
 
@@ -1413,6 +1581,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---|");
     let mut notes = Vec::new();
+    let mut pipe_rows = Vec::new();
     for c in &gate.cases {
         let row =
             reports.iter().find(|r| r.usage.kernel == c.entry && r.usage.arch == c.gpu.arch.name).ok_or_else(|| {
@@ -1436,8 +1605,8 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
             by_path: c.loop_tokens.iter().flatten().chain(&fam.tokens.by_path).cloned().collect(),
             hot: fam.tokens.hot,
         };
-        let per_token = hot_loop(&row.func, &row.loops, &tokens)
-            .map(|h| h.per_token)
+        let (per_token, pipes) = hot_loop(&row.func, &row.loops, &tokens)
+            .map(|h| (h.per_token, h.pipes_per_token))
             .ok_or_else(|| Step::Failed(format!("{}: no loop in the SASS CFG", c.entry)))?;
         let occ = occupancy(
             &c.gpu.arch,
@@ -1449,7 +1618,8 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
         if let Some(b) = c.bytes_in_flight_per_warp {
             fam.bytes_in_flight_per_warp = b;
         }
-        let m = model(c, &fam, per_token, occ.warps);
+        let m = model(c, &fam, per_token, &pipes, occ.warps);
+        pipe_rows.push((c.name.clone(), c.entry.clone(), c.gpu, m));
         println!(
             "| {} | {} | {} | {:.1} MB | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1}% | {:.1} | {} | {:.1}% | {} | {:.0}% | {} |",
             c.name,
@@ -1471,6 +1641,38 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
         );
         let what = "achievable bandwidth (step level)";
         check_floor(&format!("case {:?}", c.name), what, m.step_pct(), c, &mut notes, &mut failures);
+    }
+    if !pipe_rows.is_empty() {
+        println!();
+        println!(
+            "Pipes and bytes in flight per gpu_decode case (modeled, static SASS proxy): each pipe's time for the \
+             steady state at its full rate, as a share of the dispatch time (the issue bound at one instruction per \
+             scheduler and clock; rates and classes: docs/src/sass.md); Little's law: the bytes in flight per SM, the \
+             DRAM latency up to which they hold the achievable bandwidth, and the loop-level % at 0.7, 1.0 and 1.4 us."
+        );
+        println!();
+        println!(
+            "| case | entry | arch | ALU | FMA | XU | shared | tensor | busiest pipe | in flight per SM | full BW up to | % at 0.7 us | % at 1.0 us | % at 1.4 us |"
+        );
+        println!("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|");
+        for (name, entry, gpu, m) in &pipe_rows {
+            let s = m.pipe_shares.map(|x| format!("{:.0}%", 100.0 * x));
+            println!(
+                "| {name} | {entry} | {} | {} | {} | {} | {} | {} | {} | {:.1} KiB | {:.2} us | {:.0}% | {:.0}% | {:.0}% |",
+                gpu.arch.name,
+                s[0],
+                s[1],
+                s[2],
+                s[3],
+                s[4],
+                m.pipe,
+                m.in_flight_per_sm / 1024.0,
+                m.full_bw_latency_s * 1e6,
+                m.pct_at_latency(0.7e-6, gpu),
+                m.pct_at_latency(1.0e-6, gpu),
+                m.pct_at_latency(1.4e-6, gpu),
+            );
+        }
     }
     if !gate.prefills.is_empty() {
         println!();
@@ -1598,7 +1800,7 @@ mod tests {
     fn instruction_mix() {
         let f = nest();
         let m = block_mix(block(&f, ".L_x_1"));
-        assert_eq!(m, Mix { total: 22, ldl: 0, stl: 0, hmma: 0, ffma: 4, cvt: 4 });
+        assert_eq!((m.total, m.ldl, m.stl, m.hmma, m.ffma, m.cvt), (22, 0, 0, 0, 4, 4));
         let mut all = Mix::default();
         f.blocks.iter().flat_map(|b| &b.instrs).for_each(|i| all.add(i));
         assert_eq!((all.ldl, all.stl, all.ffma, all.cvt, all.total), (1, 1, 8, 8, 76));
@@ -1772,42 +1974,103 @@ floor_pct = 80
     fn model_arithmetic() {
         let (c, fam) = case();
         // 16 warp-instructions per (token, KV head) is about the H200's bandwidth budget.
-        let m = model(&c, &fam, 16.0, 64);
+        let m = model(&c, &fam, 16.0, &Pipes::default(), 64);
         assert_eq!(m.bytes, 8.0 * 8.0 * 32768.0 * 72.0);
         assert!((m.bandwidth_s * 1e6 - 34.95).abs() < 0.01, "{}", m.bandwidth_s);
         assert!((m.issue_s * 1e6 - 32.10).abs() < 0.01, "{}", m.issue_s);
         // 64 warps x 4608 B = 288 KiB in flight per SM: 132 x 288 KiB / 700 ns = 55.6 TB/s.
         assert!((m.latency_s * 1e6 - 2.715).abs() < 0.001, "{}", m.latency_s);
         assert_eq!((m.bound(), m.pct()), ("bandwidth", 100.0));
-        let m = model(&c, &fam, 32.0, 64);
+        let m = model(&c, &fam, 32.0, &Pipes::default(), 64);
         assert_eq!(m.bound(), "issue");
         assert!((m.pct() - 54.4).abs() < 0.1, "{}", m.pct());
         // A grid of 132 four-warp blocks: 4 warps per SM, 18 KiB in flight.
         let small = Case { grid_blocks: Some(132), ..c.clone() };
-        let m = model(&small, &fam, 16.0, 64);
+        let m = model(&small, &fam, 16.0, &Pipes::default(), 64);
         assert_eq!(m.warps_per_sm, 4.0);
         assert_eq!(m.bound(), "latency");
         // H100: the same bytes over 3.35 TB/s.
         let h100 = Case { gpu: H100, ..c.clone() };
-        assert!((model(&h100, &fam, 16.0, 64).bandwidth_s * 1e6 - 50.08).abs() < 0.01);
+        assert!((model(&h100, &fam, 16.0, &Pipes::default(), 64).bandwidth_s * 1e6 - 50.08).abs() < 0.01);
         // The step level: 30 us fixed plus the issue bound at 0.36 per scheduler and clock
         // (32.10 / 0.36 = 89.16 us, above the 34.95 us of bandwidth): 119.16 us, 29.3%.
-        let m = model(&c, &fam, 16.0, 64);
+        let m = model(&c, &fam, 16.0, &Pipes::default(), 64);
         assert!((m.step_level_s() * 1e6 - 119.16).abs() < 0.01, "{}", m.step_level_s());
         assert_eq!(m.step_bound(), "fixed + issue");
         assert!((m.step_pct() - 100.0 * 34.95 / 119.16).abs() < 0.01, "{}", m.step_pct());
         // GQA 8 x q_len 4: two row tiles, each streaming the context (twice the
         // instructions and the bytes moved; the % counts the cache's bytes once).
-        let two = model(&Case { gqa: 8, q_len: 4, ..c.clone() }, &fam, 16.0, 64);
+        let two = model(&Case { gqa: 8, q_len: 4, ..c.clone() }, &fam, 16.0, &Pipes::default(), 64);
         assert_eq!(
             (two.warp_instrs, two.bandwidth_s, two.useful_s),
             (2.0 * m.warp_instrs, 2.0 * m.bandwidth_s, m.bandwidth_s)
         );
         assert!((two.pct() - 50.0).abs() < 1e-9, "{}", two.pct());
         // Few instructions: the step is the fixed time plus the bandwidth.
-        let m = model(&c, &fam, 4.0, 64);
+        let m = model(&c, &fam, 4.0, &Pipes::default(), 64);
         assert_eq!(m.step_bound(), "fixed + bandwidth");
         assert!((m.step_level_s() - (30e-6 + m.bandwidth_s)).abs() < 1e-12);
+    }
+
+    /// Pipe classes by opcode and their clocks at the guide's rates; the busiest pipe
+    /// bounds the step when it is slower than dispatch; Little's law's latency range.
+    #[test]
+    fn pipes_and_bytes_in_flight() {
+        let mut m = Mix::default();
+        for i in [
+            "LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT",
+            "IADD3 R1, R2, R3, RZ",
+            "FMUL R1, R2, R3",
+            "FFMA R1, R2, R3, R4",
+            "IMAD.MOV.U32 R1, RZ, RZ, R2",
+            "HADD2.F32 R1, -RZ, R2.H0_H0",
+            "MUFU.EX2 R1, R2",
+            "LDS.128 R4, [R2]",
+            "LDSM.16.M88.4 R4, [R2]",
+            "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+            "HMMA.16816.F32 R4, R8, R12, R4",
+            "MOV R1, R2",
+            "@P0 BRA `(.L_x_1)",
+        ] {
+            m.add(i);
+        }
+        let p = m.pipes;
+        assert_eq!((p.alu, p.fp32, p.fp16x2, p.imad, p.xu, p.hmma), (2.0, 2.0, 1.0, 1.0, 1.0, 1.0));
+        assert_eq!(p.shared_bytes, 512.0 * 3.0);
+        // sm_90: ALU 2 x 32 / 64 = 1; FMA 2 x 32 / 128 + 32 / 128 + 32 / 64 = 1.25;
+        // XU 32 / 16 = 2; shared 1536 / 128 = 12; tensor 1.
+        let c: Vec<f64> = p.clocks(&SM90).iter().map(|x| x.0).collect();
+        assert_eq!(c, [1.0, 1.25, 2.0, 12.0, 1.0]);
+        // sm_80: FP32 at half the rate, the tensor pipe at half.
+        let c: Vec<f64> = p.clocks(&SM80).iter().map(|x| x.0).collect();
+        assert_eq!(c, [1.0, 1.75, 2.0, 12.0, 2.0]);
+
+        let (c, fam) = case();
+        // 16 instructions per token-head, all ALU: the ALU needs twice the dispatch time.
+        let alu = Pipes { alu: 16.0, ..Pipes::default() };
+        let m = model(&c, &fam, 16.0, &alu, 64);
+        assert_eq!((m.pipe, m.bound()), ("ALU", "pipe"));
+        assert!((m.pipe_s / m.issue_s - 2.0).abs() < 1e-12);
+        assert!((m.pipe_shares[0] - 2.0).abs() < 1e-12);
+        // At the step level the measured issue rate (0.36: 2.8x the dispatch time) is
+        // slower still; a pipe at a quarter of the dispatch rate or less binds there (XU:
+        // 16 per token-head is 8x).
+        assert_eq!(m.step_bound(), "fixed + issue");
+        let xu = Pipes { xu: 16.0, ..Pipes::default() };
+        let m = model(&c, &fam, 16.0, &xu, 64);
+        assert_eq!((m.pipe, m.step_bound()), ("XU", "fixed + pipe"));
+        assert!((m.step_level_s() - (30e-6 + 8.0 * m.issue_s)).abs() < 1e-12);
+        // Half of them ALU: under dispatch at the loop level, and under the measured issue
+        // rate at the step level.
+        let half = Pipes { alu: 8.0, ..Pipes::default() };
+        let m = model(&c, &fam, 16.0, &half, 64);
+        assert_eq!(m.bound(), "bandwidth");
+        assert_eq!(m.step_bound(), "fixed + issue");
+        // 288 KiB in flight per SM hold the bandwidth up to 132 x 288 KiB / 4.32 TB/s.
+        let l = 132.0 * 64.0 * 4608.0 / (4.8e12 * 0.9);
+        assert!((m.full_bw_latency_s - l).abs() < 1e-15, "{}", m.full_bw_latency_s);
+        assert_eq!(m.pct_at_latency(l, &H200), 100.0);
+        assert!((m.pct_at_latency(2.0 * l, &H200) - 50.0).abs() < 1e-9);
     }
 
     #[test]
