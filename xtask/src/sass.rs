@@ -495,6 +495,48 @@ pub struct Case {
     pub measured_us: Option<f64>,
     /// Fail below the floor (false: report only).
     pub enforce: bool,
+    /// The cache's recent window (tokens; default 128, the presets'), leading sinks
+    /// (default 4), page size (default 64) and protected positions per sequence, all in
+    /// the first split (default 0; the recipe protects 8 detected sinks): the f16 rows
+    /// and protected chunks of [`FixedCharges`].
+    pub window: u64,
+    pub sinks: u64,
+    pub page: u64,
+    pub protected: u64,
+}
+
+/// The per-block latencies of a step that depend on the case (tensor-core kernel
+/// `decode_mma` only), on the critical path of the slowest block, each a round trip
+/// to DRAM at [`Gpu::dram_latency_s`] (an assumption):
+/// - f16 rows: the first split reads the sinks and the protected positions' rows, the
+///   last split the window (on average `window + page / 2` rows: the window holds up to a
+///   page more before it is quantized), in 16-row tiles spread over the block's warps,
+///   two dependent round trips per tile (keys, then values after the scores);
+/// - protected positions: each sends its chunk through the masked loop (one round trip:
+///   the chunk's tiles spread over the warps) and restarts the ring (one: its prologue).
+///
+/// The measured fixed time of a step ([`Gpu::step_fixed_s`]) includes these charges for
+/// the measured case (window 128, 4 sinks, no protected position); a case's fixed time
+/// is the measured one less that case's charges plus its own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FixedCharges {
+    pub first_split_s: f64,
+    pub last_split_s: f64,
+}
+
+impl FixedCharges {
+    pub fn of(window: u64, sinks: u64, page: u64, protected: u64, warps: u64, latency_s: f64) -> Self {
+        let rounds = |rows: u64| rows.div_ceil(16).div_ceil(warps.max(1)) as f64;
+        let last_rows = if window > 0 { window + page / 2 } else { 0 };
+        FixedCharges {
+            first_split_s: (2.0 * rounds(sinks + protected) + 2.0 * protected as f64) * latency_s,
+            last_split_s: 2.0 * rounds(last_rows) * latency_s,
+        }
+    }
+    /// The slower of the two splits' extra time (one critical path).
+    pub fn s(&self) -> f64 {
+        self.first_split_s.max(self.last_split_s)
+    }
 }
 
 #[derive(Debug)]
@@ -582,6 +624,10 @@ pub fn parse_gate(text: &str) -> Result<Gate, String> {
                     floor_pct: r.num("floor_pct")?,
                     measured_us: r.opt_num("measured_us")?,
                     enforce: r.opt_bool("enforce")?.unwrap_or(true),
+                    window: r.opt_count("window")?.unwrap_or(128),
+                    sinks: r.opt_count("sinks")?.unwrap_or(4),
+                    page: r.opt_count("page")?.unwrap_or(64),
+                    protected: r.opt_count("protected")?.unwrap_or(0),
                 };
                 r.finish()?;
                 if name == "case" { gate.cases.push(c) } else { gate.prefills.push(c) }
@@ -1162,6 +1208,9 @@ pub struct Model {
     /// they sustain the achievable bandwidth.
     pub in_flight_per_sm: f64,
     pub full_bw_latency_s: f64,
+    /// The case's f16-row and protected-position charges ([`FixedCharges`]; `None` when
+    /// the family is not the tensor-core kernel's: its fixed time is the measured one).
+    pub charges: Option<FixedCharges>,
 }
 
 impl Model {
@@ -1250,6 +1299,13 @@ pub fn model(case: &Case, fam: &Family, per_token: f64, pipes_per_token: &Pipes,
     let clocks = pipes_per_token.scaled(token_heads * runs).clocks(&g.arch);
     let (pipe_clocks, pipe) = clocks.iter().fold((0.0, "none"), |a, &(c, n)| if c > a.0 { (c, n) } else { a });
     let pipe_s = pipe_clocks / (g.sms * g.clock_hz);
+    // The measured case: `decode_mma` (4 warps per block), window 128, 4 sinks, 64-token
+    // pages, no protected position.
+    let measured_charges = FixedCharges::of(128, 4, 64, 0, 4, g.dram_latency_s);
+    let charges = case.entry.contains("_decode_mma_").then(|| {
+        let warps = fam.warps_per_block as u64;
+        FixedCharges::of(case.window, case.sinks, case.page, case.protected, warps, g.dram_latency_s)
+    });
     let pipe_shares = clocks.map(|(c, _)| if issue_s > 0.0 { c / (g.sms * g.clock_hz) / issue_s } else { 0.0 });
     Model {
         bytes,
@@ -1259,13 +1315,14 @@ pub fn model(case: &Case, fam: &Family, per_token: f64, pipes_per_token: &Pipes,
         issue_s,
         latency_s,
         warps_per_sm,
-        fixed_s: g.step_fixed_s,
+        fixed_s: g.step_fixed_s - measured_charges.s() + charges.map_or(measured_charges.s(), |c| c.s()),
         measured_issue_s: issue_s / g.issue_efficiency,
         pipe_s,
         pipe,
         pipe_shares,
         in_flight_per_sm,
         full_bw_latency_s: g.sms * in_flight_per_sm / (g.peak_bw * g.achievable),
+        charges,
     }
 }
 
@@ -1645,21 +1702,26 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
     if !pipe_rows.is_empty() {
         println!();
         println!(
-            "Pipes and bytes in flight per gpu_decode case (modeled, static SASS proxy): each pipe's time for the \
-             steady state at its full rate, as a share of the dispatch time (the issue bound at one instruction per \
-             scheduler and clock; rates and classes: docs/src/sass.md); Little's law: the bytes in flight per SM, the \
-             DRAM latency up to which they hold the achievable bandwidth, and the loop-level % at 0.7, 1.0 and 1.4 us."
+            "Fixed charges, pipes and bytes in flight per gpu_decode case (modeled, static SASS proxy): the first and \
+             last split's f16 rows and protected chunks at 0.7 us a round trip, and the fixed time they leave (the \
+             measured 30 us less the measured case's charges plus the case's); each pipe's time for the steady state \
+             at its full rate, as a share of the dispatch time (the issue bound at one instruction per scheduler and \
+             clock; rates and classes: docs/src/sass.md); Little's law: the bytes in flight per SM, the DRAM latency up \
+             to which they hold the achievable bandwidth, and the loop-level % at 0.7, 1.0 and 1.4 us."
         );
         println!();
         println!(
-            "| case | entry | arch | ALU | FMA | XU | shared | tensor | busiest pipe | in flight per SM | full BW up to | % at 0.7 us | % at 1.0 us | % at 1.4 us |"
+            "| case | entry | arch | first split us | last split us | fixed us | ALU | FMA | XU | shared | tensor | busiest pipe | in flight per SM | full BW up to | % at 0.7 us | % at 1.0 us | % at 1.4 us |"
         );
-        println!("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|");
+        println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|");
         for (name, entry, gpu, m) in &pipe_rows {
             let s = m.pipe_shares.map(|x| format!("{:.0}%", 100.0 * x));
             println!(
-                "| {name} | {entry} | {} | {} | {} | {} | {} | {} | {} | {:.1} KiB | {:.2} us | {:.0}% | {:.0}% | {:.0}% |",
+                "| {name} | {entry} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {:.1} KiB | {:.2} us | {:.0}% | {:.0}% | {:.0}% |",
                 gpu.arch.name,
+                m.charges.map_or("-".into(), |c| format!("{:.1}", c.first_split_s * 1e6)),
+                m.charges.map_or("-".into(), |c| format!("{:.1}", c.last_split_s * 1e6)),
+                m.fixed_s * 1e6,
                 s[0],
                 s[1],
                 s[2],
@@ -1716,6 +1778,7 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
         );
         check_floor(&format!("prefill {:?}", c.name), "the tensor-core peak", m.pct(), c, &mut notes, &mut failures);
     }
+    append_table(&reports);
     if !notes.is_empty() {
         println!();
         for n in notes {
@@ -1726,6 +1789,67 @@ pub fn sass(dump: Option<&str>) -> Result<(), Step> {
         return Err(Step::Failed(format!("static performance gate (modeled): {}", failures.join("; "))));
     }
     Ok(())
+}
+
+/// The append model: a long prompt's tokens going straight to the pages through
+/// `append_batch_tokens` (one warp per token and KV head; the window's tokens are staged
+/// in f16 and quantized later by `append_batch_flush`, not charged here). Per token-head:
+/// the K and V rows in (f16) and the packed k2v2 token out (groups of min(D, 128)). The
+/// instructions: the entry point's every path, its biggest loop (values, then keys: two
+/// trips) counted twice and every other loop once: an estimate from above for one path's
+/// work (a path takes only part of the code; the other loops run a few trips). Printed
+/// beside it: the most instructions per token-head that would still reach 50% of the
+/// achievable bandwidth, at one instruction per scheduler and clock and at the decode
+/// kernel's measured 0.36.
+fn append_table(reports: &[EntryReport]) {
+    let g = H200;
+    let token_heads = 32768.0 * 8.0;
+    let rows: Vec<_> = [64u32, 128, 256]
+        .iter()
+        .filter_map(|&d| {
+            let name = format!("rotkv_append_batch_tokens_d{d}");
+            reports.iter().find(|r| r.usage.arch == "sm_90" && r.usage.kernel == name).map(|r| (d, r))
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "Modeled append of a 32K-token prompt, 8 KV heads, k2v2, H200 (modeled, static SASS proxy): the K and V rows \
+         in (f16) and the packed token out per token-head; warp-instructions per token-head estimated from above \
+         (every path, the value/key loop twice); the budget for 50% of the achievable bandwidth."
+    );
+    println!();
+    println!(
+        "| entry | bytes in + out per token-head | instrs (all paths) | in the value/key loop | estimate per token-head | bandwidth us | issue us at the estimate | modeled % | budget for 50% (issue 1 / 0.36) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (d, r) in rows {
+        // The value/key loop holds most of the code where it is a loop (head_dim 64 has it
+        // unrolled: both halves are in the entry point's paths already).
+        let kv_loop = r.sizes.iter().map(|s| s.0).max().filter(|&n| 2 * n > r.mix.total).unwrap_or(0);
+        let estimate = (r.mix.total + kv_loop) as f64;
+        let d = d as f64;
+        let out = 2.0 * (d / 4.0 + 4.0 * (d / d.min(128.0)));
+        let bytes = 2.0 * d * 2.0 + out;
+        let bw = token_heads * bytes / (g.peak_bw * g.achievable);
+        let rate = g.sms * g.schedulers * g.clock_hz;
+        let issue = token_heads * estimate / rate;
+        let budget = 2.0 * bw * rate / token_heads;
+        println!(
+            "| {} | {} + {} B | {} | {kv_loop} | {estimate} | {:.1} | {:.1} | {:.1}% | {:.0} / {:.0} |",
+            r.usage.kernel,
+            4.0 * d,
+            out,
+            r.mix.total,
+            bw * 1e6,
+            issue * 1e6,
+            100.0 * bw / bw.max(issue),
+            budget,
+            budget * g.issue_efficiency
+        );
+    }
 }
 
 /// A case's modeled `pct` (% of `of`) against its floor: below it, a note, and a failure
@@ -2071,6 +2195,37 @@ floor_pct = 80
         assert!((m.full_bw_latency_s - l).abs() < 1e-15, "{}", m.full_bw_latency_s);
         assert_eq!(m.pct_at_latency(l, &H200), 100.0);
         assert!((m.pct_at_latency(2.0 * l, &H200) - 50.0).abs() < 1e-9);
+    }
+
+    /// The f16 rows' and protected positions' round trips, and the fixed time they leave.
+    #[test]
+    fn fixed_charges() {
+        let l = 0.7e-6;
+        // The measured case: 160 window rows on average (10 tiles, 3 rounds of 4 warps) at
+        // two round trips each; 4 sinks, one tile.
+        let m = FixedCharges::of(128, 4, 64, 0, 4, l);
+        assert!((m.last_split_s - 6.0 * l).abs() < 1e-15 && (m.first_split_s - 2.0 * l).abs() < 1e-15);
+        // 8 protected positions: 12 f16 rows (one tile) and two round trips each.
+        let p = FixedCharges::of(128, 4, 64, 8, 4, l);
+        assert!((p.first_split_s - 18.0 * l).abs() < 1e-15, "{p:?}");
+        assert_eq!(p.s(), p.first_split_s);
+        let (c, fam) = case();
+        let c = Case { entry: "rotkv_decode_mma_d128_k2v2_g128".into(), ..c };
+        let base = model(&c, &fam, 16.0, &Pipes::default(), 64);
+        assert!((base.fixed_s - 30e-6).abs() < 1e-15);
+        let none = model(&Case { window: 0, ..c.clone() }, &fam, 16.0, &Pipes::default(), 64);
+        assert!((none.fixed_s - (30e-6 - 4.0 * l)).abs() < 1e-15, "{}", none.fixed_s);
+        let prot = model(&Case { protected: 8, ..c.clone() }, &fam, 16.0, &Pipes::default(), 64);
+        assert!((prot.fixed_s - (30e-6 + 12.0 * l)).abs() < 1e-15, "{}", prot.fixed_s);
+        // Another kernel keeps the measured fixed time.
+        let other = model(
+            &Case { protected: 8, entry: "rotkv_decode_split_d128_k2v2".into(), ..c },
+            &fam,
+            16.0,
+            &Pipes::default(),
+            64,
+        );
+        assert_eq!((other.fixed_s, other.charges), (30e-6, None));
     }
 
     #[test]
