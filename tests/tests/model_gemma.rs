@@ -6,7 +6,7 @@
 //! committed in `tests/reference/gemma3_lcet10_640.txt` with the token ids it scored;
 //! the tokenizer against Hugging Face `transformers`' GGUF tokenizer for Gemma on both
 //! Canterbury texts; and (ignored by default, run by `cargo xtask ci`) perplexity through
-//! the cache.
+//! the cache, bare and with the calibrated recipes.
 
 use rotkv::Backend;
 use rotkv::model::llama::{Activation, ExactAttention, Llama, Row, WeightStorage};
@@ -210,4 +210,38 @@ fn gemma3_perplexity_through_the_cache() {
     // which the uncalibrated presets do not handle (the calibrated recipe,
     // docs/src/accuracy.md, does).
     assert!((k4v2 / f16 - 1.0).abs() < 0.03, "k4v2 {k4v2} vs f16 {f16}");
+}
+
+/// Slow (run by `cargo xtask ci` with `--ignored`): the recommended recipes on Gemma 3,
+/// a model with outlier key channels and head_dim 256. Calibrated on the first 1024 tokens
+/// of alice29.txt (the smoothing measured for the presets' key quantizers, 64 queries per
+/// head), evaluated on the reference window of lcet10.txt (640 tokens, past the sliding
+/// window), 16 tokens per decode step.
+#[test]
+#[ignore = "slow: Gemma 3 calibration and perplexity; cargo xtask ci runs it"]
+fn gemma3_recipe_perplexity() {
+    let Some((m, tok, text)) = gemma() else { return };
+    let Some(cal_path) = model::fetched("text/alice29.txt") else {
+        eprintln!("SKIPPED: text/alice29.txt not fetched (run `cargo xtask fetch`)");
+        return;
+    };
+    let cal_text = model::read_text(&cal_path).unwrap();
+    let cal_ids: Vec<u32> = [tok.bos_prefix(), tok.encode(&cal_text[..16384]).unwrap()].concat()[..1024].to_vec();
+    let opts = model::calibrate::CalibrateOptions { queries: 64, ..model::calibrate::CalibrateOptions::presets(256) };
+    let cal = model::calibrate::calibrate_with(&m, &cal_ids, &opts, &mut |_| ()).unwrap();
+    assert!(cal.has_smoothing_choice(2) && cal.has_smoothing_choice(4));
+    let ids = window(&tok, &text);
+    let methods: Vec<KvMethod> =
+        ["f16", "k4v2", "k2v2"].iter().map(|n| KvMethod::parse_calibrated(n, 256, CTX, true).unwrap()).collect();
+    let opts =
+        PplOptions { backend: Backend::Cpu, calibration: Some(cal), chunk: 16, pre_calibration: None, pass_rows: None };
+    let r = model::perplexity(&m, std::slice::from_ref(&ids), &methods, &opts, &mut |_, _| {}).unwrap();
+    for x in &r {
+        eprintln!("{:<6} ppl {:.3} KL {:.4} top-1 {:.3}", x.method.name, x.ppl, x.kl.unwrap(), x.top1.unwrap());
+    }
+    let change = |i: usize| r[i].ppl / r[0].ppl - 1.0;
+    // Measured (f16 23.821): k4v2 23.952 (+0.55%, KL 0.0035), k2v2 24.113 (+1.22%, KL
+    // 0.0133); the bare presets were +1.8% and +89% (above). The recipes must stay within
+    // the targets (k4v2 1.5%, k2v2 5%).
+    assert!(change(1) < 0.015 && change(2) < 0.05, "recipes: k4v2 {:+.4}, k2v2 {:+.4}", change(1), change(2));
 }
