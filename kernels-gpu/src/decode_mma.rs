@@ -435,8 +435,10 @@ pub const fn chunk_tiles(head_dim: u32, value_bits: u32, groups: u32) -> u32 {
     }
 }
 
-/// The unmasked steady state (section 4a of [`decode_mma`]): chunks `warp, warp + WARPS,
-/// ...` below `nchunks` of `U` tiles each, chunk `c` starting at tile `f0 + U c`. Each
+/// The unmasked steady state (section 4a of [`decode_mma`]): chunks `w, w + WARPS, ...`
+/// below `nchunks` of `U` tiles each, chunk `c` starting at tile `f0 + U c`, with `w` the
+/// warp's place counted from warp `rot` (a run of chunks after another starts where the
+/// other left off, so the warps share the chunks evenly over the runs). Each
 /// iteration computes the chunk's scores, issues the next chunk's loads (tile by tile as
 /// the registers of the current one free up; the last chunk reloads itself, so there is
 /// no branch), runs one softmax update for all `U` tiles and their `P' V`.
@@ -455,11 +457,12 @@ fn fast_chunks<
     load: &impl Fn(u32) -> Raw<NG>,
     f0: u32,
     nchunks: u32,
+    rot: u32,
     st: &mut Soft,
     o: &mut [[f32; 4]; NVT],
     zl: &mut [f32; 4],
 ) {
-    let mut c = ctx.thread_idx() / WARP;
+    let mut c = (ctx.thread_idx() / WARP + WARPS - rot) % WARPS;
     if c >= nchunks {
         return;
     }
@@ -758,8 +761,8 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
 }
 
 /// The steady state with a `cp.async` ring (section 4a of [`decode_mma`] where
-/// [`ring_stages`] is non-zero): the warp's chunks `warp, warp + WARPS, ...` below
-/// `nchunks`, its `k`-th in stage `k mod R` of its ring of `R` stages (2 or 3). Each
+/// [`ring_stages`] is non-zero): the warp's chunks `w, w + WARPS, ...` below `nchunks`
+/// (`w` counted from warp `rot`, as in [`fast_chunks`]), its `k`-th in stage `k mod R` of its ring of `R` stages (2 or 3). Each
 /// iteration waits for its chunk's copies (and the warp's lanes for each other's), starts
 /// the copy of the chunk `R - 1` ahead into the stage the previous iteration read, then
 /// reads its own stage into registers and computes as [`fast_chunks`]: `R - 1` chunks'
@@ -786,11 +789,12 @@ fn ring_chunks<
     (entry, tile_at, slane, ring): (&impl Fn(u32) -> u32, &impl Fn(u32, u32) -> TilePtr, usize, u32),
     f0: u32,
     nchunks: u32,
+    rot: u32,
     st: &mut Soft,
     o: &mut [[f32; 4]; NVT],
     zl: &mut [f32; 4],
 ) {
-    let w = ctx.thread_idx() / WARP;
+    let w = (ctx.thread_idx() / WARP + WARPS - rot) % WARPS;
     if w >= nchunks {
         return;
     }
@@ -1262,7 +1266,8 @@ pub unsafe fn decode_mma<
         // and holding no protected position. The chunks of [f0, f1) run in segments
         // between the chunks that hold one (those go through the masked loop below), so
         // a protected position costs its own chunk, not the split. Chunk `c` of a segment
-        // is tiles `a + ut c ..`, taken by warp `c mod WARPS`. Block-uniform: the smallest
+        // is tiles `a + ut c ..`, taken by warp `(rot + c) mod WARPS` with `rot` the chunks
+        // of the segments before it (so the warps share them evenly). Block-uniform: the smallest
         // causal limit of the tile's rows is that of its first row, the largest start
         // that of its last.
         let min_lim = p.row_len(len, r0 / gqa);
@@ -1281,7 +1286,7 @@ pub unsafe fn decode_mma<
         // section 2 to the first merge pass's barrier in section 6).
         let ring = warp * stages * ut * tile_bytes(D as u32, KB, VB, NG as u32);
         let src = (&tile_entry, &tile_at, lo.s, ring);
-        let (mut a, mut jp) = (f0, p_lo);
+        let (mut a, mut jp, mut rot) = (f0, p_lo, 0u32);
         while a < f1 {
             // The segment [a, b): up to the next chunk holding a protected position.
             let mut b = f1;
@@ -1295,20 +1300,29 @@ pub unsafe fn decode_mma<
             }
             let nchunks = (b - a) / ut;
             if stages == RING && ut == 2 {
-                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, RING>(
+                    cur_args, src, a, nchunks, rot, &mut st, &mut o, &mut zl,
+                );
             } else if stages == RING && ut == 1 {
-                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, RING>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, RING>(
+                    cur_args, src, a, nchunks, rot, &mut st, &mut o, &mut zl,
+                );
             } else if stages == 2 && ut == 2 {
-                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, 2>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 2, 2>(
+                    cur_args, src, a, nchunks, rot, &mut st, &mut o, &mut zl,
+                );
             } else if stages == 2 && ut == 1 {
-                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, 2>(cur_args, src, a, nchunks, &mut st, &mut o, &mut zl);
+                ring_chunks::<C, D, KB, VB, NG, NKS, NVT, 1, 2>(
+                    cur_args, src, a, nchunks, rot, &mut st, &mut o, &mut zl,
+                );
             } else if ut == 4 {
-                fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, a, nchunks, &mut st, &mut o, &mut zl);
+                fast_chunks::<C, KB, VB, NG, NKS, NVT, 4>(cur_args, &load, a, nchunks, rot, &mut st, &mut o, &mut zl);
             } else if ut == 2 {
-                fast_chunks::<C, KB, VB, NG, NKS, NVT, 2>(cur_args, &load, a, nchunks, &mut st, &mut o, &mut zl);
+                fast_chunks::<C, KB, VB, NG, NKS, NVT, 2>(cur_args, &load, a, nchunks, rot, &mut st, &mut o, &mut zl);
             } else {
-                fast_chunks::<C, KB, VB, NG, NKS, NVT, 1>(cur_args, &load, a, nchunks, &mut st, &mut o, &mut zl);
+                fast_chunks::<C, KB, VB, NG, NKS, NVT, 1>(cur_args, &load, a, nchunks, rot, &mut st, &mut o, &mut zl);
             }
+            rot = (rot + nchunks) % WARPS;
             a = b + ut;
         }
         // 4b. Every other tile (the split's ends, tiles under a causal limit, the chunks

@@ -1733,12 +1733,27 @@ fn freed_pages_outside_the_window_are_reused() {
 #[test]
 fn protected_positions_inside_a_long_split_match_the_reference() {
     let k2v2 = |d| CacheConfig { protected: 8, ..CacheConfig::k2v2(d) };
-    // 4 sinks, a 128-token window, 64-token pages: 700 tokens leave positions 4..512
-    // quantized (chunks of 32 tokens at head_dim 128, 64 at 64, 16 at 256).
+    // 4 sinks, a 128-token window, 64-token pages: 700 tokens leave positions 4..516
+    // quantized (chunks of 32 tokens at head_dim 128 with 2-bit values, 64 at 64, 16 at
+    // 256 and with 4-bit values or two groups at 128).
     let protect = [10u32, 100, 101, 130, 165, 300, 350, 511];
-    let configs = [k2v2(128), k2v2(64), CacheConfig { protected: 8, ..CacheConfig::k4v2(128) }, k2v2(256)];
+    let configs = [
+        k2v2(128),
+        k2v2(64),
+        CacheConfig { protected: 8, ..CacheConfig::k4v2(128) },
+        k2v2(256),
+        // A two-stage ring (k4v4), and one-tile chunks of a three-stage ring (4-bit
+        // values in groups of 64).
+        CacheConfig { protected: 8, ..CacheConfig::k4v4(128) },
+        CacheConfig { protected: 8, value_bits: 4, group_size: 64, ..CacheConfig::k2v2(128) },
+    ];
     for (i, config) in configs.into_iter().enumerate() {
         let q_len = if i % 2 == 0 { 1 } else { 3 };
-        rows_case(config, [4, 2, 8, 1][i], 700, q_len, &protect, 9100 + i as u64, &[Some(1), Some(2)], true);
+        rows_case(config, [4, 2, 8, 1, 4, 2][i], 700, q_len, &protect, 9100 + i as u64, &[Some(1), Some(2)], true);
     }
+    // No window, eight query tokens of GQA 2 (one row tile): the rows' causal limits fall
+    // in the quantized range, the last tiles go through the masked tail, with protected
+    // positions there too (523, 526) and in the pipelined range.
+    let config = CacheConfig { protected: 8, window: 0, ..CacheConfig::k2v2(128) };
+    rows_case(config, 2, 530, 8, &[20, 200, 390, 523, 526], 9200, &[Some(1), Some(3)], true);
 }
