@@ -762,11 +762,12 @@ unsafe fn copy_tile<C: Ctx, const D: usize, const KB: u32, const VB: u32, const 
 
 /// The steady state with a `cp.async` ring (section 4a of [`decode_mma`] where
 /// [`ring_stages`] is non-zero): the warp's chunks `w, w + WARPS, ...` below `nchunks`
-/// (`w` counted from warp `rot`, as in [`fast_chunks`]), its `k`-th in stage `k mod R` of its ring of `R` stages (2 or 3). Each
-/// iteration waits for its chunk's copies (and the warp's lanes for each other's), starts
-/// the copy of the chunk `R - 1` ahead into the stage the previous iteration read, then
-/// reads its own stage into registers and computes as [`fast_chunks`]: `R - 1` chunks'
-/// bytes are in flight while one is computed, without the registers a prefetch needs.
+/// (`w` counted from warp `rot`, as in [`fast_chunks`]), its `k`-th in stage `k mod R` of
+/// its ring of `R` stages (2 or 3). Each iteration waits for its chunk's copies (and the
+/// warp's lanes for each other's), starts the copy of the chunk `R - 1` ahead into the
+/// stage the previous iteration read, then reads its own stage into registers and
+/// computes as [`fast_chunks`]: `R - 1` chunks' bytes are in flight while one is
+/// computed, without the registers a prefetch needs.
 /// `entry` reads the block-table entry of a tile's page and `tile_at` places the tile in
 /// the pool from it; each chunk's entries are read one iteration before its copies are
 /// issued (profiled on an H200, a table read right before the copies it addresses left
@@ -1267,9 +1268,9 @@ pub unsafe fn decode_mma<
         // between the chunks that hold one (those go through the masked loop below), so
         // a protected position costs its own chunk, not the split. Chunk `c` of a segment
         // is tiles `a + ut c ..`, taken by warp `(rot + c) mod WARPS` with `rot` the chunks
-        // of the segments before it (so the warps share them evenly). Block-uniform: the smallest
-        // causal limit of the tile's rows is that of its first row, the largest start
-        // that of its last.
+        // of the segments before it (so the warps share them evenly). Block-uniform: the
+        // smallest causal limit of the tile's rows is that of its first row, the largest
+        // start that of its last.
         let min_lim = p.row_len(len, r0 / gqa);
         let max_start = p.row_start(len, ((r0 + ROWS).min(rows_total) - 1) / gqa);
         let fast_end = hi_pos.min(min_lim);
