@@ -1041,6 +1041,7 @@ fn measured_smoothing_is_chosen_per_head_and_feeds_the_recipe() {
         smooth_for: vec![small("k2v2-s2-w16-p16"), small("k4v2-s2-w16-p16")],
         queries: 32,
         protect: Some((calibrate::RECIPE_DETECTOR, 3)),
+        loss: calibrate::SmoothLoss::Output,
     };
     let t = tokens(96, 24);
     let cal = calibrate::calibrate_with(&m, &t, &opts, &mut |_| ()).unwrap();
@@ -1051,7 +1052,7 @@ fn measured_smoothing_is_chosen_per_head_and_feeds_the_recipe() {
         // 32x outlier channels: no head is left unsmoothed, and the chosen loss is the
         // smallest measured, far below no smoothing.
         assert!(chosen.iter().flatten().all(|c| *c != SmoothChoice::default()), "{bits}: {chosen:?}");
-        let kl = &cal.metadata[&format!("smooth.k{bits}.kl")];
+        let kl = &cal.metadata[&format!("smooth.k{bits}.loss")];
         for (head, losses) in kl.split(' ').enumerate() {
             let x: Vec<f64> = losses.split('/').map(|v| v.parse().unwrap()).collect();
             let best = x.iter().copied().fold(f64::INFINITY, f64::min);
@@ -1128,7 +1129,13 @@ fn measured_smoothing_is_chosen_per_head_and_feeds_the_recipe() {
 }
 
 fn opts_for(cfg: &rotkv::CacheConfig) -> rotkv::model::calibrate::CalibrateOptions<'static> {
-    rotkv::model::calibrate::CalibrateOptions { optr: None, smooth_for: vec![*cfg], queries: 8, protect: None }
+    rotkv::model::calibrate::CalibrateOptions {
+        optr: None,
+        smooth_for: vec![*cfg],
+        queries: 8,
+        protect: None,
+        loss: rotkv::model::calibrate::SmoothLoss::AttentionKl,
+    }
 }
 
 /// `kivi2`, `kivi4`: KIVI's quantizer simulated in the harness (the anchor): nothing

@@ -135,6 +135,11 @@ enum Command {
         /// Query positions per query head in the optr loss.
         #[arg(long, default_value_t = 48)]
         optr_queries: usize,
+        /// The loss the per-head key smoothing is chosen by: output (the attention
+        /// output's error through the output projection) or kl (the attention
+        /// distribution's KL divergence).
+        #[arg(long, default_value = "output", value_parser = ["output", "kl"])]
+        smooth_loss: String,
         /// Output file (safetensors).
         #[arg(long)]
         out: PathBuf,
@@ -257,8 +262,24 @@ fn main() -> ExitCode {
             let calibs = (calib.as_deref(), pre_calib.as_deref());
             ppl(&mut out, &model, &text, (ctx, windows, chunk, pass_rows), &kv, &backend, calibs, json)
         }
-        Command::Calibrate { model, text, tokens, methods, optr_for, optr_steps, optr_queries, out: path } => {
-            calibrate(&mut out, &model, &text, tokens, &methods, (&optr_for, optr_steps, optr_queries), &path)
+        Command::Calibrate {
+            model,
+            text,
+            tokens,
+            methods,
+            optr_for,
+            optr_steps,
+            optr_queries,
+            smooth_loss,
+            out: path,
+        } => {
+            let loss = if smooth_loss == "kl" {
+                model::calibrate::SmoothLoss::AttentionKl
+            } else {
+                model::calibrate::SmoothLoss::Output
+            };
+            let optr = (optr_for.as_str(), optr_steps, optr_queries);
+            calibrate(&mut out, &model, &text, tokens, &methods, optr, loss, &path)
         }
         Command::Capture { model, text, tokens, layers, out: path } => {
             capture(&mut out, &model, &text, tokens, &layers, &path)
@@ -823,6 +844,7 @@ fn calibrate(
     tokens: usize,
     methods: &[String],
     (optr_for, optr_steps, optr_queries): (&str, usize, usize),
+    loss: model::calibrate::SmoothLoss,
     path: &std::path::Path,
 ) -> Result<(), CliError> {
     let mut what = model::calibrate::Use::default();
@@ -872,7 +894,11 @@ fn calibrate(
     let mut cal = if pre_rope {
         model::prerope::pre_rope_calibration(&llama, &ids)?
     } else {
-        model::calibrate::calibrate(&llama, &ids, optr.as_ref(), &mut |_| bar.inc(1))?
+        use model::calibrate::{CalibrateOptions, calibrate_with, smoothing_min_tokens};
+        let mut opts =
+            CalibrateOptions { optr: optr.as_ref(), loss, ..CalibrateOptions::presets(llama.config.head_dim) };
+        opts.smooth_for.retain(|cfg| ids.len() >= smoothing_min_tokens(cfg));
+        calibrate_with(&llama, &ids, &opts, &mut |_| bar.inc(1))?
     };
     bar.finish_and_clear();
     cal.layers = (0..cal.layers.len())
@@ -942,8 +968,8 @@ fn print_smoothing_choice(out: &mut Out, cal: &model::calibrate::Calibration) ->
         let counts: Vec<String> = counts.iter().map(|(c, n)| format!("{c}: {n}")).collect();
         writeln!(
             out,
-            "smoothing for {bits}-bit keys (the recipe of k{bits}v*), chosen per KV head by the attention KL it \
-             measured (alpha, kN: knee at N x the median channel): heads per choice {}",
+            "smoothing for {bits}-bit keys (the recipe of k{bits}v*), chosen per KV head by the error it measured \
+             (alpha, kN: knee at N x the median channel): heads per choice {}",
             counts.join(", ")
         )?;
         if let Some(summary) = cal.metadata.get(&format!("smooth.k{bits}")) {

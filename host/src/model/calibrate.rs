@@ -577,6 +577,20 @@ pub struct CalibrateOptions<'a> {
     /// Detected sinks kept exact in the measurement, as the recipe keeps them in f16
     /// (`None`: none): found by `detector` over the first [`super::DETECT_PREFILL`] tokens.
     pub protect: Option<(super::sinks::Detector, usize)>,
+    /// The loss the smoothing choice minimizes.
+    pub loss: SmoothLoss,
+}
+
+/// What [`measure_smoothing`] measures of a smoothing choice per query.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SmoothLoss {
+    /// `KL(p || p_hat)` of the attention distributions (`rotkv calibrate --smooth-loss kl`).
+    AttentionKl,
+    /// The attention output's error through the layer's output projection:
+    /// `|| (sum_j (p_j - p_hat_j) v_j) W_o,h ||^2` with exact values, the perturbation the
+    /// head adds to the residual stream (the presets' recipe).
+    #[default]
+    Output,
 }
 
 impl CalibrateOptions<'_> {
@@ -589,6 +603,7 @@ impl CalibrateOptions<'_> {
             smooth_for: vec![crate::CacheConfig::k2v2(head_dim), crate::CacheConfig::k4v2(head_dim)],
             queries: SMOOTH_QUERIES,
             protect: Some((RECIPE_DETECTOR, RECIPE_SINKS)),
+            loss: SmoothLoss::Output,
         }
     }
 }
@@ -599,27 +614,43 @@ pub fn smoothing_min_tokens(config: &crate::CacheConfig) -> usize {
     config.sinks + config.window + config.page_size + 16
 }
 
-/// The decode-faithful attention error of key smoothing, per KV head of one layer: for
-/// each exponent of [`SMOOTH_ALPHAS`], the mean over query heads and `queries` query
-/// positions of `KL(p || p_hat)`, where `p` is the exact attention distribution of the
-/// query over the keys it sees and `p_hat` the one the cache of `config` gives: keys
-/// centered (`key_mean`), divided by the smoothing scales of `sigma` at that exponent
-/// ([`smoothing_scales`]), Hadamard-rotated and quantized with the configuration's key
-/// quantizer (bits, group, clip, f16 scale and zero) wherever the cache would hold them
-/// quantized (after the sinks, before the recent window as the cache's pages fill, and
-/// not at `protected` positions), the query multiplied by the same scales. Values are
-/// exact (smoothing does not touch them). `q` is `[T][heads][head_dim]`, `k`
-/// `[T][kv_heads][head_dim]` (post-RoPE, the model's activations); query positions are
-/// spread evenly from the first one that reads a quantized page to the end.
-#[allow(clippy::too_many_arguments)]
+/// One layer's activations and statistics that [`measure_smoothing`] reads.
+#[derive(Clone, Copy, Debug)]
+pub struct SmoothData<'a> {
+    /// Queries, `[T][heads][head_dim]` (post-RoPE, the model's activations).
+    pub q: &'a [f32],
+    /// Keys, `[T][kv_heads][head_dim]` (post-RoPE).
+    pub k: &'a [f32],
+    /// Values, `[T][kv_heads][head_dim]` (read by [`SmoothLoss::Output`] only).
+    pub v: &'a [f32],
+    /// The key mean per KV head and channel (`[kv_heads][head_dim]`).
+    pub key_mean: &'a [f32],
+    /// The centered keys' channel standard deviations (`[kv_heads][head_dim]`).
+    pub sigma: &'a [f32],
+    /// Positions the cache keeps in f16 (the detected sinks).
+    pub protected: &'a [u32],
+    /// For [`SmoothLoss::Output`]: `W_o,h W_o,h^T` per query head (`head_dim x
+    /// head_dim`, row-major; [`output_metric`]); `None` measures [`SmoothLoss::AttentionKl`].
+    pub out_metric: Option<&'a [Vec<f64>]>,
+}
+
+/// The decode-faithful error key smoothing leaves, per KV head of one layer: for each
+/// choice of [`smooth_choices`], the mean over query heads and `queries` query positions
+/// of the loss of one query. The cache of `config` holds the keys centered (`key_mean`), divided by the
+/// smoothing scales of `sigma` for the choice ([`smoothing_scales_knee`]),
+/// Hadamard-rotated and quantized with the configuration's key quantizer (bits, group,
+/// clip, f16 scale and zero) wherever it would hold them quantized (after the sinks,
+/// before the recent window as the cache's pages fill, and not at `protected`
+/// positions), and multiplies the query by the same scales. With `p` the exact attention
+/// distribution of the query over the keys it sees and `p_hat` the cache's, the loss is
+/// `KL(p || p_hat)` without `out_metric`, and with it the squared norm of what the error
+/// adds to the residual stream: `|| (sum_j (p_j - p_hat_j) v_j) W_o,h ||^2` (values
+/// exact: smoothing does not touch them). Query positions are spread evenly from the
+/// first one that reads a quantized page to the end. Returns `[kv head][choice]`.
 pub fn measure_smoothing(
     c: &super::llama::LlamaConfig,
     layer: usize,
-    q: &[f32],
-    k: &[f32],
-    key_mean: &[f32],
-    sigma: &[f32],
-    protected: &[u32],
+    data: &SmoothData<'_>,
     config: &crate::CacheConfig,
     queries: usize,
 ) -> Result<Vec<Vec<f64>>> {
@@ -628,8 +659,15 @@ pub fn measure_smoothing(
         return Err(Error::Shape(format!("a cache of head_dim {} for a model of head_dim {d}", config.head_dim)));
     }
     let fmt = config.format()?;
+    let SmoothData { q, k, v, key_mean, sigma, protected, out_metric } = *data;
     let t_all = k.len() / (hkv * d);
-    if k.len() != t_all * hkv * d || q.len() != t_all * hq * d || key_mean.len() != hkv * d || sigma.len() != hkv * d {
+    if k.len() != t_all * hkv * d
+        || q.len() != t_all * hq * d
+        || key_mean.len() != hkv * d
+        || sigma.len() != hkv * d
+        || (out_metric.is_some() && v.len() != k.len())
+        || out_metric.is_some_and(|m| m.len() != hq || m.iter().any(|m| m.len() != d * d))
+    {
         return Err(Error::Shape("measure_smoothing: activations and statistics of different shapes".into()));
     }
     let first = config.sinks + config.window + config.page_size;
@@ -649,20 +687,23 @@ pub fn measure_smoothing(
     let last_q = q_end(t_all - 1);
     let window_left = c.window_left(layer);
     let visible = |t: usize| window_left.map_or(0, |w| t.saturating_sub(w))..=t;
+    let is_protected: Vec<bool> = (0..t_all).map(|p| protected.contains(&(p as u32))).collect();
+    // (query head, position) of every query, in the order of `exact`.
+    let jobs: Vec<(usize, usize)> = (0..per_group).flat_map(|g| qpos.iter().map(move |&t| (g, t))).collect();
     let choices = smooth_choices();
     let mut out = vec![vec![0f64; choices.len()]; hkv];
-    for (h, out) in out.iter_mut().enumerate() {
+    for h in 0..hkv {
         let mu = &key_mean[h * d..(h + 1) * d];
         let sig = &sigma[h * d..(h + 1) * d];
         let key = |p: usize| &k[(p * hkv + h) * d..(p * hkv + h + 1) * d];
+        let qrow = |qh: usize, t: usize| &q[(t * hq + qh) * d..(t * hq + qh + 1) * d];
         // Exact logits of every (query head, query position): keys of the visible range.
-        let exact: Vec<Vec<f64>> = (0..per_group)
-            .flat_map(|g| qpos.iter().map(move |&t| (h * per_group + g, t)))
-            .map(|(qh, t)| {
-                let qv = &q[(t * hq + qh) * d..(t * hq + qh + 1) * d];
-                visible(t).map(|p| scale * dot(qv, key(p))).collect()
-            })
+        let exact: Vec<Vec<f64>> = jobs
+            .iter()
+            .map(|&(g, t)| visible(t).map(|p| scale * dot(qrow(h * per_group + g, t), key(p))).collect())
             .collect();
+        let exact_p: Vec<Vec<f64>> =
+            if out_metric.is_some() { exact.iter().map(|x| softmax(x)).collect() } else { Vec::new() };
         for (a, choice) in choices.iter().enumerate() {
             let s: Vec<f64> = smoothing_scales_knee(sig, d, choice.alpha as f64 / 100.0, choice.knee)
                 .iter()
@@ -671,34 +712,44 @@ pub fn measure_smoothing(
             // The quantization error of every key the cache may hold quantized, in the
             // rotated, smoothed space.
             let mut err = vec![0f64; last_q.saturating_sub(sinks) * d];
-            for (p, e) in (sinks..last_q).zip(err.chunks_exact_mut(d)) {
-                let mut x: Vec<f64> =
-                    key(p).iter().zip(mu).zip(&s).map(|((&x, &m), &s)| (x as f64 - m as f64) / s).collect();
-                crate::reference::fwht(&mut x);
-                for (xs, es) in x.chunks_exact(group).zip(e.chunks_exact_mut(group)) {
-                    let qg = crate::reference::quantize_group_clipped(xs, bits, clip);
-                    let deq = crate::reference::dequantize_group(&qg);
-                    es.iter_mut().zip(deq.iter().zip(xs)).for_each(|(e, (y, x))| *e = y - x);
+            for (p, x) in (sinks..last_q).zip(err.chunks_exact_mut(d)) {
+                x.iter_mut().zip(key(p)).zip(mu).zip(&s).for_each(|(((o, &x), &m), &s)| *o = (x as f64 - m as f64) / s);
+                crate::reference::fwht(x);
+                for e in x.chunks_exact_mut(group) {
+                    let deq =
+                        crate::reference::dequantize_group(&crate::reference::quantize_group_clipped(e, bits, clip));
+                    e.iter_mut().zip(&deq).for_each(|(e, y)| *e = y - *e);
                 }
             }
-            let mut kl = 0f64;
-            for (i, (g, &t)) in (0..per_group).flat_map(|g| qpos.iter().map(move |t| (g, t))).enumerate() {
+            let mut loss = 0f64;
+            for (i, &(g, t)) in jobs.iter().enumerate() {
                 let qh = h * per_group + g;
-                let mut qr: Vec<f64> =
-                    q[(t * hq + qh) * d..(t * hq + qh + 1) * d].iter().zip(&s).map(|(&x, &s)| x as f64 * s).collect();
+                // The query, scaled and rotated as the cache does.
+                let mut qr: Vec<f64> = qrow(qh, t).iter().zip(&s).map(|(&x, &s)| x as f64 * s).collect();
                 crate::reference::fwht(&mut qr);
                 let lo = *visible(t).start();
                 let mut approx = exact[i].clone();
                 for p in lo.max(sinks)..q_end(t) {
-                    if protected.contains(&(p as u32)) {
-                        continue;
+                    if !is_protected[p] {
+                        approx[p - lo] += scale * dot64(&qr, &err[(p - sinks) * d..(p - sinks + 1) * d]);
                     }
-                    let e = &err[(p - sinks) * d..(p - sinks + 1) * d];
-                    approx[p - lo] += scale * qr.iter().zip(e).map(|(a, b)| a * b).sum::<f64>();
                 }
-                kl += kl_divergence(&exact[i], &approx);
+                loss += match out_metric {
+                    None => kl_divergence(&exact[i], &approx),
+                    Some(metric) => {
+                        let pa = softmax(&approx);
+                        let mut delta = vec![0f64; d];
+                        for (j, p) in visible(t).enumerate() {
+                            let w = exact_p[i][j] - pa[j];
+                            let vr = &v[(p * hkv + h) * d..(p * hkv + h + 1) * d];
+                            delta.iter_mut().zip(vr).for_each(|(o, &x)| *o += w * x as f64);
+                        }
+                        let m = &metric[qh];
+                        (0..d).map(|r| delta[r] * dot64(&m[r * d..(r + 1) * d], &delta)).sum::<f64>()
+                    }
+                };
             }
-            out[a] = kl / (per_group * n_q) as f64;
+            out[h][a] = loss / jobs.len() as f64;
         }
     }
     Ok(out)
@@ -706,6 +757,17 @@ pub fn measure_smoothing(
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+fn dot64(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn softmax(x: &[f64]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = x.iter().map(|&v| (v - m).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.into_iter().map(|v| v / s).collect()
 }
 
 /// `KL(softmax(p) || softmax(q))` of two logit vectors, in f64.
@@ -838,21 +900,41 @@ pub fn calibrate_with(
     }
     let mut key_smoothing = BTreeMap::new();
     let choices = smooth_choices();
+    // The output projection's metric per layer and query head, for the output loss.
+    let metrics: Vec<Vec<Vec<f64>>> = match opts.loss {
+        SmoothLoss::Output if measure => {
+            (0..c.layers).into_par_iter().map(|l| output_metric(&model.layers[l].wo.to_matrix(), c)).collect()
+        }
+        _ => vec![Vec::new(); c.layers],
+    };
+    let what = match opts.loss {
+        SmoothLoss::AttentionKl => "attention KL",
+        SmoothLoss::Output => "output error",
+    };
     for cfg in &opts.smooth_for {
         // [layer][kv head][choice]
         let loss: Vec<Vec<Vec<f64>>> = (0..c.layers)
             .into_par_iter()
             .map(|l| {
-                let [q, k, _] = &acts[l];
+                let [q, k, v] = &acts[l];
                 let cal = &layers[l];
-                measure_smoothing(c, l, q, k, &cal.key_mean, &cal.key_scale, &protected[l], cfg, opts.queries)
+                let data = SmoothData {
+                    q,
+                    k,
+                    v,
+                    key_mean: &cal.key_mean,
+                    sigma: &cal.key_scale,
+                    protected: &protected[l],
+                    out_metric: (opts.loss == SmoothLoss::Output).then_some(&metrics[l][..]),
+                };
+                measure_smoothing(c, l, &data, cfg, opts.queries)
             })
             .collect::<Result<_>>()?;
         let chosen: Vec<Vec<SmoothChoice>> =
             loss.iter().map(|heads| heads.iter().map(|x| choices[best_choice(x)]).collect()).collect();
         let n = (c.layers * c.kv_heads) as f64;
         let mean = |f: &dyn Fn(&Vec<f64>) -> f64| loss.iter().flatten().map(f).sum::<f64>() / n;
-        let mut summary = String::from("mean attention KL over KV heads:");
+        let mut summary = format!("mean {what} over KV heads:");
         for (a, choice) in choices.iter().enumerate().filter(|(_, c)| c.knee == 0) {
             write_kl(&mut summary, &format!(" alpha {choice} on every head"), mean(&|x| x[a]));
         }
@@ -860,17 +942,37 @@ pub fn calibrate_with(
         metadata.insert(format!("smooth.k{}", cfg.key_bits), summary);
         let per_head: Vec<String> =
             loss.iter().flatten().map(|x| x.iter().map(|v| format!("{v:.3e}")).collect::<Vec<_>>().join("/")).collect();
-        metadata.insert(format!("smooth.k{}.kl", cfg.key_bits), per_head.join(" "));
+        metadata.insert(format!("smooth.k{}.loss", cfg.key_bits), per_head.join(" "));
         key_smoothing.insert(cfg.key_bits, chosen);
     }
     Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata, key_smoothing })
+}
+
+/// `W_o,h W_o,h^T` per query head of a layer whose output projection is `wo` (`dim x
+/// heads * head_dim`): `head_dim x head_dim`, row-major, so that `x W_o,h` has the
+/// squared norm `x M x^T` ([`SmoothData::out_metric`]).
+pub fn output_metric(wo: &super::math::Matrix, c: &super::llama::LlamaConfig) -> Vec<Vec<f64>> {
+    let d = c.head_dim;
+    (0..c.heads)
+        .map(|qh| {
+            let mut m = vec![0.0; d * d];
+            for r in 0..wo.rows {
+                let w = &wo.row(r)[qh * d..(qh + 1) * d];
+                for a in 0..d {
+                    let wa = w[a] as f64;
+                    m[a * d..(a + 1) * d].iter_mut().zip(w).for_each(|(x, &wb)| *x += wa * wb as f64);
+                }
+            }
+            m
+        })
+        .collect()
 }
 
 fn write_kl(s: &mut String, what: &str, kl: f64) {
     if !s.ends_with(':') {
         s.push(',');
     }
-    s.push_str(&format!("{what} {kl:.5}"));
+    s.push_str(&format!("{what} {kl:.4e}"));
 }
 
 #[cfg(test)]
