@@ -586,9 +586,11 @@ pub struct CalibrateOptions<'a> {
 pub enum SmoothLoss {
     /// `KL(p || p_hat)` of the attention distributions (`rotkv calibrate --smooth-loss kl`).
     AttentionKl,
-    /// The attention output's error through the layer's output projection:
-    /// `|| (sum_j (p_j - p_hat_j) v_j) W_o,h ||^2` with exact values, the perturbation the
-    /// head adds to the residual stream (the presets' recipe).
+    /// The attention output's error through the layer's output projection (and the gains
+    /// of a post-attention norm): `|| (sum_j (p_j - p_hat_j) v_j) W_o,h ||^2` with exact
+    /// values, what the error of one query head adds to the residual stream (the presets'
+    /// recipe). Per query head: the cross terms between the heads of a group are left
+    /// out, as is a post-attention norm's division by the token's RMS.
     #[default]
     Output,
 }
@@ -629,8 +631,8 @@ pub struct SmoothData<'a> {
     pub sigma: &'a [f32],
     /// Positions the cache keeps in f16 (the detected sinks).
     pub protected: &'a [u32],
-    /// For [`SmoothLoss::Output`]: `W_o,h W_o,h^T` per query head (`head_dim x
-    /// head_dim`, row-major; [`output_metric`]); `None` measures [`SmoothLoss::AttentionKl`].
+    /// For [`SmoothLoss::Output`]: per query head the metric of [`output_metric`]
+    /// (`head_dim x head_dim`, row-major); `None` measures [`SmoothLoss::AttentionKl`].
     pub out_metric: Option<&'a [Vec<f64>]>,
 }
 
@@ -644,8 +646,8 @@ pub struct SmoothData<'a> {
 /// positions), and multiplies the query by the same scales. With `p` the exact attention
 /// distribution of the query over the keys it sees and `p_hat` the cache's, the loss is
 /// `KL(p || p_hat)` without `out_metric`, and with it the squared norm of what the error
-/// adds to the residual stream: `|| (sum_j (p_j - p_hat_j) v_j) W_o,h ||^2` (values
-/// exact: smoothing does not touch them). Query positions are spread evenly from the
+/// adds through the output projection, `x M x^T` for `x = sum_j (p_j - p_hat_j) v_j` and
+/// the query head's metric `M` (values exact: smoothing does not touch them). Query positions are spread evenly from the
 /// first one that reads a quantized page to the end. Returns `[kv head][choice]`.
 pub fn measure_smoothing(
     c: &super::llama::LlamaConfig,
@@ -806,8 +808,8 @@ pub fn calibrate(
 
 /// [`calibrate`] with the options spelled out: the smoothing choice is measured for every
 /// configuration of [`CalibrateOptions::smooth_for`] (an error where the text is too short
-/// for one, or two share a key bit width). The mean attention KL per choice is kept in
-/// the metadata (`smooth.k<bits>`).
+/// for one, or two share a key bit width). The mean loss per choice is kept in the
+/// metadata (`smooth.k<bits>`), and each KV head's loss per choice (`smooth.k<bits>.loss`).
 pub fn calibrate_with(
     model: &Llama,
     tokens: &[u32],
@@ -902,9 +904,13 @@ pub fn calibrate_with(
     let choices = smooth_choices();
     // The output projection's metric per layer and query head, for the output loss.
     let metrics: Vec<Vec<Vec<f64>>> = match opts.loss {
-        SmoothLoss::Output if measure => {
-            (0..c.layers).into_par_iter().map(|l| output_metric(&model.layers[l].wo.to_matrix(), c)).collect()
-        }
+        SmoothLoss::Output if measure => (0..c.layers)
+            .into_par_iter()
+            .map(|l| {
+                let w = &model.layers[l];
+                output_metric(&w.wo.to_matrix(), w.post_norms.as_ref().map(|[pa, _]| &pa[..]), c)
+            })
+            .collect(),
         _ => vec![Vec::new(); c.layers],
     };
     let what = match opts.loss {
@@ -948,18 +954,26 @@ pub fn calibrate_with(
     Ok(Calibration { layers, kv_heads: c.kv_heads, head_dim: c.head_dim, metadata, key_smoothing })
 }
 
-/// `W_o,h W_o,h^T` per query head of a layer whose output projection is `wo` (`dim x
-/// heads * head_dim`): `head_dim x head_dim`, row-major, so that `x W_o,h` has the
-/// squared norm `x M x^T` ([`SmoothData::out_metric`]).
-pub fn output_metric(wo: &super::math::Matrix, c: &super::llama::LlamaConfig) -> Vec<Vec<f64>> {
+/// Per query head `qh`, the `head_dim x head_dim` matrix `M` (row-major) with
+/// `x M x^T = sum_r (g_r * sum_a wo[r][qh * head_dim + a] * x[a])^2`: the squared norm of
+/// what an attention output `x` of that head adds through the output projection `wo`
+/// (`dim x heads * head_dim`, the model's `[out][in]` layout) and, where the layer has
+/// one (Gemma 3), the gains `g` of its post-attention norm (without the norm's division
+/// by the token's RMS: a per-token factor left out). [`SmoothData::out_metric`].
+pub fn output_metric(
+    wo: &super::math::Matrix,
+    post_norm: Option<&[f32]>,
+    c: &super::llama::LlamaConfig,
+) -> Vec<Vec<f64>> {
     let d = c.head_dim;
     (0..c.heads)
         .map(|qh| {
             let mut m = vec![0.0; d * d];
             for r in 0..wo.rows {
                 let w = &wo.row(r)[qh * d..(qh + 1) * d];
+                let g2 = post_norm.map_or(1.0, |g| (g[r] as f64).powi(2));
                 for a in 0..d {
-                    let wa = w[a] as f64;
+                    let wa = g2 * w[a] as f64;
                     m[a * d..(a + 1) * d].iter_mut().zip(w).for_each(|(x, &wb)| *x += wa * wb as f64);
                 }
             }
