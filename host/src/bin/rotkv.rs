@@ -135,10 +135,10 @@ enum Command {
         /// Query positions per query head in the optr loss.
         #[arg(long, default_value_t = 48)]
         optr_queries: usize,
-        /// The loss the per-head key smoothing is chosen by: output (the attention
-        /// output's error through the output projection) or kl (the attention
-        /// distribution's KL divergence).
-        #[arg(long, default_value = "output", value_parser = ["output", "kl"])]
+        /// The loss the per-head key smoothing is chosen by: kl (the attention
+        /// distribution's KL divergence, the recipe) or output (the attention output's
+        /// error through the output projection; an experiment).
+        #[arg(long, default_value = "kl", value_parser = ["kl", "output"])]
         smooth_loss: String,
         /// Output file (safetensors).
         #[arg(long)]
@@ -279,7 +279,7 @@ fn main() -> ExitCode {
                 model::calibrate::SmoothLoss::Output
             };
             let optr = (optr_for.as_str(), optr_steps, optr_queries);
-            calibrate(&mut out, &model, &text, tokens, &methods, optr, loss, &path)
+            calibrate(&mut out, &model, &text, tokens, (&methods, loss), optr, &path)
         }
         Command::Capture { model, text, tokens, layers, out: path } => {
             capture(&mut out, &model, &text, tokens, &layers, &path)
@@ -842,9 +842,8 @@ fn calibrate(
     model_path: &std::path::Path,
     text: &std::path::Path,
     tokens: usize,
-    methods: &[String],
+    (methods, loss): (&[String], model::calibrate::SmoothLoss),
     (optr_for, optr_steps, optr_queries): (&str, usize, usize),
-    loss: model::calibrate::SmoothLoss,
     path: &std::path::Path,
 ) -> Result<(), CliError> {
     let mut what = model::calibrate::Use::default();

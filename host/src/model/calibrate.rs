@@ -584,14 +584,15 @@ pub struct CalibrateOptions<'a> {
 /// What [`measure_smoothing`] measures of a smoothing choice per query.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SmoothLoss {
-    /// `KL(p || p_hat)` of the attention distributions (`rotkv calibrate --smooth-loss kl`).
+    /// `KL(p || p_hat)` of the attention distributions (the presets' recipe).
+    #[default]
     AttentionKl,
     /// The attention output's error through the layer's output projection (and the gains
     /// of a post-attention norm): `|| (sum_j (p_j - p_hat_j) v_j) W_o,h ||^2` with exact
-    /// values, what the error of one query head adds to the residual stream (the presets'
-    /// recipe). Per query head: the cross terms between the heads of a group are left
-    /// out, as is a post-attention norm's division by the token's RMS.
-    #[default]
+    /// values, what the error of one query head adds to the residual stream (`rotkv
+    /// calibrate --smooth-loss output`: an experiment, not better than the KL on the
+    /// quality table). Per query head: the cross terms between the heads of a group are
+    /// left out, as is a post-attention norm's division by the token's RMS.
     Output,
 }
 
@@ -605,7 +606,7 @@ impl CalibrateOptions<'_> {
             smooth_for: vec![crate::CacheConfig::k2v2(head_dim), crate::CacheConfig::k4v2(head_dim)],
             queries: SMOOTH_QUERIES,
             protect: Some((RECIPE_DETECTOR, RECIPE_SINKS)),
-            loss: SmoothLoss::Output,
+            loss: SmoothLoss::AttentionKl,
         }
     }
 }
@@ -913,6 +914,7 @@ pub fn calibrate_with(
             .collect(),
         _ => vec![Vec::new(); c.layers],
     };
+    let is_kl = opts.loss == SmoothLoss::AttentionKl;
     let what = match opts.loss {
         SmoothLoss::AttentionKl => "attention KL",
         SmoothLoss::Output => "output error",
@@ -942,9 +944,9 @@ pub fn calibrate_with(
         let mean = |f: &dyn Fn(&Vec<f64>) -> f64| loss.iter().flatten().map(f).sum::<f64>() / n;
         let mut summary = format!("mean {what} over KV heads:");
         for (a, choice) in choices.iter().enumerate().filter(|(_, c)| c.knee == 0) {
-            write_kl(&mut summary, &format!(" alpha {choice} on every head"), mean(&|x| x[a]));
+            write_kl(&mut summary, &format!(" alpha {choice} on every head"), mean(&|x| x[a]), is_kl);
         }
-        write_kl(&mut summary, " chosen per head", mean(&|x| x[best_choice(x)]));
+        write_kl(&mut summary, " chosen per head", mean(&|x| x[best_choice(x)]), is_kl);
         metadata.insert(format!("smooth.k{}", cfg.key_bits), summary);
         let per_head: Vec<String> =
             loss.iter().flatten().map(|x| x.iter().map(|v| format!("{v:.3e}")).collect::<Vec<_>>().join("/")).collect();
@@ -982,11 +984,13 @@ pub fn output_metric(
         .collect()
 }
 
-fn write_kl(s: &mut String, what: &str, kl: f64) {
+/// Appends `what` and the loss to a summary: a KL as a decimal, an output error (of the
+/// model's own scale) in scientific notation.
+fn write_kl(s: &mut String, what: &str, loss: f64, kl: bool) {
     if !s.ends_with(':') {
         s.push(',');
     }
-    s.push_str(&format!("{what} {kl:.4e}"));
+    if kl { s.push_str(&format!("{what} {loss:.5}")) } else { s.push_str(&format!("{what} {loss:.4e}")) }
 }
 
 #[cfg(test)]
