@@ -1073,7 +1073,7 @@ fn measured_smoothing_is_chosen_per_head_and_feeds_the_recipe() {
     let (heads, d) = (m.config.heads, m.config.head_dim);
     let gains: Vec<f32> = (0..wo.rows).map(|r| 0.5 + (r % 7) as f32 / 4.0).collect();
     for gain in [None, Some(&gains[..])] {
-        let metric = calibrate::output_metric(&wo, gain, &m.config);
+        let metric = calibrate::output_metric(&wo, gain, heads, d);
         assert_eq!((metric.len(), metric[0].len()), (heads, d * d));
         for qh in [0, heads - 1] {
             let x: Vec<f64> = (0..d).map(|a| ((a * 7 + qh) % 11) as f64 / 5.0 - 1.0).collect();

@@ -639,8 +639,8 @@ pub struct SmoothData<'a> {
 
 /// The decode-faithful error key smoothing leaves, per KV head of one layer: for each
 /// choice of [`smooth_choices`], the mean over query heads and `queries` query positions
-/// of the loss of one query. The cache of `config` holds the keys centered (`key_mean`), divided by the
-/// smoothing scales of `sigma` for the choice ([`smoothing_scales_knee`]),
+/// of the loss of one query. The cache of `config` holds the keys centered (`key_mean`),
+/// divided by the smoothing scales of `sigma` for the choice ([`smoothing_scales_knee`]),
 /// Hadamard-rotated and quantized with the configuration's key quantizer (bits, group,
 /// clip, f16 scale and zero) wherever it would hold them quantized (after the sinks,
 /// before the recent window as the cache's pages fill, and not at `protected`
@@ -648,8 +648,9 @@ pub struct SmoothData<'a> {
 /// distribution of the query over the keys it sees and `p_hat` the cache's, the loss is
 /// `KL(p || p_hat)` without `out_metric`, and with it the squared norm of what the error
 /// adds through the output projection, `x M x^T` for `x = sum_j (p_j - p_hat_j) v_j` and
-/// the query head's metric `M` (values exact: smoothing does not touch them). Query positions are spread evenly from the
-/// first one that reads a quantized page to the end. Returns `[kv head][choice]`.
+/// the query head's metric `M` (values exact: smoothing does not touch them). Query
+/// positions are spread evenly from the first one that reads a quantized page to the
+/// end. Returns `[kv head][choice]`.
 pub fn measure_smoothing(
     c: &super::llama::LlamaConfig,
     layer: usize,
@@ -705,8 +706,18 @@ pub fn measure_smoothing(
             .iter()
             .map(|&(g, t)| visible(t).map(|p| scale * dot(qrow(h * per_group + g, t), key(p))).collect())
             .collect();
-        let exact_p: Vec<Vec<f64>> =
-            if out_metric.is_some() { exact.iter().map(|x| softmax(x)).collect() } else { Vec::new() };
+        let exact_p: Vec<Vec<f64>> = if out_metric.is_some() {
+            exact
+                .iter()
+                .map(|x| {
+                    let mut p = x.clone();
+                    optr::softmax(&mut p);
+                    p
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (a, choice) in choices.iter().enumerate() {
             let s: Vec<f64> = smoothing_scales_knee(sig, d, choice.alpha as f64 / 100.0, choice.knee)
                 .iter()
@@ -734,21 +745,20 @@ pub fn measure_smoothing(
                 let mut approx = exact[i].clone();
                 for p in lo.max(sinks)..q_end(t) {
                     if !is_protected[p] {
-                        approx[p - lo] += scale * dot64(&qr, &err[(p - sinks) * d..(p - sinks + 1) * d]);
+                        approx[p - lo] += scale * optr::dot(&qr, &err[(p - sinks) * d..(p - sinks + 1) * d]);
                     }
                 }
                 loss += match out_metric {
                     None => kl_divergence(&exact[i], &approx),
-                    Some(metric) => {
-                        let pa = softmax(&approx);
+                    Some(metrics) => {
+                        optr::softmax(&mut approx);
                         let mut delta = vec![0f64; d];
                         for (j, p) in visible(t).enumerate() {
-                            let w = exact_p[i][j] - pa[j];
+                            let w = exact_p[i][j] - approx[j];
                             let vr = &v[(p * hkv + h) * d..(p * hkv + h + 1) * d];
                             delta.iter_mut().zip(vr).for_each(|(o, &x)| *o += w * x as f64);
                         }
-                        let m = &metric[qh];
-                        (0..d).map(|r| delta[r] * dot64(&m[r * d..(r + 1) * d], &delta)).sum::<f64>()
+                        optr::metric(&delta, &metrics[qh])
                     }
                 };
             }
@@ -760,17 +770,6 @@ pub fn measure_smoothing(
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
-}
-
-fn dot64(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-fn softmax(x: &[f64]) -> Vec<f64> {
-    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let e: Vec<f64> = x.iter().map(|&v| (v - m).exp()).collect();
-    let s: f64 = e.iter().sum();
-    e.into_iter().map(|v| v / s).collect()
 }
 
 /// `KL(softmax(p) || softmax(q))` of two logit vectors, in f64.
@@ -909,7 +908,7 @@ pub fn calibrate_with(
             .into_par_iter()
             .map(|l| {
                 let w = &model.layers[l];
-                output_metric(&w.wo.to_matrix(), w.post_norms.as_ref().map(|[pa, _]| &pa[..]), c)
+                output_metric(&w.wo.to_matrix(), w.post_norms.as_ref().map(|[pa, _]| &pa[..]), c.heads, c.head_dim)
             })
             .collect(),
         _ => vec![Vec::new(); c.layers],
@@ -962,13 +961,8 @@ pub fn calibrate_with(
 /// (`dim x heads * head_dim`, the model's `[out][in]` layout) and, where the layer has
 /// one (Gemma 3), the gains `g` of its post-attention norm (without the norm's division
 /// by the token's RMS: a per-token factor left out). [`SmoothData::out_metric`].
-pub fn output_metric(
-    wo: &super::math::Matrix,
-    post_norm: Option<&[f32]>,
-    c: &super::llama::LlamaConfig,
-) -> Vec<Vec<f64>> {
-    let d = c.head_dim;
-    (0..c.heads)
+pub fn output_metric(wo: &super::math::Matrix, post_norm: Option<&[f32]>, heads: usize, d: usize) -> Vec<Vec<f64>> {
+    (0..heads)
         .map(|qh| {
             let mut m = vec![0.0; d * d];
             for r in 0..wo.rows {

@@ -172,7 +172,7 @@ fn transpose(a: &[f64], n: usize) -> Vec<f64> {
     t
 }
 
-fn dot(a: &[f64], b: &[f64]) -> f64 {
+pub(super) fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
@@ -349,7 +349,7 @@ fn quantize_backward(q: &QuantRow, gx: &[f64], bits: u32, g: usize, clip_ratio: 
 // Losses and their gradients with respect to R.
 
 /// Numerically stable softmax of `s` in place.
-fn softmax(s: &mut [f64]) {
+pub(super) fn softmax(s: &mut [f64]) {
     let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let mut sum = 0.0;
     s.iter_mut().for_each(|x| {
@@ -390,7 +390,7 @@ fn batch<'a>(data: &HeadData, queries: &'a [Query]) -> Batch<'a> {
 }
 
 /// `o M o^T`.
-fn metric(o: &[f64], m: &[f64]) -> f64 {
+pub(super) fn metric(o: &[f64], m: &[f64]) -> f64 {
     let d = o.len();
     (0..d).map(|i| o[i] * dot(&m[i * d..(i + 1) * d], o)).sum()
 }
@@ -609,6 +609,7 @@ pub fn layer_data(
     // Query positions spread evenly over (window, t), alternately trained on and held out.
     let n = 2 * o.queries;
     let positions: Vec<usize> = (0..n).map(|i| o.window + 1 + (i * (t - o.window - 1)) / n).collect();
+    let out_metric = super::calibrate::output_metric(wo, None, heads, d);
     Ok((0..kv_heads)
         .map(|h| {
             let head = |x: &[f32], n: usize, hh: usize, p: usize| -> Vec<f64> {
@@ -628,20 +629,7 @@ pub fn layer_data(
                     set.push(Query { pos, head: i, q: qv });
                 }
             }
-            let out_metric = (0..g)
-                .map(|i| {
-                    let c0 = (h * g + i) * d;
-                    let mut m = vec![0.0; d * d];
-                    for r in 0..wo.rows {
-                        let w = &wo.row(r)[c0..c0 + d];
-                        for a in 0..d {
-                            let wa = w[a] as f64;
-                            m[a * d..(a + 1) * d].iter_mut().zip(w).for_each(|(x, &wb)| *x += wa * wb as f64);
-                        }
-                    }
-                    m
-                })
-                .collect();
+            let out_metric = out_metric[h * g..(h + 1) * g].to_vec();
             HeadData { d, keys, values, queries, holdout, out_metric }
         })
         .collect())
